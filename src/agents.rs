@@ -1,0 +1,343 @@
+//! Agent definitions: `jobs/<name>.md` files with YAML front matter and the system prompt as the
+//! body. Claude Code's subagent files load unchanged: unknown keys are ignored (logged at debug),
+//! `tools` may be a list or a comma-separated string, and Claude's model aliases fall back to the
+//! configured default model.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Steps allowed when a definition does not say.
+pub const DEFAULT_MAX_STEPS: u32 = 25;
+/// Wall time allowed when a definition does not say.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// Name of the agent that always exists.
+pub const GENERAL_PURPOSE: &str = "general-purpose";
+
+/// One loaded agent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentDef {
+    /// Unique name (`[a-z0-9_-]`).
+    pub name: String,
+    /// One line for humans and for parent models choosing a subagent.
+    pub description: String,
+    /// Tools the agent may use, as written; `None` means every built-in tool.
+    pub tools: Option<Vec<String>>,
+    /// Model override; `None` uses the configured default.
+    pub model: Option<String>,
+    /// Step limit.
+    pub max_steps: u32,
+    /// Wall-time limit of one run.
+    pub timeout: Duration,
+    /// Subagents this agent may delegate to (empty: any).
+    pub subagents: Vec<String>,
+    /// The system prompt.
+    pub system_prompt: String,
+    /// Where it came from (`None` for the built-in).
+    pub source: Option<PathBuf>,
+}
+
+impl AgentDef {
+    /// The built-in `general-purpose` agent, offered every built-in tool.
+    pub fn general_purpose() -> AgentDef {
+        AgentDef {
+            name: GENERAL_PURPOSE.into(),
+            description: "General-purpose agent for multi-step tasks: reads and writes files in its workspace and answers with a concise result.".into(),
+            tools: None,
+            model: None,
+            max_steps: DEFAULT_MAX_STEPS,
+            timeout: DEFAULT_TIMEOUT,
+            subagents: vec![],
+            system_prompt: "You are a capable general-purpose agent working on one delegated task. Use the tools you are given when they help, keep going until the task is done, and finish with a concise final answer that contains everything the caller needs: they will see only that answer, not your intermediate steps.".into(),
+            source: None,
+        }
+    }
+}
+
+/// A definition file that could not be loaded.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+#[error("{}:{line}: {message}", path.display())]
+pub struct AgentFileError {
+    /// The file.
+    pub path: PathBuf,
+    /// 1-based line the problem is on.
+    pub line: usize,
+    /// What is wrong and how to fix it.
+    pub message: String,
+}
+
+/// Either a list or a comma-separated string: Claude Code writes `tools: Read, Grep`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ListOrString {
+    List(Vec<String>),
+    Str(String),
+}
+
+impl ListOrString {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            ListOrString::List(v) => v.into_iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+            ListOrString::Str(s) => s.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+        }
+    }
+}
+
+/// `30m`, `90s`, `2h`, `1h30m` or plain seconds.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TimeoutValue {
+    Secs(u64),
+    Text(String),
+}
+
+#[derive(Deserialize)]
+struct FrontMatter {
+    name: Option<String>,
+    description: Option<String>,
+    tools: Option<ListOrString>,
+    model: Option<String>,
+    max_steps: Option<i64>,
+    timeout: Option<TimeoutValue>,
+    subagents: Option<ListOrString>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, serde_yaml_ng::Value>,
+}
+
+/// Parses `30m`-style durations.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if let Ok(n) = s.parse::<u64>() {
+        return Ok(Duration::from_secs(n));
+    }
+    let mut total = 0u64;
+    let mut num = String::new();
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            num.push(c);
+            continue;
+        }
+        let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a duration (use e.g. 90s, 30m, 2h)"))?;
+        num.clear();
+        total += n * match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3600,
+            _ => return Err(format!("`{s}` is not a duration: unknown unit `{c}` (use s, m or h)")),
+        };
+    }
+    if !num.is_empty() {
+        return Err(format!("`{s}` is not a duration: `{num}` has no unit (use s, m or h)"));
+    }
+    Ok(Duration::from_secs(total))
+}
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty() && n.len() <= 64 && n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// Parses one definition file's text. `path` is for messages and the fallback name.
+pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> {
+    let err = |line: usize, message: String| AgentFileError { path: path.to_owned(), line, message };
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let mut lines = text.split_inclusive('\n');
+    let first = lines.next().unwrap_or("");
+    if first.trim_end() != "---" {
+        return Err(err(1, "expected YAML front matter: the file must start with a line `---`".into()));
+    }
+    let mut yaml = String::new();
+    let mut body_start = None;
+    let mut offset = first.len();
+    for (i, l) in lines.enumerate() {
+        if l.trim_end() == "---" {
+            body_start = Some((offset + l.len(), i + 2));
+            break;
+        }
+        yaml.push_str(l);
+        offset += l.len();
+    }
+    let Some((body_at, close_line)) = body_start else {
+        return Err(err(1, "front matter is not closed: add a line `---` after the YAML".into()));
+    };
+    let fm: FrontMatter = if yaml.trim().is_empty() {
+        return Err(err(2, "front matter is empty: it needs at least `description:`".into()));
+    } else {
+        serde_yaml_ng::from_str(&yaml).map_err(|e| {
+            let line = e.location().map(|l| l.line() + 1).unwrap_or(2);
+            err(line, format!("front matter is not valid: {e}"))
+        })?
+    };
+    for key in fm.extra.keys() {
+        tracing::debug!(path = %path.display(), key, "ignoring unknown front matter key");
+    }
+    let line_of = |key: &str| {
+        yaml.lines().position(|l| l.trim_start().starts_with(&format!("{key}:"))).map(|i| i + 2).unwrap_or(2)
+    };
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("").to_owned();
+    let name = fm.name.unwrap_or(stem);
+    if !valid_name(&name) {
+        return Err(err(line_of("name"), format!("name `{name}` is not valid: use 1-64 characters from a-z 0-9 - _")));
+    }
+    let description = fm.description.unwrap_or_default().trim().to_owned();
+    if description.is_empty() {
+        return Err(err(line_of("description"), "`description` is missing: say in one line what this agent is for".into()));
+    }
+    let max_steps = match fm.max_steps {
+        None => DEFAULT_MAX_STEPS,
+        Some(n) if (1..=10_000).contains(&n) => n as u32,
+        Some(n) => return Err(err(line_of("max_steps"), format!("max_steps {n} is out of range 1..=10000"))),
+    };
+    let timeout = match fm.timeout {
+        None => DEFAULT_TIMEOUT,
+        Some(TimeoutValue::Secs(s)) => Duration::from_secs(s),
+        Some(TimeoutValue::Text(t)) => parse_duration(&t).map_err(|m| err(line_of("timeout"), m))?,
+    };
+    if timeout.is_zero() {
+        return Err(err(line_of("timeout"), "timeout must be longer than zero".into()));
+    }
+    // Claude Code's aliases name Anthropic models; on an OpenAI-compatible endpoint the
+    // configured default is the honest stand-in.
+    let model = fm.model.map(|m| m.trim().to_owned()).filter(|m| {
+        let alias = matches!(m.as_str(), "" | "inherit" | "sonnet" | "opus" | "haiku");
+        if alias {
+            tracing::debug!(path = %path.display(), model = %m, "model alias: using the default model");
+        }
+        !alias
+    });
+    let system_prompt = text[body_at..].trim().to_owned();
+    let _ = close_line;
+    Ok(AgentDef {
+        name,
+        description,
+        tools: fm.tools.map(ListOrString::into_vec),
+        model,
+        max_steps,
+        timeout,
+        subagents: fm.subagents.map(ListOrString::into_vec).unwrap_or_default(),
+        system_prompt,
+        source: Some(path.to_owned()),
+    })
+}
+
+/// The definitions visible to this process.
+#[derive(Clone, Debug)]
+pub struct AgentRegistry {
+    agents: BTreeMap<String, AgentDef>,
+}
+
+impl AgentRegistry {
+    /// Only `general-purpose`.
+    pub fn builtin() -> Self {
+        let mut agents = BTreeMap::new();
+        agents.insert(GENERAL_PURPOSE.to_owned(), AgentDef::general_purpose());
+        Self { agents }
+    }
+
+    /// Loads every `*.md` in `dir` (a missing directory is empty). Broken files are returned
+    /// beside the registry; the others still load. A file may redefine `general-purpose`.
+    pub fn load_dir(dir: &Path) -> (Self, Vec<AgentFileError>) {
+        let mut reg = Self::builtin();
+        let mut errors = vec![];
+        let mut paths: Vec<PathBuf> = match std::fs::read_dir(dir) {
+            Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|e| e == "md")).collect(),
+            Err(_) => vec![],
+        };
+        paths.sort();
+        let mut from_files: BTreeMap<String, PathBuf> = BTreeMap::new();
+        for path in paths {
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) => {
+                    errors.push(AgentFileError { path, line: 1, message: format!("cannot read: {e}") });
+                    continue;
+                }
+            };
+            match parse_agent(&path, &text) {
+                Ok(def) => {
+                    if let Some(prev) = from_files.get(&def.name) {
+                        errors.push(AgentFileError {
+                            path: path.clone(),
+                            line: 1,
+                            message: format!("agent `{}` is already defined in {}", def.name, prev.display()),
+                        });
+                        continue;
+                    }
+                    from_files.insert(def.name.clone(), path.clone());
+                    reg.agents.insert(def.name.clone(), def);
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        (reg, errors)
+    }
+
+    /// Looks an agent up by name.
+    pub fn get(&self, name: &str) -> Option<&AgentDef> {
+        self.agents.get(name)
+    }
+
+    /// All agents, by name.
+    pub fn all(&self) -> impl Iterator<Item = &AgentDef> {
+        self.agents.values()
+    }
+
+    /// Adds or replaces a definition (used by tests and embedders).
+    pub fn insert(&mut self, def: AgentDef) {
+        self.agents.insert(def.name.clone(), def);
+    }
+
+    /// Names, for error messages.
+    pub fn names(&self) -> Vec<String> {
+        self.agents.keys().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p() -> PathBuf {
+        PathBuf::from("jobs/x.md")
+    }
+
+    #[test]
+    fn claude_code_files_load_unchanged() {
+        let text = "---\nname: code-reviewer\ndescription: Reviews code\ntools: Read, Grep, Glob\nmodel: sonnet\ncolor: blue\n---\nYou review code.\n";
+        let a = parse_agent(&p(), text).unwrap();
+        assert_eq!(a.name, "code-reviewer");
+        assert_eq!(a.tools, Some(vec!["Read".into(), "Grep".into(), "Glob".into()]));
+        assert_eq!(a.model, None);
+        assert_eq!(a.system_prompt, "You review code.");
+        assert_eq!(a.max_steps, DEFAULT_MAX_STEPS);
+    }
+
+    #[test]
+    fn our_keys_load() {
+        let text = "---\ndescription: d\ntools: [echo, read_file]\nmodel: gpt-4o\nmax_steps: 7\ntimeout: 1h30m\nsubagents: a, b\n---\nbody";
+        let a = parse_agent(&p(), text).unwrap();
+        assert_eq!(a.name, "x");
+        assert_eq!(a.max_steps, 7);
+        assert_eq!(a.timeout, Duration::from_secs(5400));
+        assert_eq!(a.subagents, vec!["a", "b"]);
+        assert_eq!(a.model.as_deref(), Some("gpt-4o"));
+    }
+
+    #[test]
+    fn broken_files_say_where() {
+        let e = parse_agent(&p(), "no front matter").unwrap_err();
+        assert_eq!(e.line, 1);
+        let e = parse_agent(&p(), "---\ndescription: d\nmax_steps: 0\n---\n").unwrap_err();
+        assert_eq!(e.line, 3, "{e}");
+        assert!(e.message.contains("max_steps"));
+        let e = parse_agent(&p(), "---\ndescription: d\ntools: [a\n---\n").unwrap_err();
+        assert!(e.to_string().starts_with("jobs/x.md:"), "{e}");
+        let e = parse_agent(&p(), "---\nname: d\n---\n").unwrap_err();
+        assert!(e.message.contains("description"));
+        let e = parse_agent(&p(), "---\ndescription: d\ntimeout: 5x\n---\n").unwrap_err();
+        assert_eq!(e.line, 3);
+        let e = parse_agent(&p(), "---\ndescription: d\n").unwrap_err();
+        assert!(e.message.contains("not closed"));
+    }
+}

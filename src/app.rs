@@ -1,0 +1,263 @@
+//! Wiring: opens the store and queue, loads agents, builds the model client and the engine, and
+//! offers the operations every front end (CLI, API, tests) uses: start a run, wait for it,
+//! follow its events, run workers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::agents::{AgentFileError, AgentRegistry, GENERAL_PURPOSE};
+use crate::config::Settings;
+use crate::engine::{Engine, EngineSettings};
+use crate::ids::{RunId, ThreadId};
+use crate::model::openai::{OpenAiClient, OpenAiConfig};
+use crate::model::{ChatModel, RetryPolicy};
+use crate::queue::{Queue, QueueError, WorkerSettings, new_job_id, run_workers};
+use crate::store::{NewRun, RunLimits, RunRecord, SqliteStore, Store, StoreError};
+use crate::tools::ToolRegistry;
+
+/// Owner of runs started without authentication (the CLI, the embedded default).
+pub const LOCAL_OWNER: &str = "local";
+
+/// A request to start a run.
+#[derive(Clone, Debug, Default)]
+pub struct StartRun {
+    /// Agent name; `general-purpose` when absent.
+    pub agent: Option<String>,
+    /// The task.
+    pub input: String,
+    /// Continue this thread (created if new).
+    pub thread_id: Option<ThreadId>,
+    /// Owner; [`LOCAL_OWNER`] when absent.
+    pub owner: Option<String>,
+    /// Override of the agent's `max_steps`.
+    pub max_steps: Option<u32>,
+    /// Override of the agent's `timeout`, in seconds.
+    pub timeout_secs: Option<u64>,
+    /// Token budget for the run.
+    pub max_total_tokens: Option<u64>,
+    /// Caller data kept with the run.
+    pub metadata: Option<Value>,
+}
+
+/// Why a run could not be started. Each has a stable code for APIs and scripts.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// No such agent.
+    #[error("unknown agent `{name}`; known agents: {}", known.join(", "))]
+    UnknownAgent {
+        /// Requested name.
+        name: String,
+        /// What exists.
+        known: Vec<String>,
+    },
+    /// Nothing to do.
+    #[error("the input is empty: say what the agent should do")]
+    EmptyInput,
+    /// Over the configured limit.
+    #[error("the input is {got} bytes; the limit is {limit} (SUBAGENTS_MAX_INPUT_BYTES)")]
+    InputTooLarge {
+        /// Limit.
+        limit: usize,
+        /// Actual size.
+        got: usize,
+    },
+    /// A limit override out of range.
+    #[error("{0}")]
+    BadLimit(String),
+    /// Storage refused or failed (busy thread included).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl StartError {
+    /// Stable machine code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            StartError::UnknownAgent { .. } => "unknown_agent",
+            StartError::EmptyInput => "empty_input",
+            StartError::InputTooLarge { .. } => "input_too_large",
+            StartError::BadLimit(_) => "bad_limit",
+            StartError::Store(StoreError::Busy { .. }) => "thread_busy",
+            StartError::Store(StoreError::ThreadOwnedElsewhere(_)) => "thread_not_found",
+            StartError::Store(_) => "storage_unavailable",
+        }
+    }
+}
+
+/// The assembled system.
+pub struct App {
+    /// Settings it was opened with.
+    pub settings: Settings,
+    /// Storage.
+    pub store: Arc<dyn Store>,
+    /// Queue.
+    pub queue: Queue,
+    /// Engine.
+    pub engine: Arc<Engine>,
+    /// Agents.
+    pub agents: Arc<AgentRegistry>,
+    /// Definition files that failed to load (reported, not fatal).
+    pub agent_errors: Vec<AgentFileError>,
+    pool: sqlx::SqlitePool,
+}
+
+/// Start-up failures, with what to do about them.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The URL names a backend this build cannot use.
+    #[error("DATABASE_URL `{0}` is not supported: use sqlite://FILE (PostgreSQL support is tracked separately)")]
+    UnsupportedDatabase(String),
+    /// The database could not be opened or migrated.
+    #[error("cannot open the database {url}: {source}")]
+    Database {
+        /// Redacted URL.
+        url: String,
+        /// Cause.
+        source: StoreError,
+    },
+    /// The workspace directory could not be created.
+    #[error("cannot create the workspace {path}: {source}")]
+    Workspace {
+        /// Path.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+}
+
+impl App {
+    /// Opens everything with the production model client.
+    pub async fn open(settings: Settings) -> Result<App, OpenError> {
+        let model = Arc::new(OpenAiClient::new(OpenAiConfig {
+            base_url: settings.openai_base_url.clone(),
+            api_key: settings.openai_api_key.clone().unwrap_or_default(),
+            retry: RetryPolicy { retries: settings.model_retries, ..RetryPolicy::default() },
+            request_timeout: settings.model_timeout(),
+        }));
+        Self::open_with_model(settings, model).await
+    }
+
+    /// Opens everything with the given model (tests, embedders).
+    pub async fn open_with_model(settings: Settings, model: Arc<dyn ChatModel>) -> Result<App, OpenError> {
+        let url = settings.database_url.clone();
+        if !url.starts_with("sqlite:") {
+            return Err(OpenError::UnsupportedDatabase(redact(&url)));
+        }
+        let store = SqliteStore::connect(&url).await.map_err(|source| OpenError::Database { url: redact(&url), source })?;
+        std::fs::create_dir_all(&settings.workspace)
+            .map_err(|source| OpenError::Workspace { path: settings.workspace.display().to_string(), source })?;
+        let (agents, agent_errors) = AgentRegistry::load_dir(&settings.jobs_dir);
+        for e in &agent_errors {
+            tracing::warn!("agent definition skipped: {e}");
+        }
+        let agents = Arc::new(agents);
+        let pool = store.pool().clone();
+        let queue = Queue::sqlite(&pool, Duration::from_secs(5));
+        let store: Arc<dyn Store> = Arc::new(store);
+        let engine = Arc::new(Engine {
+            store: store.clone(),
+            agents: agents.clone(),
+            tools: Arc::new(ToolRegistry::builtin(settings.tool_journal.clone())),
+            model,
+            settings: EngineSettings {
+                default_model: settings.default_model.clone(),
+                workspace: settings.workspace.clone(),
+                lease_ttl: settings.lease_ttl(),
+                max_attempts: settings.max_attempts,
+                tool_timeout: settings.tool_timeout(),
+                tool_output_limit: settings.tool_output_limit,
+            },
+        });
+        Ok(App { settings, store, queue, engine, agents, agent_errors, pool })
+    }
+
+    /// Validates, records and enqueues a run. Once this returns, the run is durable: if the
+    /// push to the queue fails, the reaper enqueues it later.
+    pub async fn start_run(&self, req: StartRun) -> Result<RunRecord, StartError> {
+        let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
+        let agent = self
+            .agents
+            .get(&agent_name)
+            .ok_or_else(|| StartError::UnknownAgent { name: agent_name.clone(), known: self.agents.names() })?;
+        if req.input.trim().is_empty() {
+            return Err(StartError::EmptyInput);
+        }
+        if req.input.len() > self.settings.max_input_bytes {
+            return Err(StartError::InputTooLarge { limit: self.settings.max_input_bytes, got: req.input.len() });
+        }
+        let max_steps = req.max_steps.unwrap_or(agent.max_steps);
+        if max_steps == 0 || max_steps > 10_000 {
+            return Err(StartError::BadLimit(format!("max_steps {max_steps} is out of range 1..=10000")));
+        }
+        let timeout_secs = req.timeout_secs.unwrap_or(agent.timeout.as_secs().max(1));
+        if timeout_secs == 0 {
+            return Err(StartError::BadLimit("timeout must be at least 1 second".into()));
+        }
+        let job_id = new_job_id();
+        let run = self
+            .store
+            .create_run(NewRun {
+                id: RunId::new(),
+                thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
+                owner: req.owner.unwrap_or_else(|| LOCAL_OWNER.to_owned()),
+                agent: agent_name,
+                input: req.input,
+                metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
+                limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens },
+                parent_run_id: None,
+                job_id: job_id.clone(),
+            })
+            .await?;
+        if let Err(e) = self.queue.push(run.id, &job_id).await {
+            let QueueError::Push { message, .. } = &e;
+            tracing::warn!(run_id = %run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
+        }
+        Ok(run)
+    }
+
+    /// Waits until the run is terminal or `timeout` passes; returns its latest state.
+    pub async fn wait(&self, run: RunId, timeout: Duration) -> Result<Option<RunRecord>, StoreError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let r = self.store.get_run(run).await?;
+            match &r {
+                None => return Ok(None),
+                Some(r) if r.status.is_terminal() => return Ok(Some(r.clone())),
+                _ => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(r);
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Runs workers and the reaper in this process until `shutdown`.
+    pub fn spawn_workers(&self, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let ttl = self.settings.lease_ttl();
+        let settings = WorkerSettings {
+            concurrency: self.settings.concurrency,
+            poll_interval: Duration::from_millis(self.settings.poll_ms.max(1)),
+            reap_every: (ttl / 2).max(Duration::from_millis(200)),
+            reap_grace: ttl.max(Duration::from_secs(2)),
+        };
+        tokio::spawn(run_workers(self.engine.clone(), self.queue.clone(), self.pool.clone(), settings, shutdown))
+    }
+}
+
+/// The URL without a password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}

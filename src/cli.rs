@@ -1,0 +1,391 @@
+//! The command line: `run`, `worker`, `agents`, `demo`, `migrate`, `mock-llm`.
+
+use std::io::{IsTerminal, Read};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio_util::sync::CancellationToken;
+
+use crate::app::{App, StartRun};
+use crate::config::Settings;
+use crate::ids::{RunId, ThreadId};
+use crate::model::mock::{MockOptions, MockServer, SCENARIO_HELP};
+use crate::store::{EventRecord, RunRecord, RunStatus};
+
+const ABOUT: &str = "A durable executor for LLM subagent runs.";
+const LONG_ABOUT: &str = "\
+A durable executor for LLM subagent runs.
+
+A subagent works on one task in a fresh context (its own loop of model calls and tool calls) and
+hands back only its final text. Every run is a queued job and every step is checkpointed to the
+database, so a run survives a crashed worker and a thread can be continued later.
+
+Start here:   subagents demo                       (no key, no service: an in-process mock model)
+Real model:   OPENAI_API_KEY=... subagents run \"Summarize the files in the workspace\"
+Continue:     subagents run --thread THREAD_ID \"Now list open questions\"";
+
+/// Command line.
+#[derive(Parser)]
+#[command(name = "subagents", version, about = ABOUT, long_about = LONG_ABOUT)]
+pub struct Cli {
+    #[command(flatten)]
+    settings: Settings,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one task: enqueue it, execute it with embedded workers, print the final answer.
+    ///
+    /// Progress goes to stderr (a line per step and tool call), the final text to stdout, and
+    /// the thread id to continue with to stderr. Exit status: 0 succeeded, 1 failed,
+    /// 2 bad input or configuration, 3 cancelled, 130 interrupted (the run stays resumable:
+    /// `subagents worker` finishes it).
+    Run {
+        /// Agent to run (see `subagents agents`).
+        #[arg(long, short, default_value = "general-purpose")]
+        agent: String,
+        /// Continue this thread (its earlier messages are the new run's context).
+        #[arg(long)]
+        thread: Option<String>,
+        /// Override the agent's step limit; at the limit the model must answer without tools.
+        #[arg(long)]
+        max_steps: Option<u32>,
+        /// Override the agent's wall-time limit, in seconds.
+        #[arg(long)]
+        timeout_secs: Option<u64>,
+        /// Token budget; past it the model must answer without tools.
+        #[arg(long)]
+        max_tokens: Option<u64>,
+        /// No progress lines.
+        #[arg(long, short)]
+        quiet: bool,
+        /// The task. `-` reads it from stdin.
+        #[arg(required = true)]
+        prompt: Vec<String>,
+    },
+    /// Execute queued runs until SIGTERM or Ctrl-C (then running runs go back to the queue).
+    Worker,
+    /// List agent definitions (built-in and from the jobs directory) and report broken files.
+    Agents,
+    /// Show a multi-step run and a continued thread against an in-process mock model.
+    Demo,
+    /// Create or upgrade the database schema, then exit.
+    Migrate,
+    /// Serve a deterministic OpenAI-compatible model for tests, demos and load tests.
+    #[command(after_long_help = SCENARIO_HELP)]
+    MockLlm {
+        /// Port to listen on (0 picks a free one and prints it).
+        #[arg(long, default_value_t = 8089)]
+        port: u16,
+        /// Address to bind.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
+        /// Default delay before each answer, in ms (a scenario's latency_ms overrides it).
+        #[arg(long, default_value_t = 0)]
+        latency_ms: u64,
+        /// Append each answered request to this file as a JSON line.
+        #[arg(long)]
+        log: Option<PathBuf>,
+    },
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_log = match cli.command {
+        Command::Worker | Command::MockLlm { .. } => "info",
+        _ => "warn",
+    };
+    crate::telemetry::init(default_log);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    match rt.block_on(dispatch(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
+    let settings = cli.settings;
+    match cli.command {
+        Command::Run { agent, thread, max_steps, timeout_secs, max_tokens, quiet, prompt } => {
+            let input = if prompt == ["-"] {
+                let mut s = String::new();
+                std::io::stdin().read_to_string(&mut s)?;
+                s
+            } else {
+                prompt.join(" ")
+            };
+            let thread_id = thread.map(|t| t.parse::<ThreadId>()).transpose()?;
+            let app = App::open(settings).await?;
+            let req = StartRun {
+                agent: Some(agent),
+                input,
+                thread_id,
+                max_steps,
+                timeout_secs,
+                max_total_tokens: max_tokens,
+                ..Default::default()
+            };
+            run_to_end(&app, req, quiet).await
+        }
+        Command::Worker => {
+            let app = App::open(settings).await?;
+            eprintln!("subagents worker: {} agents, concurrency {}, database {}", app.agents.all().count(), app.settings.concurrency, crate::app::redact(&app.settings.database_url));
+            let shutdown = CancellationToken::new();
+            let workers = app.spawn_workers(shutdown.clone());
+            shutdown_signal().await;
+            tracing::info!("shutdown requested: finishing the current step boundary and releasing runs");
+            shutdown.cancel();
+            let _ = workers.await;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Agents => {
+            let (reg, errors) = crate::agents::AgentRegistry::load_dir(&settings.jobs_dir);
+            for a in reg.all() {
+                let tools = match &a.tools {
+                    None => "all built-in tools".to_owned(),
+                    Some(t) => t.join(", "),
+                };
+                let src = a.source.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in".into());
+                println!("{}\n  {}\n  tools: {tools}\n  model: {}  max_steps: {}  timeout: {}s  ({src})\n", a.name, a.description, a.model.as_deref().unwrap_or("(default)"), a.max_steps, a.timeout.as_secs());
+            }
+            for e in &errors {
+                eprintln!("broken definition: {e}");
+            }
+            Ok(if errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        Command::Migrate => {
+            crate::store::SqliteStore::connect(&settings.database_url)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot migrate {}: {e}", crate::app::redact(&settings.database_url)))?;
+            eprintln!("schema is up to date in {}", crate::app::redact(&settings.database_url));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::MockLlm { port, host, latency_ms, log } => {
+            let server = MockServer::start(SocketAddr::new(host, port), MockOptions { latency: Duration::from_millis(latency_ms), log_file: log }).await?;
+            println!("mock-llm listening on {} (OPENAI_BASE_URL={})", server.addr, server.base_url());
+            shutdown_signal().await;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo => demo(settings).await,
+    }
+}
+
+/// Starts a run with embedded workers and follows it to the end.
+async fn run_to_end(app: &App, req: StartRun, quiet: bool) -> anyhow::Result<ExitCode> {
+    let run = match app.start_run(req).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error[{}]: {e}", e.code());
+            return Ok(ExitCode::from(2));
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let workers = app.spawn_workers(shutdown.clone());
+    let progress = Progress::new(quiet);
+    progress.line(format!("run {} · agent {} · thread {}", run.id, run.agent, run.thread_id));
+    let end = tokio::select! {
+        r = follow(app, run.id, &progress) => Some(r?),
+        _ = shutdown_signal() => None,
+    };
+    progress.finish();
+    shutdown.cancel();
+    let _ = workers.await;
+    let Some(end) = end else {
+        eprintln!("interrupted: run {} is saved at its last checkpoint; `subagents worker` will finish it", run.id);
+        return Ok(ExitCode::from(130));
+    };
+    Ok(report(&end))
+}
+
+/// Prints the outcome; returns the exit code.
+fn report(run: &RunRecord) -> ExitCode {
+    match run.status {
+        RunStatus::Succeeded => {
+            println!("{}", run.result.as_deref().unwrap_or(""));
+            let forced = if run.forced { " (answer forced by a limit)" } else { "" };
+            eprintln!("succeeded in {} steps{forced}, {} tokens. Continue with: subagents run --thread {} \"...\"", run.step, run.usage.total(), run.thread_id);
+            ExitCode::SUCCESS
+        }
+        RunStatus::Failed => {
+            let e = run.error.clone().map(|e| format!("[{}] {}", e.kind.as_str(), e.message)).unwrap_or_default();
+            eprintln!("run {} failed: {e}\nthread: {}", run.id, run.thread_id);
+            ExitCode::from(1)
+        }
+        RunStatus::Cancelled => {
+            eprintln!("run {} was cancelled", run.id);
+            ExitCode::from(3)
+        }
+        other => {
+            eprintln!("run {} is {}", run.id, other.as_str());
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Prints each event of the run until it is terminal, then returns the run.
+async fn follow(app: &App, run: RunId, progress: &Progress) -> anyhow::Result<RunRecord> {
+    let mut cursor = 0;
+    loop {
+        let events = app.store.events_after(run, cursor, 200).await?;
+        for e in &events {
+            cursor = e.seq;
+            progress.event(e);
+        }
+        if events.is_empty() {
+            if let Some(r) = app.store.get_run(run).await? {
+                if r.status.is_terminal() {
+                    // Drain anything committed with the terminal state.
+                    for e in app.store.events_after(run, cursor, 1000).await? {
+                        progress.event(&e);
+                    }
+                    return Ok(r);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Progress on stderr: a spinner plus lines on a terminal, plain lines otherwise.
+struct Progress {
+    bar: Option<ProgressBar>,
+    quiet: bool,
+}
+
+impl Progress {
+    fn new(quiet: bool) -> Self {
+        let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
+            let b = ProgressBar::new_spinner();
+            b.set_style(ProgressStyle::with_template("{spinner} {elapsed} {msg}").expect("template"));
+            b.enable_steady_tick(Duration::from_millis(120));
+            b
+        });
+        Self { bar, quiet }
+    }
+
+    fn line(&self, s: String) {
+        if self.quiet {
+            return;
+        }
+        match &self.bar {
+            Some(b) => b.println(s),
+            None => eprintln!("{s}"),
+        }
+    }
+
+    fn status(&self, s: String) {
+        if let Some(b) = &self.bar {
+            b.set_message(s);
+        }
+    }
+
+    fn event(&self, e: &EventRecord) {
+        let d = &e.data;
+        let step = d["step"].as_u64().unwrap_or(0);
+        match e.kind.as_str() {
+            "run.started" => self.line(format!("started (attempt {}, worker {})", d["attempt"], d["worker"].as_str().unwrap_or("?"))),
+            "step.started" => self.status(format!("step {step}: waiting for the model{}", if d["forced"] == true { " (final answer forced)" } else { "" })),
+            "model.completed" => {
+                let calls: Vec<&str> = d["tool_calls"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
+                if calls.is_empty() {
+                    self.line(format!("step {step}: model answered"));
+                } else {
+                    self.line(format!("step {step}: model calls {}", calls.join(", ")));
+                    self.status(format!("step {step}: running tools"));
+                }
+            }
+            "tool.completed" => {
+                let preview: String = d["preview"].as_str().unwrap_or("").chars().take(70).collect::<String>().replace('\n', " ");
+                let mark = if d["ok"] == true { "ok" } else { "error" };
+                self.line(format!("  {} {mark}: {preview}", d["tool"].as_str().unwrap_or("?")));
+            }
+            "run.failed" => self.line(format!("failed: {}", d["error"]["message"].as_str().unwrap_or(""))),
+            "run.cancelled" => self.line("cancelled".into()),
+            _ => {}
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+async fn demo(mut settings: Settings) -> anyhow::Result<ExitCode> {
+    let mock = MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions { latency: Duration::from_millis(150), log_file: None }).await?;
+    settings.openai_base_url = mock.base_url();
+    settings.openai_api_key = Some("demo".into());
+    settings.default_model = "mock-model".into();
+    eprintln!("demo: mock model at {}, database {}\n", mock.base_url(), settings.database_url);
+    let app = App::open(settings).await?;
+    let first = StartRun {
+        input: "Collect three facts about durable execution, checking each one with the echo tool.\nSCENARIO steps=4 tool=echo".into(),
+        ..Default::default()
+    };
+    eprintln!("1) a 4-step run: three steps call a tool, the fourth answers. Each step is committed before the next.");
+    let run = match app.start_run(first).await {
+        Ok(r) => r,
+        Err(e) => anyhow::bail!("demo could not start: {e}"),
+    };
+    let thread = run.thread_id.clone();
+    let shutdown = CancellationToken::new();
+    let workers = app.spawn_workers(shutdown.clone());
+    let progress = Progress::new(false);
+    let r1 = follow(&app, run.id, &progress).await?;
+    progress.finish();
+    report(&r1);
+    eprintln!("\n2) the same thread continued by a second run: it starts from the first run's messages.");
+    let second = StartRun {
+        input: "Now summarize what you found in one line.\nSCENARIO steps=2 tool=echo".into(),
+        thread_id: Some(thread.clone()),
+        ..Default::default()
+    };
+    let run2 = app.start_run(second).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let progress = Progress::new(false);
+    let r2 = follow(&app, run2.id, &progress).await?;
+    progress.finish();
+    let code = report(&r2);
+    let messages = app.store.thread_messages(&thread).await?;
+    eprintln!(
+        "\nthread {thread} now holds {} checkpointed messages from 2 runs; the parent that delegated each run would have received only the final line.",
+        messages.len()
+    );
+    shutdown.cancel();
+    let _ = workers.await;
+    let _ = Arc::new(());
+    Ok(code)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

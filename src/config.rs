@@ -1,0 +1,124 @@
+//! Configuration, from flags and environment (every flag has an `env` fallback). Secrets are
+//! never printed: `Debug` redacts the API key.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+/// Settings shared by every subcommand.
+#[derive(Args, Clone)]
+pub struct Settings {
+    /// Where runs, threads and the queue live. `sqlite://FILE` is the embedded default
+    /// (created if missing); `sqlite::memory:` keeps nothing.
+    #[arg(long, env = "DATABASE_URL", default_value = "sqlite://subagents.db", global = true)]
+    pub database_url: String,
+
+    /// Directory of agent definitions (`*.md` with YAML front matter).
+    #[arg(long, env = "SUBAGENTS_JOBS_DIR", default_value = "jobs", global = true)]
+    pub jobs_dir: PathBuf,
+
+    /// The only directory file tools may touch (created if missing).
+    #[arg(long, env = "SUBAGENTS_WORKSPACE", default_value = "workspace", global = true)]
+    pub workspace: PathBuf,
+
+    /// OpenAI-compatible endpoint, up to and including `/v1`.
+    #[arg(long, env = "OPENAI_BASE_URL", default_value = "https://api.openai.com/v1", global = true)]
+    pub openai_base_url: String,
+
+    /// API key for the endpoint (never printed).
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true, global = true)]
+    pub openai_api_key: Option<String>,
+
+    /// Model used when an agent definition names none.
+    #[arg(long = "model", env = "SUBAGENTS_MODEL", default_value = "gpt-4o-mini", global = true)]
+    pub default_model: String,
+
+    /// Runs one worker process executes at once.
+    #[arg(long, env = "SUBAGENTS_CONCURRENCY", default_value_t = 4, global = true)]
+    pub concurrency: usize,
+
+    /// Seconds a run's lease lasts without renewal; a crashed worker's runs resume after this.
+    #[arg(long, env = "SUBAGENTS_LEASE_TTL", default_value_t = 15.0, global = true)]
+    pub lease_ttl_secs: f64,
+
+    /// Claims of one run before it fails with `kind=lost` (its workers keep dying).
+    #[arg(long, env = "SUBAGENTS_MAX_ATTEMPTS", default_value_t = 5, global = true)]
+    pub max_attempts: u32,
+
+    /// Seconds one tool call may take; then the model is told it timed out.
+    #[arg(long, env = "SUBAGENTS_TOOL_TIMEOUT", default_value_t = 60.0, global = true)]
+    pub tool_timeout_secs: f64,
+
+    /// Bytes of tool output kept; the rest is cut with a marker.
+    #[arg(long, env = "SUBAGENTS_TOOL_OUTPUT_LIMIT", default_value_t = 16 * 1024, global = true)]
+    pub tool_output_limit: usize,
+
+    /// Retries of a model call on 429, 5xx or a broken connection.
+    #[arg(long, env = "SUBAGENTS_MODEL_RETRIES", default_value_t = 5, global = true)]
+    pub model_retries: u32,
+
+    /// Seconds one model call attempt may take in all.
+    #[arg(long, env = "SUBAGENTS_MODEL_TIMEOUT", default_value_t = 300.0, global = true)]
+    pub model_timeout_secs: f64,
+
+    /// Milliseconds between an idle worker's looks at the queue.
+    #[arg(long, env = "SUBAGENTS_POLL_MS", default_value_t = 50, global = true)]
+    pub poll_ms: u64,
+
+    /// Largest accepted input (prompt) in bytes.
+    #[arg(long, env = "SUBAGENTS_MAX_INPUT_BYTES", default_value_t = 256 * 1024, global = true)]
+    pub max_input_bytes: usize,
+
+    /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
+    #[arg(long, env = "SUBAGENTS_TOOL_JOURNAL", global = true)]
+    pub tool_journal: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("database_url", &self.database_url)
+            .field("jobs_dir", &self.jobs_dir)
+            .field("workspace", &self.workspace)
+            .field("openai_base_url", &self.openai_base_url)
+            .field("openai_api_key", &self.openai_api_key.as_ref().map(|_| "<redacted>"))
+            .field("default_model", &self.default_model)
+            .field("concurrency", &self.concurrency)
+            .field("lease_ttl_secs", &self.lease_ttl_secs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Settings {
+    /// The declared defaults (environment fallbacks still apply, as on the command line), with
+    /// the given database: for tests and embedders.
+    pub fn defaults(database_url: &str) -> Settings {
+        #[derive(clap::Parser)]
+        struct Only {
+            #[command(flatten)]
+            s: Settings,
+        }
+        // Parsing an empty command line keeps the declared defaults the single source of truth.
+        let mut s = <Only as clap::Parser>::try_parse_from(["subagents", "--database-url", database_url])
+            .map(|o| o.s)
+            .expect("defaults parse");
+        s.database_url = database_url.to_owned();
+        s
+    }
+
+    /// Lease length.
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_secs_f64(self.lease_ttl_secs.max(0.2))
+    }
+
+    /// Tool time limit.
+    pub fn tool_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.tool_timeout_secs.max(0.001))
+    }
+
+    /// Model attempt time limit.
+    pub fn model_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.model_timeout_secs.max(0.001))
+    }
+}

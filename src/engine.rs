@@ -1,0 +1,504 @@
+//! The engine: one run's step loop. It rebuilds the run's state from committed messages and
+//! continues from there, so a fresh start and a resume after a crash are the same code path
+//! (steno's "replay, don't redo"):
+//!
+//! - an assistant message with tool calls commits before any tool runs;
+//! - each tool result commits as soon as its tool returns, with the same idempotency key on a
+//!   replay; a call with a committed result is never run again;
+//! - a committed model response is never requested again;
+//! - every write is fenced by the run's lease epoch; a lost lease stops the loop at once.
+//!
+//! Limits (steps, tokens, wall time, tool time, tool output) all end in a defined outcome.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info_span};
+
+use crate::agents::{AgentDef, AgentRegistry};
+use crate::ids::RunId;
+use crate::model::{ChatModel, ChatRequest, Message, ModelError, ToolCall};
+use crate::store::{
+    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, RunError, RunRecord, Store, StoreError,
+    StoredMessage,
+};
+use crate::tools::{ToolCtx, ToolRegistry, truncate_output};
+
+/// The text a refused repeated call gets; the marker is stable so models (and the mock) can
+/// recognise it.
+pub const LOOP_MESSAGE: &str = "[loop_detected] You called this tool with identical arguments 3 times in a row; the call was not executed. Stop repeating it: use the results you already have and give your final answer.";
+
+/// Appended (not stored) when a limit forces the final answer.
+pub const FORCE_MESSAGE: &str = "You have reached this task's step or token limit. Do not call tools. Give your final answer now, using what you have found so far, and say what is left undone.";
+
+/// Engine settings that do not vary per run.
+#[derive(Clone, Debug)]
+pub struct EngineSettings {
+    /// Used when an agent names no model.
+    pub default_model: String,
+    /// Root of every tool path.
+    pub workspace: PathBuf,
+    /// Lease length; renewed every third of it.
+    pub lease_ttl: Duration,
+    /// Claims before a run whose workers keep dying fails with `kind=lost`.
+    pub max_attempts: u32,
+    /// Limit on one tool call.
+    pub tool_timeout: Duration,
+    /// Tool output beyond this many bytes is cut, with a marker.
+    pub tool_output_limit: usize,
+}
+
+/// What one execution attempt ended with (the run's own outcome is in the store).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Executed {
+    /// The run reached a terminal state here.
+    Finished,
+    /// Nothing to do: finished already, or another worker holds it.
+    Skipped,
+    /// Another worker took the run over (our lease expired); we stopped.
+    LeaseLost,
+    /// We were shutting down and gave the run back to the queue.
+    Released,
+}
+
+/// Runs the step loop for claimed runs.
+pub struct Engine {
+    /// Storage.
+    pub store: Arc<dyn Store>,
+    /// Agent definitions.
+    pub agents: Arc<AgentRegistry>,
+    /// Tools.
+    pub tools: Arc<ToolRegistry>,
+    /// The model.
+    pub model: Arc<dyn ChatModel>,
+    /// Settings.
+    pub settings: EngineSettings,
+}
+
+/// How the step loop ended.
+enum LoopEnd {
+    /// The final answer and terminal state are committed.
+    Committed,
+    /// The run must be finished with this.
+    Finish(Finish),
+}
+
+/// Why the loop stopped before reaching a final answer.
+enum Stop {
+    Fail(RunError),
+    Store(StoreError),
+}
+
+impl From<StoreError> for Stop {
+    fn from(e: StoreError) -> Self {
+        Stop::Store(e)
+    }
+}
+
+impl Engine {
+    /// Claims and executes one run until it ends, is handed over, or `shutdown` fires.
+    pub async fn execute(&self, run_id: RunId, worker: &str, shutdown: &CancellationToken) -> Result<Executed, StoreError> {
+        let s = &self.settings;
+        let (lease, run) = match self.store.claim_run(run_id, worker, s.lease_ttl, s.max_attempts).await? {
+            Claim::Acquired(lease, run) => (lease, *run),
+            Claim::GaveUp => {
+                tracing::warn!(%run_id, "run abandoned by too many workers; failed with kind=lost");
+                return Ok(Executed::Finished);
+            }
+            Claim::NotClaimable(status) => {
+                tracing::debug!(%run_id, ?status, "run not claimable; skipping job");
+                return Ok(Executed::Skipped);
+            }
+        };
+        let span = info_span!("run", run_id = %run.id, agent = %run.agent, thread_id = %run.thread_id, attempt = run.attempts);
+        self.execute_claimed(lease, run, shutdown).instrument(span).await
+    }
+
+    async fn execute_claimed(&self, lease: Lease, run: RunRecord, shutdown: &CancellationToken) -> Result<Executed, StoreError> {
+        tracing::info!(step = run.step, "run claimed");
+        let cancel = CancellationToken::new();
+        let lost = CancellationToken::new();
+        let heartbeat = tokio::spawn(heartbeat(self.store.clone(), lease.clone(), cancel.clone(), lost.clone()));
+        let _stop_heartbeat = AbortOnDrop(heartbeat);
+
+        let started = run.started_at.unwrap_or_else(chrono::Utc::now);
+        let deadline_in = (started + chrono::Duration::seconds(run.limits.timeout_secs as i64) - chrono::Utc::now())
+            .to_std()
+            .unwrap_or(Duration::ZERO);
+        let result = tokio::select! {
+            r = self.run_loop(&lease, &run) => Ok(r),
+            _ = cancel.cancelled() => Err("cancel"),
+            _ = lost.cancelled() => Err("lost"),
+            _ = shutdown.cancelled() => Err("shutdown"),
+            _ = tokio::time::sleep(deadline_in) => Err("timeout"),
+        };
+        let finish = match result {
+            Ok(Ok(LoopEnd::Committed)) => return Ok(Executed::Finished),
+            Ok(Ok(LoopEnd::Finish(finish))) => finish,
+            Ok(Err(Stop::Fail(e))) => Finish::Failed(e),
+            Ok(Err(Stop::Store(StoreError::LeaseLost(_)))) | Err("lost") => {
+                tracing::warn!("lease lost: another worker owns this run now; dropping it");
+                return Ok(Executed::LeaseLost);
+            }
+            Ok(Err(Stop::Store(e))) => {
+                // Give the run back at once so a retry (or another worker) resumes it from the
+                // last checkpoint instead of waiting for the lease to expire.
+                tracing::error!(error = %e, "storage failed mid-run; releasing the run for a retry");
+                let _ = self.store.release_lease(&lease).await;
+                return Err(e);
+            }
+            Err("cancel") => Finish::Cancelled,
+            Err("shutdown") => {
+                tracing::info!("shutting down: releasing the run to the queue");
+                self.store.release_lease(&lease).await?;
+                return Ok(Executed::Released);
+            }
+            Err(_) => Finish::Failed(RunError {
+                kind: ErrorKind::Timeout,
+                message: format!("the run exceeded its wall-time limit of {}s", run.limits.timeout_secs),
+            }),
+        };
+        let event = match &finish {
+            Finish::Succeeded { result, forced } => NewEvent::new(
+                EventKind::RunSucceeded,
+                json!({"result": result, "forced": forced}),
+            ),
+            Finish::Failed(e) => NewEvent::new(EventKind::RunFailed, json!({"error": e})),
+            Finish::Cancelled => NewEvent::new(EventKind::RunCancelled, json!({})),
+        };
+        match &finish {
+            Finish::Succeeded { forced, .. } => tracing::info!(forced, "run succeeded"),
+            Finish::Failed(e) => tracing::warn!(kind = e.kind.as_str(), error = %e.message, "run failed"),
+            Finish::Cancelled => tracing::info!("run cancelled"),
+        }
+        match self.store.checkpoint(&lease, Checkpoint { events: vec![event], finish: Some(finish), ..Default::default() }).await {
+            Ok(()) => Ok(Executed::Finished),
+            Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
+            Err(e) => {
+                let _ = self.store.release_lease(&lease).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The step loop. Returns the final answer; every intermediate write is committed inside.
+    async fn run_loop(&self, lease: &Lease, run: &RunRecord) -> Result<LoopEnd, Stop> {
+        let agent = self.agents.get(&run.agent).cloned().ok_or_else(|| {
+            Stop::Fail(RunError {
+                kind: ErrorKind::Internal,
+                message: format!("agent `{}` is not defined on this worker; add jobs/{}.md", run.agent, run.agent),
+            })
+        })?;
+        let tool_names = self.tools.allowed_for(&agent);
+        let tool_specs = self.tools.specs(&tool_names);
+        let model = agent.model.clone().unwrap_or_else(|| self.settings.default_model.clone());
+
+        let mut history = self.store.thread_messages(&run.thread_id).await?;
+        let input_key = format!("{}:input", run.id);
+        if !history.iter().any(|m| m.key == input_key) {
+            let msg = NewMessage { step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
+            self.store.checkpoint(lease, Checkpoint { messages: vec![msg], ..Default::default() }).await?;
+            history = self.store.thread_messages(&run.thread_id).await?;
+        }
+        let mut usage = run.usage;
+        loop {
+            let mine: Vec<&StoredMessage> = history.iter().filter(|m| m.run_id == run.id).collect();
+            let steps_done = mine.iter().filter(|m| matches!(m.message, Message::Assistant { .. })).count() as u32;
+            // A committed final answer (crash between it and the status write) ends the run.
+            if let Some(last) = mine.iter().rev().find(|m| matches!(m.message, Message::Assistant { .. })) {
+                if let Message::Assistant { content, tool_calls } = &last.message {
+                    if tool_calls.is_empty() {
+                        let result = content.clone().unwrap_or_default();
+                        return Ok(LoopEnd::Finish(Finish::Succeeded { result, forced: run.forced }));
+                    }
+                    let answered: HashSet<&str> = mine
+                        .iter()
+                        .filter_map(|m| match &m.message {
+                            Message::Tool { tool_call_id, .. } if m.step == last.step => Some(tool_call_id.as_str()),
+                            _ => None,
+                        })
+                        .collect();
+                    let pending: Vec<ToolCall> =
+                        tool_calls.iter().filter(|c| !answered.contains(c.id.as_str())).cloned().collect();
+                    if !pending.is_empty() {
+                        let prior = prior_calls(&mine, last.step);
+                        self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names).await?;
+                        history = self.store.thread_messages(&run.thread_id).await?;
+                        continue;
+                    }
+                }
+            }
+
+            // A new step: one model call.
+            let step = steps_done + 1;
+            let over_tokens = run.limits.max_total_tokens.is_some_and(|m| usage.total() >= m);
+            let forced = steps_done >= run.limits.max_steps || over_tokens;
+            let span = info_span!("step", step, forced, gen_ai.request.model = %model);
+            let resp = async {
+                self.store
+                    .checkpoint(lease, Checkpoint { events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": step, "forced": forced}))], ..Default::default() })
+                    .await?;
+                let mut messages = vec![Message::System { content: agent.system_prompt.clone() }];
+                messages.extend(context(&history, run.id));
+                if forced {
+                    messages.push(Message::System { content: FORCE_MESSAGE.into() });
+                }
+                let req = ChatRequest {
+                    model: model.clone(),
+                    messages,
+                    tools: if forced { vec![] } else { tool_specs.clone() },
+                    step_key: format!("{}:{}", run.id, step),
+                };
+                let t0 = std::time::Instant::now();
+                let resp = self.model.complete(&req, &|_delta| {}).await.map_err(|e| {
+                    Stop::Fail(RunError { kind: ErrorKind::Model, message: model_error_message(&e) })
+                })?;
+                tracing::info!(
+                    ms = t0.elapsed().as_millis() as u64,
+                    tool_calls = resp.tool_calls.len(),
+                    gen_ai.usage.input_tokens = resp.usage.prompt_tokens,
+                    gen_ai.usage.output_tokens = resp.usage.completion_tokens,
+                    "model responded"
+                );
+                Ok::<_, Stop>(resp)
+            }
+            .instrument(span.clone())
+            .await?;
+            usage.prompt_tokens += resp.usage.prompt_tokens;
+            usage.completion_tokens += resp.usage.completion_tokens;
+
+            let calls = if forced { vec![] } else { unique_call_ids(resp.tool_calls, step) };
+            let message = Message::Assistant { content: resp.content.clone(), tool_calls: calls.clone() };
+            let key = format!("{}:{}:assistant", run.id, step);
+            let model_event = NewEvent::new(
+                EventKind::ModelCompleted,
+                json!({"step": step, "tool_calls": calls.iter().map(|c| &c.function.name).collect::<Vec<_>>(),
+                       "usage": resp.usage, "finish_reason": resp.finish_reason}),
+            );
+            let mut cp = Checkpoint {
+                messages: vec![NewMessage { step, key, message }],
+                events: vec![model_event],
+                step: Some(step),
+                usage: resp.usage,
+                finish: None,
+            };
+            if calls.is_empty() {
+                // The final answer: message, events and terminal state in one commit.
+                let result = resp.content.unwrap_or_default();
+                cp.events.push(NewEvent::new(EventKind::StepCompleted, json!({"step": step})));
+                cp.events.push(NewEvent::new(EventKind::RunSucceeded, json!({"result": result, "forced": forced})));
+                let finish = Finish::Succeeded { result, forced };
+                cp.finish = Some(finish.clone());
+                self.store.checkpoint(lease, cp).instrument(span).await?;
+                tracing::info!(forced, steps = step, "run succeeded");
+                return Ok(LoopEnd::Committed);
+            }
+            self.store.checkpoint(lease, cp).instrument(span).await?;
+            history = self.store.thread_messages(&run.thread_id).await?;
+        }
+    }
+
+    /// Runs a step's pending calls concurrently; each result commits as soon as it is ready,
+    /// and the last one carries `step.completed`.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_tools(
+        &self,
+        lease: &Lease,
+        run: &RunRecord,
+        agent: &AgentDef,
+        step: u32,
+        all_calls: &[ToolCall],
+        pending: &[ToolCall],
+        prior: &[(String, String)],
+        allowed: &[String],
+    ) -> Result<(), Stop> {
+        // Loop detection over the run's whole call sequence, in order, so a replay decides the
+        // same way.
+        let mut seq: Vec<(String, String)> = prior.to_vec();
+        let mut refused: HashMap<String, bool> = HashMap::new();
+        for c in all_calls {
+            let sig = (c.function.name.clone(), canonical_args(&c.function.arguments));
+            let n = seq.len();
+            let repeated = n >= 2 && seq[n - 1] == sig && seq[n - 2] == sig;
+            refused.insert(c.id.clone(), repeated);
+            seq.push(sig);
+        }
+        let remaining = tokio::sync::Mutex::new(pending.len());
+        let futs = pending.iter().map(|call| {
+            let remaining = &remaining;
+            let refused = refused.get(&call.id).copied().unwrap_or(false);
+            let span = info_span!("tool", tool = %call.function.name, call_id = %call.id, step);
+            async move {
+                let key = format!("{}:{}:{}", run.id, step, call.id);
+                let (text, ok, truncated) = if refused {
+                    tracing::warn!("identical call repeated 3 times; not executed");
+                    (LOOP_MESSAGE.to_owned(), false, false)
+                } else if !allowed.iter().any(|a| a == &call.function.name) {
+                    (format!("error[unknown_tool]: `{}` is not available to agent `{}`; use one of: {}", call.function.name, agent.name, allowed.join(", ")), false, false)
+                } else {
+                    self.store
+                        .checkpoint(lease, Checkpoint {
+                            events: vec![NewEvent::new(EventKind::ToolStarted, json!({"step": step, "call_id": call.id, "tool": call.function.name}))],
+                            ..Default::default()
+                        })
+                        .await?;
+                    let ctx = ToolCtx { workspace: self.settings.workspace.clone(), idempotency_key: key.clone() };
+                    let t0 = std::time::Instant::now();
+                    let out = tokio::time::timeout(self.settings.tool_timeout, self.tools.execute(&call.function.name, &call.function.arguments, &ctx)).await;
+                    let (text, ok) = match out {
+                        Ok(Ok(t)) => (t, true),
+                        Ok(Err(e)) => (e.to_string(), false),
+                        Err(_) => (format!("error[tool_timeout]: the tool did not finish within {}s and was stopped", self.settings.tool_timeout.as_secs_f64()), false),
+                    };
+                    tracing::info!(ok, ms = t0.elapsed().as_millis() as u64, bytes = text.len(), "tool finished");
+                    let len = text.len();
+                    let text = truncate_output(text, self.settings.tool_output_limit);
+                    let truncated = text.len() != len;
+                    (text, ok, truncated)
+                };
+                let preview: String = text.chars().take(200).collect();
+                let mut events = vec![NewEvent::new(
+                    EventKind::ToolCompleted,
+                    json!({"step": step, "call_id": call.id, "tool": call.function.name, "ok": ok, "truncated": truncated, "refused": refused, "preview": preview}),
+                )];
+                // Serialize the commits of this step so exactly the last one closes the step.
+                let mut left = remaining.lock().await;
+                *left -= 1;
+                if *left == 0 {
+                    events.push(NewEvent::new(EventKind::StepCompleted, json!({"step": step})));
+                }
+                let msg = NewMessage {
+                    step,
+                    key: format!("{}:{}:tool:{}", run.id, step, call.id),
+                    message: Message::Tool { tool_call_id: call.id.clone(), content: text },
+                };
+                self.store.checkpoint(lease, Checkpoint { messages: vec![msg], events, ..Default::default() }).await?;
+                Ok::<(), Stop>(())
+            }
+            .instrument(span)
+        });
+        for r in futures::future::join_all(futs).await {
+            r?;
+        }
+        Ok(())
+    }
+}
+
+/// Renews the lease every third of its length; trips `cancel` when a cancel was requested and
+/// `lost` when the lease is gone. A failed renewal (database briefly away) is retried until the
+/// lease would have expired.
+async fn heartbeat(store: Arc<dyn Store>, lease: Lease, cancel: CancellationToken, lost: CancellationToken) {
+    let every = (lease.ttl / 3).max(Duration::from_millis(50));
+    let mut last_ok = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(every).await;
+        match store.renew_lease(&lease).await {
+            Ok(st) => {
+                last_ok = std::time::Instant::now();
+                if st.cancel_requested {
+                    cancel.cancel();
+                }
+            }
+            Err(StoreError::LeaseLost(_)) => {
+                lost.cancel();
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "lease renewal failed; retrying");
+                if last_ok.elapsed() >= lease.ttl {
+                    lost.cancel();
+                    return;
+                }
+            }
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The model's view of the thread: every committed message in order. Calls left unanswered by
+/// an earlier run that ended mid-step get a placeholder result, because the API rejects a
+/// conversation with dangling tool calls.
+pub fn context(history: &[StoredMessage], current: RunId) -> Vec<Message> {
+    let answered: HashSet<(&RunId, &str)> = history
+        .iter()
+        .filter_map(|m| match &m.message {
+            Message::Tool { tool_call_id, .. } => Some((&m.run_id, tool_call_id.as_str())),
+            _ => None,
+        })
+        .collect();
+    let mut out = Vec::with_capacity(history.len());
+    for (i, m) in history.iter().enumerate() {
+        out.push(m.message.clone());
+        if m.run_id == current {
+            continue;
+        }
+        if let Message::Assistant { tool_calls, .. } = &m.message {
+            // Only patch when the next message is not that call's result (ended runs only).
+            let _ = i;
+            for c in tool_calls {
+                if !answered.contains(&(&m.run_id, c.id.as_str())) {
+                    out.push(Message::Tool {
+                        tool_call_id: c.id.clone(),
+                        content: "[no result: the run ended before this call completed]".into(),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Every call this run made before `step`, flattened in order, as (name, canonical args).
+fn prior_calls(mine: &[&StoredMessage], step: u32) -> Vec<(String, String)> {
+    mine.iter()
+        .filter(|m| m.step < step)
+        .filter_map(|m| match &m.message {
+            Message::Assistant { tool_calls, .. } => Some(tool_calls),
+            _ => None,
+        })
+        .flatten()
+        .map(|c| (c.function.name.clone(), canonical_args(&c.function.arguments)))
+        .collect()
+}
+
+/// Arguments compared as JSON values, so key order and spacing do not hide a repeat.
+fn canonical_args(raw: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(raw).map(|v| v.to_string()).unwrap_or_else(|_| raw.trim().to_owned())
+}
+
+/// Call ids key the checkpoints of tool results, so they must be unique and non-empty within a
+/// step; models occasionally repeat or omit them.
+fn unique_call_ids(calls: Vec<ToolCall>, step: u32) -> Vec<ToolCall> {
+    let mut seen = HashSet::new();
+    calls
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut c)| {
+            let ok_chars = c.id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if c.id.is_empty() || !ok_chars || !seen.insert(c.id.clone()) {
+                c.id = format!("call_s{step}_{i}");
+                seen.insert(c.id.clone());
+            }
+            c
+        })
+        .collect()
+}
+
+fn model_error_message(e: &ModelError) -> String {
+    match e {
+        ModelError::Rejected { status: 401 | 403, .. } => format!("{e} (check OPENAI_API_KEY)"),
+        ModelError::Rejected { status: 404, .. } => format!("{e} (check OPENAI_BASE_URL and the model name)"),
+        _ => e.to_string(),
+    }
+}

@@ -1,0 +1,122 @@
+//! Typed identifiers. A run id can never be passed where a thread id is expected, and every id
+//! has one canonical string form that is what the database and the API store and show.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The id of one run: a UUID v7, so ids sort by creation time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RunId(pub Uuid);
+
+impl RunId {
+    /// A fresh, time-ordered id.
+    pub fn new() -> Self {
+        Self(Uuid::now_v7())
+    }
+}
+
+impl Default for RunId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl FromStr for RunId {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        Uuid::parse_str(s).map(Self).map_err(|_| IdError::BadRunId(s.to_owned()))
+    }
+}
+
+/// The id of a thread: free-form text chosen by the caller (or generated), because callers want
+/// to name conversations after their own entities (`ticket-4711`). Limited to a safe alphabet so
+/// it can appear in URLs, stream keys and file names unescaped.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct ThreadId(String);
+
+/// Longest accepted thread id, in bytes.
+pub const MAX_THREAD_ID_LEN: usize = 200;
+
+impl ThreadId {
+    /// A fresh thread id: `thr_` and a UUID v7 in simple form.
+    pub fn generate() -> Self {
+        Self(format!("thr_{}", Uuid::now_v7().simple()))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ThreadId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for ThreadId {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        let ok = !s.is_empty()
+            && s.len() <= MAX_THREAD_ID_LEN
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
+        if ok { Ok(Self(s.to_owned())) } else { Err(IdError::BadThreadId(s.to_owned())) }
+    }
+}
+
+impl TryFrom<String> for ThreadId {
+    type Error = IdError;
+    fn try_from(s: String) -> Result<Self, IdError> {
+        s.parse()
+    }
+}
+
+impl From<ThreadId> for String {
+    fn from(t: ThreadId) -> String {
+        t.0
+    }
+}
+
+/// A malformed id, with the offending text.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum IdError {
+    /// Not a UUID.
+    #[error("`{0}` is not a run id (expected a UUID such as 0192f0c1-7a3e-7c4e-9a51-3f0e2b1c4d5e)")]
+    BadRunId(String),
+    /// Empty, too long, or with characters outside `[A-Za-z0-9_.:-]`.
+    #[error("`{0}` is not a valid thread id: use 1 to 200 characters from A-Z a-z 0-9 _ - . :")]
+    BadThreadId(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_ids_are_checked() {
+        assert!("ticket-4711".parse::<ThreadId>().is_ok());
+        assert!("".parse::<ThreadId>().is_err());
+        assert!("a/b".parse::<ThreadId>().is_err());
+        assert!("x".repeat(201).parse::<ThreadId>().is_err());
+        assert!(ThreadId::generate().as_str().starts_with("thr_"));
+    }
+
+    #[test]
+    fn run_ids_round_trip() {
+        let id = RunId::new();
+        assert_eq!(id.to_string().parse::<RunId>().unwrap(), id);
+        assert!("nope".parse::<RunId>().is_err());
+    }
+}

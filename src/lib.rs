@@ -1,0 +1,28 @@
+//! `subagents`: a durable executor for LLM subagent runs.
+//!
+//! A parent hands a task to a subagent; the subagent works in a fresh context (its own ReAct
+//! loop) and only its final text comes back. Every run is a queued job whose every step is
+//! checkpointed, so it survives crashed workers and can be continued on its thread.
+//!
+//! Modules, in the order data flows:
+//! - [`agents`]: definitions from `jobs/*.md`;
+//! - [`app`]: wiring — start a run, wait for it, run workers;
+//! - [`queue`]: apalis jobs, workers and the reaper;
+//! - [`engine`]: the step loop (replay, tools, limits, forced answers);
+//! - [`model`]: the chat client and the mock server;
+//! - [`tools`]: built-in tools confined to a workspace;
+//! - [`store`]: threads, runs, messages and the event outbox;
+//! - [`config`], [`cli`], [`telemetry`]: the program's edges.
+#![warn(missing_docs)]
+
+pub mod agents;
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod engine;
+pub mod ids;
+pub mod model;
+pub mod queue;
+pub mod store;
+pub mod telemetry;
+pub mod tools;

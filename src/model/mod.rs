@@ -1,0 +1,241 @@
+//! Model access: the chat message types (which are also the OpenAI wire format), the
+//! provider-agnostic [`ChatModel`] trait the engine calls, the OpenAI-compatible streaming client,
+//! and the scripted mock server used by tests, demos and benchmarks.
+
+pub mod mock;
+pub mod openai;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+/// One message of a conversation, serialized exactly as OpenAI Chat Completions expects it.
+/// The same type is what the store checkpoints, so replay needs no conversion.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "lowercase")]
+pub enum Message {
+    /// The agent's system prompt.
+    System {
+        /// Prompt text.
+        content: String,
+    },
+    /// Input from the caller.
+    User {
+        /// Prompt text.
+        content: String,
+    },
+    /// What the model said: text, tool calls, or both.
+    Assistant {
+        /// Text; absent when the model only called tools.
+        #[serde(default)]
+        content: Option<String>,
+        /// Calls the model asked for, in its order.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<ToolCall>,
+    },
+    /// A tool's answer to one call.
+    Tool {
+        /// The call this answers.
+        tool_call_id: String,
+        /// The (possibly truncated) output or error text.
+        content: String,
+    },
+}
+
+impl Message {
+    /// The role as the wire names it.
+    pub fn role(&self) -> &'static str {
+        match self {
+            Message::System { .. } => "system",
+            Message::User { .. } => "user",
+            Message::Assistant { .. } => "assistant",
+            Message::Tool { .. } => "tool",
+        }
+    }
+}
+
+/// A tool call as the model emits it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The model's id for the call; tool results refer to it.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    /// Name and JSON-encoded arguments.
+    pub function: FunctionCall,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+/// The function part of a tool call.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    /// Tool name.
+    pub name: String,
+    /// Arguments as a JSON string (the model may produce invalid JSON; tools report that).
+    #[serde(default)]
+    pub arguments: String,
+}
+
+/// A tool offered to the model, in OpenAI's `tools` format.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Name, description and JSON-schema parameters.
+    pub function: FunctionSpec,
+}
+
+/// The function part of a tool spec.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FunctionSpec {
+    /// Tool name.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// JSON schema of the arguments.
+    pub parameters: serde_json::Value,
+}
+
+/// Token counts of one call, or summed over a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens sent.
+    pub prompt_tokens: u64,
+    /// Tokens produced.
+    pub completion_tokens: u64,
+}
+
+impl Usage {
+    /// Prompt plus completion.
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens + self.completion_tokens
+    }
+}
+
+/// One request to the model.
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    /// Model name.
+    pub model: String,
+    /// The whole context.
+    pub messages: Vec<Message>,
+    /// Tools offered; empty forces a text answer.
+    pub tools: Vec<ToolSpec>,
+    /// `{run_id}:{step}`: sent as a header so a server's logs can tie requests to steps.
+    pub step_key: String,
+}
+
+/// The model's complete answer to one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatResponse {
+    /// Text, if any.
+    pub content: Option<String>,
+    /// Tool calls, if any.
+    pub tool_calls: Vec<ToolCall>,
+    /// Tokens used by this call.
+    pub usage: Usage,
+    /// Why the model stopped (`stop`, `tool_calls`, `length`, …).
+    pub finish_reason: Option<String>,
+}
+
+/// How a model call failed, classified once so the engine knows what to do.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ModelError {
+    /// The server refused the request for good (a 4xx other than 408/409/429): retrying cannot help.
+    #[error("model endpoint rejected the request with HTTP {status}: {body}")]
+    Rejected {
+        /// HTTP status.
+        status: u16,
+        /// Start of the response body.
+        body: String,
+    },
+    /// Transient failures (429, 5xx, connection, broken stream) persisted through every retry.
+    #[error("model endpoint kept failing after {attempts} attempts; last error: {last}")]
+    Exhausted {
+        /// Attempts made.
+        attempts: u32,
+        /// The last failure.
+        last: String,
+    },
+    /// The response could not be understood.
+    #[error("model response could not be parsed: {0}")]
+    Malformed(String),
+}
+
+/// Called with each text fragment as it streams in (ephemeral; never checkpointed).
+pub type DeltaSink<'a> = &'a (dyn Fn(&str) + Send + Sync);
+
+/// A provider of chat completions. The engine depends on this, not on HTTP, so other providers
+/// and in-process fakes plug in.
+#[async_trait]
+pub trait ChatModel: Send + Sync {
+    /// One completion, with transient failures already retried.
+    async fn complete(&self, req: &ChatRequest, on_delta: DeltaSink<'_>) -> Result<ChatResponse, ModelError>;
+}
+
+/// How retries back off: exponential from `base`, capped at `max`, at most `retries` retries.
+#[derive(Clone, Copy, Debug)]
+pub struct RetryPolicy {
+    /// Retries after the first attempt.
+    pub retries: u32,
+    /// First delay.
+    pub base: Duration,
+    /// Longest delay, also the cap on a server's `Retry-After`.
+    pub max: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self { retries: 5, base: Duration::from_millis(200), max: Duration::from_secs(30) }
+    }
+}
+
+impl RetryPolicy {
+    /// Delay before retry number `n` (1-based), honouring a server-sent `Retry-After`.
+    pub fn delay(&self, n: u32, retry_after: Option<Duration>) -> Duration {
+        if let Some(ra) = retry_after {
+            return ra.min(self.max);
+        }
+        let exp = self.base.saturating_mul(1u32 << (n.saturating_sub(1)).min(16));
+        // Up to 25% jitter so a fleet of workers does not retry in lockstep.
+        let jitter = exp.mul_f64(rand::random::<f64>() * 0.25);
+        (exp + jitter).min(self.max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_use_the_openai_wire_format() {
+        let m = Message::Assistant {
+            content: None,
+            tool_calls: vec![ToolCall {
+                id: "c1".into(),
+                kind: "function".into(),
+                function: FunctionCall { name: "echo".into(), arguments: "{}".into() },
+            }],
+        };
+        let v = serde_json::to_value(&m).unwrap();
+        assert_eq!(v["role"], "assistant");
+        assert_eq!(v["tool_calls"][0]["type"], "function");
+        assert_eq!(serde_json::from_value::<Message>(v).unwrap(), m);
+        let t: Message = serde_json::from_str(r#"{"role":"tool","tool_call_id":"c1","content":"x"}"#).unwrap();
+        assert_eq!(t.role(), "tool");
+    }
+
+    #[test]
+    fn retry_after_wins_and_is_capped() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.delay(1, Some(Duration::from_secs(2))), Duration::from_secs(2));
+        assert_eq!(p.delay(1, Some(Duration::from_secs(999))), p.max);
+        assert!(p.delay(3, None) >= Duration::from_millis(800));
+    }
+}

@@ -1,0 +1,283 @@
+//! The OpenAI-compatible Chat Completions client: streamed (SSE) responses assembled into one
+//! [`ChatResponse`], tool calls included, with retry and backoff on 429, 5xx and broken
+//! connections, honouring `Retry-After`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use eventsource_stream::Eventsource;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{ChatModel, ChatRequest, ChatResponse, DeltaSink, FunctionCall, ModelError, RetryPolicy, ToolCall, Usage};
+
+/// Where and how to reach the model.
+#[derive(Clone)]
+pub struct OpenAiConfig {
+    /// Base URL up to and including `/v1`.
+    pub base_url: String,
+    /// Bearer key; may be empty for local servers.
+    pub api_key: String,
+    /// Retry policy for transient failures.
+    pub retry: RetryPolicy,
+    /// Limit on one whole attempt (connect, wait, stream).
+    pub request_timeout: Duration,
+}
+
+impl std::fmt::Debug for OpenAiConfig {
+    // The key is a secret: never printed.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenAiConfig")
+            .field("base_url", &self.base_url)
+            .field("api_key", &if self.api_key.is_empty() { "<unset>" } else { "<redacted>" })
+            .field("retry", &self.retry)
+            .finish()
+    }
+}
+
+/// A streaming Chat Completions client.
+#[derive(Clone, Debug)]
+pub struct OpenAiClient {
+    http: reqwest::Client,
+    config: OpenAiConfig,
+}
+
+/// One failed attempt: either worth retrying (with an optional server-given delay) or final.
+enum Attempt {
+    Retry { why: String, after: Option<Duration> },
+    Fatal(ModelError),
+}
+
+impl OpenAiClient {
+    /// A client with its own connection pool.
+    pub fn new(config: OpenAiConfig) -> Self {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .expect("reqwest client with static settings");
+        Self { http, config }
+    }
+
+    fn url(&self) -> String {
+        format!("{}/chat/completions", self.config.base_url.trim_end_matches('/'))
+    }
+
+    async fn attempt(&self, req: &ChatRequest, on_delta: DeltaSink<'_>) -> Result<ChatResponse, Attempt> {
+        let mut body = json!({
+            "model": req.model,
+            "messages": req.messages,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        if !req.tools.is_empty() {
+            body["tools"] = json!(req.tools);
+        }
+        let mut builder = self.http.post(self.url()).json(&body).header("x-subagents-step", &req.step_key);
+        if !self.config.api_key.is_empty() {
+            builder = builder.bearer_auth(&self.config.api_key);
+        }
+        let resp = builder.send().await.map_err(|e| Attempt::Retry { why: format!("connection: {e}"), after: None })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let after = resp
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|s| s.trim().parse::<f64>().ok())
+                .map(|s| Duration::from_secs_f64(s.max(0.0)));
+            let text = resp.text().await.unwrap_or_default();
+            let body: String = text.chars().take(500).collect();
+            let code = status.as_u16();
+            return Err(if code == 429 || code == 408 || code == 409 || status.is_server_error() {
+                Attempt::Retry { why: format!("HTTP {code}: {body}"), after }
+            } else {
+                Attempt::Fatal(ModelError::Rejected { status: code, body })
+            });
+        }
+        let is_sse = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !is_sse {
+            // Some compatible servers ignore `stream`; accept a plain completion too.
+            let v: serde_json::Value =
+                resp.json().await.map_err(|e| Attempt::Retry { why: format!("reading body: {e}"), after: None })?;
+            return parse_plain(&v).map_err(Attempt::Fatal);
+        }
+        let mut acc = Accumulator::default();
+        let mut events = resp.bytes_stream().eventsource();
+        while let Some(ev) = events.next().await {
+            let ev = ev.map_err(|e| Attempt::Retry { why: format!("stream broke: {e}"), after: None })?;
+            if ev.data.trim() == "[DONE]" {
+                return Ok(acc.finish());
+            }
+            let chunk: Chunk = serde_json::from_str(&ev.data)
+                .map_err(|e| Attempt::Fatal(ModelError::Malformed(format!("{e} in chunk {}", ev.data))))?;
+            acc.add(chunk, on_delta);
+        }
+        // Some servers end the stream without `[DONE]`; what arrived is complete only if a
+        // finish reason came with it.
+        if acc.finish_reason.is_some() {
+            Ok(acc.finish())
+        } else {
+            Err(Attempt::Retry { why: "stream ended before the response was complete".into(), after: None })
+        }
+    }
+}
+
+#[async_trait]
+impl ChatModel for OpenAiClient {
+    async fn complete(&self, req: &ChatRequest, on_delta: DeltaSink<'_>) -> Result<ChatResponse, ModelError> {
+        let policy = self.config.retry;
+        let mut attempt_no = 0u32;
+        loop {
+            attempt_no += 1;
+            let outcome = match tokio::time::timeout(self.config.request_timeout, self.attempt(req, on_delta)).await {
+                Ok(r) => r,
+                Err(_) => Err(Attempt::Retry {
+                    why: format!("no complete response within {:?}", self.config.request_timeout),
+                    after: None,
+                }),
+            };
+            match outcome {
+                Ok(r) => return Ok(r),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Retry { why, after }) => {
+                    if attempt_no > policy.retries {
+                        return Err(ModelError::Exhausted { attempts: attempt_no, last: why });
+                    }
+                    let delay = policy.delay(attempt_no, after);
+                    tracing::warn!(attempt = attempt_no, ?delay, error = %why, "model call failed; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Vec<ChunkChoice>,
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+#[derive(Deserialize)]
+struct ChunkChoice {
+    #[serde(default)]
+    delta: Delta,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    tool_calls: Vec<ToolCallDelta>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallDelta {
+    #[serde(default)]
+    index: usize,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    function: Option<FunctionDelta>,
+}
+
+#[derive(Deserialize)]
+struct FunctionDelta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
+}
+
+/// Builds one response out of stream chunks; tool call fragments are keyed by their index.
+#[derive(Default)]
+struct Accumulator {
+    content: String,
+    saw_content: bool,
+    calls: BTreeMap<usize, (String, String, String)>,
+    usage: Usage,
+    finish_reason: Option<String>,
+}
+
+impl Accumulator {
+    fn add(&mut self, chunk: Chunk, on_delta: DeltaSink<'_>) {
+        if let Some(u) = chunk.usage {
+            self.usage = u;
+        }
+        for choice in chunk.choices {
+            if let Some(text) = choice.delta.content {
+                if !text.is_empty() {
+                    on_delta(&text);
+                }
+                self.saw_content = true;
+                self.content.push_str(&text);
+            }
+            for tc in choice.delta.tool_calls {
+                let entry = self.calls.entry(tc.index).or_default();
+                if let Some(id) = tc.id {
+                    entry.0 = id;
+                }
+                if let Some(f) = tc.function {
+                    if let Some(n) = f.name {
+                        entry.1.push_str(&n);
+                    }
+                    if let Some(a) = f.arguments {
+                        entry.2.push_str(&a);
+                    }
+                }
+            }
+            if choice.finish_reason.is_some() {
+                self.finish_reason = choice.finish_reason;
+            }
+        }
+    }
+
+    fn finish(self) -> ChatResponse {
+        let tool_calls = self
+            .calls
+            .into_iter()
+            .map(|(i, (id, name, arguments))| ToolCall {
+                id: if id.is_empty() { format!("call_{i}") } else { id },
+                kind: "function".into(),
+                function: FunctionCall { name, arguments },
+            })
+            .collect();
+        ChatResponse {
+            content: self.saw_content.then_some(self.content),
+            tool_calls,
+            usage: self.usage,
+            finish_reason: self.finish_reason,
+        }
+    }
+}
+
+fn parse_plain(v: &serde_json::Value) -> Result<ChatResponse, ModelError> {
+    let msg = &v["choices"][0]["message"];
+    if msg.is_null() {
+        return Err(ModelError::Malformed(format!("no choices[0].message in {v}")));
+    }
+    let tool_calls: Vec<ToolCall> = match msg.get("tool_calls") {
+        Some(tc) if !tc.is_null() => {
+            serde_json::from_value(tc.clone()).map_err(|e| ModelError::Malformed(format!("tool_calls: {e}")))?
+        }
+        _ => vec![],
+    };
+    let usage = serde_json::from_value(v["usage"].clone()).unwrap_or_default();
+    Ok(ChatResponse {
+        content: msg["content"].as_str().map(str::to_owned),
+        tool_calls,
+        usage,
+        finish_reason: v["choices"][0]["finish_reason"].as_str().map(str::to_owned),
+    })
+}

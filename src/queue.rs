@@ -1,0 +1,191 @@
+//! The queue: apalis 1.0 on the store's database. A job carries only a run id; the run row is
+//! the truth, so a duplicate job is harmless (its claim finds the run taken or finished) and a
+//! lost job is repaired by the reaper, which re-enqueues runs that are queued without a live
+//! job or running under an expired lease.
+//!
+//! apalis traps handled here (shared/notes/apalis-1.0.md): the queue has a fixed name, workers
+//! poll on a short interval (an idle worker otherwise waits for its 30 s heartbeat), worker
+//! names are unique per process, and a worker that dies on a database error is restarted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use apalis::prelude::*;
+use apalis_sqlite::{Config as SqliteQueueConfig, SqlitePool, SqliteStorage};
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::engine::{Engine, Executed};
+use crate::ids::RunId;
+
+/// The queue's name in apalis's tables. Fixed: the default (the Rust type path) would orphan
+/// queued jobs whenever the type moved.
+pub const QUEUE_NAME: &str = "subagents.runs";
+
+/// Queue-level retries of one job (a job fails only when storage fails mid-run).
+const JOB_MAX_ATTEMPTS: usize = 10;
+
+/// The job: run this run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RunJob {
+    /// The run to execute.
+    pub run_id: RunId,
+}
+
+/// Queue failures.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// apalis could not store the job.
+    #[error("could not enqueue run {run}: {message}")]
+    Push {
+        /// The run.
+        run: RunId,
+        /// apalis's error.
+        message: String,
+    },
+}
+
+/// Handle for pushing jobs.
+#[derive(Clone)]
+pub struct Queue {
+    storage: SqliteStorage<RunJob>,
+    heartbeat: Duration,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue").field("name", &QUEUE_NAME).finish()
+    }
+}
+
+/// A fresh job id. apalis's SQLite storage keys jobs by ULID.
+pub fn new_job_id() -> String {
+    ulid::Ulid::new().to_string()
+}
+
+impl Queue {
+    /// A queue on the given SQLite pool (the store's), with apalis's worker heartbeat.
+    pub fn sqlite(pool: &SqlitePool, heartbeat: Duration) -> Self {
+        let storage = SqliteStorage::new(pool).with_config(Self::config(heartbeat));
+        Self { storage, heartbeat }
+    }
+
+    fn config(heartbeat: Duration) -> SqliteQueueConfig {
+        SqliteQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(4)
+    }
+
+    /// Pushes the job for `run` under `job_id` (already recorded on the run).
+    pub async fn push(&self, run: RunId, job_id: &str) -> Result<(), QueueError> {
+        let id: ulid::Ulid = job_id.parse().map_err(|e| QueueError::Push { run, message: format!("bad job id: {e}") })?;
+        let task = TaskBuilder::new(RunJob { run_id: run }).task_id(TaskId::from_string(id.to_string())).max_attempts(JOB_MAX_ATTEMPTS).build();
+        let mut storage = self.storage.clone();
+        storage.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() })
+    }
+}
+
+/// What a worker needs to execute jobs.
+pub struct WorkerContext {
+    /// The engine.
+    pub engine: Arc<Engine>,
+    /// Worker name (unique per process), used as the lease owner.
+    pub name: String,
+    /// Fires on shutdown: running runs are released to the queue.
+    pub shutdown: CancellationToken,
+}
+
+async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDynError> {
+    let ctx: Arc<WorkerContext> = (*ctx).clone();
+    let run_id = job.run_id;
+    // Spawned so runs use every core: apalis polls one worker's jobs in one task.
+    let handle = tokio::spawn(
+        async move { ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await }
+            .instrument(tracing::info_span!("job", %run_id)),
+    );
+    match handle.await {
+        Ok(Ok(Executed::Finished | Executed::Skipped | Executed::LeaseLost | Executed::Released)) => Ok(()),
+        Ok(Err(e)) => Err(Box::new(e)),
+        Err(join) => Err(Box::new(join)),
+    }
+}
+
+/// Settings of a worker process's pool.
+#[derive(Clone, Debug)]
+pub struct WorkerSettings {
+    /// Runs executed at once.
+    pub concurrency: usize,
+    /// How often an idle worker looks for jobs.
+    pub poll_interval: Duration,
+    /// Reaper period.
+    pub reap_every: Duration,
+    /// How long a fresh enqueue is left alone by the reaper.
+    pub reap_grace: Duration,
+}
+
+/// Runs a worker (restarted on failure) and the reaper until `shutdown`.
+pub async fn run_workers(engine: Arc<Engine>, queue: Queue, pool: SqlitePool, settings: WorkerSettings, shutdown: CancellationToken) {
+    let reaper = tokio::spawn(reap(engine.clone(), queue.clone(), settings.clone(), shutdown.clone()));
+    let mut restarts = 0u32;
+    loop {
+        let name = format!("subagents-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let ctx = Arc::new(WorkerContext { engine: engine.clone(), name: name.clone(), shutdown: shutdown.clone() });
+        let backend = SqliteStorage::<RunJob>::new(&pool)
+            .with_config(Queue::config(queue.heartbeat))
+            .poll_with_interval(settings.poll_interval);
+        let worker = WorkerBuilder::new(name.as_str())
+            .backend(backend)
+            .concurrency(settings.concurrency.max(1))
+            .data(ctx)
+            .build(handle);
+        tracing::info!(worker = %name, concurrency = settings.concurrency, "worker started");
+        let stop = shutdown.clone();
+        let res = worker.run_until(async move {
+            stop.cancelled().await;
+            Ok::<(), std::io::Error>(())
+        })
+        .await;
+        if shutdown.is_cancelled() {
+            break;
+        }
+        restarts += 1;
+        let wait = Duration::from_millis(500 * u64::from(restarts.min(10)));
+        match res {
+            Ok(()) => tracing::warn!(worker = %name, "worker stopped unexpectedly; restarting"),
+            Err(e) => tracing::error!(worker = %name, error = %e, ?wait, "worker failed (database unavailable?); restarting"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    let _ = reaper.await;
+    tracing::info!("workers stopped");
+}
+
+/// Re-enqueues runs whose job is gone or whose worker vanished.
+async fn reap(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(settings.reap_every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let orphans = match engine.store.orphans(settings.reap_grace).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(error = %e, "reaper could not read orphans");
+                continue;
+            }
+        };
+        for o in orphans {
+            let job = new_job_id();
+            tracing::info!(run_id = %o.run_id, status = o.status.as_str(), "re-enqueueing orphaned run");
+            if let Err(e) = engine.store.set_job(o.run_id, &job).await {
+                tracing::warn!(error = %e, "reaper could not record job");
+                continue;
+            }
+            if let Err(e) = queue.push(o.run_id, &job).await {
+                tracing::warn!(error = %e, "reaper could not push job");
+            }
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! The store: threads, runs, the checkpointed conversation (messages) and the event outbox.
+//! The database is the truth (DESIGN.md invariant 1): every write a run makes goes through
+//! [`Store::checkpoint`], which is fenced by the run's lease epoch (invariant 3) and commits the
+//! run's counters, its new messages and its events in one transaction (the outbox).
+//!
+//! The engine talks to a `dyn Store`, so the SQLite implementation here and a PostgreSQL one
+//! can be swapped without touching it.
+
+pub mod sqlite;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::{RunId, ThreadId};
+use crate::model::{Message, Usage};
+
+pub use sqlite::SqliteStore;
+
+/// `Result` with the store's error.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Where a run is in its life. Stored as its lowercase name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunStatus {
+    /// Waiting for a worker.
+    Queued,
+    /// A worker holds its lease and is executing it.
+    Running,
+    /// Parked on children; holds no worker.
+    Waiting,
+    /// Finished with a final answer.
+    Succeeded,
+    /// Finished with an error (see [`ErrorKind`]).
+    Failed,
+    /// Stopped on request.
+    Cancelled,
+}
+
+impl RunStatus {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Queued => "queued",
+            RunStatus::Running => "running",
+            RunStatus::Waiting => "waiting",
+            RunStatus::Succeeded => "succeeded",
+            RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<RunStatus> {
+        Some(match s {
+            "queued" => RunStatus::Queued,
+            "running" => RunStatus::Running,
+            "waiting" => RunStatus::Waiting,
+            "succeeded" => RunStatus::Succeeded,
+            "failed" => RunStatus::Failed,
+            "cancelled" => RunStatus::Cancelled,
+            _ => return None,
+        })
+    }
+
+    /// A terminal state never changes again.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RunStatus::Succeeded | RunStatus::Failed | RunStatus::Cancelled)
+    }
+
+    /// The one place that says which moves are legal (DESIGN.md "Run states"). Every status
+    /// write in a store implementation is guarded by this check and by a matching SQL predicate.
+    pub fn can_become(self, to: RunStatus) -> bool {
+        use RunStatus::*;
+        matches!(
+            (self, to),
+            (Queued, Running)
+                | (Queued, Cancelled)
+                | (Running, Waiting)
+                | (Waiting, Running)
+                | (Running, Succeeded | Failed | Cancelled)
+                | (Waiting, Failed | Cancelled)
+                // A crashed worker's run is put back on the queue.
+                | (Running, Queued)
+        )
+    }
+}
+
+/// Why a run failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorKind {
+    /// The model endpoint refused or kept failing.
+    Model,
+    /// A tool failed in a way the run cannot continue from.
+    Tool,
+    /// The run's wall-time limit passed.
+    Timeout,
+    /// A bug or an unexpected storage failure.
+    Internal,
+    /// Workers kept dying on this run; retries exhausted.
+    Lost,
+}
+
+impl ErrorKind {
+    /// Stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Model => "model",
+            ErrorKind::Tool => "tool",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Internal => "internal",
+            ErrorKind::Lost => "lost",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<ErrorKind> {
+        Some(match s {
+            "model" => ErrorKind::Model,
+            "tool" => ErrorKind::Tool,
+            "timeout" => ErrorKind::Timeout,
+            "internal" => ErrorKind::Internal,
+            "lost" => ErrorKind::Lost,
+            _ => return None,
+        })
+    }
+}
+
+/// A failed run's error.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunError {
+    /// Class of failure.
+    pub kind: ErrorKind,
+    /// What happened, for people.
+    pub message: String,
+}
+
+/// Limits resolved when the run is created (agent definition, then caller overrides), stored
+/// with the run so a resumed run obeys the same limits as the first attempt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunLimits {
+    /// Tool-using steps before a forced final answer.
+    pub max_steps: u32,
+    /// Wall time from the first start, in seconds.
+    pub timeout_secs: u64,
+    /// Tokens (prompt + completion, summed over calls) before a forced final answer.
+    #[serde(default)]
+    pub max_total_tokens: Option<u64>,
+}
+
+/// What the caller asks for when starting a run.
+#[derive(Clone, Debug)]
+pub struct NewRun {
+    /// Chosen by the caller so a job can be pushed with it.
+    pub id: RunId,
+    /// New or existing thread.
+    pub thread_id: ThreadId,
+    /// Owner of the thread and run.
+    pub owner: String,
+    /// Agent name.
+    pub agent: String,
+    /// The user message.
+    pub input: String,
+    /// Free caller data.
+    pub metadata: Value,
+    /// Limits.
+    pub limits: RunLimits,
+    /// The delegating run, if any.
+    pub parent_run_id: Option<RunId>,
+    /// The queue job that will execute it.
+    pub job_id: String,
+}
+
+/// A run as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunRecord {
+    /// Id.
+    pub id: RunId,
+    /// Thread.
+    pub thread_id: ThreadId,
+    /// Owner.
+    pub owner: String,
+    /// Agent name.
+    pub agent: String,
+    /// State.
+    pub status: RunStatus,
+    /// The user message that started it.
+    pub input: String,
+    /// Caller data.
+    pub metadata: Value,
+    /// Limits.
+    pub limits: RunLimits,
+    /// Delegating run.
+    pub parent_run_id: Option<RunId>,
+    /// Model calls committed so far.
+    pub step: u32,
+    /// True when the final answer was forced by a limit.
+    pub forced: bool,
+    /// Final text once succeeded.
+    pub result: Option<String>,
+    /// Error once failed.
+    pub error: Option<RunError>,
+    /// Tokens used.
+    pub usage: Usage,
+    /// Times a worker claimed it.
+    pub attempts: u32,
+    /// Current lease epoch.
+    pub lease_epoch: i64,
+    /// A cancel was requested and not yet acted on.
+    pub cancel_requested: bool,
+    /// Latest queue job id.
+    pub job_id: String,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// First claim.
+    pub started_at: Option<DateTime<Utc>>,
+    /// Terminal time.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// Last lease renewal or checkpoint.
+    pub heartbeat_at: Option<DateTime<Utc>>,
+}
+
+/// A checkpointed message.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredMessage {
+    /// Position in the thread (increasing).
+    pub id: i64,
+    /// The run that wrote it.
+    pub run_id: RunId,
+    /// The step it belongs to (0 = input).
+    pub step: u32,
+    /// Idempotency key: `{run}:input`, `{run}:{step}:assistant`, `{run}:{step}:tool:{call}`.
+    pub key: String,
+    /// The message.
+    pub message: Message,
+}
+
+/// A message to append. The key makes the append idempotent.
+#[derive(Clone, Debug)]
+pub struct NewMessage {
+    /// Step.
+    pub step: u32,
+    /// Idempotency key.
+    pub key: String,
+    /// The message.
+    pub message: Message,
+}
+
+/// Durable event types (DESIGN.md "Events").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EventKind {
+    /// `run.queued`
+    #[serde(rename = "run.queued")]
+    RunQueued,
+    /// `run.started`
+    #[serde(rename = "run.started")]
+    RunStarted,
+    /// `step.started`
+    #[serde(rename = "step.started")]
+    StepStarted,
+    /// `model.completed`
+    #[serde(rename = "model.completed")]
+    ModelCompleted,
+    /// `tool.started`
+    #[serde(rename = "tool.started")]
+    ToolStarted,
+    /// `tool.completed`
+    #[serde(rename = "tool.completed")]
+    ToolCompleted,
+    /// `step.completed`
+    #[serde(rename = "step.completed")]
+    StepCompleted,
+    /// `run.succeeded`
+    #[serde(rename = "run.succeeded")]
+    RunSucceeded,
+    /// `run.failed`
+    #[serde(rename = "run.failed")]
+    RunFailed,
+    /// `run.cancelled`
+    #[serde(rename = "run.cancelled")]
+    RunCancelled,
+}
+
+impl EventKind {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::RunQueued => "run.queued",
+            EventKind::RunStarted => "run.started",
+            EventKind::StepStarted => "step.started",
+            EventKind::ModelCompleted => "model.completed",
+            EventKind::ToolStarted => "tool.started",
+            EventKind::ToolCompleted => "tool.completed",
+            EventKind::StepCompleted => "step.completed",
+            EventKind::RunSucceeded => "run.succeeded",
+            EventKind::RunFailed => "run.failed",
+            EventKind::RunCancelled => "run.cancelled",
+        }
+    }
+}
+
+/// An event to append to a run's outbox.
+#[derive(Clone, Debug)]
+pub struct NewEvent {
+    /// Type.
+    pub kind: EventKind,
+    /// Payload.
+    pub data: Value,
+}
+
+impl NewEvent {
+    /// Shorthand.
+    pub fn new(kind: EventKind, data: Value) -> Self {
+        Self { kind, data }
+    }
+}
+
+/// A stored event.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EventRecord {
+    /// Gap-free per run, from 1.
+    pub seq: u64,
+    /// Type name, e.g. `step.completed`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Run.
+    pub run_id: RunId,
+    /// Commit time.
+    pub created_at: DateTime<Utc>,
+    /// Payload.
+    pub data: Value,
+}
+
+/// Proof of holding a run: writes carrying a stale epoch are refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The run.
+    pub run_id: RunId,
+    /// Fencing token.
+    pub epoch: i64,
+    /// Worker name, for operators.
+    pub owner: String,
+    /// How long each renewal keeps it.
+    pub ttl: Duration,
+}
+
+/// The answer to a claim.
+#[derive(Debug)]
+pub enum Claim {
+    /// The caller now holds the run.
+    Acquired(Lease, Box<RunRecord>),
+    /// Someone else holds it, or it is finished or missing: nothing to do.
+    NotClaimable(Option<RunStatus>),
+    /// Its workers kept vanishing; it has now been failed with `kind=lost`.
+    GaveUp,
+}
+
+/// How a run ends.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Finish {
+    /// With a final answer.
+    Succeeded {
+        /// The final text.
+        result: String,
+        /// Whether a limit forced it.
+        forced: bool,
+    },
+    /// With an error.
+    Failed(RunError),
+    /// On request.
+    Cancelled,
+}
+
+/// One atomic, fenced write of a run's progress.
+#[derive(Clone, Debug, Default)]
+pub struct Checkpoint {
+    /// Messages to append (idempotent by key).
+    pub messages: Vec<NewMessage>,
+    /// Events to append, in order.
+    pub events: Vec<NewEvent>,
+    /// New step counter, if it moved.
+    pub step: Option<u32>,
+    /// Tokens to add.
+    pub usage: Usage,
+    /// Terminal transition, if this write ends the run.
+    pub finish: Option<Finish>,
+}
+
+/// The answer to a lease renewal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseStatus {
+    /// Somebody asked to cancel this run.
+    pub cancel_requested: bool,
+}
+
+/// The answer to a cancel request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// It was queued and is now cancelled.
+    Cancelled,
+    /// It is executing; the worker will stop it.
+    Requested,
+    /// It had already ended.
+    AlreadyFinished(RunStatus),
+    /// No such run.
+    NotFound,
+}
+
+/// A run that needs a (new) queue job: queued without a live job, or running under an expired
+/// lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Orphan {
+    /// The run.
+    pub run_id: RunId,
+    /// Its state now.
+    pub status: RunStatus,
+}
+
+/// Storage failures, classified.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The thread already has an active run.
+    #[error("thread {thread_id} is busy with run {active_run}; wait for it to end or enqueue behind it")]
+    Busy {
+        /// The thread.
+        thread_id: ThreadId,
+        /// Its active run.
+        active_run: RunId,
+    },
+    /// The caller's lease epoch is stale: another worker owns the run now.
+    #[error("lease lost: another worker owns run {0} now")]
+    LeaseLost(RunId),
+    /// The thread exists under another owner.
+    #[error("thread {0} belongs to another owner")]
+    ThreadOwnedElsewhere(ThreadId),
+    /// A stored value could not be read back.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    /// Migrations failed.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Everything the engine, queue and API need from storage.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Creates the thread if new and the run (`queued`) with its `run.queued` event.
+    /// Refuses with [`StoreError::Busy`] when the thread has an unfinished run.
+    async fn create_run(&self, new: NewRun) -> Result<RunRecord>;
+
+    /// Reads a run.
+    async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>>;
+
+    /// Takes the run if it is queued, or running under an expired lease; bumps the epoch.
+    async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration, max_attempts: u32) -> Result<Claim>;
+
+    /// Extends the lease. Fails with [`StoreError::LeaseLost`] if the epoch is stale.
+    async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus>;
+
+    /// Gives the run up at once (shutdown, internal error) so another worker may claim it.
+    async fn release_lease(&self, lease: &Lease) -> Result<()>;
+
+    /// Commits progress atomically, fenced by the lease.
+    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
+
+    /// Every message of a thread, in order.
+    async fn thread_messages(&self, thread: &ThreadId) -> Result<Vec<StoredMessage>>;
+
+    /// Events of a run with `seq > after`, at most `limit`.
+    async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>>;
+
+    /// Asks a run to stop; idempotent.
+    async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome>;
+
+    /// Runs that need a new queue job; `grace` keeps fresh enqueues and recent re-enqueues out.
+    async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>>;
+
+    /// Records the queue job now responsible for the run.
+    async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
+}
+
+/// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend
+/// compares them the same way.
+pub fn now_ms() -> i64 {
+    Utc::now().timestamp_millis()
+}
