@@ -131,17 +131,28 @@ pub enum OpenError {
 impl App {
     /// Opens everything with the production model client.
     pub async fn open(settings: Settings) -> Result<App, OpenError> {
-        let model = Arc::new(OpenAiClient::new(OpenAiConfig {
+        let model = Self::model_client(&settings);
+        Self::open_with_model(settings, model).await
+    }
+
+    /// The OpenAI-compatible client the settings describe.
+    pub fn model_client(settings: &Settings) -> Arc<dyn ChatModel> {
+        Arc::new(OpenAiClient::new(OpenAiConfig {
             base_url: settings.openai_base_url.clone(),
             api_key: settings.openai_api_key.clone().unwrap_or_default(),
             retry: RetryPolicy { retries: settings.model_retries, ..RetryPolicy::default() },
             request_timeout: settings.model_timeout(),
-        }));
-        Self::open_with_model(settings, model).await
+        }))
     }
 
-    /// Opens everything with the given model (tests, embedders).
+    /// Opens everything with the given model and the built-in tools.
     pub async fn open_with_model(settings: Settings, model: Arc<dyn ChatModel>) -> Result<App, OpenError> {
+        let tools = ToolRegistry::builtin(settings.tool_journal.clone());
+        Self::open_custom(settings, model, tools).await
+    }
+
+    /// Opens everything with the given model and tools (tests, embedders with their own tools).
+    pub async fn open_custom(settings: Settings, model: Arc<dyn ChatModel>, tools: ToolRegistry) -> Result<App, OpenError> {
         let url = settings.database_url.clone();
         if !url.starts_with("sqlite:") {
             return Err(OpenError::UnsupportedDatabase(redact(&url)));
@@ -160,7 +171,7 @@ impl App {
         let engine = Arc::new(Engine {
             store: store.clone(),
             agents: agents.clone(),
-            tools: Arc::new(ToolRegistry::builtin(settings.tool_journal.clone())),
+            tools: Arc::new(tools),
             model,
             settings: EngineSettings {
                 default_model: settings.default_model.clone(),

@@ -117,6 +117,10 @@ pub struct LogEntry {
     pub step: u32,
     /// HTTP status answered.
     pub status: u16,
+    /// Messages in the request (shows what context the model was given).
+    pub messages: usize,
+    /// Whether the request offered tools.
+    pub offered_tools: bool,
 }
 
 /// Server settings.
@@ -239,7 +243,8 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         .next();
     let scenario = match scenario {
         Some(Err(e)) => {
-            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400 });
+            let (messages, offered_tools) = (req.messages.len(), !req.tools.is_empty());
+            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
         Some(Ok(s)) => Some(s),
@@ -258,6 +263,8 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         scenario: scenario.as_ref().map(|s| s.key.clone()).unwrap_or_default(),
         step: done_steps + 1,
         status,
+        messages: req.messages.len(),
+        offered_tools: !req.tools.is_empty(),
     };
     if let Some(s) = &scenario {
         if s.fail_every > 0 {
@@ -360,10 +367,7 @@ fn stream_reply(model: String, reply: Reply, usage: Value) -> Response {
     match reply {
         Reply::Text(t) => {
             // Word by word, as real servers stream.
-            let mut first = true;
             for w in t.split_inclusive(' ') {
-                let _ = first;
-                first = false;
                 chunks.push(chunk(json!({"content": w}), None));
             }
             chunks.push(chunk(json!({}), Some("stop")));

@@ -1,0 +1,149 @@
+//! The binary as users meet it: `run`, `agents`, `--help`, bad input and exit codes.
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use subagents::model::mock::{MockOptions, MockServer};
+
+fn subagents(dir: &std::path::Path, mock: Option<&MockServer>, args: &[&str]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
+    c.args(args)
+        .current_dir(dir)
+        .env("DATABASE_URL", format!("sqlite://{}", dir.join("cli.db").display()))
+        .env_remove("SUBAGENTS_JOBS_DIR")
+        .env_remove("SUBAGENTS_WORKSPACE")
+        .env("RUST_LOG", "warn");
+    if let Some(m) = mock {
+        c.env("OPENAI_BASE_URL", m.base_url()).env("OPENAI_API_KEY", "x").env("SUBAGENTS_MODEL", "mock-model");
+    }
+    c.output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+async fn mock() -> MockServer {
+    MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::ZERO, log_file: None }).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_prints_the_answer_and_the_thread_and_continues_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = mock().await;
+    let out = subagents(dir.path(), Some(&m), &["run", "Task one.\nSCENARIO steps=3"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "DONE after 3 steps\n");
+    let err = text(&out.stderr);
+    assert!(err.contains("step 1: model calls echo"), "progress per step: {err}");
+    assert!(err.contains("echo ok"), "progress per tool call: {err}");
+    let thread = err.split("--thread ").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    let out = subagents(dir.path(), Some(&m), &["run", "--thread", &thread, "Task two.\nSCENARIO steps=2 run=2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains(&thread));
+    // A thread id that cannot exist is refused before anything is written.
+    let out = subagents(dir.path(), Some(&m), &["run", "--thread", "bad/id", "x"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("not a valid thread id"), "{}", text(&out.stderr));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_exit_codes_tell_failure_from_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = mock().await;
+    let out = subagents(dir.path(), Some(&m), &["run", "SCENARIO fail_every=1 fail_status=401"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("[model]") && err.contains("OPENAI_API_KEY"), "{err}");
+    let out = subagents(dir.path(), Some(&m), &["run", "  "]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("error[empty_input]"), "{}", text(&out.stderr));
+    let out = subagents(dir.path(), Some(&m), &["run", "--agent", "nobody", "x"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("error[unknown_agent]"));
+    let out = subagents(dir.path(), Some(&m), &["run", "--max-steps", "2", "SCENARIO steps=9"]);
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout), "FORCED after 2 tool results\n");
+    assert!(text(&out.stderr).contains("forced"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_lists_definitions_and_reports_broken_files_with_their_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let jobs = dir.path().join("jobs");
+    std::fs::create_dir_all(&jobs).unwrap();
+    std::fs::write(jobs.join("good.md"), "---\nname: good\ndescription: a good one\ntools: Read, Grep\n---\nprompt").unwrap();
+    std::fs::write(jobs.join("bad.md"), "---\ndescription: bad\nmax_steps: many\n---\n").unwrap();
+    let out = subagents(dir.path(), None, &["agents"]);
+    assert_eq!(out.status.code(), Some(1), "broken files make a non-zero exit");
+    let o = text(&out.stdout);
+    assert!(o.contains("good") && o.contains("general-purpose"), "{o}");
+    let e = text(&out.stderr);
+    assert!(e.contains("bad.md:3:"), "path and line of the problem: {e}");
+}
+
+#[test]
+fn the_repository_agents_load_cleanly() {
+    let jobs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("jobs");
+    let (reg, errors) = subagents::agents::AgentRegistry::load_dir(&jobs);
+    assert!(errors.is_empty(), "{errors:?}");
+    for name in ["general-purpose", "researcher", "reviewer"] {
+        let a = reg.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        assert!(a.source.is_some(), "{name} comes from jobs/");
+        assert!(a.system_prompt.len() > 200, "{name} has a real prompt");
+    }
+    let tools = subagents::tools::ToolRegistry::builtin(None);
+    assert_eq!(tools.allowed_for(reg.get("researcher").unwrap()), ["read_file", "list_dir"]);
+}
+
+#[test]
+fn help_explains_the_commands_and_the_scenario_grammar() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = subagents(dir.path(), None, &["--help"]);
+    let h = text(&out.stdout);
+    for w in ["run", "worker", "agents", "demo", "migrate", "mock-llm", "DATABASE_URL", "OPENAI_BASE_URL", "SUBAGENTS_CONCURRENCY"] {
+        assert!(h.contains(w), "--help lacks {w}:\n{h}");
+    }
+    let out = subagents(dir.path(), None, &["mock-llm", "--help"]);
+    let h = text(&out.stdout);
+    for w in ["SCENARIO", "steps=K", "fail_every", "loop=1", "latency_ms"] {
+        assert!(h.contains(w), "mock-llm --help lacks {w}");
+    }
+}
+
+#[test]
+fn demo_runs_with_no_key_and_no_service() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .arg("demo")
+        .current_dir(dir.path())
+        .env_remove("DATABASE_URL")
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_BASE_URL")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "DONE after 4 steps\nDONE after 2 steps\n");
+    assert!(dir.path().join("subagents.db").exists(), "embedded default database created");
+}
+
+#[test]
+fn a_bad_database_url_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .args(["run", "x"])
+        .current_dir(dir.path())
+        .env("DATABASE_URL", "mysql://nowhere/db")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("DATABASE_URL"), "{}", text(&out.stderr));
+    let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .args(["run", "x"])
+        .current_dir(dir.path())
+        .env("DATABASE_URL", "sqlite:///nonexistent-dir/sub/x.db")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("cannot open the database"), "{}", text(&out.stderr));
+}

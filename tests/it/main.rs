@@ -1,0 +1,8 @@
+//! The integration suite: one binary, real SQLite files, the mock model over real HTTP, and
+//! worker processes killed with SIGKILL.
+
+mod cli;
+mod kill;
+mod runs;
+mod store;
+mod support;

@@ -1,0 +1,340 @@
+//! Runs end to end through the queue, the engine and the mock model over HTTP.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use subagents::app::StartRun;
+use subagents::engine::LOOP_MESSAGE;
+use subagents::model::Message;
+use subagents::store::{CancelOutcome, ErrorKind, RunStatus};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn five_step_run_checkpoints_every_step() {
+    let t = spawn_app().await;
+    let r = t.run("Do the task.\nSCENARIO steps=5 tool=echo").await;
+    assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
+    assert_eq!(r.result.as_deref(), Some("DONE after 5 steps"));
+    assert_eq!(r.step, 5);
+    assert!(!r.forced);
+    assert!(r.usage.total() > 0, "usage recorded");
+    let msgs = t.app.store.thread_messages(&r.thread_id).await.unwrap();
+    let roles: Vec<&str> = msgs.iter().map(|m| m.message.role()).collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant", "tool", "assistant", "tool", "assistant", "tool", "assistant"]);
+    for (i, m) in msgs.iter().filter(|m| m.message.role() == "tool").enumerate() {
+        assert_eq!(m.message, Message::Tool { tool_call_id: format!("call_{}_1", i + 1), content: format!("step {} call 1", i + 1) });
+    }
+    // Each step's response was requested exactly once.
+    let served = t.served();
+    for step in 1..=5 {
+        assert_eq!(served.get(&format!("{}:{step}", r.id)), Some(&1), "step {step}: {served:?}");
+    }
+    let events = t.events(r.id).await;
+    assert_gap_free(&events, RunStatus::Succeeded);
+    let k = kinds(&events);
+    assert_eq!(k.iter().filter(|k| **k == "step.completed").count(), 5);
+    assert_eq!(k.iter().filter(|k| **k == "tool.started").count(), 4);
+    assert_eq!(k.iter().filter(|k| **k == "tool.completed").count(), 4);
+    assert_eq!(&k[..3], ["run.queued", "run.started", "step.started"]);
+}
+
+#[tokio::test]
+async fn parallel_tool_calls_each_commit() {
+    let t = spawn_app().await;
+    let r = t.run("SCENARIO steps=3 parallel=3").await;
+    assert_eq!(r.result.as_deref(), Some("DONE after 3 steps"));
+    let msgs = t.app.store.thread_messages(&r.thread_id).await.unwrap();
+    assert_eq!(msgs.iter().filter(|m| m.message.role() == "tool").count(), 6);
+    let events = t.events(r.id).await;
+    assert_gap_free(&events, RunStatus::Succeeded);
+    // step.completed comes once per step, after that step's last tool result.
+    assert_eq!(kinds(&events).iter().filter(|k| **k == "step.completed").count(), 3);
+}
+
+#[tokio::test]
+async fn max_steps_forces_a_final_answer_without_tools() {
+    let t = spawn_app().await;
+    let r = t
+        .app
+        .start_run(StartRun { input: "SCENARIO steps=10".into(), max_steps: Some(3), ..Default::default() })
+        .await
+        .unwrap();
+    let r = t.wait(r.id).await;
+    assert_eq!(r.status, RunStatus::Succeeded);
+    assert!(r.forced, "{r:?}");
+    assert_eq!(r.result.as_deref(), Some("FORCED after 3 tool results"));
+    assert_eq!(r.step, 4, "3 tool steps + 1 forced answer");
+    let log = t.mock.state.log();
+    let last = log.iter().rfind(|e| e.step_key.starts_with(&r.id.to_string())).unwrap();
+    assert!(!last.offered_tools, "the forced call offers no tools");
+    assert!(log.iter().filter(|e| e.step_key.starts_with(&r.id.to_string())).take(3).all(|e| e.offered_tools));
+}
+
+#[tokio::test]
+async fn token_budget_forces_a_final_answer() {
+    let t = spawn_app().await;
+    let r = t
+        .app
+        .start_run(StartRun { input: "SCENARIO steps=50".into(), max_total_tokens: Some(300), ..Default::default() })
+        .await
+        .unwrap();
+    let r = t.wait(r.id).await;
+    assert_eq!(r.status, RunStatus::Succeeded);
+    assert!(r.forced);
+    assert!(r.result.as_deref().unwrap().starts_with("FORCED"), "{r:?}");
+    assert!(r.step < 50);
+}
+
+#[tokio::test]
+async fn identical_calls_are_cut_at_the_third() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("journal.tsv");
+    let j = journal.clone();
+    let t = spawn_app_with(Options { tweak: Box::new(move |s| s.tool_journal = Some(j)), ..Default::default() }).await;
+    let r = t.run("SCENARIO loop=1").await;
+    assert_eq!(r.status, RunStatus::Succeeded);
+    assert_eq!(r.result.as_deref(), Some("stopped repeating after 3 tool results"));
+    let msgs = t.app.store.thread_messages(&r.thread_id).await.unwrap();
+    let tool_results: Vec<String> = msgs
+        .iter()
+        .filter_map(|m| match &m.message {
+            Message::Tool { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tool_results, ["loop", "loop", LOOP_MESSAGE]);
+    // Only two executions happened: the third call was refused, not run.
+    let executed = std::fs::read_to_string(&journal).unwrap();
+    assert_eq!(executed.lines().count(), 2, "{executed}");
+}
+
+#[tokio::test]
+async fn transient_500s_are_retried_to_success() {
+    let t = spawn_app().await;
+    let r = t.run("SCENARIO steps=4 fail_every=2").await;
+    assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
+    assert_eq!(r.result.as_deref(), Some("DONE after 4 steps"));
+    let log = t.mock.state.log();
+    assert!(log.iter().any(|e| e.status == 500), "failures were injected");
+    // Retries repeat failed requests only: each step got exactly one successful answer.
+    for (_, n) in t.served() {
+        assert_eq!(n, 1);
+    }
+}
+
+#[tokio::test]
+async fn rate_limits_honour_retry_after() {
+    let t = spawn_app().await;
+    let started = Instant::now();
+    let r = t.run("SCENARIO steps=2 fail_every=2 fail_status=429 retry_after=1").await;
+    assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
+    // The second request got 429 with Retry-After: 1, so at least one second passed.
+    assert!(started.elapsed() >= Duration::from_secs(1));
+}
+
+#[tokio::test]
+async fn a_4xx_fails_the_run_with_kind_model() {
+    let t = spawn_app().await;
+    let r = t.run("SCENARIO steps=3 fail_every=1 fail_status=400").await;
+    assert_eq!(r.status, RunStatus::Failed);
+    let e = r.error.unwrap();
+    assert_eq!(e.kind, ErrorKind::Model);
+    assert!(e.message.contains("HTTP 400"), "{}", e.message);
+    let log = t.mock.state.log();
+    assert_eq!(log.len(), 1, "a permanent error is not retried: {log:?}");
+    assert_gap_free(&t.events(r.id).await, RunStatus::Failed);
+}
+
+#[tokio::test]
+async fn persistent_5xx_fails_after_retries() {
+    let t = spawn_app_with(Options { tweak: Box::new(|s| s.model_retries = 2), ..Default::default() }).await;
+    let r = t.run("SCENARIO steps=3 fail_every=1 fail_status=503").await;
+    assert_eq!(r.status, RunStatus::Failed);
+    let e = r.error.unwrap();
+    assert_eq!(e.kind, ErrorKind::Model);
+    assert!(e.message.contains("after 3 attempts"), "{}", e.message);
+}
+
+#[tokio::test]
+async fn unreachable_model_fails_with_kind_model() {
+    let t = spawn_app_with(Options {
+        tweak: Box::new(|s| {
+            s.openai_base_url = "http://127.0.0.1:9/v1".into();
+            s.model_retries = 1;
+        }),
+        ..Default::default()
+    })
+    .await;
+    // Rebuilt App uses the settings' client, which points at a closed port.
+    let r = t.run("hello").await;
+    assert_eq!(r.status, RunStatus::Failed);
+    assert_eq!(r.error.unwrap().kind, ErrorKind::Model);
+}
+
+#[tokio::test]
+async fn a_continued_thread_sees_the_first_runs_messages() {
+    let t = spawn_app().await;
+    let first = t.run("First task.\nSCENARIO steps=3").await;
+    assert_eq!(first.status, RunStatus::Succeeded);
+    let second = t
+        .app
+        .start_run(StartRun { input: "Second task.\nSCENARIO steps=2 run=b".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .await
+        .unwrap();
+    let second = t.wait(second.id).await;
+    assert_eq!(second.status, RunStatus::Succeeded);
+    assert_eq!(second.thread_id, first.thread_id);
+    assert_eq!(second.result.as_deref(), Some("DONE after 2 steps"));
+    // The second run's first request carried system + the first run's 6 messages + its input.
+    let log = t.mock.state.log();
+    let req = log.iter().find(|e| e.step_key == format!("{}:1", second.id)).unwrap();
+    assert_eq!(req.messages, 1 + 6 + 1, "{req:?}");
+    let msgs = t.app.store.thread_messages(&first.thread_id).await.unwrap();
+    assert_eq!(msgs.len(), 6 + 4);
+}
+
+#[tokio::test]
+async fn one_active_run_per_thread() {
+    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let first = t.start("SCENARIO steps=2").await;
+    let err = t
+        .app
+        .start_run(StartRun { input: "again".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "thread_busy");
+    assert!(err.to_string().contains(&first.id.to_string()), "names the active run: {err}");
+}
+
+#[tokio::test]
+async fn bad_inputs_are_refused_with_stable_codes() {
+    let t = spawn_app_with(Options { workers: false, tweak: Box::new(|s| s.max_input_bytes = 100), ..Default::default() }).await;
+    let cases = [
+        (StartRun { input: "   ".into(), ..Default::default() }, "empty_input"),
+        (StartRun { input: "x".repeat(101), ..Default::default() }, "input_too_large"),
+        (StartRun { input: "x".into(), agent: Some("nope".into()), ..Default::default() }, "unknown_agent"),
+        (StartRun { input: "x".into(), max_steps: Some(0), ..Default::default() }, "bad_limit"),
+    ];
+    for (req, code) in cases {
+        let e = t.app.start_run(req).await.unwrap_err();
+        assert_eq!(e.code(), code, "{e}");
+    }
+    let e = t.app.start_run(StartRun { input: "x".into(), agent: Some("nope".into()), ..Default::default() }).await.unwrap_err();
+    assert!(e.to_string().contains("general-purpose"), "lists known agents: {e}");
+}
+
+#[tokio::test]
+async fn tool_output_is_truncated_with_a_marker() {
+    let t = spawn_app_with(Options {
+        tools: Some(tools_with(vec![Arc::new(Big(50_000))])),
+        tweak: Box::new(|s| s.tool_output_limit = 1000),
+        ..Default::default()
+    })
+    .await;
+    let r = t.run("SCENARIO steps=2 tool=big").await;
+    assert_eq!(r.status, RunStatus::Succeeded);
+    let msgs = t.app.store.thread_messages(&r.thread_id).await.unwrap();
+    let Message::Tool { content, .. } = &msgs[2].message else { panic!("{msgs:?}") };
+    assert!(content.starts_with(&"x".repeat(1000)));
+    assert!(content.ends_with("[output truncated: 1000 of 50000 bytes shown]"), "{}", &content[1000..]);
+}
+
+#[tokio::test]
+async fn a_slow_tool_times_out_and_the_model_is_told() {
+    let t = spawn_app_with(Options {
+        tools: Some(tools_with(vec![Arc::new(Sleep(Duration::from_secs(30)))])),
+        tweak: Box::new(|s| s.tool_timeout_secs = 0.3),
+        ..Default::default()
+    })
+    .await;
+    let r = t.run("SCENARIO steps=2 tool=sleep").await;
+    assert_eq!(r.status, RunStatus::Succeeded);
+    let msgs = t.app.store.thread_messages(&r.thread_id).await.unwrap();
+    let Message::Tool { content, .. } = &msgs[2].message else { panic!() };
+    assert!(content.starts_with("error[tool_timeout]"), "{content}");
+}
+
+#[tokio::test]
+async fn the_wall_time_limit_fails_the_run_with_kind_timeout() {
+    let t = spawn_app().await;
+    let r = t
+        .app
+        .start_run(StartRun { input: "SCENARIO steps=5 latency_ms=800".into(), timeout_secs: Some(1), ..Default::default() })
+        .await
+        .unwrap();
+    let r = t.wait(r.id).await;
+    assert_eq!(r.status, RunStatus::Failed);
+    assert_eq!(r.error.unwrap().kind, ErrorKind::Timeout);
+    assert_gap_free(&t.events(r.id).await, RunStatus::Failed);
+}
+
+#[tokio::test]
+async fn cancel_a_queued_run_at_once() {
+    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let r = t.start("SCENARIO steps=3").await;
+    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::Cancelled);
+    let r2 = t.app.store.get_run(r.id).await.unwrap().unwrap();
+    assert_eq!(r2.status, RunStatus::Cancelled);
+    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::AlreadyFinished(RunStatus::Cancelled));
+    assert_gap_free(&t.events(r.id).await, RunStatus::Cancelled);
+}
+
+#[tokio::test]
+async fn cancel_a_running_run_mid_tool() {
+    let t = spawn_app_with(Options { tools: Some(tools_with(vec![Arc::new(Sleep(Duration::from_secs(30)))])), ..Default::default() }).await;
+    let r = t.start("SCENARIO steps=3 tool=sleep").await;
+    // Wait until the tool is running.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !kinds(&t.events(r.id).await).contains(&"tool.started") {
+        assert!(Instant::now() < deadline, "tool never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let asked = Instant::now();
+    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::Requested);
+    let done = t.wait(r.id).await;
+    assert_eq!(done.status, RunStatus::Cancelled);
+    println!("cancel of a running run took {:?}", asked.elapsed());
+    assert_gap_free(&t.events(r.id).await, RunStatus::Cancelled);
+    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::AlreadyFinished(RunStatus::Cancelled));
+}
+
+#[tokio::test]
+async fn a_run_enqueued_without_workers_runs_when_a_worker_starts() {
+    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let r = t.start("SCENARIO steps=2").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(t.app.store.get_run(r.id).await.unwrap().unwrap().status, RunStatus::Queued);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let w = t.app.spawn_workers(stop.clone());
+    let done = t.wait(r.id).await;
+    assert_eq!(done.status, RunStatus::Succeeded);
+    stop.cancel();
+    w.await.unwrap();
+}
+
+#[tokio::test]
+async fn graceful_shutdown_releases_the_run_and_another_worker_resumes_it() {
+    let mut t = spawn_app_with(Options { latency: Duration::from_millis(150), ..Default::default() }).await;
+    let r = t.start("SCENARIO steps=8").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while t.app.store.get_run(r.id).await.unwrap().unwrap().step < 2 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    t.stop_workers().await;
+    let mid = t.app.store.get_run(r.id).await.unwrap().unwrap();
+    assert_eq!(mid.status, RunStatus::Running, "released, not finished");
+    let stop = tokio_util::sync::CancellationToken::new();
+    let w = t.app.spawn_workers(stop.clone());
+    let done = t.wait(r.id).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.result.as_deref(), Some("DONE after 8 steps"));
+    assert_eq!(done.attempts, 2);
+    // Nothing committed was asked for twice.
+    for (k, n) in t.served() {
+        assert!(n == 1 || k == format!("{}:{}", r.id, mid.step + 1), "step {k} served {n} times");
+    }
+    stop.cancel();
+    w.await.unwrap();
+}

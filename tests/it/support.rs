@@ -1,0 +1,187 @@
+//! `spawn_app()`: a fresh database and workspace in a temp dir, the mock model on port 0, and
+//! embedded workers; everything stops when the returned value is dropped.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use subagents::app::{App, StartRun};
+use subagents::config::Settings;
+use subagents::ids::RunId;
+use subagents::model::mock::{LogEntry, MockOptions, MockServer};
+use subagents::store::{EventRecord, RunRecord, RunStatus};
+use subagents::tools::ToolRegistry;
+use tokio_util::sync::CancellationToken;
+
+pub struct TestApp {
+    pub app: App,
+    pub mock: MockServer,
+    pub _dir: tempfile::TempDir,
+    shutdown: CancellationToken,
+    workers: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Settings for a test: a fresh SQLite file, short leases, fast retries.
+pub fn test_settings(dir: &std::path::Path, mock: &MockServer) -> Settings {
+    let mut s = Settings::defaults(&format!("sqlite://{}", dir.join("test.db").display()));
+    s.jobs_dir = dir.join("jobs");
+    s.workspace = dir.join("workspace");
+    s.openai_base_url = mock.base_url();
+    s.openai_api_key = Some("test-key".into());
+    s.default_model = "mock-model".into();
+    s.lease_ttl_secs = 1.5;
+    s.poll_ms = 20;
+    s.concurrency = 4;
+    s.model_retries = 4;
+    s
+}
+
+pub struct Options {
+    pub workers: bool,
+    pub latency: Duration,
+    pub tools: Option<ToolRegistry>,
+    pub tweak: Box<dyn FnOnce(&mut Settings)>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { workers: true, latency: Duration::ZERO, tools: None, tweak: Box::new(|_| {}) }
+    }
+}
+
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(Options::default()).await
+}
+
+pub async fn spawn_app_with(opts: Options) -> TestApp {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
+    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: opts.latency, log_file: None })
+        .await
+        .unwrap();
+    let mut settings = test_settings(dir.path(), &mock);
+    (opts.tweak)(&mut settings);
+    let model = App::model_client(&settings);
+    let tools = opts.tools.unwrap_or_else(|| ToolRegistry::builtin(settings.tool_journal.clone()));
+    let app = App::open_custom(settings, model, tools).await.unwrap();
+    let shutdown = CancellationToken::new();
+    let workers = opts.workers.then(|| app.spawn_workers(shutdown.clone()));
+    TestApp { app, mock, _dir: dir, shutdown, workers }
+}
+
+impl TestApp {
+    pub async fn start(&self, input: &str) -> RunRecord {
+        self.app.start_run(StartRun { input: input.into(), ..Default::default() }).await.unwrap()
+    }
+
+    pub async fn wait(&self, run: RunId) -> RunRecord {
+        let r = self.app.wait(run, Duration::from_secs(60)).await.unwrap().unwrap();
+        assert!(r.status.is_terminal(), "run {run} did not finish within 60 s: {r:?}");
+        r
+    }
+
+    pub async fn run(&self, input: &str) -> RunRecord {
+        let r = self.start(input).await;
+        self.wait(r.id).await
+    }
+
+    pub async fn events(&self, run: RunId) -> Vec<EventRecord> {
+        self.app.store.events_after(run, 0, 10_000).await.unwrap()
+    }
+
+    /// Successful (200) answers per step key.
+    pub fn served(&self) -> HashMap<String, usize> {
+        count_served(&self.mock.state.log())
+    }
+
+    pub async fn stop_workers(&mut self) {
+        self.shutdown.cancel();
+        if let Some(w) = self.workers.take() {
+            w.await.unwrap();
+        }
+    }
+}
+
+pub fn count_served(log: &[LogEntry]) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for e in log.iter().filter(|e| e.status == 200) {
+        *m.entry(e.step_key.clone()).or_default() += 1;
+    }
+    m
+}
+
+/// Asserts the event stream is 1..=n without gaps and ends with the run's terminal event.
+pub fn assert_gap_free(events: &[EventRecord], status: RunStatus) {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.seq, i as u64 + 1, "event seq gap at {i}: {events:#?}");
+    }
+    assert_eq!(events.first().map(|e| e.kind.as_str()), Some("run.queued"));
+    let last = events.last().unwrap().kind.as_str();
+    let want = match status {
+        RunStatus::Succeeded => "run.succeeded",
+        RunStatus::Failed => "run.failed",
+        RunStatus::Cancelled => "run.cancelled",
+        other => panic!("not terminal: {other:?}"),
+    };
+    assert_eq!(last, want);
+    assert_eq!(events.iter().filter(|e| e.kind == want).count(), 1, "exactly one terminal event");
+}
+
+pub fn kinds(events: &[EventRecord]) -> Vec<&str> {
+    events.iter().map(|e| e.kind.as_str()).collect()
+}
+
+/// A tool that sleeps, for tool-timeout and cancel tests.
+pub struct Sleep(pub Duration);
+
+#[async_trait::async_trait]
+impl subagents::tools::Tool for Sleep {
+    fn spec(&self) -> subagents::model::ToolSpec {
+        subagents::model::ToolSpec {
+            kind: "function".into(),
+            function: subagents::model::FunctionSpec {
+                name: "sleep".into(),
+                description: "sleeps".into(),
+                parameters: serde_json::json!({"type": "object"}),
+            },
+        }
+    }
+    async fn call(&self, _: serde_json::Value, _: &subagents::tools::ToolCtx) -> Result<String, subagents::tools::ToolError> {
+        tokio::time::sleep(self.0).await;
+        Ok("slept".into())
+    }
+}
+
+/// A tool that returns a lot, for truncation tests.
+pub struct Big(pub usize);
+
+#[async_trait::async_trait]
+impl subagents::tools::Tool for Big {
+    fn spec(&self) -> subagents::model::ToolSpec {
+        subagents::model::ToolSpec {
+            kind: "function".into(),
+            function: subagents::model::FunctionSpec {
+                name: "big".into(),
+                description: "returns a lot".into(),
+                parameters: serde_json::json!({"type": "object"}),
+            },
+        }
+    }
+    async fn call(&self, _: serde_json::Value, _: &subagents::tools::ToolCtx) -> Result<String, subagents::tools::ToolError> {
+        Ok("x".repeat(self.0))
+    }
+}
+
+pub fn tools_with(extra: Vec<Arc<dyn subagents::tools::Tool>>) -> ToolRegistry {
+    let mut t = ToolRegistry::builtin(None);
+    for x in extra {
+        t.register(x);
+    }
+    t
+}
