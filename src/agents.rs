@@ -228,10 +228,19 @@ pub struct AgentRegistry {
 }
 
 impl AgentRegistry {
-    /// Only `general-purpose`.
+    /// The built-ins: `general-purpose`, and `echo` (only the `echo` tool; a fixed, cheap agent
+    /// for benchmarks and smoke tests).
     pub fn builtin() -> Self {
         let mut agents = BTreeMap::new();
         agents.insert(GENERAL_PURPOSE.to_owned(), AgentDef::general_purpose());
+        let echo = AgentDef {
+            name: "echo".into(),
+            description: "Benchmark and smoke-test agent: may only call the echo tool.".into(),
+            tools: Some(vec!["echo".into()]),
+            system_prompt: "You test the executor. Call the echo tool when asked, then answer.".into(),
+            ..AgentDef::general_purpose()
+        };
+        agents.insert(echo.name.clone(), echo);
         Self { agents }
     }
 

@@ -78,6 +78,9 @@ enum Command {
     Demo,
     /// Create or upgrade the database schema, then exit.
     Migrate,
+    /// Measure throughput: N runs of K steps against an OpenAI-compatible mock; prints one
+    /// JSON line and exits non-zero if any run did not end as expected.
+    Bench(crate::bench::BenchArgs),
     /// Serve a deterministic OpenAI-compatible model for tests, demos and load tests.
     #[command(after_long_help = SCENARIO_HELP)]
     MockLlm {
@@ -178,6 +181,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo => demo(settings).await,
+        Command::Bench(args) => Ok(if crate::bench::run(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
     }
 }
 

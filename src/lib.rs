@@ -12,11 +12,12 @@
 //! - [`model`]: the chat client and the mock server;
 //! - [`tools`]: built-in tools confined to a workspace;
 //! - [`store`]: threads, runs, messages and the event outbox;
-//! - [`config`], [`cli`], [`telemetry`]: the program's edges.
+//! - [`config`], [`cli`], [`telemetry`], [`bench`]: the program's edges.
 #![warn(missing_docs)]
 
 pub mod agents;
 pub mod app;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod engine;

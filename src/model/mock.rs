@@ -198,7 +198,15 @@ pub fn router(state: Arc<MockState>) -> Router {
         .route("/chat/completions", post(completions))
         .route("/v1/models", get(|| async { Json(json!({"object":"list","data":[{"id":"mock-model","object":"model","owned_by":"subagents"}]})) }))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/_mock/stats", get(stats))
         .with_state(state)
+}
+
+/// Request counts, for benchmarks that run the mock as a separate process.
+async fn stats(State(state): State<Arc<MockState>>) -> Json<Value> {
+    let log = state.log.lock().unwrap();
+    let ok = log.iter().filter(|e| e.status == 200).count();
+    Json(json!({"requests": log.len(), "ok": ok}))
 }
 
 #[derive(Deserialize)]

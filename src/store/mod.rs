@@ -485,6 +485,13 @@ pub trait Store: Send + Sync + 'static {
 
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
+
+    /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
+    /// must start from empty tables; the server never calls it.
+    async fn wipe(&self) -> Result<()>;
+
+    /// Rows written by checkpoints (messages plus events), for benchmarks.
+    async fn checkpoint_rows(&self) -> Result<i64>;
 }
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend

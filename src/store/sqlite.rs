@@ -490,4 +490,17 @@ impl Store for SqliteStore {
             .await?;
         Ok(())
     }
+    async fn wipe(&self) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        for t in ["sa_events", "sa_messages", "sa_runs", "sa_threads"] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
+        }
+        sqlx::query("DELETE FROM Jobs WHERE job_type = ?1").bind(crate::queue::QUEUE_NAME).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn checkpoint_rows(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT (SELECT count(*) FROM sa_messages) + (SELECT count(*) FROM sa_events)").fetch_one(&self.pool).await?)
+    }
 }
