@@ -15,8 +15,12 @@ use crate::ids::{RunId, ThreadId};
 use crate::model::openai::{OpenAiClient, OpenAiConfig};
 use crate::model::{ChatModel, RetryPolicy};
 use crate::queue::{Queue, QueueError, WorkerSettings, new_job_id, run_workers};
-use crate::store::{NewRun, RunLimits, RunRecord, SqliteStore, Store, StoreError};
+use crate::store::{Created, IfBusy, NewRun, RunLimits, RunRecord, SqliteStore, Store, StoreError};
 use crate::tools::ToolRegistry;
+
+/// How often waiters re-read a run in case a worker in another process changed it (in-process
+/// changes wake them at once).
+pub const CROSS_PROCESS_RECHECK: Duration = Duration::from_millis(250);
 
 /// Owner of runs started without authentication (the CLI, the embedded default).
 pub const LOCAL_OWNER: &str = "local";
@@ -40,6 +44,10 @@ pub struct StartRun {
     pub max_total_tokens: Option<u64>,
     /// Caller data kept with the run.
     pub metadata: Option<Value>,
+    /// Busy thread: refuse (default) or queue behind the active run.
+    pub if_busy: IfBusy,
+    /// A repeated start with the same key returns the first run.
+    pub idempotency_key: Option<String>,
 }
 
 /// Why a run could not be started. Each has a stable code for APIs and scripts.
@@ -188,6 +196,11 @@ impl App {
     /// Validates, records and enqueues a run. Once this returns, the run is durable: if the
     /// push to the queue fails, the reaper enqueues it later.
     pub async fn start_run(&self, req: StartRun) -> Result<RunRecord, StartError> {
+        Ok(self.start(req).await?.run)
+    }
+
+    /// [`App::start_run`], also telling whether an idempotency key matched an earlier start.
+    pub async fn start(&self, req: StartRun) -> Result<Created, StartError> {
         let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
         let agent = self
             .agents
@@ -207,8 +220,13 @@ impl App {
         if timeout_secs == 0 {
             return Err(StartError::BadLimit("timeout must be at least 1 second".into()));
         }
+        if let Some(k) = &req.idempotency_key {
+            if k.is_empty() || k.len() > 200 {
+                return Err(StartError::BadLimit("idempotency_key must be 1 to 200 characters".into()));
+            }
+        }
         let job_id = new_job_id();
-        let run = self
+        let created = self
             .store
             .create_run(NewRun {
                 id: RunId::new(),
@@ -220,19 +238,29 @@ impl App {
                 limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens },
                 parent_run_id: None,
                 job_id: job_id.clone(),
+                if_busy: req.if_busy,
+                idempotency_key: req.idempotency_key,
             })
             .await?;
-        if let Err(e) = self.queue.push(run.id, &job_id).await {
-            let QueueError::Push { message, .. } = &e;
-            tracing::warn!(run_id = %run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
+        if !created.existing {
+            if let Err(e) = self.queue.push(created.run.id, &job_id).await {
+                let QueueError::Push { message, .. } = &e;
+                tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
+            }
         }
-        Ok(run)
+        Ok(created)
     }
 
-    /// Waits until the run is terminal or `timeout` passes; returns its latest state.
+    /// Waits until the run is terminal or `timeout` passes; returns its latest state. Sleeps
+    /// on the run's notification (no polling loop); a slow re-check covers writers in other
+    /// processes.
     pub async fn wait(&self, run: RunId, timeout: Duration) -> Result<Option<RunRecord>, StoreError> {
         let deadline = tokio::time::Instant::now() + timeout;
+        let notify = self.store.subscribe(run);
         loop {
+            let changed = notify.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             let r = self.store.get_run(run).await?;
             match &r {
                 None => return Ok(None),
@@ -242,7 +270,11 @@ impl App {
             if tokio::time::Instant::now() >= deadline {
                 return Ok(r);
             }
-            tokio::time::sleep(Duration::from_millis(25)).await;
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(CROSS_PROCESS_RECHECK) => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
         }
     }
 

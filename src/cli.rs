@@ -35,6 +35,8 @@ Continue:     subagents run --thread THREAD_ID \"Now list open questions\"";
 pub struct Cli {
     #[command(flatten)]
     settings: Settings,
+    #[command(flatten)]
+    client: crate::client::ClientArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -72,6 +74,30 @@ enum Command {
     },
     /// Execute queued runs until SIGTERM or Ctrl-C (then running runs go back to the queue).
     Worker,
+    /// Serve the HTTP API (with embedded workers unless `--workers 0`).
+    ///
+    /// Without keys (SUBAGENTS_API_KEYS or --keys-file) it binds to 127.0.0.1 only and every
+    /// request belongs to the owner `local`.
+    Serve {
+        /// Port.
+        #[arg(long, env = "PORT", default_value_t = 8080)]
+        port: u16,
+        /// Address to bind (needs keys unless it is a loopback address).
+        #[arg(long, env = "SUBAGENTS_HOST", default_value = "0.0.0.0")]
+        host: std::net::IpAddr,
+        /// Embedded worker concurrency; 0 runs the API only (use `subagents worker` processes).
+        #[arg(long, env = "SUBAGENTS_WORKERS")]
+        workers: Option<usize>,
+        /// `owner:key` pairs, comma-separated.
+        #[arg(long, env = "SUBAGENTS_API_KEYS", hide_env_values = true)]
+        api_keys: Option<String>,
+        /// File of `owner <sha256 hex of key>` lines (hashes only: keys never stored).
+        #[arg(long, env = "SUBAGENTS_KEYS_FILE")]
+        keys_file: Option<PathBuf>,
+    },
+    /// Talk to a running server: start, status, events, cancel, wait.
+    #[command(flatten)]
+    Client(crate::client::ClientCommand),
     /// List agent definitions (built-in and from the jobs directory) and report broken files.
     Agents,
     /// Show a multi-step run and a continued thread against an in-process mock model.
@@ -103,7 +129,7 @@ enum Command {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_log = match cli.command {
-        Command::Worker | Command::MockLlm { .. } => "info",
+        Command::Worker | Command::MockLlm { .. } | Command::Serve { .. } => "info",
         _ => "warn",
     };
     crate::telemetry::init(default_log);
@@ -120,6 +146,48 @@ pub fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     let settings = cli.settings;
     match cli.command {
+        Command::Client(cmd) => match crate::client::run(cli.client, cmd).await {
+            Ok(code) => Ok(ExitCode::from(code)),
+            Err(e) => {
+                eprintln!("error: {e}");
+                Ok(ExitCode::from(2))
+            }
+        },
+        Command::Serve { port, host, workers, api_keys, keys_file } => {
+            let mut keys = crate::api::auth::Keys::default();
+            if let Some(k) = api_keys {
+                keys.add_pairs(&k).map_err(anyhow::Error::msg)?;
+            }
+            if let Some(f) = keys_file {
+                keys.add_file(&f).map_err(anyhow::Error::msg)?;
+            }
+            let host = if keys.is_empty() && !host.is_loopback() {
+                eprintln!("no API keys configured (SUBAGENTS_API_KEYS or --keys-file): serving on 127.0.0.1 only, every request as owner `local`");
+                std::net::IpAddr::from([127, 0, 0, 1])
+            } else {
+                host
+            };
+            crate::telemetry::init_metrics();
+            let mut settings = settings;
+            if let Some(w) = workers {
+                settings.concurrency = w;
+            }
+            let app = Arc::new(App::open(settings).await?);
+            let shutdown = CancellationToken::new();
+            let workers = (app.settings.concurrency > 0).then(|| app.spawn_workers(shutdown.clone()));
+            let server = crate::api::Server::start(app.clone(), keys, SocketAddr::new(host, port), shutdown.clone())
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
+            eprintln!("subagents serve: listening on http://{} ({} embedded workers)", server.addr, app.settings.concurrency);
+            shutdown_signal().await;
+            tracing::info!("shutdown requested");
+            shutdown.cancel();
+            let _ = server.join().await;
+            if let Some(w) = workers {
+                let _ = w.await;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Run { agent, thread, max_steps, timeout_secs, max_tokens, quiet, prompt } => {
             let input = if prompt == ["-"] {
                 let mut s = String::new();
@@ -142,6 +210,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             run_to_end(&app, req, quiet).await
         }
         Command::Worker => {
+            crate::telemetry::init_metrics();
             let app = App::open(settings).await?;
             eprintln!("subagents worker: {} agents, concurrency {}, database {}", app.agents.all().count(), app.settings.concurrency, crate::app::redact(&app.settings.database_url));
             let shutdown = CancellationToken::new();
@@ -295,28 +364,18 @@ impl Progress {
     }
 
     fn event(&self, e: &EventRecord) {
-        let d = &e.data;
-        let step = d["step"].as_u64().unwrap_or(0);
         match e.kind.as_str() {
-            "run.started" => self.line(format!("started (attempt {}, worker {})", d["attempt"], d["worker"].as_str().unwrap_or("?"))),
-            "step.started" => self.status(format!("step {step}: waiting for the model{}", if d["forced"] == true { " (final answer forced)" } else { "" })),
-            "model.completed" => {
-                let calls: Vec<&str> = d["tool_calls"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
-                if calls.is_empty() {
-                    self.line(format!("step {step}: model answered"));
-                } else {
-                    self.line(format!("step {step}: model calls {}", calls.join(", ")));
-                    self.status(format!("step {step}: running tools"));
+            "step.started" => {
+                let forced = if e.data["forced"] == true { " (final answer forced)" } else { "" };
+                self.status(format!("step {}: waiting for the model{forced}", e.data["step"]));
+            }
+            // The final outcome is reported once, by `report`.
+            "run.queued" | "run.succeeded" => {}
+            _ => {
+                if let Some(line) = crate::events::progress_line(e) {
+                    self.line(line);
                 }
             }
-            "tool.completed" => {
-                let preview: String = d["preview"].as_str().unwrap_or("").chars().take(70).collect::<String>().replace('\n', " ");
-                let mark = if d["ok"] == true { "ok" } else { "error" };
-                self.line(format!("  {} {mark}: {preview}", d["tool"].as_str().unwrap_or("?")));
-            }
-            "run.failed" => self.line(format!("failed: {}", d["error"]["message"].as_str().unwrap_or(""))),
-            "run.cancelled" => self.line("cancelled".into()),
-            _ => {}
         }
     }
 

@@ -170,6 +170,12 @@ impl Engine {
             Finish::Failed(e) => NewEvent::new(EventKind::RunFailed, json!({"error": e})),
             Finish::Cancelled => NewEvent::new(EventKind::RunCancelled, json!({})),
         };
+        let status = match &finish {
+            Finish::Succeeded { .. } => "succeeded",
+            Finish::Failed(_) => "failed",
+            Finish::Cancelled => "cancelled",
+        };
+        metrics::counter!("subagents_runs_finished_total", "status" => status).increment(1);
         match &finish {
             Finish::Succeeded { forced, .. } => tracing::info!(forced, "run succeeded"),
             Finish::Failed(e) => tracing::warn!(kind = e.kind.as_str(), error = %e.message, "run failed"),
@@ -235,6 +241,7 @@ impl Engine {
 
             // A new step: one model call.
             let step = steps_done + 1;
+            let step_t0 = std::time::Instant::now();
             let over_tokens = run.limits.max_total_tokens.is_some_and(|m| usage.total() >= m);
             let forced = steps_done >= run.limits.max_steps || over_tokens;
             let span = info_span!("step", step, forced, gen_ai.request.model = %model);
@@ -257,6 +264,9 @@ impl Engine {
                 let resp = self.model.complete(&req, &|_delta| {}).await.map_err(|e| {
                     Stop::Fail(RunError { kind: ErrorKind::Model, message: model_error_message(&e) })
                 })?;
+                metrics::histogram!("subagents_model_call_seconds").record(t0.elapsed().as_secs_f64());
+                metrics::counter!("subagents_tokens_total", "kind" => "prompt").increment(resp.usage.prompt_tokens);
+                metrics::counter!("subagents_tokens_total", "kind" => "completion").increment(resp.usage.completion_tokens);
                 tracing::info!(
                     ms = t0.elapsed().as_millis() as u64,
                     tool_calls = resp.tool_calls.len(),
@@ -294,11 +304,13 @@ impl Engine {
                 let finish = Finish::Succeeded { result, forced };
                 cp.finish = Some(finish.clone());
                 self.store.checkpoint(lease, cp).instrument(span).await?;
+                metrics::counter!("subagents_runs_finished_total", "status" => "succeeded").increment(1);
                 tracing::info!(forced, steps = step, "run succeeded");
                 return Ok(LoopEnd::Committed);
             }
             self.store.checkpoint(lease, cp).instrument(span).await?;
             history = self.store.thread_messages(&run.thread_id).await?;
+            metrics::histogram!("subagents_step_seconds").record(step_t0.elapsed().as_secs_f64());
         }
     }
 
@@ -388,14 +400,19 @@ impl Engine {
     }
 }
 
-/// Renews the lease every third of its length; trips `cancel` when a cancel was requested and
-/// `lost` when the lease is gone. A failed renewal (database briefly away) is retried until the
-/// lease would have expired.
+/// Renews the lease every third of its length (at least every second, so a cancel from another
+/// process is seen within a second; one from this process wakes it at once); trips `cancel`
+/// when a cancel was requested and `lost` when the lease is gone. A failed renewal (database
+/// briefly away) is retried until the lease would have expired.
 async fn heartbeat(store: Arc<dyn Store>, lease: Lease, cancel: CancellationToken, lost: CancellationToken) {
-    let every = (lease.ttl / 3).max(Duration::from_millis(50));
+    let every = (lease.ttl / 3).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_ok = std::time::Instant::now();
+    let cancel_asked = store.subscribe_cancel(lease.run_id);
     loop {
-        tokio::time::sleep(every).await;
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = cancel_asked.notified() => {}
+        }
         match store.renew_lease(&lease).await {
             Ok(st) => {
                 last_ok = std::time::Instant::now();

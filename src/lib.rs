@@ -16,13 +16,17 @@
 #![warn(missing_docs)]
 
 pub mod agents;
+pub mod api;
 pub mod app;
 pub mod bench;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod engine;
+pub mod events;
 pub mod ids;
 pub mod model;
+pub mod notify;
 pub mod queue;
 pub mod store;
 pub mod telemetry;

@@ -92,6 +92,8 @@ pub struct WorkerContext {
     pub name: String,
     /// Fires on shutdown: running runs are released to the queue.
     pub shutdown: CancellationToken,
+    /// For pushing the next run of a thread.
+    pub queue: Queue,
 }
 
 async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDynError> {
@@ -99,13 +101,43 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
     let run_id = job.run_id;
     // Spawned so runs use every core: apalis polls one worker's jobs in one task.
     let handle = tokio::spawn(
-        async move { ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await }
-            .instrument(tracing::info_span!("job", %run_id)),
+        async move {
+            let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
+            if executed == Executed::Finished {
+                start_next_on_thread(&ctx, run_id).await;
+            }
+            Ok::<_, crate::store::StoreError>(executed)
+        }
+        .instrument(tracing::info_span!("job", %run_id)),
     );
     match handle.await {
-        Ok(Ok(Executed::Finished | Executed::Skipped | Executed::LeaseLost | Executed::Released)) => Ok(()),
+        Ok(Ok(_)) => Ok(()),
         Ok(Err(e)) => Err(Box::new(e)),
         Err(join) => Err(Box::new(join)),
+    }
+}
+
+/// A finished run frees its thread: push the job of the run enqueued behind it, if any. (If
+/// this process dies first, the reaper does it.)
+async fn start_next_on_thread(ctx: &WorkerContext, finished: RunId) {
+    let store = &ctx.engine.store;
+    let next = async {
+        let Some(run) = store.get_run(finished).await? else { return Ok(None) };
+        store.next_queued(&run.thread_id).await
+    };
+    match next.await {
+        Ok(Some(next)) => {
+            let job = new_job_id();
+            let pushed = match store.set_job(next, &job).await {
+                Ok(()) => ctx.queue.push(next, &job).await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = pushed {
+                tracing::warn!(run_id = %next, error = %e, "could not start the next run of the thread; the reaper will");
+            }
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %e, "could not look for the next run of the thread; the reaper will"),
     }
 }
 
@@ -128,7 +160,7 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, pool: SqlitePool, se
     let mut restarts = 0u32;
     loop {
         let name = format!("subagents-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let ctx = Arc::new(WorkerContext { engine: engine.clone(), name: name.clone(), shutdown: shutdown.clone() });
+        let ctx = Arc::new(WorkerContext { engine: engine.clone(), name: name.clone(), shutdown: shutdown.clone(), queue: queue.clone() });
         let backend = SqliteStorage::<RunJob>::new(&pool)
             .with_config(Queue::config(queue.heartbeat))
             .poll_with_interval(settings.poll_interval);

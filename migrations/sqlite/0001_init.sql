@@ -30,6 +30,7 @@ CREATE TABLE IF NOT EXISTS sa_runs (
     lease_expires_at  INTEGER NOT NULL DEFAULT 0,
     cancel_requested  INTEGER NOT NULL DEFAULT 0,
     event_seq         INTEGER NOT NULL DEFAULT 0,
+    idempotency_key   TEXT,
     job_id            TEXT NOT NULL,
     enqueued_at       INTEGER NOT NULL,
     created_at        TEXT NOT NULL,
@@ -39,9 +40,13 @@ CREATE TABLE IF NOT EXISTS sa_runs (
     updated_at        TEXT NOT NULL
 );
 
--- Invariant 4: one unfinished run per thread, enforced by the database.
+-- Invariant 4: one active (executing or parked) run per thread, enforced by the database.
+-- Runs enqueued behind it wait as `queued` and are claimed in order once the thread is free.
 CREATE UNIQUE INDEX IF NOT EXISTS sa_runs_one_active_per_thread
-    ON sa_runs(thread_id) WHERE status IN ('queued','running','waiting');
+    ON sa_runs(thread_id) WHERE status IN ('running','waiting');
+CREATE UNIQUE INDEX IF NOT EXISTS sa_runs_idempotency
+    ON sa_runs(owner, idempotency_key) WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sa_runs_owner ON sa_runs(owner, id);
 CREATE INDEX IF NOT EXISTS sa_runs_thread ON sa_runs(thread_id, created_at);
 CREATE INDEX IF NOT EXISTS sa_runs_status ON sa_runs(status, lease_expires_at);
 CREATE INDEX IF NOT EXISTS sa_runs_parent ON sa_runs(parent_run_id);

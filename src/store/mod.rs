@@ -174,6 +174,58 @@ pub struct NewRun {
     pub parent_run_id: Option<RunId>,
     /// The queue job that will execute it.
     pub job_id: String,
+    /// What to do when the thread already has an unfinished run.
+    pub if_busy: IfBusy,
+    /// A repeated start with the same key (per owner) returns the first run.
+    pub idempotency_key: Option<String>,
+}
+
+/// What a start does when its thread already has an unfinished run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IfBusy {
+    /// Refuse with [`StoreError::Busy`].
+    #[default]
+    Reject,
+    /// Queue behind it; runs of one thread execute one at a time, in order.
+    Enqueue,
+}
+
+/// The answer to [`Store::create_run`].
+#[derive(Clone, Debug)]
+pub struct Created {
+    /// The run.
+    pub run: RunRecord,
+    /// True when an earlier start with the same idempotency key made it.
+    pub existing: bool,
+}
+
+/// Filters for listing runs; absent fields do not filter.
+#[derive(Clone, Debug, Default)]
+pub struct RunFilter {
+    /// Only runs in these states.
+    pub status: Vec<RunStatus>,
+    /// Only this agent.
+    pub agent: Option<String>,
+    /// Only this thread.
+    pub thread_id: Option<ThreadId>,
+    /// Only children of this run.
+    pub parent_run_id: Option<RunId>,
+    /// Only runs older than this one (the cursor; ids are time-ordered).
+    pub before: Option<RunId>,
+}
+
+/// A thread as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ThreadRecord {
+    /// Id.
+    pub id: ThreadId,
+    /// Owner.
+    pub owner: String,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Last run start.
+    pub updated_at: DateTime<Utc>,
 }
 
 /// A run as stored.
@@ -215,6 +267,8 @@ pub struct RunRecord {
     pub cancel_requested: bool,
     /// Latest queue job id.
     pub job_id: String,
+    /// Seq of the run's latest event.
+    pub event_seq: u64,
     /// Creation time.
     pub created_at: DateTime<Utc>,
     /// First claim.
@@ -453,8 +507,9 @@ pub enum StoreError {
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Creates the thread if new and the run (`queued`) with its `run.queued` event.
-    /// Refuses with [`StoreError::Busy`] when the thread has an unfinished run.
-    async fn create_run(&self, new: NewRun) -> Result<RunRecord>;
+    /// With [`IfBusy::Reject`], refuses with [`StoreError::Busy`] when the thread has an
+    /// unfinished run.
+    async fn create_run(&self, new: NewRun) -> Result<Created>;
 
     /// Reads a run.
     async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>>;
@@ -492,6 +547,30 @@ pub trait Store: Send + Sync + 'static {
 
     /// Rows written by checkpoints (messages plus events), for benchmarks.
     async fn checkpoint_rows(&self) -> Result<i64>;
+
+    /// Runs of `owner` matching `filter`, newest first.
+    async fn list_runs(&self, owner: &str, filter: &RunFilter, limit: u32) -> Result<Vec<RunRecord>>;
+
+    /// A thread, if it exists.
+    async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>>;
+
+    /// A page of a thread's messages with `id > after`, oldest first.
+    async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>>;
+
+    /// The oldest queued run of a thread: the one to start when the thread frees up.
+    async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
+
+    /// How many queued runs are ahead of this one (0 = next).
+    async fn queue_position(&self, run: RunId) -> Result<i64>;
+
+    /// Number of runs per state, for metrics.
+    async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>>;
+
+    /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).
+    fn subscribe(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify>;
+
+    /// Wake-ups for cancel requests of `run` made through this store.
+    fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify>;
 }
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend

@@ -19,13 +19,15 @@ use super::*;
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    notifier: std::sync::Arc<crate::notify::Notifier>,
+    cancels: std::sync::Arc<crate::notify::Notifier>,
 }
 
 macro_rules! run_columns {
     () => {
         "id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, step, forced, \
     result, error_kind, error_message, prompt_tokens, completion_tokens, attempts, lease_epoch, cancel_requested, \
-    job_id, created_at, started_at, finished_at, heartbeat_at"
+    job_id, event_seq, created_at, started_at, finished_at, heartbeat_at"
     };
 }
 
@@ -44,7 +46,7 @@ impl SqliteStore {
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(opts)
             .await?;
-        let store = SqliteStore { pool };
+        let store = SqliteStore { pool, notifier: Default::default(), cancels: Default::default() };
         store.migrate().await?;
         Ok(store)
     }
@@ -177,6 +179,7 @@ fn run_from_row(r: &SqliteRow) -> Result<RunRecord> {
         lease_epoch: r.get("lease_epoch"),
         cancel_requested: r.get::<i64, _>("cancel_requested") != 0,
         job_id: r.get("job_id"),
+        event_seq: r.get::<i64, _>("event_seq") as u64,
         created_at: r.get::<DateTime<Utc>, _>("created_at"),
         started_at: r.get("started_at"),
         finished_at: r.get("finished_at"),
@@ -186,10 +189,11 @@ fn run_from_row(r: &SqliteRow) -> Result<RunRecord> {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn create_run(&self, new: NewRun) -> Result<RunRecord> {
+    async fn create_run(&self, new: NewRun) -> Result<Created> {
         let now = Utc::now();
         let mut tx = self.pool.begin().await?;
-        // Take the write lock first so the owner check and the insert see one state.
+        // The upsert takes SQLite's write lock first, so the checks below and the insert see
+        // one state: no other start can slip in between.
         let inserted = sqlx::query(
             "INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES (?1, ?2, ?3, ?3) \
              ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING owner",
@@ -203,10 +207,36 @@ impl Store for SqliteStore {
         if owner != new.owner {
             return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
         }
-        let res = sqlx::query(
+        if let Some(key) = &new.idempotency_key {
+            let existing: Option<String> =
+                sqlx::query_scalar("SELECT id FROM sa_runs WHERE owner = ?1 AND idempotency_key = ?2")
+                    .bind(&new.owner)
+                    .bind(key)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if let Some(id) = existing {
+                tx.rollback().await?;
+                let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
+                let run = self.get_run(id).await?.ok_or_else(|| corrupt("run vanished", id))?;
+                return Ok(Created { run, existing: true });
+            }
+        }
+        if new.if_busy == IfBusy::Reject {
+            let active: Option<String> = sqlx::query_scalar(
+                "SELECT id FROM sa_runs WHERE thread_id = ?1 AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1",
+            )
+            .bind(new.thread_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(a) = active {
+                let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
+                return Err(StoreError::Busy { thread_id: new.thread_id, active_run });
+            }
+        }
+        sqlx::query(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
-             job_id, enqueued_at, created_at, updated_at, event_seq) \
-             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, 1)",
+             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq) \
+             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?12, 1)",
         )
         .bind(new.id.to_string())
         .bind(new.thread_id.as_str())
@@ -216,25 +246,12 @@ impl Store for SqliteStore {
         .bind(new.metadata.to_string())
         .bind(serde_json::to_string(&new.limits).expect("limits serialize"))
         .bind(new.parent_run_id.map(|p| p.to_string()))
+        .bind(&new.idempotency_key)
         .bind(&new.job_id)
         .bind(now_ms())
         .bind(now)
         .execute(&mut *tx)
-        .await;
-        if let Err(sqlx::Error::Database(db)) = &res {
-            if db.is_unique_violation() {
-                drop(tx);
-                let active: Option<String> = sqlx::query_scalar(
-                    "SELECT id FROM sa_runs WHERE thread_id = ?1 AND status IN ('queued','running','waiting')",
-                )
-                .bind(new.thread_id.as_str())
-                .fetch_optional(&self.pool)
-                .await?;
-                let active_run = active.and_then(|a| a.parse().ok()).unwrap_or(new.id);
-                return Err(StoreError::Busy { thread_id: new.thread_id, active_run });
-            }
-        }
-        res?;
+        .await?;
         Self::insert_events(
             &mut tx,
             new.id,
@@ -246,7 +263,8 @@ impl Store for SqliteStore {
         )
         .await?;
         tx.commit().await?;
-        self.get_run(new.id).await?.ok_or_else(|| corrupt("run vanished after insert", new.id))
+        let run = self.get_run(new.id).await?.ok_or_else(|| corrupt("run vanished after insert", new.id))?;
+        Ok(Created { run, existing: false })
     }
 
     async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>> {
@@ -265,7 +283,11 @@ impl Store for SqliteStore {
             "UPDATE sa_runs SET status = 'running', lease_owner = ?1, lease_epoch = lease_epoch + 1, \
              lease_expires_at = ?2, attempts = attempts + 1, started_at = COALESCE(started_at, ?3), \
              heartbeat_at = ?3, updated_at = ?3, event_seq = event_seq + 1 \
-             WHERE id = ?4 AND (status = 'queued' OR (status = 'running' AND lease_expires_at < ?5 AND attempts < ?6)) \
+             WHERE id = ?4 AND ( \
+               (status = 'queued' \
+                 AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = sa_runs.thread_id AND a.status IN ('running','waiting')) \
+                 AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id)) \
+               OR (status = 'running' AND lease_expires_at < ?5 AND attempts < ?6)) \
              RETURNING lease_epoch, event_seq, attempts",
         )
         .bind(owner)
@@ -288,6 +310,7 @@ impl Store for SqliteStore {
             )
             .await?;
             tx.commit().await?;
+            self.notifier.notify(id);
             let run = self.get_run(id).await?.ok_or_else(|| corrupt("claimed run vanished", id))?;
             return Ok(Claim::Acquired(Lease { run_id: id, epoch, owner: owner.to_owned(), ttl }, Box::new(run)));
         }
@@ -318,6 +341,7 @@ impl Store for SqliteStore {
             )
             .await?;
             tx.commit().await?;
+            self.notifier.notify(id);
             return Ok(Claim::GaveUp);
         }
         tx.rollback().await?;
@@ -372,6 +396,7 @@ impl Store for SqliteStore {
         }
         Self::insert_events(&mut tx, lease.run_id, first_seq, &cp.events).await?;
         tx.commit().await?;
+        self.notifier.notify(lease.run_id);
         Ok(())
     }
 
@@ -380,19 +405,7 @@ impl Store for SqliteStore {
             .bind(thread.as_str())
             .fetch_all(&self.pool)
             .await?;
-        rows.iter()
-            .map(|r| {
-                let run: String = r.get("run_id");
-                let body: String = r.get("body");
-                Ok(StoredMessage {
-                    id: r.get("id"),
-                    run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
-                    step: r.get::<i64, _>("step") as u32,
-                    key: r.get("key"),
-                    message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
-                })
-            })
-            .collect()
+        rows.iter().map(message_from_row).collect()
     }
 
     async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>> {
@@ -435,6 +448,7 @@ impl Store for SqliteStore {
             Self::insert_events(&mut tx, run, seq as u64, &[NewEvent::new(EventKind::RunCancelled, serde_json::json!({"while": "queued"}))])
                 .await?;
             tx.commit().await?;
+            self.notifier.notify(run);
             return Ok(CancelOutcome::Cancelled);
         }
         let flagged = sqlx::query(
@@ -447,6 +461,8 @@ impl Store for SqliteStore {
         .rows_affected();
         tx.commit().await?;
         if flagged > 0 {
+            self.notifier.notify(run);
+            self.cancels.notify(run);
             return Ok(CancelOutcome::Requested);
         }
         Ok(match self.get_run(run).await? {
@@ -462,7 +478,9 @@ impl Store for SqliteStore {
         let rows = sqlx::query(
             "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < ?1 AND ( \
                (r.status = 'running' AND r.lease_expires_at < ?2) OR \
-               (r.status = 'queued' AND NOT EXISTS (SELECT 1 FROM Jobs j WHERE j.id = r.job_id AND j.status IN ('Pending','Queued','Running'))) \
+               (r.status = 'queued' \
+                 AND NOT EXISTS (SELECT 1 FROM Jobs j WHERE j.id = r.job_id AND j.status IN ('Pending','Queued','Running')) \
+                 AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting'))) \
              ) LIMIT 1000",
         )
         .bind(nms - grace.as_millis() as i64)
@@ -503,4 +521,99 @@ impl Store for SqliteStore {
     async fn checkpoint_rows(&self) -> Result<i64> {
         Ok(sqlx::query_scalar("SELECT (SELECT count(*) FROM sa_messages) + (SELECT count(*) FROM sa_events)").fetch_one(&self.pool).await?)
     }
+
+    async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
+        let RunFilter { status, agent, thread_id, parent_run_id, before } = f;
+        let statuses: Vec<&str> = status.iter().map(|s| s.as_str()).collect();
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            run_columns!(),
+            " FROM sa_runs WHERE owner = ?1 \
+             AND (?2 IS NULL OR status IN (SELECT value FROM json_each(?2))) \
+             AND (?3 IS NULL OR agent = ?3) AND (?4 IS NULL OR thread_id = ?4) \
+             AND (?5 IS NULL OR parent_run_id = ?5) AND (?6 IS NULL OR id < ?6) \
+             ORDER BY id DESC LIMIT ?7"
+        ))
+        .bind(owner)
+        .bind((!statuses.is_empty()).then(|| serde_json::to_string(&statuses).unwrap()))
+        .bind(agent)
+        .bind(thread_id.as_ref().map(|t| t.as_str().to_owned()))
+        .bind(parent_run_id.map(|p| p.to_string()))
+        .bind(before.map(|b| b.to_string()))
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
+        let row = sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = ?1")
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|r| ThreadRecord {
+            id: id.clone(),
+            owner: r.get("owner"),
+            created_at: r.get("created_at"),
+            updated_at: r.get("updated_at"),
+        }))
+    }
+
+    async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>> {
+        let rows = sqlx::query(
+            "SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
+        )
+        .bind(thread.as_str())
+        .bind(after)
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(message_from_row).collect()
+    }
+
+    async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>> {
+        let id: Option<String> =
+            sqlx::query_scalar("SELECT id FROM sa_runs WHERE thread_id = ?1 AND status = 'queued' ORDER BY id LIMIT 1")
+                .bind(thread.as_str())
+                .fetch_optional(&self.pool)
+                .await?;
+        id.map(|i| i.parse().map_err(|e| corrupt("run id", e))).transpose()
+    }
+
+    async fn queue_position(&self, run: RunId) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM sa_runs WHERE status = 'queued' AND id < ?1")
+            .bind(run.to_string())
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
+        let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(&self.pool).await?;
+        rows.iter()
+            .map(|r| {
+                let s: String = r.get(0);
+                Ok((RunStatus::parse(&s).ok_or_else(|| corrupt("status", &s))?, r.get::<i64, _>(1)))
+            })
+            .collect()
+    }
+
+    fn subscribe(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify> {
+        self.notifier.subscribe(run)
+    }
+
+    fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify> {
+        self.cancels.subscribe(run)
+    }
+}
+
+fn message_from_row(r: &SqliteRow) -> Result<StoredMessage> {
+    let run: String = r.get("run_id");
+    let body: String = r.get("body");
+    Ok(StoredMessage {
+        id: r.get("id"),
+        run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
+        step: r.get::<i64, _>("step") as u32,
+        key: r.get("key"),
+        message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
+    })
 }

@@ -26,6 +26,8 @@ fn new_run(thread: &ThreadId) -> NewRun {
         limits: RunLimits { max_steps: 5, timeout_secs: 60, max_total_tokens: None },
         parent_run_id: None,
         job_id: new_job_id(),
+        if_busy: IfBusy::Reject,
+        idempotency_key: None,
     }
 }
 
@@ -37,7 +39,7 @@ fn msg(run: RunId, key: &str) -> NewMessage {
 async fn a_stale_epoch_cannot_write() {
     let (s, _d) = store().await;
     let t = ThreadId::generate();
-    let run = s.create_run(new_run(&t)).await.unwrap();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(old, _) = s.claim_run(run.id, "w1", Duration::from_millis(100), 5).await.unwrap() else { panic!() };
     // Not claimable while the lease is valid.
     assert!(matches!(s.claim_run(run.id, "w2", Duration::from_secs(10), 5).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Running))));
@@ -58,7 +60,7 @@ async fn a_stale_epoch_cannot_write() {
 async fn appends_are_idempotent_and_sequences_gap_free() {
     let (s, _d) = store().await;
     let t = ThreadId::generate();
-    let run = s.create_run(new_run(&t)).await.unwrap();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
     for _ in 0..2 {
         s.checkpoint(
@@ -82,7 +84,7 @@ async fn appends_are_idempotent_and_sequences_gap_free() {
 async fn terminal_states_never_change() {
     let (s, _d) = store().await;
     let t = ThreadId::generate();
-    let run = s.create_run(new_run(&t)).await.unwrap();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
     s.checkpoint(&lease, Checkpoint { finish: Some(Finish::Succeeded { result: "r".into(), forced: false }), ..Default::default() })
         .await
@@ -101,7 +103,7 @@ async fn terminal_states_never_change() {
 async fn the_database_enforces_one_active_run_per_thread() {
     let (s, _d) = store().await;
     let t = ThreadId::generate();
-    let first = s.create_run(new_run(&t)).await.unwrap();
+    let first = s.create_run(new_run(&t)).await.unwrap().run;
     match s.create_run(new_run(&t)).await.unwrap_err() {
         StoreError::Busy { active_run, .. } => assert_eq!(active_run, first.id),
         e => panic!("{e}"),
@@ -112,9 +114,49 @@ async fn the_database_enforces_one_active_run_per_thread() {
 }
 
 #[tokio::test]
+async fn enqueued_runs_wait_for_the_thread_and_go_in_order() {
+    let (s, _d) = store().await;
+    let t = ThreadId::generate();
+    let first = s.create_run(new_run(&t)).await.unwrap().run;
+    let mut n = new_run(&t);
+    n.if_busy = IfBusy::Enqueue;
+    let second = s.create_run(n).await.unwrap().run;
+    let mut n = new_run(&t);
+    n.if_busy = IfBusy::Enqueue;
+    let third = s.create_run(n).await.unwrap().run;
+    // Only the oldest queued run of the thread is claimable.
+    assert!(matches!(s.claim_run(third.id, "w", Duration::from_secs(10), 5).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
+    let Claim::Acquired(l1, _) = s.claim_run(first.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    // While the first runs, the second waits.
+    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10), 5).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
+    assert!(s.orphans(Duration::ZERO).await.unwrap().iter().all(|o| o.run_id != second.id), "a blocked run is not an orphan");
+    s.checkpoint(&l1, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await.unwrap();
+    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id));
+    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10), 5).await.unwrap(), Claim::Acquired(..)));
+}
+
+#[tokio::test]
+async fn idempotency_keys_return_the_first_run() {
+    let (s, _d) = store().await;
+    let mut a = new_run(&ThreadId::generate());
+    a.idempotency_key = Some("k1".into());
+    let first = s.create_run(a.clone()).await.unwrap();
+    assert!(!first.existing);
+    a.id = RunId::new();
+    let again = s.create_run(a).await.unwrap();
+    assert!(again.existing);
+    assert_eq!(again.run.id, first.run.id);
+    // Keys are per owner.
+    let mut b = new_run(&ThreadId::generate());
+    b.idempotency_key = Some("k1".into());
+    b.owner = "other".into();
+    assert!(!s.create_run(b).await.unwrap().existing);
+}
+
+#[tokio::test]
 async fn runs_whose_workers_keep_dying_fail_as_lost() {
     let (s, _d) = store().await;
-    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap();
+    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
     for _ in 0..2 {
         assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10), 2).await.unwrap(), Claim::Acquired(..)));
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -131,8 +173,8 @@ async fn runs_whose_workers_keep_dying_fail_as_lost() {
 #[tokio::test]
 async fn orphans_are_found_after_the_grace_period() {
     let (s, _d) = store().await;
-    let queued = s.create_run(new_run(&ThreadId::generate())).await.unwrap();
-    let running = s.create_run(new_run(&ThreadId::generate())).await.unwrap();
+    let queued = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let running = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
     let Claim::Acquired(lease, _) = s.claim_run(running.id, "w", Duration::from_millis(10), 5).await.unwrap() else { panic!() };
     assert!(s.orphans(Duration::from_secs(60)).await.unwrap().is_empty(), "fresh enqueues are left alone");
     tokio::time::sleep(Duration::from_millis(50)).await;

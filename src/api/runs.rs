@@ -1,0 +1,305 @@
+//! `/v1/runs…`: start, wait, list, snapshot, events (JSON pages and SSE), cancel.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::auth::Owner;
+use super::views::{EventsPage, RunView};
+use super::{ApiError, ApiJson, ApiQuery, ApiState};
+use crate::app::{CROSS_PROCESS_RECHECK, StartRun};
+use crate::events::is_terminal;
+use crate::ids::{RunId, ThreadId};
+use crate::store::{CancelOutcome, IfBusy, RunFilter, RunRecord, RunStatus, Store};
+
+/// Longest accepted wait.
+pub const MAX_WAIT_S: f64 = 3600.0;
+const DEFAULT_WAIT_S: f64 = 30.0;
+
+/// Limits a caller may set on one run.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsBody {
+    max_steps: Option<u32>,
+    timeout_s: Option<u64>,
+    max_total_tokens: Option<u64>,
+}
+
+/// The body of `POST /v1/runs` and `POST /v1/runs/wait`.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct StartBody {
+    #[serde(default)]
+    agent: Option<String>,
+    input: String,
+    #[serde(default)]
+    thread_id: Option<String>,
+    #[serde(default)]
+    metadata: Option<Value>,
+    #[serde(default)]
+    limits: Option<LimitsBody>,
+    #[serde(default)]
+    if_busy: IfBusy,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+    /// Only for `/v1/runs/wait`.
+    #[serde(default)]
+    timeout_s: Option<f64>,
+}
+
+fn parse_run_id(s: &str) -> Result<RunId, ApiError> {
+    s.parse().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))
+}
+
+fn wait_duration(t: Option<f64>) -> Result<Duration, ApiError> {
+    let t = t.unwrap_or(DEFAULT_WAIT_S);
+    if !(0.0..=MAX_WAIT_S).contains(&t) {
+        return Err(ApiError::bad_request("invalid_timeout", format!("timeout_s must be between 0 and {MAX_WAIT_S}")));
+    }
+    Ok(Duration::from_secs_f64(t))
+}
+
+/// Reads a run, answering 404 for other owners' runs exactly as for missing ones.
+pub async fn owned_run(state: &ApiState, owner: &Owner, id: RunId) -> Result<RunRecord, ApiError> {
+    match state.app.store.get_run(id).await? {
+        Some(r) if r.owner == owner.0 => Ok(r),
+        _ => Err(ApiError::not_found("run")),
+    }
+}
+
+async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<(RunRecord, bool), ApiError> {
+    let thread_id = body
+        .thread_id
+        .map(|t| t.parse::<ThreadId>())
+        .transpose()
+        .map_err(|e| ApiError::bad_request("invalid_id", e.to_string()))?;
+    if let Some(m) = &body.metadata {
+        if !m.is_object() {
+            return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "metadata must be a JSON object"));
+        }
+    }
+    let limits = body.limits.unwrap_or_default();
+    let created = state
+        .app
+        .start(StartRun {
+            agent: body.agent,
+            input: body.input,
+            thread_id,
+            owner: Some(owner.0.clone()),
+            max_steps: limits.max_steps,
+            timeout_secs: limits.timeout_s,
+            max_total_tokens: limits.max_total_tokens,
+            metadata: body.metadata,
+            if_busy: body.if_busy,
+            idempotency_key: body.idempotency_key,
+        })
+        .await?;
+    Ok((created.run, created.existing))
+}
+
+/// `POST /v1/runs`
+pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
+    if body.timeout_s.is_some() {
+        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "timeout_s belongs to POST /v1/runs/wait"));
+    }
+    let (run, _existing) = start_from(&state, &owner, body).await?;
+    let view = RunView::build(state.app.store.as_ref(), run).await?;
+    Ok((StatusCode::ACCEPTED, Json(view)).into_response())
+}
+
+/// `POST /v1/runs/wait`
+pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
+    let timeout = wait_duration(body.timeout_s)?;
+    let (run, _) = start_from(&state, &owner, body).await?;
+    wait_view(&state, run.id, timeout).await
+}
+
+async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Response, ApiError> {
+    let r = state.app.wait(id, timeout).await?.ok_or_else(|| ApiError::not_found("run"))?;
+    let done = r.status.is_terminal();
+    let mut view = RunView::build(state.app.store.as_ref(), r).await?;
+    view.wait_timed_out = Some(!done);
+    Ok(Json(view).into_response())
+}
+
+/// Query of `GET /v1/runs/{id}/wait`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitQuery {
+    timeout_s: Option<f64>,
+}
+
+/// `GET /v1/runs/{id}/wait`
+pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<WaitQuery>) -> Result<Response, ApiError> {
+    let id = parse_run_id(&id)?;
+    let timeout = wait_duration(q.timeout_s)?;
+    owned_run(&state, &owner, id).await?;
+    wait_view(&state, id, timeout).await
+}
+
+/// `GET /v1/runs/{id}`
+pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Json<RunView>, ApiError> {
+    let r = owned_run(&state, &owner, parse_run_id(&id)?).await?;
+    Ok(Json(RunView::build(state.app.store.as_ref(), r).await?))
+}
+
+/// Query of `GET /v1/runs`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    status: Option<String>,
+    agent: Option<String>,
+    thread_id: Option<String>,
+    parent_run_id: Option<String>,
+    cursor: Option<String>,
+    limit: Option<u32>,
+}
+
+/// `GET /v1/runs`: newest first; `next_cursor` pages on.
+pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQuery<ListQuery>) -> Result<Json<Value>, ApiError> {
+    let limit = q.limit.unwrap_or(20);
+    if !(1..=100).contains(&limit) {
+        return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 100"));
+    }
+    let mut status = vec![];
+    for s in q.status.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
+        status.push(RunStatus::parse(s).ok_or_else(|| {
+            ApiError::bad_request("invalid_status", format!("unknown status `{s}`; use queued, running, waiting, succeeded, failed or cancelled"))
+        })?);
+    }
+    let filter = RunFilter {
+        status,
+        agent: q.agent,
+        thread_id: q.thread_id.map(|t| t.parse()).transpose().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?,
+        parent_run_id: q.parent_run_id.as_deref().map(parse_run_id).transpose()?,
+        before: q.cursor.as_deref().map(|c| c.parse().map_err(|_| ApiError::bad_request("invalid_cursor", "cursor must be a next_cursor from an earlier page"))).transpose()?,
+    };
+    let runs = state.app.store.list_runs(&owner.0, &filter, limit).await?;
+    let next_cursor = (runs.len() == limit as usize).then(|| runs.last().map(|r| r.id)).flatten();
+    let mut views = Vec::with_capacity(runs.len());
+    for r in runs {
+        views.push(RunView::build(state.app.store.as_ref(), r).await?);
+    }
+    Ok(Json(json!({"runs": views, "next_cursor": next_cursor})))
+}
+
+/// Query of `GET /v1/runs/{id}/events`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsQuery {
+    after: Option<u64>,
+    limit: Option<u32>,
+}
+
+/// `GET /v1/runs/{id}/events`: a JSON page, or with `Accept: text/event-stream` an SSE stream
+/// that resumes from `Last-Event-ID` and ends after the terminal event.
+pub async fn events(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    ApiQuery(q): ApiQuery<EventsQuery>,
+) -> Result<Response, ApiError> {
+    let id = parse_run_id(&id)?;
+    owned_run(&state, &owner, id).await?;
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 1000"));
+    }
+    let wants_sse = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("text/event-stream"));
+    if !wants_sse {
+        let after = q.after.unwrap_or(0);
+        let events = state.app.store.events_after(id, after, limit).await?;
+        let next_after = events.last().map(|e| e.seq).unwrap_or(after);
+        return Ok(Json(EventsPage { events, next_after }).into_response());
+    }
+    let last_event_id = match headers.get("last-event-id") {
+        None => None,
+        Some(v) => Some(
+            v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()).ok_or_else(|| ApiError::bad_request("invalid_cursor", "Last-Event-ID must be an event seq"))?,
+        ),
+    };
+    let cursor = last_event_id.or(q.after).unwrap_or(0);
+    let store = state.app.store.clone();
+    let stream = async_stream(store, id, cursor);
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+}
+
+/// The SSE stream: sleeps on the run's notification between batches; ends after the terminal
+/// event.
+fn async_stream(store: Arc<dyn Store>, id: RunId, cursor: u64) -> impl futures::Stream<Item = Result<Event, Infallible>> {
+    struct St {
+        store: Arc<dyn Store>,
+        cursor: u64,
+        done: bool,
+        buf: VecDeque<Event>,
+    }
+    let init = St { store, cursor, done: false, buf: VecDeque::new() };
+    futures::stream::unfold(init, move |mut st| async move {
+        loop {
+            if let Some(e) = st.buf.pop_front() {
+                return Some((Ok(e), st));
+            }
+            if st.done {
+                return None;
+            }
+            let notify = st.store.subscribe(id);
+            let changed = notify.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let events = match st.store.events_after(id, st.cursor, 200).await {
+                Ok(e) => e,
+                Err(err) => {
+                    tracing::warn!(error = %err, "SSE read failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                }
+            };
+            for e in events {
+                st.cursor = e.seq;
+                st.done |= is_terminal(&e.kind);
+                let data = serde_json::to_string(&e).unwrap_or_default();
+                st.buf.push_back(Event::default().id(e.seq.to_string()).event(e.kind.clone()).data(data));
+            }
+            if st.buf.is_empty() {
+                tokio::select! {
+                    _ = changed => {}
+                    _ = tokio::time::sleep(CROSS_PROCESS_RECHECK * 4) => {}
+                }
+            }
+        }
+    })
+}
+
+/// `POST /v1/runs/{id}/cancel`: idempotent; 409 `already_finished` once the run has ended.
+pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = parse_run_id(&id)?;
+    let run = owned_run(&state, &owner, id).await?;
+    match state.app.store.request_cancel(id).await? {
+        CancelOutcome::Cancelled | CancelOutcome::Requested => {
+            let r = state.app.store.get_run(id).await?.unwrap_or(run);
+            Ok((StatusCode::ACCEPTED, Json(RunView::build(state.app.store.as_ref(), r).await?)).into_response())
+        }
+        CancelOutcome::AlreadyFinished(s) if s == RunStatus::Cancelled => {
+            // Repeating a cancel of a cancelled run is not an error: cancel is idempotent.
+            let r = state.app.store.get_run(id).await?.unwrap_or(run);
+            Ok((StatusCode::ACCEPTED, Json(RunView::build(state.app.store.as_ref(), r).await?)).into_response())
+        }
+        CancelOutcome::AlreadyFinished(s) => Err(ApiError {
+            status: StatusCode::CONFLICT,
+            code: "already_finished",
+            message: format!("run {id} already ended as {}; there is nothing to cancel", s.as_str()),
+            details: Some(json!({"status": s})),
+        }),
+        CancelOutcome::NotFound => Err(ApiError::not_found("run")),
+    }
+}

@@ -1,0 +1,88 @@
+//! Threads, agents, health, readiness and metrics.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::auth::Owner;
+use super::views::{AgentView, MessageView, RunView};
+use super::{ApiError, ApiQuery, ApiState};
+use crate::ids::ThreadId;
+use crate::store::{RunFilter, RunStatus};
+
+/// Query of `GET /v1/threads/{id}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThreadQuery {
+    after: Option<i64>,
+    limit: Option<u32>,
+}
+
+/// `GET /v1/threads/{id}`: the thread, its newest runs, and a page of its messages.
+pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<ThreadQuery>) -> Result<Json<Value>, ApiError> {
+    let id: ThreadId = id.parse().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?;
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 1000"));
+    }
+    let after = q.after.unwrap_or(0);
+    if after < 0 {
+        return Err(ApiError::bad_request("invalid_cursor", "after must be a message id from an earlier page"));
+    }
+    let store = state.app.store.as_ref();
+    let t = match store.get_thread(&id).await? {
+        Some(t) if t.owner == owner.0 => t,
+        _ => return Err(ApiError::not_found("thread")),
+    };
+    let runs = store.list_runs(&owner.0, &RunFilter { thread_id: Some(id.clone()), ..Default::default() }, 50).await?;
+    let mut run_views = vec![];
+    for r in runs {
+        run_views.push(RunView::build(store, r).await?);
+    }
+    let messages: Vec<MessageView> = store.messages_page(&id, after, limit).await?.into_iter().map(Into::into).collect();
+    let next_after = messages.last().map(|m| m.id).unwrap_or(after);
+    Ok(Json(json!({
+        "id": t.id, "created_at": t.created_at, "updated_at": t.updated_at,
+        "runs": run_views, "messages": messages, "next_after": next_after,
+    })))
+}
+
+/// `GET /v1/agents`
+pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<Value> {
+    let agents: Vec<AgentView> = state.app.agents.all().map(Into::into).collect();
+    Json(json!({ "agents": agents }))
+}
+
+/// `GET /healthz`: the process is up.
+pub async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// `GET /readyz`: the database answers.
+pub async fn readyz(State(state): State<ApiState>) -> Response {
+    match state.app.store.status_counts().await {
+        Ok(_) => Json(json!({"status": "ready", "db": "ok"})).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "readiness check failed");
+            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "db": "unreachable"}))).into_response()
+        }
+    }
+}
+
+/// `GET /metrics`: Prometheus text. Run counts are read from the database at scrape time;
+/// latency histograms and token counters come from this process's recorder.
+pub async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
+    let counts = state.app.store.status_counts().await?;
+    let mut out = String::from("# HELP subagents_runs Runs by status.\n# TYPE subagents_runs gauge\n");
+    for s in [RunStatus::Queued, RunStatus::Running, RunStatus::Waiting, RunStatus::Succeeded, RunStatus::Failed, RunStatus::Cancelled] {
+        let n = counts.iter().find(|(k, _)| *k == s).map(|(_, n)| *n).unwrap_or(0);
+        out.push_str(&format!("subagents_runs{{status=\"{}\"}} {n}\n", s.as_str()));
+    }
+    let queued = counts.iter().find(|(k, _)| *k == RunStatus::Queued).map(|(_, n)| *n).unwrap_or(0);
+    out.push_str(&format!("# HELP subagents_queue_depth Runs waiting for a worker.\n# TYPE subagents_queue_depth gauge\nsubagents_queue_depth {queued}\n"));
+    out.push_str(&crate::telemetry::render_metrics());
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response())
+}

@@ -1,0 +1,177 @@
+//! What the API shows: views built from store records (rows and views are separate types, so
+//! the schema can change without breaking clients).
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::agents::AgentDef;
+use crate::events::progress_line;
+use crate::ids::{RunId, ThreadId};
+use crate::model::Message;
+use crate::store::{EventRecord, RunError, RunRecord, RunStatus, Store, StoredMessage};
+
+/// Token and step counts.
+#[derive(Serialize, Clone, Debug)]
+pub struct UsageView {
+    /// Tokens sent.
+    pub prompt_tokens: u64,
+    /// Tokens produced.
+    pub completion_tokens: u64,
+    /// Both.
+    pub total_tokens: u64,
+    /// Model calls.
+    pub steps: u32,
+}
+
+/// A run, as DESIGN.md's API section defines it.
+#[derive(Serialize, Clone, Debug)]
+pub struct RunView {
+    /// Id.
+    pub id: RunId,
+    /// Thread.
+    pub thread_id: ThreadId,
+    /// Agent.
+    pub agent: String,
+    /// State.
+    pub status: RunStatus,
+    /// Delegating run.
+    pub parent_run_id: Option<RunId>,
+    /// Model calls committed.
+    pub step: u32,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// First claimed.
+    pub started_at: Option<DateTime<Utc>>,
+    /// Ended.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// Last lease renewal or checkpoint.
+    pub last_heartbeat_at: Option<DateTime<Utc>>,
+    /// Queued runs ahead of it, while queued.
+    pub queue_position: Option<i64>,
+    /// Final text.
+    pub result: Option<String>,
+    /// Why it failed.
+    pub error: Option<RunError>,
+    /// True when a limit forced the final answer.
+    pub forced: bool,
+    /// Its own usage.
+    pub usage: UsageView,
+    /// Usage of it and its descendants (equal to `usage` until delegation lands).
+    pub usage_tree: UsageView,
+    /// The last three progress lines.
+    pub progress: Vec<String>,
+    /// Child runs (delegation).
+    pub children: Vec<RunId>,
+    /// Caller data.
+    pub metadata: Value,
+    /// Seq of the latest event (a cursor for `/events`).
+    pub last_event_seq: u64,
+    /// Only on wait answers: the wait ended before the run did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wait_timed_out: Option<bool>,
+}
+
+impl RunView {
+    /// Builds the view, reading the few extra facts it shows (progress, queue position).
+    pub async fn build(store: &dyn Store, r: RunRecord) -> crate::store::Result<RunView> {
+        let recent = store.events_after(r.id, r.event_seq.saturating_sub(12), 12).await?;
+        let mut progress: Vec<String> = recent.iter().filter_map(progress_line).collect();
+        let n = progress.len();
+        progress.drain(..n.saturating_sub(3));
+        let queue_position = if r.status == RunStatus::Queued { Some(store.queue_position(r.id).await?) } else { None };
+        let usage = UsageView {
+            prompt_tokens: r.usage.prompt_tokens,
+            completion_tokens: r.usage.completion_tokens,
+            total_tokens: r.usage.total(),
+            steps: r.step,
+        };
+        Ok(RunView {
+            id: r.id,
+            thread_id: r.thread_id,
+            agent: r.agent,
+            status: r.status,
+            parent_run_id: r.parent_run_id,
+            step: r.step,
+            created_at: r.created_at,
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            last_heartbeat_at: r.heartbeat_at,
+            queue_position,
+            result: r.result,
+            error: r.error,
+            forced: r.forced,
+            usage_tree: usage.clone(),
+            usage,
+            progress,
+            children: vec![],
+            metadata: r.metadata,
+            last_event_seq: r.event_seq,
+            wait_timed_out: None,
+        })
+    }
+}
+
+/// An event: `{seq, type, run_id, created_at, data}`.
+pub type EventView = EventRecord;
+
+/// A page of events.
+#[derive(Serialize, Debug)]
+pub struct EventsPage {
+    /// Events in order.
+    pub events: Vec<EventView>,
+    /// Pass as `after` to get the next page.
+    pub next_after: u64,
+}
+
+/// A checkpointed message.
+#[derive(Serialize, Debug)]
+pub struct MessageView {
+    /// Position in the thread; a cursor for paging.
+    pub id: i64,
+    /// The run that wrote it.
+    pub run_id: RunId,
+    /// Step (0 = the run's input).
+    pub step: u32,
+    /// The message in OpenAI format.
+    pub message: Message,
+}
+
+impl From<StoredMessage> for MessageView {
+    fn from(m: StoredMessage) -> Self {
+        Self { id: m.id, run_id: m.run_id, step: m.step, message: m.message }
+    }
+}
+
+/// An agent definition, as callers may see it.
+#[derive(Serialize, Debug)]
+pub struct AgentView {
+    /// Name.
+    pub name: String,
+    /// What it is for.
+    pub description: String,
+    /// Tools it may use (`null`: all built-ins).
+    pub tools: Option<Vec<String>>,
+    /// Model override.
+    pub model: Option<String>,
+    /// Step limit.
+    pub max_steps: u32,
+    /// Wall-time limit in seconds.
+    pub timeout_s: u64,
+    /// Who it may delegate to.
+    pub subagents: Vec<String>,
+}
+
+impl From<&AgentDef> for AgentView {
+    fn from(a: &AgentDef) -> Self {
+        Self {
+            name: a.name.clone(),
+            description: a.description.clone(),
+            tools: a.tools.clone(),
+            model: a.model.clone(),
+            max_steps: a.max_steps,
+            timeout_s: a.timeout.as_secs(),
+            subagents: a.subagents.clone(),
+        }
+    }
+}
