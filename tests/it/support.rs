@@ -14,7 +14,7 @@ use subagents::tools::ToolRegistry;
 use tokio_util::sync::CancellationToken;
 
 pub struct TestApp {
-    pub app: App,
+    pub app: Arc<App>,
     pub mock: MockServer,
     pub _dir: tempfile::TempDir,
     shutdown: CancellationToken,
@@ -69,7 +69,7 @@ pub async fn spawn_app_with(opts: Options) -> TestApp {
     (opts.tweak)(&mut settings);
     let model = App::model_client(&settings);
     let tools = opts.tools.unwrap_or_else(|| ToolRegistry::builtin(settings.tool_journal.clone()));
-    let app = App::open_custom(settings, model, tools).await.unwrap();
+    let app = Arc::new(App::open_custom(settings, model, tools).await.unwrap());
     let shutdown = CancellationToken::new();
     let workers = opts.workers.then(|| app.spawn_workers(shutdown.clone()));
     TestApp { app, mock, _dir: dir, shutdown, workers }
@@ -98,6 +98,14 @@ impl TestApp {
     /// Successful (200) answers per step key.
     pub fn served(&self) -> HashMap<String, usize> {
         count_served(&self.mock.state.log())
+    }
+
+    /// Serves the API for this app on a free port; returns its base URL.
+    pub async fn serve(&self, keys: &str) -> String {
+        let mut k = subagents::api::auth::Keys::default();
+        k.add_pairs(keys).unwrap();
+        let server = subagents::api::Server::start(self.app.clone(), k, ([127, 0, 0, 1], 0).into(), self.shutdown.clone()).await.unwrap();
+        format!("http://{}", server.addr)
     }
 
     pub async fn stop_workers(&mut self) {
