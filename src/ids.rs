@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 /// The id of one run: a UUID v7, so ids sort by creation time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(transparent)]
+#[schema(value_type = String, format = Uuid)]
 pub struct RunId(pub Uuid);
 
 impl RunId {
@@ -41,8 +42,9 @@ impl FromStr for RunId {
 /// The id of a thread: free-form text chosen by the caller (or generated), because callers want
 /// to name conversations after their own entities (`ticket-4711`). Limited to a safe alphabet so
 /// it can appear in URLs, stream keys and file names unescaped.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(try_from = "String", into = "String")]
+#[schema(value_type = String, pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
 pub struct ThreadId(String);
 
 /// Longest accepted thread id, in bytes.

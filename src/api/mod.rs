@@ -12,8 +12,11 @@ use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
-use axum::routing::{get, post};
 use axum::Router;
+use axum::routing::get;
+use utoipa::OpenApi as _;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use serde::de::DeserializeOwned;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
@@ -52,21 +55,53 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
     }
 }
 
+/// The documented routes: registering a handler and documenting it are one step, so the
+/// OpenAPI document cannot drift from what is served.
+fn documented_routes() -> OpenApiRouter<ApiState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(runs::start, runs::list))
+        .routes(routes!(runs::start_and_wait))
+        .routes(routes!(runs::get))
+        .routes(routes!(runs::events))
+        .routes(routes!(runs::cancel))
+        .routes(routes!(runs::wait))
+        .routes(routes!(system::thread))
+        .routes(routes!(system::agents))
+        .routes(routes!(system::healthz))
+        .routes(routes!(system::readyz))
+        .routes(routes!(system::metrics))
+}
+
+/// The OpenAPI 3.1 document of the API.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    documented_routes().into_openapi()
+}
+
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(title = "subagents", description = "A durable executor for LLM subagent runs. Authenticate with `Authorization: Bearer KEY`."),
+    modifiers(&BearerAuth),
+    security(("bearer" = []))
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+    }
+}
+
 /// All routes.
 pub fn router(state: ApiState) -> Router {
     let body_limit = state.app.settings.max_input_bytes + 64 * 1024;
-    Router::new()
-        .route("/v1/runs", post(runs::start).get(runs::list))
-        .route("/v1/runs/wait", post(runs::start_and_wait))
-        .route("/v1/runs/{id}", get(runs::get))
-        .route("/v1/runs/{id}/events", get(runs::events))
-        .route("/v1/runs/{id}/cancel", post(runs::cancel))
-        .route("/v1/runs/{id}/wait", get(runs::wait))
-        .route("/v1/threads/{id}", get(system::thread))
-        .route("/v1/agents", get(system::agents))
-        .route("/healthz", get(system::healthz))
-        .route("/readyz", get(system::readyz))
-        .route("/metrics", get(system::metrics))
+    let (router, spec) = documented_routes().split_for_parts();
+    let spec = Arc::new(spec);
+    router
+        .route("/openapi.json", get(move || async move { axum::Json(spec.as_ref().clone()) }))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "no_route", "no such endpoint; see /v1/runs, /v1/threads, /v1/agents") })
         .method_not_allowed_fallback(|| async { ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this endpoint does not take that method") })
         .layer(DefaultBodyLimit::max(body_limit))

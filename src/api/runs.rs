@@ -14,7 +14,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::auth::Owner;
-use super::views::{EventsPage, RunView};
+use super::views::{ErrorBody, EventsPage, RunView, RunsPage};
+use utoipa::{IntoParams, ToSchema};
 use super::{ApiError, ApiJson, ApiQuery, ApiState};
 use crate::app::{CROSS_PROCESS_RECHECK, StartRun};
 use crate::events::is_terminal;
@@ -26,29 +27,40 @@ pub const MAX_WAIT_S: f64 = 3600.0;
 const DEFAULT_WAIT_S: f64 = 30.0;
 
 /// Limits a caller may set on one run.
-#[derive(Deserialize, Debug, Default)]
+#[derive(Deserialize, Debug, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LimitsBody {
+    /// Tool-using steps before a forced final answer (1..=10000; default: the agent's).
     max_steps: Option<u32>,
+    /// Wall-time limit in seconds (default: the agent's).
     timeout_s: Option<u64>,
+    /// Token budget before a forced final answer.
     max_total_tokens: Option<u64>,
 }
 
 /// The body of `POST /v1/runs` and `POST /v1/runs/wait`.
-#[derive(Deserialize, Debug)]
+#[derive(Deserialize, Debug, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StartBody {
+    /// Agent name (default `general-purpose`).
     #[serde(default)]
     agent: Option<String>,
+    /// The task.
     input: String,
+    /// Continue this thread (created if new).
     #[serde(default)]
     thread_id: Option<String>,
+    /// Caller data kept with the run (a JSON object).
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     metadata: Option<Value>,
+    /// Limit overrides.
     #[serde(default)]
     limits: Option<LimitsBody>,
+    /// Busy thread: `reject` (409 thread_busy) or `enqueue` behind its active run.
     #[serde(default)]
     if_busy: IfBusy,
+    /// A repeated start with the same key returns the first run.
     #[serde(default)]
     idempotency_key: Option<String>,
     /// Only for `/v1/runs/wait`.
@@ -107,6 +119,8 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
 }
 
 /// `POST /v1/runs`
+#[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = StartBody,
+    responses((status = 202, description = "queued", body = RunView), (status = 409, description = "thread_busy", body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
     if body.timeout_s.is_some() {
         return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "timeout_s belongs to POST /v1/runs/wait"));
@@ -116,7 +130,9 @@ pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): A
     Ok((StatusCode::ACCEPTED, Json(view)).into_response())
 }
 
-/// `POST /v1/runs/wait`
+/// `POST /v1/runs/wait`: start, then wait for the end (`timeout_s`, default 30).
+#[utoipa::path(post, path = "/v1/runs/wait", tag = "runs", request_body = StartBody,
+    responses((status = 200, description = "the finished run, or its snapshot with wait_timed_out", body = RunView), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
     let timeout = wait_duration(body.timeout_s)?;
     let (run, _) = start_from(&state, &owner, body).await?;
@@ -132,13 +148,17 @@ async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Res
 }
 
 /// Query of `GET /v1/runs/{id}/wait`.
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct WaitQuery {
+    /// Seconds to wait (0..=3600, default 30).
     timeout_s: Option<f64>,
 }
 
 /// `GET /v1/runs/{id}/wait`
+#[utoipa::path(get, path = "/v1/runs/{id}/wait", tag = "runs", params(("id" = String, Path, description = "run id"), WaitQuery),
+    responses((status = 200, body = RunView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<WaitQuery>) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
     let timeout = wait_duration(q.timeout_s)?;
@@ -147,25 +167,35 @@ pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<St
 }
 
 /// `GET /v1/runs/{id}`
+#[utoipa::path(get, path = "/v1/runs/{id}", tag = "runs", params(("id" = String, Path, description = "run id")),
+    responses((status = 200, body = RunView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Json<RunView>, ApiError> {
     let r = owned_run(&state, &owner, parse_run_id(&id)?).await?;
     Ok(Json(RunView::build(state.app.store.as_ref(), r).await?))
 }
 
 /// Query of `GET /v1/runs`.
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Comma-separated states.
     status: Option<String>,
+    /// Agent name.
     agent: Option<String>,
+    /// Thread id.
     thread_id: Option<String>,
+    /// Parent run id.
     parent_run_id: Option<String>,
+    /// `next_cursor` of the previous page.
     cursor: Option<String>,
+    /// 1..=100, default 20.
     limit: Option<u32>,
 }
 
 /// `GET /v1/runs`: newest first; `next_cursor` pages on.
-pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQuery<ListQuery>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, path = "/v1/runs", tag = "runs", params(ListQuery), responses((status = 200, body = RunsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQuery<ListQuery>) -> Result<Json<RunsPage>, ApiError> {
     let limit = q.limit.unwrap_or(20);
     if !(1..=100).contains(&limit) {
         return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 100"));
@@ -189,19 +219,24 @@ pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQ
     for r in runs {
         views.push(RunView::build(state.app.store.as_ref(), r).await?);
     }
-    Ok(Json(json!({"runs": views, "next_cursor": next_cursor})))
+    Ok(Json(RunsPage { runs: views, next_cursor }))
 }
 
 /// Query of `GET /v1/runs/{id}/events`.
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct EventsQuery {
+    /// Events with seq greater than this (default 0).
     after: Option<u64>,
+    /// 1..=1000, default 100 (JSON pages only).
     limit: Option<u32>,
 }
 
 /// `GET /v1/runs/{id}/events`: a JSON page, or with `Accept: text/event-stream` an SSE stream
 /// that resumes from `Last-Event-ID` and ends after the terminal event.
+#[utoipa::path(get, path = "/v1/runs/{id}/events", tag = "runs", params(("id" = String, Path, description = "run id"), EventsQuery),
+    responses((status = 200, description = "a page, or with Accept: text/event-stream an SSE stream", body = EventsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn events(
     State(state): State<ApiState>,
     owner: Owner,
@@ -281,6 +316,8 @@ fn async_stream(store: Arc<dyn Store>, id: RunId, cursor: u64) -> impl futures::
 }
 
 /// `POST /v1/runs/{id}/cancel`: idempotent; 409 `already_finished` once the run has ended.
+#[utoipa::path(post, path = "/v1/runs/{id}/cancel", tag = "runs", params(("id" = String, Path, description = "run id")),
+    responses((status = 202, body = RunView), (status = 409, description = "already_finished", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
     let run = owned_run(&state, &owner, id).await?;

@@ -5,24 +5,29 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::{Value, json};
 
 use super::auth::Owner;
-use super::views::{AgentView, MessageView, RunView};
+use super::views::{AgentsList, ErrorBody, Health, MessageView, RunView, ThreadView};
+use utoipa::IntoParams;
 use super::{ApiError, ApiQuery, ApiState};
 use crate::ids::ThreadId;
 use crate::store::{RunFilter, RunStatus};
 
 /// Query of `GET /v1/threads/{id}`.
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ThreadQuery {
+    /// Messages with id greater than this (default 0).
     after: Option<i64>,
+    /// 1..=1000, default 100.
     limit: Option<u32>,
 }
 
 /// `GET /v1/threads/{id}`: the thread, its newest runs, and a page of its messages.
-pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<ThreadQuery>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, path = "/v1/threads/{id}", tag = "threads", params(("id" = String, Path, description = "thread id"), ThreadQuery),
+    responses((status = 200, body = ThreadView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<ThreadQuery>) -> Result<Json<ThreadView>, ApiError> {
     let id: ThreadId = id.parse().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?;
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
@@ -44,36 +49,36 @@ pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<
     }
     let messages: Vec<MessageView> = store.messages_page(&id, after, limit).await?.into_iter().map(Into::into).collect();
     let next_after = messages.last().map(|m| m.id).unwrap_or(after);
-    Ok(Json(json!({
-        "id": t.id, "created_at": t.created_at, "updated_at": t.updated_at,
-        "runs": run_views, "messages": messages, "next_after": next_after,
-    })))
+    Ok(Json(ThreadView { id: t.id, created_at: t.created_at, updated_at: t.updated_at, runs: run_views, messages, next_after }))
 }
 
 /// `GET /v1/agents`
-pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<Value> {
-    let agents: Vec<AgentView> = state.app.agents.all().map(Into::into).collect();
-    Json(json!({ "agents": agents }))
+#[utoipa::path(get, path = "/v1/agents", tag = "agents", responses((status = 200, body = AgentsList), (status = 401, body = ErrorBody)))]
+pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<AgentsList> {
+    Json(AgentsList { agents: state.app.agents.all().map(Into::into).collect() })
 }
 
 /// `GET /healthz`: the process is up.
-pub async fn healthz() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+#[utoipa::path(get, path = "/healthz", tag = "system", responses((status = 200, body = Health)))]
+pub async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok".into(), db: None })
 }
 
 /// `GET /readyz`: the database answers.
+#[utoipa::path(get, path = "/readyz", tag = "system", responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<ApiState>) -> Response {
     match state.app.store.status_counts().await {
-        Ok(_) => Json(json!({"status": "ready", "db": "ok"})).into_response(),
+        Ok(_) => Json(Health { status: "ready".into(), db: Some("ok".into()) }).into_response(),
         Err(e) => {
             tracing::warn!(error = %e, "readiness check failed");
-            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "db": "unreachable"}))).into_response()
+            (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "unavailable".into(), db: Some("unreachable".into()) })).into_response()
         }
     }
 }
 
 /// `GET /metrics`: Prometheus text. Run counts are read from the database at scrape time;
 /// latency histograms and token counters come from this process's recorder.
+#[utoipa::path(get, path = "/metrics", tag = "system", responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String), (status = 503, body = ErrorBody)))]
 pub async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
     let counts = state.app.store.status_counts().await?;
     let mut out = String::from("# HELP subagents_runs Runs by status.\n# TYPE subagents_runs gauge\n");

@@ -3,6 +3,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use utoipa::ToSchema;
 use serde_json::Value;
 
 use crate::agents::AgentDef;
@@ -12,7 +13,7 @@ use crate::model::Message;
 use crate::store::{EventRecord, RunError, RunRecord, RunStatus, Store, StoredMessage};
 
 /// Token and step counts.
-#[derive(Serialize, Clone, Debug)]
+#[derive(Serialize, Clone, Debug, ToSchema)]
 pub struct UsageView {
     /// Tokens sent.
     pub prompt_tokens: u64,
@@ -25,7 +26,7 @@ pub struct UsageView {
 }
 
 /// A run, as DESIGN.md's API section defines it.
-#[derive(Serialize, Clone, Debug)]
+#[derive(Serialize, Clone, Debug, ToSchema)]
 pub struct RunView {
     /// Id.
     pub id: RunId,
@@ -64,6 +65,7 @@ pub struct RunView {
     /// Child runs (delegation).
     pub children: Vec<RunId>,
     /// Caller data.
+    #[schema(value_type = Object)]
     pub metadata: Value,
     /// Seq of the latest event (a cursor for `/events`).
     pub last_event_seq: u64,
@@ -116,7 +118,7 @@ impl RunView {
 pub type EventView = EventRecord;
 
 /// A page of events.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Debug, ToSchema)]
 pub struct EventsPage {
     /// Events in order.
     pub events: Vec<EventView>,
@@ -125,7 +127,7 @@ pub struct EventsPage {
 }
 
 /// A checkpointed message.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Debug, ToSchema)]
 pub struct MessageView {
     /// Position in the thread; a cursor for paging.
     pub id: i64,
@@ -144,7 +146,7 @@ impl From<StoredMessage> for MessageView {
 }
 
 /// An agent definition, as callers may see it.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Debug, ToSchema)]
 pub struct AgentView {
     /// Name.
     pub name: String,
@@ -174,4 +176,63 @@ impl From<&AgentDef> for AgentView {
             subagents: a.subagents.clone(),
         }
     }
+}
+
+/// A page of runs, newest first.
+#[derive(Serialize, Debug, ToSchema)]
+pub struct RunsPage {
+    /// Runs.
+    pub runs: Vec<RunView>,
+    /// Pass as `cursor` for the next page; absent on the last page.
+    pub next_cursor: Option<RunId>,
+}
+
+/// A thread with its newest runs and a page of its messages.
+#[derive(Serialize, Debug, ToSchema)]
+pub struct ThreadView {
+    /// Id.
+    pub id: ThreadId,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Last run start.
+    pub updated_at: DateTime<Utc>,
+    /// Newest runs (up to 50).
+    pub runs: Vec<RunView>,
+    /// Messages after `after`, oldest first.
+    pub messages: Vec<MessageView>,
+    /// Pass as `after` for the next page.
+    pub next_after: i64,
+}
+
+/// The agent definitions.
+#[derive(Serialize, Debug, ToSchema)]
+pub struct AgentsList {
+    /// Agents by name.
+    pub agents: Vec<AgentView>,
+}
+
+/// Every error answer: `{"error": {"code", "message"}}`.
+#[derive(Serialize, Debug, ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// Code and message of an error.
+#[derive(Serialize, Debug, ToSchema)]
+pub struct ErrorDetail {
+    /// Stable machine code (e.g. `thread_busy`, `not_found`, `invalid_request`).
+    pub code: String,
+    /// What happened and what to do.
+    pub message: String,
+}
+
+/// Health and readiness answers.
+#[derive(Serialize, Debug, ToSchema)]
+pub struct Health {
+    /// `ok`, `ready` or `unavailable`.
+    pub status: String,
+    /// Database state (readiness only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub db: Option<String>,
 }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 /// One message of a conversation, serialized exactly as OpenAI Chat Completions expects it.
 /// The same type is what the store checkpoints, so replay needs no conversion.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "role", rename_all = "lowercase")]
 pub enum Message {
     /// The agent's system prompt.
@@ -56,7 +56,7 @@ impl Message {
 }
 
 /// A tool call as the model emits it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ToolCall {
     /// The model's id for the call; tool results refer to it.
     pub id: String,
@@ -72,7 +72,7 @@ fn function_kind() -> String {
 }
 
 /// The function part of a tool call.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FunctionCall {
     /// Tool name.
     pub name: String,

@@ -24,7 +24,7 @@ pub use sqlite::SqliteStore;
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// Where a run is in its life. Stored as its lowercase name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum RunStatus {
     /// Waiting for a worker.
@@ -91,7 +91,7 @@ impl RunStatus {
 }
 
 /// Why a run failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ErrorKind {
     /// The model endpoint refused or kept failing.
@@ -132,7 +132,7 @@ impl ErrorKind {
 }
 
 /// A failed run's error.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RunError {
     /// Class of failure.
     pub kind: ErrorKind,
@@ -181,7 +181,7 @@ pub struct NewRun {
 }
 
 /// What a start does when its thread already has an unfinished run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum IfBusy {
     /// Refuse with [`StoreError::Busy`].
@@ -375,7 +375,7 @@ impl NewEvent {
 }
 
 /// A stored event.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct EventRecord {
     /// Gap-free per run, from 1.
     pub seq: u64,
@@ -387,6 +387,7 @@ pub struct EventRecord {
     /// Commit time.
     pub created_at: DateTime<Utc>,
     /// Payload.
+    #[schema(value_type = Object)]
     pub data: Value,
 }
 

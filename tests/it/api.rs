@@ -403,3 +403,33 @@ async fn cli_clients_talk_to_the_server() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the server"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_describes_every_endpoint() {
+    let (_t, api) = setup(KEYS, 0).await;
+    let (s, doc) = api.as_(None).get("/openapi.json").await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().unwrap();
+    for (p, m) in [
+        ("/v1/runs", "post"),
+        ("/v1/runs", "get"),
+        ("/v1/runs/wait", "post"),
+        ("/v1/runs/{id}", "get"),
+        ("/v1/runs/{id}/events", "get"),
+        ("/v1/runs/{id}/cancel", "post"),
+        ("/v1/runs/{id}/wait", "get"),
+        ("/v1/threads/{id}", "get"),
+        ("/v1/agents", "get"),
+        ("/healthz", "get"),
+        ("/readyz", "get"),
+        ("/metrics", "get"),
+    ] {
+        assert!(paths.get(p).and_then(|x| x.get(m)).is_some(), "{m} {p} missing from the spec");
+    }
+    let run = &doc["components"]["schemas"]["RunView"]["properties"];
+    for k in ["id", "thread_id", "status", "usage", "progress", "children"] {
+        assert!(run.get(k).is_some(), "RunView schema lacks {k}");
+    }
+    assert!(doc["components"]["securitySchemes"]["bearer"].is_object());
+}
