@@ -121,12 +121,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         }
         let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a duration (use e.g. 90s, 30m, 2h)"))?;
         num.clear();
-        total += n * match c {
+        let unit = match c {
             's' => 1,
             'm' => 60,
             'h' => 3600,
             _ => return Err(format!("`{s}` is not a duration: unknown unit `{c}` (use s, m or h)")),
         };
+        total = n.checked_mul(unit).and_then(|x| x.checked_add(total)).ok_or_else(|| format!("`{s}` is too long"))?;
     }
     if !num.is_empty() {
         return Err(format!("`{s}` is not a duration: `{num}` has no unit (use s, m or h)"));
@@ -194,8 +195,8 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         Some(TimeoutValue::Secs(s)) => Duration::from_secs(s),
         Some(TimeoutValue::Text(t)) => parse_duration(&t).map_err(|m| err(line_of("timeout"), m))?,
     };
-    if timeout.is_zero() {
-        return Err(err(line_of("timeout"), "timeout must be longer than zero".into()));
+    if timeout.is_zero() || timeout.as_secs() > crate::app::MAX_TIMEOUT_SECS {
+        return Err(err(line_of("timeout"), "timeout must be between 1 second and 7 days".into()));
     }
     // Claude Code's aliases name Anthropic models; on an OpenAI-compatible endpoint the
     // configured default is the honest stand-in.

@@ -22,6 +22,9 @@ use crate::tools::ToolRegistry;
 /// changes wake them at once).
 pub const CROSS_PROCESS_RECHECK: Duration = Duration::from_millis(250);
 
+/// Longest wall-time limit a run may have: 7 days.
+pub const MAX_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
+
 /// Owner of runs started without authentication (the CLI, the embedded default).
 pub const LOCAL_OWNER: &str = "local";
 
@@ -217,8 +220,8 @@ impl App {
             return Err(StartError::BadLimit(format!("max_steps {max_steps} is out of range 1..=10000")));
         }
         let timeout_secs = req.timeout_secs.unwrap_or(agent.timeout.as_secs().max(1));
-        if timeout_secs == 0 {
-            return Err(StartError::BadLimit("timeout must be at least 1 second".into()));
+        if !(1..=MAX_TIMEOUT_SECS).contains(&timeout_secs) {
+            return Err(StartError::BadLimit(format!("timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)")));
         }
         if let Some(k) = &req.idempotency_key {
             if k.is_empty() || k.len() > 200 {

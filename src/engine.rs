@@ -125,10 +125,13 @@ impl Engine {
         let heartbeat = tokio::spawn(heartbeat(self.store.clone(), lease.clone(), cancel.clone(), lost.clone()));
         let _stop_heartbeat = AbortOnDrop(heartbeat);
 
+        // Limits are validated at start; still, stored data must never make the engine panic.
         let started = run.started_at.unwrap_or_else(chrono::Utc::now);
-        let deadline_in = (started + chrono::Duration::seconds(run.limits.timeout_secs as i64) - chrono::Utc::now())
-            .to_std()
-            .unwrap_or(Duration::ZERO);
+        let limit = chrono::Duration::try_seconds(run.limits.timeout_secs.min(i64::MAX as u64 / 1000) as i64).unwrap_or(chrono::Duration::MAX);
+        let deadline_in = started
+            .checked_add_signed(limit)
+            .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO))
+            .unwrap_or(Duration::MAX / 4);
         let result = tokio::select! {
             r = self.run_loop(&lease, &run) => Ok(r),
             _ = cancel.cancelled() => Err("cancel"),

@@ -22,6 +22,9 @@ use crate::events::is_terminal;
 use crate::ids::{RunId, ThreadId};
 use crate::store::{CancelOutcome, IfBusy, RunFilter, RunRecord, RunStatus, Store};
 
+/// Largest cursor accepted (2^53 - 1: exact in every JSON client).
+const MAX_SEQ: u64 = 9_007_199_254_740_991;
+
 /// Longest accepted wait.
 pub const MAX_WAIT_S: f64 = 3600.0;
 const DEFAULT_WAIT_S: f64 = 30.0;
@@ -31,41 +34,96 @@ const DEFAULT_WAIT_S: f64 = 30.0;
 #[serde(deny_unknown_fields)]
 pub struct LimitsBody {
     /// Tool-using steps before a forced final answer (1..=10000; default: the agent's).
-    max_steps: Option<u32>,
-    /// Wall-time limit in seconds (default: the agent's).
+    #[serde(default, deserialize_with = "whole_number")]
+    #[schema(minimum = 1, maximum = 10000)]
+    max_steps: Option<u64>,
+    /// Wall-time limit in seconds (1..=604800; default: the agent's).
+    #[serde(default, deserialize_with = "whole_number")]
+    #[schema(minimum = 1, maximum = 604800)]
     timeout_s: Option<u64>,
     /// Token budget before a forced final answer.
+    #[serde(default, deserialize_with = "whole_number")]
+    #[schema(minimum = 1)]
     max_total_tokens: Option<u64>,
 }
 
-/// The body of `POST /v1/runs` and `POST /v1/runs/wait`.
-#[derive(Deserialize, Debug, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct StartBody {
-    /// Agent name (default `general-purpose`).
-    #[serde(default)]
-    agent: Option<String>,
-    /// The task.
-    input: String,
-    /// Continue this thread (created if new).
-    #[serde(default)]
-    thread_id: Option<String>,
-    /// Caller data kept with the run (a JSON object).
-    #[serde(default)]
-    #[schema(value_type = Option<Object>)]
-    metadata: Option<Value>,
-    /// Limit overrides.
-    #[serde(default)]
-    limits: Option<LimitsBody>,
-    /// Busy thread: `reject` (409 thread_busy) or `enqueue` behind its active run.
-    #[serde(default)]
-    if_busy: IfBusy,
-    /// A repeated start with the same key returns the first run.
-    #[serde(default)]
-    idempotency_key: Option<String>,
-    /// Only for `/v1/runs/wait`.
-    #[serde(default)]
-    timeout_s: Option<f64>,
+/// JSON Schema counts `9999.0` as an integer; accept any number with no fraction.
+fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let v: Option<serde_json::Number> = Option::deserialize(d)?;
+    match v {
+        None => Ok(None),
+        Some(n) => n
+            .as_u64()
+            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= u64::MAX as f64).map(|f| f as u64))
+            .map(Some)
+            .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number >= 0, got {n}"))),
+    }
+}
+
+/// Declares the start body once, for both start endpoints (serde's `flatten` cannot be combined
+/// with `deny_unknown_fields`, and unknown fields must be refused).
+macro_rules! start_body {
+    ($(#[$m:meta])* $name:ident { $($extra:tt)* }) => {
+        $(#[$m])*
+        #[derive(Deserialize, Debug, ToSchema)]
+        #[serde(deny_unknown_fields)]
+        pub struct $name {
+            /// Agent name (default `general-purpose`); an unknown name answers 404 `unknown_agent`.
+            #[serde(default)]
+            agent: Option<String>,
+            /// The task (not blank; at most SUBAGENTS_MAX_INPUT_BYTES, default 262144 bytes).
+            #[schema(min_length = 1, max_length = 65536, pattern = "\\S")]
+            input: String,
+            /// Continue this thread (created if new).
+            #[serde(default)]
+            #[schema(value_type = Option<String>, pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
+            thread_id: Option<String>,
+            /// Caller data kept with the run (a JSON object).
+            #[serde(default)]
+            #[schema(value_type = Option<Object>)]
+            metadata: Option<Value>,
+            /// Limit overrides.
+            #[serde(default)]
+            limits: Option<LimitsBody>,
+            /// Busy thread: `reject` (409 thread_busy) or `enqueue` behind its active run.
+            #[serde(default)]
+            if_busy: IfBusy,
+            /// A repeated start with the same key returns the first run.
+            #[serde(default)]
+            #[schema(min_length = 1, max_length = 200)]
+            idempotency_key: Option<String>,
+            $($extra)*
+        }
+    };
+}
+
+start_body!(
+    /// The body of `POST /v1/runs`.
+    StartBody {}
+);
+
+start_body!(
+    /// The body of `POST /v1/runs/wait`: a start plus how long to wait.
+    WaitStartBody {
+        /// Seconds to wait for the end (0..=3600, default 30).
+        #[serde(default)]
+        #[schema(minimum = 0, maximum = 3600)]
+        timeout_s: Option<f64>,
+    }
+);
+
+impl From<WaitStartBody> for StartBody {
+    fn from(w: WaitStartBody) -> StartBody {
+        StartBody {
+            agent: w.agent,
+            input: w.input,
+            thread_id: w.thread_id,
+            metadata: w.metadata,
+            limits: w.limits,
+            if_busy: w.if_busy,
+            idempotency_key: w.idempotency_key,
+        }
+    }
 }
 
 fn parse_run_id(s: &str) -> Result<RunId, ApiError> {
@@ -107,7 +165,7 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
             input: body.input,
             thread_id,
             owner: Some(owner.0.clone()),
-            max_steps: limits.max_steps,
+            max_steps: limits.max_steps.map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
             timeout_secs: limits.timeout_s,
             max_total_tokens: limits.max_total_tokens,
             metadata: body.metadata,
@@ -122,20 +180,17 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
 #[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = StartBody,
     responses((status = 202, description = "queued", body = RunView), (status = 409, description = "thread_busy", body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
-    if body.timeout_s.is_some() {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "timeout_s belongs to POST /v1/runs/wait"));
-    }
     let (run, _existing) = start_from(&state, &owner, body).await?;
     let view = RunView::build(state.app.store.as_ref(), run).await?;
     Ok((StatusCode::ACCEPTED, Json(view)).into_response())
 }
 
 /// `POST /v1/runs/wait`: start, then wait for the end (`timeout_s`, default 30).
-#[utoipa::path(post, path = "/v1/runs/wait", tag = "runs", request_body = StartBody,
+#[utoipa::path(post, path = "/v1/runs/wait", tag = "runs", request_body = WaitStartBody,
     responses((status = 200, description = "the finished run, or its snapshot with wait_timed_out", body = RunView), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
+pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<WaitStartBody>) -> Result<Response, ApiError> {
     let timeout = wait_duration(body.timeout_s)?;
-    let (run, _) = start_from(&state, &owner, body).await?;
+    let (run, _) = start_from(&state, &owner, body.into()).await?;
     wait_view(&state, run.id, timeout).await
 }
 
@@ -153,11 +208,12 @@ async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Res
 #[into_params(parameter_in = Query)]
 pub struct WaitQuery {
     /// Seconds to wait (0..=3600, default 30).
+    #[param(minimum = 0, maximum = 3600)]
     timeout_s: Option<f64>,
 }
 
 /// `GET /v1/runs/{id}/wait`
-#[utoipa::path(get, path = "/v1/runs/{id}/wait", tag = "runs", params(("id" = String, Path, description = "run id"), WaitQuery),
+#[utoipa::path(get, path = "/v1/runs/{id}/wait", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id"), WaitQuery),
     responses((status = 200, body = RunView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<WaitQuery>) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
@@ -167,7 +223,7 @@ pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<St
 }
 
 /// `GET /v1/runs/{id}`
-#[utoipa::path(get, path = "/v1/runs/{id}", tag = "runs", params(("id" = String, Path, description = "run id")),
+#[utoipa::path(get, path = "/v1/runs/{id}", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")),
     responses((status = 200, body = RunView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Json<RunView>, ApiError> {
     let r = owned_run(&state, &owner, parse_run_id(&id)?).await?;
@@ -179,17 +235,22 @@ pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<Str
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
-    /// Comma-separated states.
+    /// Comma-separated states (queued, running, waiting, succeeded, failed, cancelled).
+    #[param(pattern = "^(queued|running|waiting|succeeded|failed|cancelled)(,(queued|running|waiting|succeeded|failed|cancelled))*$")]
     status: Option<String>,
     /// Agent name.
     agent: Option<String>,
     /// Thread id.
+    #[param(pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
     thread_id: Option<String>,
     /// Parent run id.
+    #[param(value_type = Option<String>, format = Uuid)]
     parent_run_id: Option<String>,
     /// `next_cursor` of the previous page.
+    #[param(value_type = Option<String>, format = Uuid)]
     cursor: Option<String>,
     /// 1..=100, default 20.
+    #[param(minimum = 1, maximum = 100)]
     limit: Option<u32>,
 }
 
@@ -199,6 +260,9 @@ pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQ
     let limit = q.limit.unwrap_or(20);
     if !(1..=100).contains(&limit) {
         return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 100"));
+    }
+    if q.status.as_deref().is_some_and(|s| s.trim().is_empty()) {
+        return Err(ApiError::bad_request("invalid_status", "status must name at least one state"));
     }
     let mut status = vec![];
     for s in q.status.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
@@ -228,14 +292,16 @@ pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQ
 #[into_params(parameter_in = Query)]
 pub struct EventsQuery {
     /// Events with seq greater than this (default 0).
+    #[param(minimum = 0, maximum = 9007199254740991_i64)]
     after: Option<u64>,
     /// 1..=1000, default 100 (JSON pages only).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
 }
 
 /// `GET /v1/runs/{id}/events`: a JSON page, or with `Accept: text/event-stream` an SSE stream
 /// that resumes from `Last-Event-ID` and ends after the terminal event.
-#[utoipa::path(get, path = "/v1/runs/{id}/events", tag = "runs", params(("id" = String, Path, description = "run id"), EventsQuery),
+#[utoipa::path(get, path = "/v1/runs/{id}/events", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id"), EventsQuery),
     responses((status = 200, description = "a page, or with Accept: text/event-stream an SSE stream", body = EventsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn events(
     State(state): State<ApiState>,
@@ -249,6 +315,9 @@ pub async fn events(
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
         return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 1000"));
+    }
+    if q.after.is_some_and(|a| a > MAX_SEQ) {
+        return Err(ApiError::bad_request("invalid_cursor", "after is larger than any event seq"));
     }
     let wants_sse = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("text/event-stream"));
     if !wants_sse {
@@ -264,6 +333,9 @@ pub async fn events(
         ),
     };
     let cursor = last_event_id.or(q.after).unwrap_or(0);
+    if cursor > MAX_SEQ {
+        return Err(ApiError::bad_request("invalid_cursor", "Last-Event-ID is larger than any event seq"));
+    }
     let store = state.app.store.clone();
     let stream = async_stream(store, id, cursor);
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
@@ -316,7 +388,7 @@ fn async_stream(store: Arc<dyn Store>, id: RunId, cursor: u64) -> impl futures::
 }
 
 /// `POST /v1/runs/{id}/cancel`: idempotent; 409 `already_finished` once the run has ended.
-#[utoipa::path(post, path = "/v1/runs/{id}/cancel", tag = "runs", params(("id" = String, Path, description = "run id")),
+#[utoipa::path(post, path = "/v1/runs/{id}/cancel", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")),
     responses((status = 202, body = RunView), (status = 409, description = "already_finished", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;

@@ -19,13 +19,15 @@ use crate::store::{RunFilter, RunStatus};
 #[into_params(parameter_in = Query)]
 pub struct ThreadQuery {
     /// Messages with id greater than this (default 0).
+    #[param(minimum = 0)]
     after: Option<i64>,
     /// 1..=1000, default 100.
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
 }
 
 /// `GET /v1/threads/{id}`: the thread, its newest runs, and a page of its messages.
-#[utoipa::path(get, path = "/v1/threads/{id}", tag = "threads", params(("id" = String, Path, description = "thread id"), ThreadQuery),
+#[utoipa::path(get, path = "/v1/threads/{id}", tag = "threads", params(("id" = String, Path, pattern = "^[A-Za-z0-9_.:-]{1,200}$", description = "thread id"), ThreadQuery),
     responses((status = 200, body = ThreadView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<ThreadQuery>) -> Result<Json<ThreadView>, ApiError> {
     let id: ThreadId = id.parse().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?;
@@ -59,13 +61,13 @@ pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<Agents
 }
 
 /// `GET /healthz`: the process is up.
-#[utoipa::path(get, path = "/healthz", tag = "system", responses((status = 200, body = Health)))]
+#[utoipa::path(get, path = "/healthz", tag = "system", security(()), responses((status = 200, body = Health)))]
 pub async fn healthz() -> Json<Health> {
     Json(Health { status: "ok".into(), db: None })
 }
 
 /// `GET /readyz`: the database answers.
-#[utoipa::path(get, path = "/readyz", tag = "system", responses((status = 200, body = Health), (status = 503, body = Health)))]
+#[utoipa::path(get, path = "/readyz", tag = "system", security(()), responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<ApiState>) -> Response {
     match state.app.store.status_counts().await {
         Ok(_) => Json(Health { status: "ready".into(), db: Some("ok".into()) }).into_response(),
@@ -78,7 +80,7 @@ pub async fn readyz(State(state): State<ApiState>) -> Response {
 
 /// `GET /metrics`: Prometheus text. Run counts are read from the database at scrape time;
 /// latency histograms and token counters come from this process's recorder.
-#[utoipa::path(get, path = "/metrics", tag = "system", responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String), (status = 503, body = ErrorBody)))]
+#[utoipa::path(get, path = "/metrics", tag = "system", security(()), responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String), (status = 503, body = ErrorBody)))]
 pub async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
     let counts = state.app.store.status_counts().await?;
     let mut out = String::from("# HELP subagents_runs Runs by status.\n# TYPE subagents_runs gauge\n");
