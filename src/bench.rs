@@ -163,3 +163,127 @@ async fn mock_requests(http: &reqwest::Client, url: &str) -> Option<u64> {
     let v: serde_json::Value = http.get(url).send().await.ok()?.json().await.ok()?;
     v["requests"].as_u64()
 }
+
+/// Parameters of the API benchmark.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ApiBenchArgs {
+    /// Concurrent `GET /v1/runs/{id}/wait` requests held open.
+    #[arg(long, default_value_t = 1000)]
+    pub waiters: usize,
+    /// Concurrent SSE streams held open.
+    #[arg(long, default_value_t = 1000)]
+    pub streams: usize,
+    /// The mock model's latency per call: the run takes two calls, and every client connects
+    /// during the first.
+    #[arg(long, default_value_t = 3000)]
+    pub latency_ms: u64,
+}
+
+fn rss_kb(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Starts `subagents serve` as a child process, holds `waiters` waits and `streams` SSE streams
+/// open on one run, and reports the server's memory and how long after the run's end each
+/// client heard of it.
+pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
+    use futures::StreamExt;
+    use tokio::io::AsyncBufReadExt;
+    let mock = MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions::default()).await?;
+    let dir = std::env::temp_dir().join(format!("subagents-bench-api-{}", uuid::Uuid::now_v7().simple()));
+    std::fs::create_dir_all(&dir)?;
+    let mut child = tokio::process::Command::new(std::env::current_exe()?)
+        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--workers", "2"])
+        .current_dir(&dir)
+        .env("DATABASE_URL", format!("sqlite://{}", dir.join("bench.db").display()))
+        .env("OPENAI_BASE_URL", mock.base_url())
+        .env("OPENAI_API_KEY", "x")
+        .env("SUBAGENTS_MODEL", "mock-model")
+        .env("RUST_LOG", "warn")
+        .env_remove("SUBAGENTS_API_KEYS")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = child.id().ok_or_else(|| anyhow::anyhow!("server exited at once"))?;
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let base = loop {
+        let line = lines.next_line().await?.ok_or_else(|| anyhow::anyhow!("server exited before listening"))?;
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            break rest.split_whitespace().next().unwrap_or("").to_owned();
+        }
+    };
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
+    let rss_idle = rss_kb(pid, "VmRSS:");
+    let input = format!("API bench.\nSCENARIO steps=2 latency_ms={}", args.latency_ms);
+    let run: serde_json::Value = http.post(format!("{base}/v1/runs")).json(&json!({"input": input})).send().await?.json().await?;
+    let id = run["id"].as_str().ok_or_else(|| anyhow::anyhow!("start failed: {run}"))?.to_owned();
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..args.waiters {
+        let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/wait?timeout_s=600"));
+        tasks.spawn(async move {
+            let r = http.get(url).send().await.ok()?;
+            let body = r.bytes().await.ok()?;
+            let at = chrono::Utc::now();
+            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+            (v["status"] == "succeeded").then_some(("wait", at))
+        });
+    }
+    for _ in 0..args.streams {
+        let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/events"));
+        tasks.spawn(async move {
+            let r = http.get(url).header("accept", "text/event-stream").send().await.ok()?;
+            let mut s = eventsource_stream::Eventsource::eventsource(r.bytes_stream());
+            while let Some(Ok(ev)) = s.next().await {
+                if ev.event == "run.succeeded" {
+                    return Some(("sse", chrono::Utc::now()));
+                }
+            }
+            None
+        });
+    }
+    // Every client is connected well before the run ends: sample the server while they wait.
+    tokio::time::sleep(Duration::from_millis(args.latency_ms / 2 + 500)).await;
+    let rss_loaded = rss_kb(pid, "VmRSS:");
+    let mut waits = vec![];
+    let mut sses = vec![];
+    let mut failures = 0;
+    while let Some(r) = tasks.join_next().await {
+        match r {
+            Ok(Some(("wait", at))) => waits.push(at),
+            Ok(Some((_, at))) => sses.push(at),
+            _ => failures += 1,
+        }
+    }
+    let hwm = rss_kb(pid, "VmHWM:");
+    let done: serde_json::Value = http.get(format!("{base}/v1/runs/{id}")).send().await?.json().await?;
+    let finished: chrono::DateTime<chrono::Utc> = serde_json::from_value(done["finished_at"].clone())?;
+    let lat = |v: &[chrono::DateTime<chrono::Utc>]| {
+        let mut ms: Vec<f64> = v.iter().map(|t| (*t - finished).as_seconds_f64() * 1000.0).collect();
+        ms.sort_by(f64::total_cmp);
+        json!({"p50_ms": round(percentile(&ms, 0.5)), "p99_ms": round(percentile(&ms, 0.99)), "max_ms": round(ms.last().copied().unwrap_or(0.0))})
+    };
+    let ok = failures == 0 && waits.len() == args.waiters && sses.len() == args.streams;
+    println!(
+        "{}",
+        json!({
+            "ok": ok, "waiters": args.waiters, "streams": args.streams, "failures": failures,
+            "server_rss_idle_mb": round(rss_idle as f64 / 1024.0),
+            "server_rss_loaded_mb": round(rss_loaded as f64 / 1024.0),
+            "server_rss_peak_mb": round(hwm as f64 / 1024.0),
+            "kb_per_connection": round((rss_loaded.saturating_sub(rss_idle)) as f64 / (args.waiters + args.streams).max(1) as f64),
+            "wait_end_to_response": lat(&waits),
+            "sse_end_to_event": lat(&sses),
+        })
+    );
+    let _ = child.kill().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(ok)
+}

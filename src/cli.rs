@@ -107,6 +107,9 @@ enum Command {
     /// Measure throughput: N runs of K steps against an OpenAI-compatible mock; prints one
     /// JSON line and exits non-zero if any run did not end as expected.
     Bench(crate::bench::BenchArgs),
+    /// Measure the API under many open waits and SSE streams: server memory, and the delay
+    /// from a run's end to each client's answer; prints one JSON line.
+    BenchApi(crate::bench::ApiBenchArgs),
     /// Serve a deterministic OpenAI-compatible model for tests, demos and load tests.
     #[command(after_long_help = SCENARIO_HELP)]
     MockLlm {
@@ -250,6 +253,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo => demo(settings).await,
+        Command::BenchApi(args) => Ok(if crate::bench::run_api(args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
         Command::Bench(args) => Ok(if crate::bench::run(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
     }
 }

@@ -43,7 +43,7 @@ pub struct LimitsBody {
     timeout_s: Option<u64>,
     /// Token budget before a forced final answer.
     #[serde(default, deserialize_with = "whole_number")]
-    #[schema(minimum = 1)]
+    #[schema(minimum = 1, maximum = 9007199254740991_i64)]
     max_total_tokens: Option<u64>,
 }
 
@@ -54,9 +54,18 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D
         None => Ok(None),
         Some(n) => n
             .as_u64()
-            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= u64::MAX as f64).map(|f| f as u64))
+            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 18_446_744_073_709_551_616.0).map(|f| f as u64))
             .map(Some)
             .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number >= 0, got {n}"))),
+    }
+}
+
+/// serde accepts a struct written as an array; the API takes objects only.
+fn object_only<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(d: D) -> Result<Option<T>, D::Error> {
+    match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => serde_json::from_value(v).map(Some).map_err(serde::de::Error::custom),
+        Some(other) => Err(serde::de::Error::custom(format!("expected an object, got {other}"))),
     }
 }
 
@@ -72,7 +81,7 @@ macro_rules! start_body {
             #[serde(default)]
             agent: Option<String>,
             /// The task (not blank; at most SUBAGENTS_MAX_INPUT_BYTES, default 262144 bytes).
-            #[schema(min_length = 1, max_length = 65536, pattern = "\\S")]
+            #[schema(min_length = 1, max_length = 262144, pattern = "\\S")]
             input: String,
             /// Continue this thread (created if new).
             #[serde(default)]
@@ -83,7 +92,7 @@ macro_rules! start_body {
             #[schema(value_type = Option<Object>)]
             metadata: Option<Value>,
             /// Limit overrides.
-            #[serde(default)]
+            #[serde(default, deserialize_with = "object_only")]
             limits: Option<LimitsBody>,
             /// Busy thread: `reject` (409 thread_busy) or `enqueue` behind its active run.
             #[serde(default)]
@@ -158,6 +167,9 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
         }
     }
     let limits = body.limits.unwrap_or_default();
+    if limits.max_total_tokens.is_some_and(|t| t == 0 || t > MAX_SEQ) {
+        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_limit", "max_total_tokens must be 1 to 9007199254740991"));
+    }
     let created = state
         .app
         .start(StartRun {

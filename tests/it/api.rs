@@ -296,6 +296,7 @@ async fn bad_input_gets_a_4xx_with_a_stable_code() {
         // Found by schemathesis: limits past what the engine can represent are refused up front.
         (raw("{\"input\":\"x\",\"limits\":{\"timeout_s\":9223372036854775808}}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "bad_limit"),
         (raw("{\"input\":\"x\",\"limits\":{\"max_steps\":2.5}}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
+        (raw("{\"input\":\"x\",\"limits\":[null,null]}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
     ];
     for (req, status, c) in cases {
         let r = req.send().await.unwrap();
