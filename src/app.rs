@@ -15,7 +15,7 @@ use crate::ids::{RunId, ThreadId};
 use crate::model::openai::{OpenAiClient, OpenAiConfig};
 use crate::model::{ChatModel, RetryPolicy};
 use crate::queue::{Queue, QueueError, WorkerSettings, new_job_id, run_workers};
-use crate::store::{Created, IfBusy, NewRun, RunLimits, RunRecord, SqliteStore, Store, StoreError};
+use crate::store::{Created, IfBusy, NewRun, RunLimits, RunRecord, SqliteStore, Store, StoreError, TreePosition};
 use crate::tools::ToolRegistry;
 
 /// How often waiters re-read a run in case a worker in another process changed it (in-process
@@ -51,6 +51,10 @@ pub struct StartRun {
     pub if_busy: IfBusy,
     /// A repeated start with the same key returns the first run.
     pub idempotency_key: Option<String>,
+    /// The delegating run (children only).
+    pub parent_run_id: Option<RunId>,
+    /// Place in the delegation tree (children only).
+    pub tree: TreePosition,
 }
 
 /// Why a run could not be started. Each has a stable code for APIs and scripts.
@@ -96,6 +100,63 @@ impl StartError {
             StartError::Store(_) => "storage_unavailable",
         }
     }
+}
+
+/// Validates a start, records the run and pushes its job: the one path every start takes (API,
+/// CLI, and parents delegating to children). Once it returns, the run is durable: if the push
+/// fails, the reaper enqueues it later.
+pub async fn start_run(
+    store: &dyn Store,
+    queue: &Queue,
+    agents: &AgentRegistry,
+    max_input_bytes: usize,
+    req: StartRun,
+) -> Result<Created, StartError> {
+    let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
+    let agent = agents.get(&agent_name).ok_or_else(|| StartError::UnknownAgent { name: agent_name.clone(), known: agents.names() })?;
+    if req.input.trim().is_empty() {
+        return Err(StartError::EmptyInput);
+    }
+    if req.input.len() > max_input_bytes {
+        return Err(StartError::InputTooLarge { limit: max_input_bytes, got: req.input.len() });
+    }
+    let max_steps = req.max_steps.unwrap_or(agent.max_steps);
+    if max_steps == 0 || max_steps > 10_000 {
+        return Err(StartError::BadLimit(format!("max_steps {max_steps} is out of range 1..=10000")));
+    }
+    let timeout_secs = req.timeout_secs.unwrap_or(agent.timeout.as_secs().max(1));
+    if !(1..=MAX_TIMEOUT_SECS).contains(&timeout_secs) {
+        return Err(StartError::BadLimit(format!("timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)")));
+    }
+    if let Some(k) = &req.idempotency_key {
+        if k.is_empty() || k.len() > 200 {
+            return Err(StartError::BadLimit("idempotency_key must be 1 to 200 characters".into()));
+        }
+    }
+    let job_id = new_job_id();
+    let created = store
+        .create_run(NewRun {
+            id: RunId::new(),
+            thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
+            owner: req.owner.unwrap_or_else(|| LOCAL_OWNER.to_owned()),
+            agent: agent_name,
+            input: req.input,
+            metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
+            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens },
+            parent_run_id: req.parent_run_id,
+            tree: req.tree,
+            job_id: job_id.clone(),
+            if_busy: req.if_busy,
+            idempotency_key: req.idempotency_key,
+        })
+        .await?;
+    if !created.existing {
+        if let Err(e) = queue.push(created.run.id, &job_id).await {
+            let QueueError::Push { message, .. } = &e;
+            tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
+        }
+    }
+    Ok(created)
 }
 
 /// The assembled system.
@@ -191,7 +252,13 @@ impl App {
                 max_attempts: settings.max_attempts,
                 tool_timeout: settings.tool_timeout(),
                 tool_output_limit: settings.tool_output_limit,
+                delegation: crate::delegation::DelegationSettings {
+                    max_depth: settings.max_depth,
+                    result_limit: settings.child_result_limit,
+                },
+                max_input_bytes: settings.max_input_bytes,
             },
+            queue: queue.clone(),
         });
         Ok(App { settings, store, queue, engine, agents, agent_errors, pool })
     }
@@ -204,54 +271,7 @@ impl App {
 
     /// [`App::start_run`], also telling whether an idempotency key matched an earlier start.
     pub async fn start(&self, req: StartRun) -> Result<Created, StartError> {
-        let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
-        let agent = self
-            .agents
-            .get(&agent_name)
-            .ok_or_else(|| StartError::UnknownAgent { name: agent_name.clone(), known: self.agents.names() })?;
-        if req.input.trim().is_empty() {
-            return Err(StartError::EmptyInput);
-        }
-        if req.input.len() > self.settings.max_input_bytes {
-            return Err(StartError::InputTooLarge { limit: self.settings.max_input_bytes, got: req.input.len() });
-        }
-        let max_steps = req.max_steps.unwrap_or(agent.max_steps);
-        if max_steps == 0 || max_steps > 10_000 {
-            return Err(StartError::BadLimit(format!("max_steps {max_steps} is out of range 1..=10000")));
-        }
-        let timeout_secs = req.timeout_secs.unwrap_or(agent.timeout.as_secs().max(1));
-        if !(1..=MAX_TIMEOUT_SECS).contains(&timeout_secs) {
-            return Err(StartError::BadLimit(format!("timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)")));
-        }
-        if let Some(k) = &req.idempotency_key {
-            if k.is_empty() || k.len() > 200 {
-                return Err(StartError::BadLimit("idempotency_key must be 1 to 200 characters".into()));
-            }
-        }
-        let job_id = new_job_id();
-        let created = self
-            .store
-            .create_run(NewRun {
-                id: RunId::new(),
-                thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
-                owner: req.owner.unwrap_or_else(|| LOCAL_OWNER.to_owned()),
-                agent: agent_name,
-                input: req.input,
-                metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
-                limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens },
-                parent_run_id: None,
-                job_id: job_id.clone(),
-                if_busy: req.if_busy,
-                idempotency_key: req.idempotency_key,
-            })
-            .await?;
-        if !created.existing {
-            if let Err(e) = self.queue.push(created.run.id, &job_id).await {
-                let QueueError::Push { message, .. } = &e;
-                tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
-            }
-        }
-        Ok(created)
+        start_run(self.store.as_ref(), &self.queue, &self.agents, self.settings.max_input_bytes, req).await
     }
 
     /// Waits until the run is terminal or `timeout` passes; returns its latest state. Sleeps
@@ -279,6 +299,16 @@ impl App {
                 _ = tokio::time::sleep_until(deadline) => {}
             }
         }
+    }
+
+    /// Cancels a run and its attached descendants; a run that ends here (queued or parked)
+    /// reports to its parent at once.
+    pub async fn cancel(&self, run: RunId) -> Result<crate::store::CancelOutcome, StoreError> {
+        let outcome = crate::delegation::cancel_tree(self.store.as_ref(), run).await?;
+        if outcome == crate::store::CancelOutcome::Cancelled {
+            crate::delegation::after_end(self.store.as_ref(), &self.queue, run).await?;
+        }
+        Ok(outcome)
     }
 
     /// Runs workers and the reaper in this process until `shutdown`.

@@ -64,7 +64,7 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     let mock = match &args.base_url {
         Some(_) => None,
         None => Some(
-            MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions { latency: Duration::from_millis(args.latency_ms), log_file: None })
+            MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions { latency: Duration::from_millis(args.latency_ms), ..Default::default() })
                 .await?,
         ),
     };

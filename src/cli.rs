@@ -125,6 +125,9 @@ enum Command {
         /// Append each answered request to this file as a JSON line.
         #[arg(long)]
         log: Option<PathBuf>,
+        /// A JSON file of scripted turns (see SCRIPTS below).
+        #[arg(long)]
+        script: Option<PathBuf>,
     },
 }
 
@@ -246,8 +249,16 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             eprintln!("schema is up to date in {}", crate::app::redact(&settings.database_url));
             Ok(ExitCode::SUCCESS)
         }
-        Command::MockLlm { port, host, latency_ms, log } => {
-            let server = MockServer::start(SocketAddr::new(host, port), MockOptions { latency: Duration::from_millis(latency_ms), log_file: log }).await?;
+        Command::MockLlm { port, host, latency_ms, log, script } => {
+            let script = match script {
+                Some(p) => {
+                    let text = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("cannot read script {}: {e}", p.display()))?;
+                    let s: crate::model::mock::Script = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("script {} is not valid: {e}", p.display()))?;
+                    Some(Arc::new(s))
+                }
+                None => None,
+            };
+            let server = MockServer::start(SocketAddr::new(host, port), MockOptions { latency: Duration::from_millis(latency_ms), log_file: log, script }).await?;
             println!("mock-llm listening on {} (OPENAI_BASE_URL={})", server.addr, server.base_url());
             shutdown_signal().await;
             Ok(ExitCode::SUCCESS)
@@ -391,7 +402,7 @@ impl Progress {
 }
 
 async fn demo(mut settings: Settings) -> anyhow::Result<ExitCode> {
-    let mock = MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions { latency: Duration::from_millis(150), log_file: None }).await?;
+    let mock = MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions { latency: Duration::from_millis(150), ..Default::default() }).await?;
     settings.openai_base_url = mock.base_url();
     settings.openai_api_key = Some("demo".into());
     settings.default_model = "mock-model".into();

@@ -70,6 +70,15 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_MAX_INPUT_BYTES", default_value_t = 256 * 1024, global = true)]
     pub max_input_bytes: usize,
 
+    /// Delegation depth: runs at this depth get no delegation tools (1: only top-level runs
+    /// delegate).
+    #[arg(long, env = "SUBAGENTS_MAX_DEPTH", default_value_t = 1, global = true)]
+    pub max_depth: u32,
+
+    /// Bytes of a child's final text handed to its parent (then a truncation marker).
+    #[arg(long, env = "SUBAGENTS_CHILD_RESULT_LIMIT", default_value_t = 4000, global = true)]
+    pub child_result_limit: usize,
+
     /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
     #[arg(long, env = "SUBAGENTS_TOOL_JOURNAL", global = true)]
     pub tool_journal: Option<PathBuf>,

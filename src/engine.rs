@@ -20,6 +20,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span};
 
 use crate::agents::{AgentDef, AgentRegistry};
+use crate::delegation::DelegationSettings;
+use crate::queue::Queue;
 use crate::ids::RunId;
 use crate::model::{ChatModel, ChatRequest, Message, ModelError, ToolCall};
 use crate::store::{
@@ -50,6 +52,10 @@ pub struct EngineSettings {
     pub tool_timeout: Duration,
     /// Tool output beyond this many bytes is cut, with a marker.
     pub tool_output_limit: usize,
+    /// Delegation limits.
+    pub delegation: DelegationSettings,
+    /// Largest input a child run may be given.
+    pub max_input_bytes: usize,
 }
 
 /// What one execution attempt ended with (the run's own outcome is in the store).
@@ -63,6 +69,8 @@ pub enum Executed {
     LeaseLost,
     /// We were shutting down and gave the run back to the queue.
     Released,
+    /// The run parked (`waiting`) on its children and left the worker.
+    Parked,
 }
 
 /// Runs the step loop for claimed runs.
@@ -75,6 +83,8 @@ pub struct Engine {
     pub tools: Arc<ToolRegistry>,
     /// The model.
     pub model: Arc<dyn ChatModel>,
+    /// For starting children and waking parents.
+    pub queue: Queue,
     /// Settings.
     pub settings: EngineSettings,
 }
@@ -85,6 +95,8 @@ enum LoopEnd {
     Committed,
     /// The run must be finished with this.
     Finish(Finish),
+    /// The run parked on its children.
+    Parked,
 }
 
 /// Why the loop stopped before reaching a final answer.
@@ -140,7 +152,11 @@ impl Engine {
             _ = tokio::time::sleep(deadline_in) => Err("timeout"),
         };
         let finish = match result {
-            Ok(Ok(LoopEnd::Committed)) => return Ok(Executed::Finished),
+            Ok(Ok(LoopEnd::Committed)) => {
+                self.end_children(run.id).await;
+                return Ok(Executed::Finished);
+            }
+            Ok(Ok(LoopEnd::Parked)) => return Ok(Executed::Parked),
             Ok(Ok(LoopEnd::Finish(finish))) => finish,
             Ok(Err(Stop::Fail(e))) => Finish::Failed(e),
             Ok(Err(Stop::Store(StoreError::LeaseLost(_)))) | Err("lost") => {
@@ -185,13 +201,62 @@ impl Engine {
             Finish::Cancelled => tracing::info!("run cancelled"),
         }
         match self.store.checkpoint(&lease, Checkpoint { events: vec![event], finish: Some(finish), ..Default::default() }).await {
-            Ok(()) => Ok(Executed::Finished),
+            Ok(()) => {
+                self.end_children(run.id).await;
+                Ok(Executed::Finished)
+            }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
                 let _ = self.store.release_lease(&lease).await;
                 Err(e)
             }
         }
+    }
+
+    /// A parent that ends cancels its still-running attached children.
+    async fn end_children(&self, run: RunId) {
+        if let Err(e) = crate::delegation::cancel_attached_children(self.store.as_ref(), run).await {
+            tracing::warn!(error = %e, "could not cancel the children of a finished run");
+        }
+    }
+
+    fn delegation_ctx<'a>(&'a self, run: &'a RunRecord, agent: &'a AgentDef) -> crate::delegation::Ctx<'a> {
+        crate::delegation::Ctx {
+            store: self.store.as_ref(),
+            queue: &self.queue,
+            agents: &self.agents,
+            parent: run,
+            agent,
+            settings: &self.settings.delegation,
+            max_input_bytes: self.settings.max_input_bytes,
+        }
+    }
+
+    /// Parks the run: `running → waiting` with the lease given up. Then looks once more at what
+    /// it waits for, since a child may have ended (or a cancel arrived) just before the park
+    /// committed, when nobody could wake it.
+    async fn park(&self, lease: &Lease, run: &RunRecord, agent: &AgentDef, step: u32, wake_at: Option<i64>, pending: &[ToolCall]) -> Result<LoopEnd, Stop> {
+        self.store
+            .checkpoint(lease, Checkpoint {
+                events: vec![NewEvent::new(EventKind::RunWaiting, json!({"step": step, "wake_at": wake_at}))],
+                park: Some(wake_at),
+                ..Default::default()
+            })
+            .await?;
+        tracing::info!(step, ?wake_at, "parked: waiting for children");
+        let now = self.store.get_run(run.id).await?;
+        if now.as_ref().is_some_and(|r| r.cancel_requested) {
+            crate::delegation::cancel_tree(self.store.as_ref(), run.id).await?;
+            return Ok(LoopEnd::Parked);
+        }
+        let ctx = self.delegation_ctx(run, agent);
+        for call in pending.iter().filter(|c| crate::delegation::TOOL_NAMES.contains(&c.function.name.as_str())) {
+            if let crate::delegation::Call::Done(_) = ctx.call(&call.function.name, &call.function.arguments, &call.id).await? {
+                crate::delegation::wake(self.store.as_ref(), &self.queue, run.id).await?;
+                break;
+            }
+        }
+        Ok(LoopEnd::Parked)
     }
 
     /// The step loop. Returns the final answer; every intermediate write is committed inside.
@@ -202,8 +267,12 @@ impl Engine {
                 message: format!("agent `{}` is not defined on this worker; add jobs/{}.md", run.agent, run.agent),
             })
         })?;
-        let tool_names = self.tools.allowed_for(&agent);
-        let tool_specs = self.tools.specs(&tool_names);
+        let mut tool_names = self.tools.allowed_for(&agent);
+        let mut tool_specs = self.tools.specs(&tool_names);
+        if crate::delegation::offered(&agent, run.tree.depth, &self.settings.delegation) {
+            tool_specs.extend(crate::delegation::specs(&agent, &self.agents));
+            tool_names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
+        }
         let model = agent.model.clone().unwrap_or_else(|| self.settings.default_model.clone());
 
         let mut history = self.store.thread_messages(&run.thread_id).await?;
@@ -235,7 +304,10 @@ impl Engine {
                         tool_calls.iter().filter(|c| !answered.contains(c.id.as_str())).cloned().collect();
                     if !pending.is_empty() {
                         let prior = prior_calls(&mine, last.step);
-                        self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names).await?;
+                        let parked = self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names).await?;
+                        if let Some(wake_at) = parked {
+                            return self.park(lease, run, &agent, last.step, wake_at, &pending).await;
+                        }
                         history = self.store.thread_messages(&run.thread_id).await?;
                         continue;
                     }
@@ -297,7 +369,7 @@ impl Engine {
                 events: vec![model_event],
                 step: Some(step),
                 usage: resp.usage,
-                finish: None,
+                ..Default::default()
             };
             if calls.is_empty() {
                 // The final answer: message, events and terminal state in one commit.
@@ -318,7 +390,8 @@ impl Engine {
     }
 
     /// Runs a step's pending calls concurrently; each result commits as soon as it is ready,
-    /// and the last one carries `step.completed`.
+    /// and the last one carries `step.completed`. Returns `Some(wake_at)` when a delegation call
+    /// must wait (the run then parks; the earliest deadline wins).
     #[allow(clippy::too_many_arguments)]
     async fn run_tools(
         &self,
@@ -330,7 +403,7 @@ impl Engine {
         pending: &[ToolCall],
         prior: &[(String, String)],
         allowed: &[String],
-    ) -> Result<(), Stop> {
+    ) -> Result<Option<Option<i64>>, Stop> {
         // Loop detection over the run's whole call sequence, in order, so a replay decides the
         // same way.
         let mut seq: Vec<(String, String)> = prior.to_vec();
@@ -349,9 +422,19 @@ impl Engine {
             let span = info_span!("tool", tool = %call.function.name, call_id = %call.id, step);
             async move {
                 let key = format!("{}:{}:{}", run.id, step, call.id);
+                let delegation = crate::delegation::TOOL_NAMES.contains(&call.function.name.as_str())
+                    && allowed.iter().any(|a| a == &call.function.name);
                 let (text, ok, truncated) = if refused {
                     tracing::warn!("identical call repeated 3 times; not executed");
                     (LOOP_MESSAGE.to_owned(), false, false)
+                } else if delegation {
+                    match self.delegation_ctx(run, agent).call(&call.function.name, &call.function.arguments, &call.id).await? {
+                        crate::delegation::Call::Park(wake_at) => return Ok::<_, Stop>(Some(wake_at)),
+                        crate::delegation::Call::Done(text) => {
+                            let ok = !text.starts_with("error[");
+                            (text, ok, false)
+                        }
+                    }
                 } else if !allowed.iter().any(|a| a == &call.function.name) {
                     (format!("error[unknown_tool]: `{}` is not available to agent `{}`; use one of: {}", call.function.name, agent.name, allowed.join(", ")), false, false)
                 } else {
@@ -392,14 +475,21 @@ impl Engine {
                     message: Message::Tool { tool_call_id: call.id.clone(), content: text },
                 };
                 self.store.checkpoint(lease, Checkpoint { messages: vec![msg], events, ..Default::default() }).await?;
-                Ok::<(), Stop>(())
+                Ok::<_, Stop>(None)
             }
             .instrument(span)
         });
+        let mut park: Option<Option<i64>> = None;
         for r in futures::future::join_all(futs).await {
-            r?;
+            if let Some(wake_at) = r? {
+                // The earliest deadline wins; no deadline means "when a child ends".
+                park = Some(match (park.flatten(), wake_at) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                });
+            }
         }
-        Ok(())
+        Ok(park)
     }
 }
 

@@ -11,6 +11,7 @@
 //! - [`engine`]: the step loop (replay, tools, limits, forced answers);
 //! - [`model`]: the chat client and the mock server;
 //! - [`tools`]: built-in tools confined to a workspace;
+//! - [`delegation`]: `task` and the `subagent_*` tools, parking and waking parents;
 //! - [`store`]: threads, runs, messages and the event outbox;
 //! - [`config`], [`cli`], [`telemetry`], [`bench`]: the program's edges.
 #![warn(missing_docs)]
@@ -22,6 +23,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod delegation;
 pub mod engine;
 pub mod events;
 pub mod ids;

@@ -105,6 +105,9 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
             let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
             if executed == Executed::Finished {
                 start_next_on_thread(&ctx, run_id).await;
+                if let Err(e) = crate::delegation::after_end(ctx.engine.store.as_ref(), &ctx.queue, run_id).await {
+                    tracing::warn!(error = %e, "could not report to the parent; the reaper will wake it");
+                }
             }
             Ok::<_, crate::store::StoreError>(executed)
         }

@@ -17,6 +17,11 @@ CREATE TABLE IF NOT EXISTS sa_runs (
     metadata          TEXT NOT NULL DEFAULT '{}',
     limits            TEXT NOT NULL,
     parent_run_id     TEXT,
+    root_run_id       TEXT,
+    depth             INTEGER NOT NULL DEFAULT 0,
+    detached          INTEGER NOT NULL DEFAULT 0,
+    wake_at           INTEGER,
+    claimed_from      TEXT,
     step              INTEGER NOT NULL DEFAULT 0,
     forced            INTEGER NOT NULL DEFAULT 0,
     result            TEXT,
@@ -50,6 +55,12 @@ CREATE INDEX IF NOT EXISTS sa_runs_owner ON sa_runs(owner, id);
 CREATE INDEX IF NOT EXISTS sa_runs_thread ON sa_runs(thread_id, created_at);
 CREATE INDEX IF NOT EXISTS sa_runs_status ON sa_runs(status, lease_expires_at);
 CREATE INDEX IF NOT EXISTS sa_runs_parent ON sa_runs(parent_run_id);
+
+-- Deadlines of parked awaits, fixed at the first attempt so a replay waits for the same end.
+CREATE TABLE IF NOT EXISTS sa_waits (
+    key         TEXT PRIMARY KEY,
+    deadline    INTEGER NOT NULL
+);
 
 -- The checkpointed conversation: append-only, idempotent by key.
 CREATE TABLE IF NOT EXISTS sa_messages (

@@ -183,6 +183,7 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
             metadata: body.metadata,
             if_busy: body.if_busy,
             idempotency_key: body.idempotency_key,
+            ..Default::default()
         })
         .await?;
     Ok((created.run, created.existing))
@@ -405,7 +406,7 @@ fn async_stream(store: Arc<dyn Store>, id: RunId, cursor: u64) -> impl futures::
 pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
     let run = owned_run(&state, &owner, id).await?;
-    match state.app.store.request_cancel(id).await? {
+    match state.app.cancel(id).await? {
         CancelOutcome::Cancelled | CancelOutcome::Requested => {
             let r = state.app.store.get_run(id).await?.unwrap_or(run);
             Ok((StatusCode::ACCEPTED, Json(RunView::build(state.app.store.as_ref(), r).await?)).into_response())

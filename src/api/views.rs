@@ -58,7 +58,7 @@ pub struct RunView {
     pub forced: bool,
     /// Its own usage.
     pub usage: UsageView,
-    /// Usage of it and its descendants (equal to `usage` until delegation lands).
+    /// Usage of it and all its descendants.
     pub usage_tree: UsageView,
     /// The last three progress lines.
     pub progress: Vec<String>,
@@ -82,6 +82,15 @@ impl RunView {
         let n = progress.len();
         progress.drain(..n.saturating_sub(3));
         let queue_position = if r.status == RunStatus::Queued { Some(store.queue_position(r.id).await?) } else { None };
+        let children: Vec<RunId> = store.children(r.id).await?.into_iter().map(|c| c.id).collect();
+        let (tree, tree_steps) =
+            if children.is_empty() { (r.usage, u64::from(r.step)) } else { store.tree_usage(r.id).await? };
+        let usage_tree = UsageView {
+            prompt_tokens: tree.prompt_tokens,
+            completion_tokens: tree.completion_tokens,
+            total_tokens: tree.total(),
+            steps: tree_steps as u32,
+        };
         let usage = UsageView {
             prompt_tokens: r.usage.prompt_tokens,
             completion_tokens: r.usage.completion_tokens,
@@ -103,10 +112,10 @@ impl RunView {
             result: r.result,
             error: r.error,
             forced: r.forced,
-            usage_tree: usage.clone(),
+            usage_tree,
             usage,
             progress,
-            children: vec![],
+            children,
             metadata: r.metadata,
             last_event_seq: r.event_seq,
             wait_timed_out: None,

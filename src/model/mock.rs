@@ -43,6 +43,19 @@ SCENARIO GRAMMAR
   latency_ms=L    wait L ms before answering (default: the server's --latency-ms)
   run=ID          any text that keeps scenarios apart (counters are per scenario line)
 
+SCRIPTS (--script FILE)
+  A JSON object of named turn lists, for scripting any tool call (parents and children apart):
+
+    {\"parent\": [
+       {\"tool_calls\": [{\"name\": \"subagent_start\", \"arguments\": {\"description\": \"...\", \"subagent\": \"general-purpose\"}}]},
+       {\"tool_calls\": [{\"name\": \"subagent_await\", \"arguments\": {\"run_ids\": \"{{all:run_id}}\"}}]},
+       {\"content\": \"all done\"}]}
+
+  A request whose system prompt contains MOCK:parent gets turn K of \"parent\", K being the number
+  of assistant messages after the latest user message. In arguments, \"{{all:F}}\" becomes the
+  list of field F of every JSON tool result so far, \"{{nth:N:F}}\" field F of the Nth (from 0),
+  \"{{last:F}}\" of the last. Past the last turn it answers `script ended`.
+
   A request that offers no tools (a forced final answer) is answered with
   `FORCED after N tool results`. Steps are counted as assistant messages after the latest
   user message, so a resumed conversation continues where it was.";
@@ -121,7 +134,34 @@ pub struct LogEntry {
     pub messages: usize,
     /// Whether the request offered tools.
     pub offered_tools: bool,
+    /// Characters of all messages in the request (the context the model was given).
+    #[serde(default)]
+    pub prompt_chars: usize,
 }
+
+/// One scripted turn: text, tool calls, or both.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Turn {
+    /// Text of the answer.
+    #[serde(default)]
+    pub content: Option<String>,
+    /// Calls to make.
+    #[serde(default)]
+    pub tool_calls: Vec<ScriptCall>,
+}
+
+/// A scripted tool call.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ScriptCall {
+    /// Tool name.
+    pub name: String,
+    /// Arguments; strings of the form `{{all:F}}`, `{{nth:N:F}}`, `{{last:F}}` are filled in.
+    #[serde(default)]
+    pub arguments: Value,
+}
+
+/// Named turn lists.
+pub type Script = HashMap<String, Vec<Turn>>;
 
 /// Server settings.
 #[derive(Clone, Debug, Default)]
@@ -130,6 +170,8 @@ pub struct MockOptions {
     pub latency: Duration,
     /// Append every answered request to this file as a JSON line.
     pub log_file: Option<PathBuf>,
+    /// Scripted turns, chosen by a `MOCK:<name>` marker in the system prompt.
+    pub script: Option<Arc<Script>>,
 }
 
 /// Shared state of a running mock.
@@ -252,7 +294,7 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
     let scenario = match scenario {
         Some(Err(e)) => {
             let (messages, offered_tools) = (req.messages.len(), !req.tools.is_empty());
-            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools });
+            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools, prompt_chars: 0 });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
         Some(Ok(s)) => Some(s),
@@ -273,6 +315,7 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         status,
         messages: req.messages.len(),
         offered_tools: !req.tools.is_empty(),
+        prompt_chars: req.messages.iter().map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0)).sum(),
     };
     if let Some(s) = &scenario {
         if s.fail_every > 0 {
@@ -293,7 +336,11 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
             }
         }
     }
-    let reply = decide(scenario.as_ref(), &req, after_user, done_steps, tool_results);
+    let scripted = state.options.script.as_ref().and_then(|s| scripted(s, &req, after_user, done_steps as usize));
+    let reply = match scripted {
+        Some(r) if !req.tools.is_empty() => r,
+        _ => decide(scenario.as_ref(), &req, after_user, done_steps, tool_results),
+    };
     state.record(log(200));
     let prompt_chars: usize = req.messages.iter().map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0)).sum();
     let completion_chars = match &reply {
@@ -307,6 +354,54 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
     });
     let model = if req.model.is_empty() { "mock-model".to_owned() } else { req.model.clone() };
     if req.stream { stream_reply(model, reply, usage) } else { plain_reply(model, reply, usage) }
+}
+
+/// The scripted reply, if the system prompt names a script.
+fn scripted(script: &Script, req: &CompletionRequest, after_user: &[Message], done: usize) -> Option<Reply> {
+    let system = req.messages.iter().find_map(|m| match m {
+        Message::System { content } => Some(content.as_str()),
+        _ => None,
+    })?;
+    let at = system.find("MOCK:")? + 5;
+    let name: String = system[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').collect();
+    let turns = script.get(&name)?;
+    let Some(turn) = turns.get(done) else { return Some(Reply::Text("script ended".into())) };
+    let results: Vec<Value> = after_user
+        .iter()
+        .filter_map(|m| match m {
+            Message::Tool { content, .. } => Some(serde_json::from_str(content).unwrap_or(Value::Null)),
+            _ => None,
+        })
+        .collect();
+    if turn.tool_calls.is_empty() {
+        return Some(Reply::Text(turn.content.clone().unwrap_or_default()));
+    }
+    Some(Reply::Calls(
+        turn.tool_calls
+            .iter()
+            .enumerate()
+            .map(|(j, c)| (format!("call_{}_{}", done + 1, j + 1), c.name.clone(), fill(&c.arguments, &results).to_string()))
+            .collect(),
+    ))
+}
+
+/// Fills `{{all:F}}`, `{{nth:N:F}}` and `{{last:F}}` from earlier tool results.
+fn fill(v: &Value, results: &[Value]) -> Value {
+    match v {
+        Value::String(s) if s.starts_with("{{") && s.ends_with("}}") => {
+            let inner = &s[2..s.len() - 2];
+            let parts: Vec<&str> = inner.split(':').collect();
+            match parts.as_slice() {
+                ["all", f] => Value::Array(results.iter().filter_map(|r| r.get(*f).cloned()).collect()),
+                ["last", f] => results.iter().rev().find_map(|r| r.get(*f).cloned()).unwrap_or(Value::Null),
+                ["nth", n, f] => n.parse::<usize>().ok().and_then(|n| results.get(n)).and_then(|r| r.get(*f).cloned()).unwrap_or(Value::Null),
+                _ => v.clone(),
+            }
+        }
+        Value::Array(a) => Value::Array(a.iter().map(|x| fill(x, results)).collect()),
+        Value::Object(o) => Value::Object(o.iter().map(|(k, x)| (k.clone(), fill(x, results))).collect()),
+        other => other.clone(),
+    }
 }
 
 fn decide(s: Option<&Scenario>, req: &CompletionRequest, after_user: &[Message], done: u32, tool_results: usize) -> Reply {

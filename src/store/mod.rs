@@ -172,12 +172,25 @@ pub struct NewRun {
     pub limits: RunLimits,
     /// The delegating run, if any.
     pub parent_run_id: Option<RunId>,
+    /// Where this run sits in a delegation tree.
+    pub tree: TreePosition,
     /// The queue job that will execute it.
     pub job_id: String,
     /// What to do when the thread already has an unfinished run.
     pub if_busy: IfBusy,
     /// A repeated start with the same key (per owner) returns the first run.
     pub idempotency_key: Option<String>,
+}
+
+/// A run's place in its delegation tree.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TreePosition {
+    /// The top of the tree (None for a root).
+    pub root_run_id: Option<RunId>,
+    /// 0 for a root, 1 for its children, …
+    pub depth: u32,
+    /// A detached child survives its parent's end and cancel.
+    pub detached: bool,
 }
 
 /// What a start does when its thread already has an unfinished run.
@@ -249,6 +262,12 @@ pub struct RunRecord {
     pub limits: RunLimits,
     /// Delegating run.
     pub parent_run_id: Option<RunId>,
+    /// Place in the delegation tree.
+    pub tree: TreePosition,
+    /// When a parked run should be looked at again (Unix ms), if it has a deadline.
+    pub wake_at: Option<i64>,
+    /// The state it was claimed from last (`queued`, `waiting`, `running` after a crash).
+    pub claimed_from: Option<RunStatus>,
     /// Model calls committed so far.
     pub step: u32,
     /// True when the final answer was forced by a limit.
@@ -338,6 +357,18 @@ pub enum EventKind {
     /// `run.cancelled`
     #[serde(rename = "run.cancelled")]
     RunCancelled,
+    /// `run.waiting`
+    #[serde(rename = "run.waiting")]
+    RunWaiting,
+    /// `run.resumed`
+    #[serde(rename = "run.resumed")]
+    RunResumed,
+    /// `child.started`
+    #[serde(rename = "child.started")]
+    ChildStarted,
+    /// `child.finished`
+    #[serde(rename = "child.finished")]
+    ChildFinished,
 }
 
 impl EventKind {
@@ -354,6 +385,10 @@ impl EventKind {
             EventKind::RunSucceeded => "run.succeeded",
             EventKind::RunFailed => "run.failed",
             EventKind::RunCancelled => "run.cancelled",
+            EventKind::RunWaiting => "run.waiting",
+            EventKind::RunResumed => "run.resumed",
+            EventKind::ChildStarted => "child.started",
+            EventKind::ChildFinished => "child.finished",
         }
     }
 }
@@ -444,6 +479,9 @@ pub struct Checkpoint {
     pub usage: Usage,
     /// Terminal transition, if this write ends the run.
     pub finish: Option<Finish>,
+    /// Park the run (`running → waiting`), giving up the lease; `Some(Some(ms))` also sets a
+    /// deadline at which the reaper wakes it.
+    pub park: Option<Option<i64>>,
 }
 
 /// The answer to a lease renewal.
@@ -456,7 +494,7 @@ pub struct LeaseStatus {
 /// The answer to a cancel request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CancelOutcome {
-    /// It was queued and is now cancelled.
+    /// It was queued or parked and is now cancelled.
     Cancelled,
     /// It is executing; the worker will stop it.
     Requested,
@@ -572,6 +610,19 @@ pub trait Store: Send + Sync + 'static {
 
     /// Wake-ups for cancel requests of `run` made through this store.
     fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify>;
+
+    /// Appends events to a run's stream without holding its lease (a child reporting to its
+    /// parent). The seq stays gap-free: it is reserved under the run row's write lock.
+    async fn append_events(&self, run: RunId, events: Vec<NewEvent>) -> Result<()>;
+
+    /// The run's children, oldest first.
+    async fn children(&self, run: RunId) -> Result<Vec<RunRecord>>;
+
+    /// Usage of the run and all its descendants: (prompt tokens, completion tokens, steps).
+    async fn tree_usage(&self, run: RunId) -> Result<(Usage, u64)>;
+
+    /// The deadline recorded under `key`, recording `proposed` if there is none yet.
+    async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64>;
 }
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend

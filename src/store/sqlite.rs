@@ -25,7 +25,8 @@ pub struct SqliteStore {
 
 macro_rules! run_columns {
     () => {
-        "id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, step, forced, \
+        "id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, root_run_id, depth, detached, \
+    wake_at, claimed_from, step, forced, \
     result, error_kind, error_message, prompt_tokens, completion_tokens, attempts, lease_epoch, cancel_requested, \
     job_id, event_seq, created_at, started_at, finished_at, heartbeat_at"
     };
@@ -85,6 +86,10 @@ impl SqliteStore {
             }
             Some(Finish::Cancelled) => (Some(RunStatus::Cancelled), None, None, None, None, Some(now)),
         };
+        let (status, park, wake_at) = match (status, cp.park) {
+            (None, Some(wake)) => (Some(RunStatus::Waiting), 1i64, wake),
+            (s, _) => (s, 0i64, None),
+        };
         if let Some(to) = status {
             debug_assert!(RunStatus::Running.can_become(to));
         }
@@ -94,7 +99,9 @@ impl SqliteStore {
              lease_expires_at = CASE WHEN ?5 IS NULL THEN ?6 ELSE 0 END, heartbeat_at = ?7, updated_at = ?7, \
              status = COALESCE(?5, status), result = COALESCE(?8, result), forced = COALESCE(?9, forced), \
              error_kind = COALESCE(?10, error_kind), error_message = COALESCE(?11, error_message), \
-             finished_at = COALESCE(?12, finished_at), cancel_requested = CASE WHEN ?5 IS NULL THEN cancel_requested ELSE 0 END \
+             finished_at = COALESCE(?12, finished_at), \
+             cancel_requested = CASE WHEN ?5 IS NULL OR ?15 = 1 THEN cancel_requested ELSE 0 END, \
+             wake_at = CASE WHEN ?15 = 1 THEN ?16 ELSE wake_at END \
              WHERE id = ?13 AND lease_epoch = ?14 AND status = 'running' RETURNING event_seq",
         )
         .bind(n)
@@ -111,6 +118,8 @@ impl SqliteStore {
         .bind(finished)
         .bind(lease.run_id.to_string())
         .bind(lease.epoch)
+        .bind(park)
+        .bind(wake_at)
         .fetch_optional(&mut **tx)
         .await?;
         let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
@@ -161,6 +170,17 @@ fn run_from_row(r: &SqliteRow) -> Result<RunRecord> {
         metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("metadata", e))?,
         limits: serde_json::from_str(&limits).map_err(|e| corrupt("limits", e))?,
         parent_run_id: parent.map(|p| p.parse()).transpose().map_err(|e| corrupt("parent id", e))?,
+        tree: TreePosition {
+            root_run_id: r
+                .get::<Option<String>, _>("root_run_id")
+                .map(|p| p.parse())
+                .transpose()
+                .map_err(|e| corrupt("root id", e))?,
+            depth: r.get::<i64, _>("depth") as u32,
+            detached: r.get::<i64, _>("detached") != 0,
+        },
+        wake_at: r.get("wake_at"),
+        claimed_from: r.get::<Option<String>, _>("claimed_from").and_then(|s| RunStatus::parse(&s)),
         step: r.get::<i64, _>("step") as u32,
         forced: r.get::<i64, _>("forced") != 0,
         result: r.get("result"),
@@ -235,8 +255,8 @@ impl Store for SqliteStore {
         }
         sqlx::query(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
-             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq) \
-             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?12, 1)",
+             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached) \
+             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?12, 1, ?13, ?14, ?15)",
         )
         .bind(new.id.to_string())
         .bind(new.thread_id.as_str())
@@ -250,6 +270,9 @@ impl Store for SqliteStore {
         .bind(&new.job_id)
         .bind(now_ms())
         .bind(now)
+        .bind(new.tree.root_run_id.map(|r| r.to_string()))
+        .bind(new.tree.depth as i64)
+        .bind(new.tree.detached as i64)
         .execute(&mut *tx)
         .await?;
         Self::insert_events(
@@ -280,15 +303,16 @@ impl Store for SqliteStore {
         let nms = now_ms();
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(
-            "UPDATE sa_runs SET status = 'running', lease_owner = ?1, lease_epoch = lease_epoch + 1, \
+            "UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = ?1, lease_epoch = lease_epoch + 1, \
              lease_expires_at = ?2, attempts = attempts + 1, started_at = COALESCE(started_at, ?3), \
              heartbeat_at = ?3, updated_at = ?3, event_seq = event_seq + 1 \
              WHERE id = ?4 AND ( \
                (status = 'queued' \
                  AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = sa_runs.thread_id AND a.status IN ('running','waiting')) \
                  AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id)) \
+               OR status = 'waiting' \
                OR (status = 'running' AND lease_expires_at < ?5 AND attempts < ?6)) \
-             RETURNING lease_epoch, event_seq, attempts",
+             RETURNING lease_epoch, event_seq, attempts, claimed_from",
         )
         .bind(owner)
         .bind(nms + ttl.as_millis() as i64)
@@ -302,11 +326,13 @@ impl Store for SqliteStore {
             let epoch: i64 = row.get(0);
             let seq: i64 = row.get(1);
             let attempts: i64 = row.get(2);
+            let from: String = row.get(3);
+            let kind = if from == "waiting" { EventKind::RunResumed } else { EventKind::RunStarted };
             Self::insert_events(
                 &mut tx,
                 id,
                 seq as u64,
-                &[NewEvent::new(EventKind::RunStarted, serde_json::json!({"attempt": attempts, "worker": owner}))],
+                &[NewEvent::new(kind, serde_json::json!({"attempt": attempts, "worker": owner, "from": from}))],
             )
             .await?;
             tx.commit().await?;
@@ -434,25 +460,33 @@ impl Store for SqliteStore {
     async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome> {
         let now = Utc::now();
         let mut tx = self.pool.begin().await?;
-        // A queued run holds no worker: cancel it here and now.
-        let row = sqlx::query(
-            "UPDATE sa_runs SET status = 'cancelled', finished_at = ?1, updated_at = ?1, event_seq = event_seq + 1 \
-             WHERE id = ?2 AND status = 'queued' RETURNING event_seq",
-        )
-        .bind(now)
-        .bind(run.to_string())
-        .fetch_optional(&mut *tx)
-        .await?;
-        if let Some(row) = row {
+        // A queued or parked run holds no worker: cancel it here and now.
+        let mut row = None;
+        for state in ["queued", "waiting"] {
+            row = sqlx::query(
+                "UPDATE sa_runs SET status = 'cancelled', finished_at = ?1, updated_at = ?1, event_seq = event_seq + 1, \
+                 cancel_requested = 0, lease_expires_at = 0 WHERE id = ?2 AND status = ?3 RETURNING event_seq",
+            )
+            .bind(now)
+            .bind(run.to_string())
+            .bind(state)
+            .fetch_optional(&mut *tx)
+            .await?
+            .map(|r| (r, state));
+            if row.is_some() {
+                break;
+            }
+        }
+        if let Some((row, state)) = row {
             let seq: i64 = row.get(0);
-            Self::insert_events(&mut tx, run, seq as u64, &[NewEvent::new(EventKind::RunCancelled, serde_json::json!({"while": "queued"}))])
+            Self::insert_events(&mut tx, run, seq as u64, &[NewEvent::new(EventKind::RunCancelled, serde_json::json!({"while": state}))])
                 .await?;
             tx.commit().await?;
             self.notifier.notify(run);
             return Ok(CancelOutcome::Cancelled);
         }
         let flagged = sqlx::query(
-            "UPDATE sa_runs SET cancel_requested = 1, updated_at = ?1 WHERE id = ?2 AND status IN ('running','waiting')",
+            "UPDATE sa_runs SET cancel_requested = 1, updated_at = ?1 WHERE id = ?2 AND status = 'running'",
         )
         .bind(now)
         .bind(run.to_string())
@@ -478,6 +512,9 @@ impl Store for SqliteStore {
         let rows = sqlx::query(
             "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < ?1 AND ( \
                (r.status = 'running' AND r.lease_expires_at < ?2) OR \
+               (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at < ?2) OR \
+               (r.status = 'waiting' AND NOT EXISTS (SELECT 1 FROM sa_runs c WHERE c.parent_run_id = r.id \
+                  AND c.status IN ('queued','running','waiting'))) OR \
                (r.status = 'queued' \
                  AND NOT EXISTS (SELECT 1 FROM Jobs j WHERE j.id = r.job_id AND j.status IN ('Pending','Queued','Running')) \
                  AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting'))) \
@@ -510,7 +547,7 @@ impl Store for SqliteStore {
     }
     async fn wipe(&self) -> Result<()> {
         let mut tx = self.pool.begin().await?;
-        for t in ["sa_events", "sa_messages", "sa_runs", "sa_threads"] {
+        for t in ["sa_events", "sa_messages", "sa_runs", "sa_threads", "sa_waits"] {
             sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
         }
         sqlx::query("DELETE FROM Jobs WHERE job_type = ?1").bind(crate::queue::QUEUE_NAME).execute(&mut *tx).await?;
@@ -603,6 +640,54 @@ impl Store for SqliteStore {
 
     fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify> {
         self.cancels.subscribe(run)
+    }
+
+    async fn append_events(&self, run: RunId, events: Vec<NewEvent>) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query("UPDATE sa_runs SET event_seq = event_seq + ?1 WHERE id = ?2 RETURNING event_seq")
+            .bind(events.len() as i64)
+            .bind(run.to_string())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(row) = row else { return Ok(()) };
+        let last: i64 = row.get(0);
+        Self::insert_events(&mut tx, run, (last - events.len() as i64 + 1) as u64, &events).await?;
+        tx.commit().await?;
+        self.notifier.notify(run);
+        Ok(())
+    }
+
+    async fn children(&self, run: RunId) -> Result<Vec<RunRecord>> {
+        let rows = sqlx::query(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE parent_run_id = ?1 ORDER BY id"))
+            .bind(run.to_string())
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn tree_usage(&self, run: RunId) -> Result<(Usage, u64)> {
+        let row = sqlx::query(
+            "WITH RECURSIVE tree(id) AS (SELECT ?1 UNION ALL SELECT r.id FROM sa_runs r JOIN tree t ON r.parent_run_id = t.id) \
+             SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(step), 0) \
+             FROM sa_runs WHERE id IN (SELECT id FROM tree)",
+        )
+        .bind(run.to_string())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((
+            Usage { prompt_tokens: row.get::<i64, _>(0) as u64, completion_tokens: row.get::<i64, _>(1) as u64 },
+            row.get::<i64, _>(2) as u64,
+        ))
+    }
+
+    async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64> {
+        Ok(sqlx::query_scalar(
+            "INSERT INTO sa_waits (key, deadline) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET key = key RETURNING deadline",
+        )
+        .bind(key)
+        .bind(proposed)
+        .fetch_one(&self.pool)
+        .await?)
     }
 }
 

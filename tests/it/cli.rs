@@ -24,7 +24,7 @@ fn text(b: &[u8]) -> String {
 }
 
 async fn mock() -> MockServer {
-    MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::ZERO, log_file: None }).await.unwrap()
+    MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::ZERO, ..Default::default() }).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -36,7 +36,7 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
     let journal = dir.path().join("journal.tsv");
-    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::from_millis(250), log_file: None })
+    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::from_millis(250), ..Default::default() })
         .await
         .unwrap();
     let settings = test_settings(dir.path(), &mock);

@@ -25,6 +25,7 @@ fn new_run(thread: &ThreadId) -> NewRun {
         metadata: json!({}),
         limits: RunLimits { max_steps: 5, timeout_secs: 60, max_total_tokens: None },
         parent_run_id: None,
+        tree: TreePosition::default(),
         job_id: new_job_id(),
         if_busy: IfBusy::Reject,
         idempotency_key: None,

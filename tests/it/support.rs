@@ -62,7 +62,7 @@ pub async fn spawn_app() -> TestApp {
 pub async fn spawn_app_with(opts: Options) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
-    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: opts.latency, log_file: None })
+    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: opts.latency, ..Default::default() })
         .await
         .unwrap();
     let mut settings = test_settings(dir.path(), &mock);

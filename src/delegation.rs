@@ -1,0 +1,396 @@
+//! Delegation: the `task` and `subagent_*` tools a parent run uses to hand work to child runs.
+//!
+//! A child is an ordinary run with a parent. Its thread id and its idempotency key follow from
+//! the parent's run id and the tool call id, so a parent replaying a call after a crash finds
+//! the child it already started instead of starting another.
+//!
+//! `task` and `subagent_await` may have to wait. They then answer [`Call::Park`]: the engine
+//! parks the parent (`waiting`, no worker held) and the parent is claimed again when a child
+//! ends or the await's deadline passes. On that claim the engine replays the call, which this
+//! time finds its answer. Waiting is the replay path, not a second mechanism.
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::agents::{AgentDef, AgentRegistry};
+use crate::app::{StartError, StartRun};
+use crate::events::progress_line;
+use crate::ids::{RunId, ThreadId};
+use crate::model::{FunctionSpec, ToolSpec};
+use crate::queue::Queue;
+use crate::store::{CancelOutcome, EventKind, IfBusy, NewEvent, RunRecord, RunStatus, Store, StoreError, TreePosition};
+
+/// Names of the delegation tools.
+pub const TOOL_NAMES: [&str; 6] =
+    ["task", "subagent_start", "subagent_status", "subagent_events", "subagent_cancel", "subagent_await"];
+
+/// Settings of delegation.
+#[derive(Clone, Debug)]
+pub struct DelegationSettings {
+    /// Runs at this depth get no delegation tools (1: only roots delegate).
+    pub max_depth: u32,
+    /// A child's final text handed to the parent is cut to this many bytes, with a marker.
+    pub result_limit: usize,
+}
+
+impl Default for DelegationSettings {
+    fn default() -> Self {
+        Self { max_depth: 1, result_limit: 4000 }
+    }
+}
+
+/// What a delegation call came to.
+#[derive(Debug, PartialEq)]
+pub enum Call {
+    /// The tool result for the model.
+    Done(String),
+    /// Not yet: park the parent; wake it at this time (Unix ms) at the latest, if set.
+    Park(Option<i64>),
+}
+
+/// Everything a delegation call needs.
+pub struct Ctx<'a> {
+    /// Storage.
+    pub store: &'a dyn Store,
+    /// For pushing child jobs.
+    pub queue: &'a Queue,
+    /// Agent definitions.
+    pub agents: &'a AgentRegistry,
+    /// The calling (parent) run.
+    pub parent: &'a RunRecord,
+    /// The parent's agent.
+    pub agent: &'a AgentDef,
+    /// Settings.
+    pub settings: &'a DelegationSettings,
+    /// Largest accepted input.
+    pub max_input_bytes: usize,
+}
+
+/// Whether this run, with this agent, is offered the delegation tools.
+pub fn offered(agent: &AgentDef, depth: u32, settings: &DelegationSettings) -> bool {
+    if depth >= settings.max_depth {
+        return false;
+    }
+    match &agent.tools {
+        None => true,
+        // An explicit tool list delegates only if it names `task` (Claude Code writes `Task`).
+        Some(list) => list.iter().any(|t| t.eq_ignore_ascii_case("task") || t.starts_with("subagent_")),
+    }
+}
+
+/// The agents this agent may delegate to: its `subagents:` list, or every agent.
+pub fn allowed<'a>(agent: &AgentDef, agents: &'a AgentRegistry) -> Vec<&'a AgentDef> {
+    agents.all().filter(|a| agent.subagents.is_empty() || agent.subagents.iter().any(|s| s == &a.name)).collect()
+}
+
+fn spec(name: &str, description: String, parameters: Value) -> ToolSpec {
+    ToolSpec { kind: "function".into(), function: FunctionSpec { name: name.into(), description, parameters } }
+}
+
+/// Specs of the delegation tools; descriptions list the allowed subagents so the model can choose.
+pub fn specs(agent: &AgentDef, agents: &AgentRegistry) -> Vec<ToolSpec> {
+    let allowed = allowed(agent, agents);
+    let names: Vec<&str> = allowed.iter().map(|a| a.name.as_str()).collect();
+    let menu: String = allowed.iter().map(|a| format!("\n- {}: {}", a.name, a.description)).collect();
+    let start_params = |extra: Value| {
+        let mut p = json!({
+            "type": "object",
+            "properties": {
+                "description": {"type": "string", "description": "The complete task for the subagent: it sees nothing else of your conversation."},
+                "subagent": {"type": "string", "enum": names},
+                "thread_id": {"type": "string", "description": "Continue an earlier subagent's thread (its thread_id) instead of starting fresh."}
+            },
+            "required": ["description", "subagent"]
+        });
+        if let Value::Object(extra) = extra {
+            for (k, v) in extra {
+                p["properties"][k] = v;
+            }
+        }
+        p
+    };
+    let run_id = json!({"type": "object", "properties": {"run_id": {"type": "string"}}, "required": ["run_id"]});
+    vec![
+        spec("task", format!("Delegate a task to a subagent and wait for its final answer. The subagent works in a fresh context; you get back only its final text and its thread_id. Subagents:{menu}"), start_params(json!({}))),
+        spec("subagent_start", format!("Start a subagent in the background; returns its run_id and thread_id at once. Use subagent_await to collect results. Subagents:{menu}"), start_params(json!({"detached": {"type": "boolean", "description": "Keep running after you finish (default false: it is cancelled when you end)."}}))),
+        spec("subagent_status", "State of one of your subagents: status, its last 3 progress lines, and its result once finished.".into(), run_id.clone()),
+        spec("subagent_events", "Progress lines of one of your subagents after a cursor.".into(), json!({"type": "object", "properties": {"run_id": {"type": "string"}, "after_seq": {"type": "integer", "minimum": 0}, "limit": {"type": "integer", "minimum": 1, "maximum": 50}}, "required": ["run_id"]})),
+        spec("subagent_cancel", "Cancel one of your subagents (and its own subagents).".into(), run_id),
+        spec("subagent_await", "Wait until your subagents end: all of them (mode all) or the first (mode any). On timeout you get their current state with wait_timed_out: true.".into(), json!({"type": "object", "properties": {"run_ids": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 50}, "mode": {"type": "string", "enum": ["all", "any"]}, "timeout_s": {"type": "number", "minimum": 0, "maximum": 86400}}, "required": ["run_ids"]})),
+    ]
+}
+
+fn err(code: &str, message: impl std::fmt::Display) -> Call {
+    Call::Done(format!("error[{code}]: {message}"))
+}
+
+fn cut(text: &str, limit: usize) -> String {
+    crate::tools::truncate_output(text.to_owned(), limit)
+}
+
+/// The child thread a call names: `<parent_thread>_sub_<agent>_<8 hex>`.
+pub fn child_thread(parent_thread: &ThreadId, parent_run: RunId, call_id: &str, agent: &str) -> ThreadId {
+    let h = Sha256::digest(format!("{parent_run}:{call_id}").as_bytes());
+    let hex: String = h.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let id = format!("{parent_thread}_sub_{agent}_{hex}");
+    id.parse().unwrap_or_else(|_| {
+        // A parent thread id near the length limit: fall back to a hash of the whole name.
+        let h = Sha256::digest(id.as_bytes());
+        let hex: String = h.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("sub_{agent}_{hex}").parse().expect("short thread id is valid")
+    })
+}
+
+/// A snapshot fit for a model's context: status, 3 progress lines, the (cut) result or error.
+pub async fn snapshot(store: &dyn Store, r: &RunRecord, limit: usize) -> Result<Value, StoreError> {
+    let recent = store.events_after(r.id, r.event_seq.saturating_sub(12), 12).await?;
+    let mut progress: Vec<String> = recent.iter().filter_map(progress_line).map(|l| l.trim().to_owned()).collect();
+    let n = progress.len();
+    progress.drain(..n.saturating_sub(3));
+    let mut v = json!({"run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "status": r.status, "progress": progress});
+    if let Some(res) = &r.result {
+        v["result"] = json!(cut(res, limit));
+    }
+    if let Some(e) = &r.error {
+        v["error"] = json!(format!("[{}] {}", e.kind.as_str(), e.message));
+    }
+    Ok(v)
+}
+
+impl Ctx<'_> {
+    /// Runs one delegation call (or replays it after a park).
+    pub async fn call(&self, name: &str, raw_args: &str, call_id: &str) -> Result<Call, StoreError> {
+        let args: Value = match serde_json::from_str(if raw_args.trim().is_empty() { "{}" } else { raw_args }) {
+            Ok(v @ Value::Object(_)) => v,
+            _ => return Ok(err("bad_arguments", "arguments must be a JSON object")),
+        };
+        match name {
+            "task" => self.task(&args, call_id).await,
+            "subagent_start" => self.start(&args, call_id).await,
+            "subagent_status" => {
+                let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
+                Ok(Call::Done(snapshot(self.store, &run, self.settings.result_limit).await?.to_string()))
+            }
+            "subagent_events" => {
+                let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
+                let after = args["after_seq"].as_u64().unwrap_or(0);
+                let limit = args["limit"].as_u64().unwrap_or(20).clamp(1, 50) as u32;
+                let events = self.store.events_after(run.id, after, limit).await?;
+                let lines: Vec<String> = events
+                    .iter()
+                    .map(|e| format!("{} {}", e.seq, progress_line(e).map(|l| l.trim().to_owned()).unwrap_or_else(|| e.kind.clone())))
+                    .collect();
+                let next = events.last().map(|e| e.seq).unwrap_or(after);
+                Ok(Call::Done(json!({"run_id": run.id, "status": run.status, "events": lines, "next_after_seq": next}).to_string()))
+            }
+            "subagent_cancel" => {
+                let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
+                let outcome = cancel_tree(self.store, run.id).await?;
+                let text = match outcome {
+                    CancelOutcome::Cancelled => "cancelled".to_owned(),
+                    CancelOutcome::Requested => "cancel requested; it stops within a second".to_owned(),
+                    CancelOutcome::AlreadyFinished(s) => format!("already finished: {}", s.as_str()),
+                    CancelOutcome::NotFound => return Ok(self.no_such(&args["run_id"])),
+                };
+                Ok(Call::Done(json!({"run_id": run.id, "result": text}).to_string()))
+            }
+            "subagent_await" => self.await_runs(&args, call_id).await,
+            other => Ok(err("unknown_tool", format!("`{other}` is not a delegation tool"))),
+        }
+    }
+
+    fn no_such(&self, id: &Value) -> Call {
+        err("no_such_run", format!("there is no run {} among your subagents", id.as_str().unwrap_or("(missing run_id)")))
+    }
+
+    /// The run, if it is a child of a run on the caller's thread (so a later run of the same
+    /// parent thread may reach a child started earlier); otherwise `None`, as for a missing id.
+    async fn owned(&self, id: &Value) -> Result<Option<RunRecord>, StoreError> {
+        let Some(id) = id.as_str().and_then(|s| s.parse::<RunId>().ok()) else { return Ok(None) };
+        let Some(run) = self.store.get_run(id).await? else { return Ok(None) };
+        let Some(parent) = run.parent_run_id else { return Ok(None) };
+        if parent == self.parent.id {
+            return Ok(Some(run));
+        }
+        Ok(match self.store.get_run(parent).await? {
+            Some(p) if p.thread_id == self.parent.thread_id && p.owner == self.parent.owner => Some(run),
+            _ => None,
+        })
+    }
+
+    /// Starts (or finds) the child a call names.
+    async fn start_child(&self, args: &Value, call_id: &str, detached: bool) -> Result<Result<RunRecord, Call>, StoreError> {
+        let Some(description) = args["description"].as_str() else {
+            return Ok(Err(err("bad_arguments", "`description` (the task for the subagent) is required")));
+        };
+        let Some(subagent) = args["subagent"].as_str() else {
+            return Ok(Err(err("bad_arguments", "`subagent` is required")));
+        };
+        let allowed = allowed(self.agent, self.agents);
+        if !allowed.iter().any(|a| a.name == subagent) {
+            let names: Vec<&str> = allowed.iter().map(|a| a.name.as_str()).collect();
+            return Ok(Err(err("unknown_subagent", format!("`{subagent}` is not available; choose one of: {}", names.join(", ")))));
+        }
+        let thread = match args["thread_id"].as_str() {
+            Some(t) => match t.parse::<ThreadId>() {
+                Ok(t) if t.as_str().starts_with(&format!("{}_sub_", self.parent.thread_id)) => t,
+                _ => return Ok(Err(err("no_such_thread", format!("there is no subagent thread {t} of yours")))),
+            },
+            None => child_thread(&self.parent.thread_id, self.parent.id, call_id, subagent),
+        };
+        let req = StartRun {
+            agent: Some(subagent.to_owned()),
+            input: description.to_owned(),
+            thread_id: Some(thread),
+            owner: Some(self.parent.owner.clone()),
+            if_busy: IfBusy::Reject,
+            idempotency_key: Some(format!("child:{}:{}", self.parent.id, call_id)),
+            parent_run_id: Some(self.parent.id),
+            tree: TreePosition {
+                root_run_id: Some(self.parent.tree.root_run_id.unwrap_or(self.parent.id)),
+                depth: self.parent.tree.depth + 1,
+                detached,
+            },
+            ..Default::default()
+        };
+        match crate::app::start_run(self.store, self.queue, self.agents, self.max_input_bytes, req).await {
+            Ok(created) => {
+                if !created.existing {
+                    let r = &created.run;
+                    self.store
+                        .append_events(
+                            self.parent.id,
+                            vec![NewEvent::new(EventKind::ChildStarted, json!({"child_run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "call_id": call_id, "detached": detached}))],
+                        )
+                        .await?;
+                }
+                Ok(Ok(created.run))
+            }
+            Err(StartError::Store(StoreError::Busy { active_run, .. })) => {
+                Ok(Err(err("busy", format!("that thread is busy with run {active_run}; await it or use another thread"))))
+            }
+            Err(StartError::Store(e)) => Err(e),
+            Err(e) => Ok(Err(err(e.code(), e))),
+        }
+    }
+
+    async fn task(&self, args: &Value, call_id: &str) -> Result<Call, StoreError> {
+        let child = match self.start_child(args, call_id, false).await? {
+            Ok(c) => c,
+            Err(answer) => return Ok(answer),
+        };
+        if !child.status.is_terminal() {
+            return Ok(Call::Park(None));
+        }
+        let mut v = json!({"run_id": child.id, "thread_id": child.thread_id, "status": child.status});
+        match child.status {
+            RunStatus::Succeeded => v["result"] = json!(cut(child.result.as_deref().unwrap_or(""), self.settings.result_limit)),
+            _ => {
+                if let Some(e) = &child.error {
+                    v["error"] = json!(format!("[{}] {}", e.kind.as_str(), e.message));
+                }
+            }
+        }
+        Ok(Call::Done(v.to_string()))
+    }
+
+    async fn start(&self, args: &Value, call_id: &str) -> Result<Call, StoreError> {
+        let detached = args["detached"].as_bool().unwrap_or(false);
+        Ok(match self.start_child(args, call_id, detached).await? {
+            Ok(c) => Call::Done(json!({"run_id": c.id, "thread_id": c.thread_id, "status": c.status}).to_string()),
+            Err(answer) => answer,
+        })
+    }
+
+    async fn await_runs(&self, args: &Value, call_id: &str) -> Result<Call, StoreError> {
+        let Some(ids) = args["run_ids"].as_array().filter(|a| !a.is_empty() && a.len() <= 50) else {
+            return Ok(err("bad_arguments", "`run_ids` must list 1 to 50 run ids"));
+        };
+        let any = match args["mode"].as_str().unwrap_or("all") {
+            "all" => false,
+            "any" => true,
+            other => return Ok(err("bad_arguments", format!("mode `{other}` is not all or any"))),
+        };
+        let mut runs = vec![];
+        for id in ids {
+            match self.owned(id).await? {
+                Some(r) => runs.push(r),
+                None => return Ok(self.no_such(id)),
+            }
+        }
+        let done = |r: &RunRecord| r.status.is_terminal();
+        let ready = if any { runs.iter().any(done) } else { runs.iter().all(done) };
+        // The deadline is fixed at the first attempt, so a replay waits for the same end.
+        let deadline = match args["timeout_s"].as_f64() {
+            Some(t) if t.is_finite() && t >= 0.0 => {
+                let proposed = crate::store::now_ms() + (t.min(86_400.0) * 1000.0) as i64;
+                Some(self.store.wait_deadline(&format!("{}:{call_id}", self.parent.id), proposed).await?)
+            }
+            _ => None,
+        };
+        let timed_out = deadline.is_some_and(|d| crate::store::now_ms() >= d);
+        if !ready && !timed_out {
+            return Ok(Call::Park(deadline));
+        }
+        let mut snaps = vec![];
+        for r in &runs {
+            snaps.push(snapshot(self.store, r, self.settings.result_limit).await?);
+        }
+        Ok(Call::Done(json!({"runs": snaps, "wait_timed_out": !ready}).to_string()))
+    }
+}
+
+/// Cancels a run and, below it, every attached (non-detached) descendant still going.
+pub async fn cancel_tree(store: &dyn Store, run: RunId) -> Result<CancelOutcome, StoreError> {
+    let outcome = store.request_cancel(run).await?;
+    cancel_attached_children(store, run).await?;
+    Ok(outcome)
+}
+
+/// Cancels the attached children (and theirs) of a run: what happens when a parent ends.
+pub async fn cancel_attached_children(store: &dyn Store, run: RunId) -> Result<(), StoreError> {
+    let mut stack = vec![run];
+    while let Some(r) = stack.pop() {
+        for c in store.children(r).await? {
+            if c.tree.detached {
+                continue;
+            }
+            if !c.status.is_terminal() {
+                store.request_cancel(c.id).await?;
+            }
+            stack.push(c.id);
+        }
+    }
+    Ok(())
+}
+
+/// A child ended: tell its parent (a `child.finished` event) and, if the parent is parked,
+/// return it so the caller can wake it.
+pub async fn child_finished(store: &dyn Store, child: &RunRecord) -> Result<Option<RunRecord>, StoreError> {
+    let Some(parent_id) = child.parent_run_id else { return Ok(None) };
+    let mut data = json!({"child_run_id": child.id, "thread_id": child.thread_id, "status": child.status});
+    if let Some(e) = &child.error {
+        data["error"] = json!(e);
+    }
+    store.append_events(parent_id, vec![NewEvent::new(EventKind::ChildFinished, data)]).await?;
+    Ok(store.get_run(parent_id).await?.filter(|p| p.status == RunStatus::Waiting))
+}
+
+/// After a run ends: report to its parent and wake the parent if it is parked.
+pub async fn after_end(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+    let Some(r) = store.get_run(run).await? else { return Ok(()) };
+    if let Some(parent) = child_finished(store, &r).await? {
+        wake(store, queue, parent.id).await?;
+    }
+    Ok(())
+}
+
+/// Pushes a job for a parked run so a worker re-checks what it waits for.
+pub async fn wake(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+    let job = crate::queue::new_job_id();
+    store.set_job(run, &job).await?;
+    if let Err(e) = queue.push(run, &job).await {
+        tracing::warn!(run_id = %run, error = %e, "could not wake the parked run; the reaper will");
+    }
+    Ok(())
+}
