@@ -178,11 +178,17 @@ pub struct MockOptions {
 #[derive(Debug, Default)]
 pub struct MockState {
     options: MockOptions,
+    script: Mutex<Option<Arc<Script>>>,
     counters: Mutex<HashMap<String, u64>>,
     log: Mutex<Vec<LogEntry>>,
 }
 
 impl MockState {
+    /// Replaces the script (tests that need ids known only after start-up).
+    pub fn set_script(&self, script: Script) {
+        *self.script.lock().unwrap() = Some(Arc::new(script));
+    }
+
     /// Every request answered so far.
     pub fn log(&self) -> Vec<LogEntry> {
         self.log.lock().unwrap().clone()
@@ -213,7 +219,8 @@ impl MockServer {
     pub async fn start(bind: SocketAddr, options: MockOptions) -> std::io::Result<MockServer> {
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(MockState { options, ..Default::default() });
+        let script = Mutex::new(options.script.clone());
+        let state = Arc::new(MockState { options, script, ..Default::default() });
         let app = router(state.clone());
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -336,7 +343,8 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
             }
         }
     }
-    let scripted = state.options.script.as_ref().and_then(|s| scripted(s, &req, after_user, done_steps as usize));
+    let script = state.script.lock().unwrap().clone();
+    let scripted = script.as_ref().and_then(|s| scripted(s, &req, after_user, done_steps as usize));
     let reply = match scripted {
         Some(r) if !req.tools.is_empty() => r,
         _ => decide(scenario.as_ref(), &req, after_user, done_steps, tool_results),

@@ -3,6 +3,7 @@
 
 mod api;
 mod cli;
+mod delegation;
 mod kill;
 mod runs;
 mod store;

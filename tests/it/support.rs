@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 pub struct TestApp {
     pub app: Arc<App>,
     pub mock: MockServer,
-    pub _dir: tempfile::TempDir,
+    pub dir: tempfile::TempDir,
     shutdown: CancellationToken,
     workers: Option<tokio::task::JoinHandle<()>>,
 }
@@ -47,11 +47,13 @@ pub struct Options {
     pub latency: Duration,
     pub tools: Option<ToolRegistry>,
     pub tweak: Box<dyn FnOnce(&mut Settings)>,
+    /// Agent files to write into jobs/: (file stem, content).
+    pub jobs: Vec<(String, String)>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { workers: true, latency: Duration::ZERO, tools: None, tweak: Box::new(|_| {}) }
+        Self { workers: true, latency: Duration::ZERO, tools: None, tweak: Box::new(|_| {}), jobs: vec![] }
     }
 }
 
@@ -62,6 +64,9 @@ pub async fn spawn_app() -> TestApp {
 pub async fn spawn_app_with(opts: Options) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
+    for (name, content) in &opts.jobs {
+        std::fs::write(dir.path().join("jobs").join(format!("{name}.md")), content).unwrap();
+    }
     let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: opts.latency, ..Default::default() })
         .await
         .unwrap();
@@ -72,7 +77,7 @@ pub async fn spawn_app_with(opts: Options) -> TestApp {
     let app = Arc::new(App::open_custom(settings, model, tools).await.unwrap());
     let shutdown = CancellationToken::new();
     let workers = opts.workers.then(|| app.spawn_workers(shutdown.clone()));
-    TestApp { app, mock, _dir: dir, shutdown, workers }
+    TestApp { app, mock, dir, shutdown, workers }
 }
 
 impl TestApp {
