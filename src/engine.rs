@@ -536,34 +536,36 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// The model's view of the thread: every committed message in order. Calls left unanswered by
-/// an earlier run that ended mid-step get a placeholder result, because the API rejects a
-/// conversation with dangling tool calls.
+/// The model's view of the thread: every committed message in order, each step's tool results
+/// right after its assistant message in the order of its calls (they commit in completion
+/// order, which a replay cannot reproduce). Calls left unanswered by an earlier run that ended
+/// mid-step get a placeholder result, because the API rejects dangling tool calls.
 pub fn context(history: &[StoredMessage], current: RunId) -> Vec<Message> {
-    let answered: HashSet<(&RunId, &str)> = history
+    let results: HashMap<(RunId, u32, &str), &Message> = history
         .iter()
         .filter_map(|m| match &m.message {
-            Message::Tool { tool_call_id, .. } => Some((&m.run_id, tool_call_id.as_str())),
+            Message::Tool { tool_call_id, .. } => Some(((m.run_id, m.step, tool_call_id.as_str()), &m.message)),
             _ => None,
         })
         .collect();
     let mut out = Vec::with_capacity(history.len());
-    for (i, m) in history.iter().enumerate() {
-        out.push(m.message.clone());
-        if m.run_id == current {
-            continue;
-        }
-        if let Message::Assistant { tool_calls, .. } = &m.message {
-            // Only patch when the next message is not that call's result (ended runs only).
-            let _ = i;
-            for c in tool_calls {
-                if !answered.contains(&(&m.run_id, c.id.as_str())) {
-                    out.push(Message::Tool {
-                        tool_call_id: c.id.clone(),
-                        content: "[no result: the run ended before this call completed]".into(),
-                    });
+    for m in history {
+        match &m.message {
+            Message::Tool { .. } => {}
+            Message::Assistant { tool_calls, .. } => {
+                out.push(m.message.clone());
+                for c in tool_calls {
+                    match results.get(&(m.run_id, m.step, c.id.as_str())) {
+                        Some(r) => out.push((*r).clone()),
+                        None if m.run_id != current => out.push(Message::Tool {
+                            tool_call_id: c.id.clone(),
+                            content: "[no result: the run ended before this call completed]".into(),
+                        }),
+                        None => {}
+                    }
                 }
             }
+            _ => out.push(m.message.clone()),
         }
     }
     out

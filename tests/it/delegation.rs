@@ -40,16 +40,12 @@ async fn start_parent(t: &TestApp, agent: &str) -> RunRecord {
     t.app.start_run(StartRun { agent: Some(agent.into()), input: "Coordinate the work.".into(), ..Default::default() }).await.unwrap()
 }
 
-/// The parent's tool results, parsed, in order.
+/// The parent's tool results, parsed, in call order (as the model sees them).
 async fn tool_results(t: &TestApp, run: &RunRecord) -> Vec<Value> {
-    t.app
-        .store
-        .thread_messages(&run.thread_id)
-        .await
-        .unwrap()
+    let history = t.app.store.thread_messages(&run.thread_id).await.unwrap();
+    subagents::engine::context(&history, run.id)
         .into_iter()
-        .filter(|m| m.run_id == run.id)
-        .filter_map(|m| match m.message {
+        .filter_map(|m| match m {
             Message::Tool { content, .. } => Some(serde_json::from_str(&content).unwrap_or(Value::String(content))),
             _ => None,
         })
