@@ -43,8 +43,10 @@ pub struct StartRun {
     pub max_steps: Option<u32>,
     /// Override of the agent's `timeout`, in seconds.
     pub timeout_secs: Option<u64>,
-    /// Token budget for the run.
+    /// Token budget for the run and its descendants.
     pub max_total_tokens: Option<u64>,
+    /// Step budget for the run and its descendants.
+    pub max_total_steps: Option<u64>,
     /// Caller data kept with the run.
     pub metadata: Option<Value>,
     /// Busy thread: refuse (default) or queue behind the active run.
@@ -142,7 +144,7 @@ pub async fn start_run(
             agent: agent_name,
             input: req.input,
             metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
-            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens },
+            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens, max_total_steps: req.max_total_steps },
             parent_run_id: req.parent_run_id,
             tree: req.tree,
             job_id: job_id.clone(),

@@ -246,6 +246,8 @@ impl Ctx<'_> {
             if_busy: IfBusy::Reject,
             idempotency_key: Some(format!("child:{}:{}", self.parent.id, call_id)),
             parent_run_id: Some(self.parent.id),
+            max_total_tokens: self.parent.limits.max_total_tokens,
+            max_total_steps: self.parent.limits.max_total_steps,
             tree: TreePosition {
                 root_run_id: Some(self.parent.tree.root_run_id.unwrap_or(self.parent.id)),
                 depth: self.parent.tree.depth + 1,

@@ -213,6 +213,27 @@ impl Engine {
         }
     }
 
+    /// Whether the tree this run belongs to has used up its token or step budget (set on the
+    /// root, inherited by every descendant). Only asks the database when a budget is set.
+    async fn over_tree_budget(&self, run: &RunRecord, own: crate::model::Usage, own_steps: u32) -> Result<bool, Stop> {
+        let l = &run.limits;
+        if l.max_total_tokens.is_none() && l.max_total_steps.is_none() {
+            return Ok(false);
+        }
+        let (tokens, steps) = match run.tree.root_run_id {
+            // A root counts its own (possibly not yet visible) usage plus its descendants'.
+            None => {
+                let (tree, tree_steps) = self.store.tree_usage(run.id).await?;
+                (tree.total().max(own.total()), tree_steps.max(u64::from(own_steps)))
+            }
+            Some(root) => {
+                let (tree, tree_steps) = self.store.tree_usage(root).await?;
+                (tree.total(), tree_steps)
+            }
+        };
+        Ok(l.max_total_tokens.is_some_and(|m| tokens >= m) || l.max_total_steps.is_some_and(|m| steps >= m))
+    }
+
     /// A parent that ends cancels its still-running attached children.
     async fn end_children(&self, run: RunId) {
         if let Err(e) = crate::delegation::cancel_attached_children(self.store.as_ref(), run).await {
@@ -317,8 +338,8 @@ impl Engine {
             // A new step: one model call.
             let step = steps_done + 1;
             let step_t0 = std::time::Instant::now();
-            let over_tokens = run.limits.max_total_tokens.is_some_and(|m| usage.total() >= m);
-            let forced = steps_done >= run.limits.max_steps || over_tokens;
+            let over_budget = self.over_tree_budget(run, usage, steps_done).await?;
+            let forced = steps_done >= run.limits.max_steps || over_budget;
             let span = info_span!("step", step, forced, gen_ai.request.model = %model);
             let resp = async {
                 self.store

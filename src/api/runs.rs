@@ -41,10 +41,14 @@ pub struct LimitsBody {
     #[serde(default, deserialize_with = "whole_number")]
     #[schema(minimum = 1, maximum = 604800)]
     timeout_s: Option<u64>,
-    /// Token budget before a forced final answer.
+    /// Token budget of the run and all its subagents; past it, answers are forced.
     #[serde(default, deserialize_with = "whole_number")]
     #[schema(minimum = 1, maximum = 9007199254740991_i64)]
     max_total_tokens: Option<u64>,
+    /// Step budget of the run and all its subagents; past it, answers are forced.
+    #[serde(default, deserialize_with = "whole_number")]
+    #[schema(minimum = 1, maximum = 9007199254740991_i64)]
+    max_total_steps: Option<u64>,
 }
 
 /// JSON Schema counts `9999.0` as an integer; accept any number with no fraction.
@@ -167,8 +171,8 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
         }
     }
     let limits = body.limits.unwrap_or_default();
-    if limits.max_total_tokens.is_some_and(|t| t == 0 || t > MAX_SEQ) {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_limit", "max_total_tokens must be 1 to 9007199254740991"));
+    if limits.max_total_tokens.is_some_and(|t| t == 0 || t > MAX_SEQ) || limits.max_total_steps.is_some_and(|t| t == 0 || t > MAX_SEQ) {
+        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_limit", "max_total_tokens and max_total_steps must be 1 to 9007199254740991"));
     }
     let created = state
         .app
@@ -180,6 +184,7 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
             max_steps: limits.max_steps.map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
             timeout_secs: limits.timeout_s,
             max_total_tokens: limits.max_total_tokens,
+            max_total_steps: limits.max_total_steps,
             metadata: body.metadata,
             if_busy: body.if_busy,
             idempotency_key: body.idempotency_key,

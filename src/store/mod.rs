@@ -148,9 +148,14 @@ pub struct RunLimits {
     pub max_steps: u32,
     /// Wall time from the first start, in seconds.
     pub timeout_secs: u64,
-    /// Tokens (prompt + completion, summed over calls) before a forced final answer.
+    /// Tokens (prompt + completion, summed over every call of the run and its descendants)
+    /// before a forced final answer. Children inherit it: a budget set on a root bounds the tree.
     #[serde(default)]
     pub max_total_tokens: Option<u64>,
+    /// Model calls of the run and its descendants before a forced final answer; inherited like
+    /// `max_total_tokens`.
+    #[serde(default)]
+    pub max_total_steps: Option<u64>,
 }
 
 /// What the caller asks for when starting a run.

@@ -348,3 +348,27 @@ async fn killed_while_the_parent_waits_and_the_child_runs() {
     assert!(per_run.values().all(|n| *n <= 1), "{per_run:?}");
     assert_gap_free(&t.events(parent.id).await, RunStatus::Succeeded);
 }
+
+#[tokio::test]
+async fn a_tree_budget_on_the_root_forces_the_child_and_the_parent_to_answer() {
+    let t = app_with(
+        "p-budget",
+        vec![calls(vec![call("task", json!({"description": "Endless.\nSCENARIO steps=50 run=budget", "subagent": "general-purpose"}))]), say("never offered tools again")],
+        Box::new(|_| {}),
+    )
+    .await;
+    let parent = t
+        .app
+        .start_run(StartRun { agent: Some("p-budget".into()), input: "Coordinate.".into(), max_total_steps: Some(4), ..Default::default() })
+        .await
+        .unwrap();
+    let done = t.wait(parent.id).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let child = t.app.store.children(parent.id).await.unwrap().remove(0);
+    assert_eq!(child.limits.max_total_steps, Some(4), "children inherit the tree budget");
+    assert!(child.forced, "the child hit the tree budget: {child:?}");
+    assert_eq!(child.result.as_deref(), Some("FORCED after 3 tool results"), "tree steps before child step 4: parent 1 + child 3 = budget, so step 4 is forced");
+    assert!(done.forced, "the parent's own last call was forced too");
+    let (_, steps) = t.app.store.tree_usage(parent.id).await.unwrap();
+    assert_eq!(steps, 1 + 4 + 1, "bounded: no step ran past the budget except the forced answers");
+}

@@ -23,7 +23,7 @@ fn new_run(thread: &ThreadId) -> NewRun {
         agent: "general-purpose".into(),
         input: "hi".into(),
         metadata: json!({}),
-        limits: RunLimits { max_steps: 5, timeout_secs: 60, max_total_tokens: None },
+        limits: RunLimits { max_steps: 5, timeout_secs: 60, max_total_tokens: None, max_total_steps: None },
         parent_run_id: None,
         tree: TreePosition::default(),
         job_id: new_job_id(),
