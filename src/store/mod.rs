@@ -6,6 +6,7 @@
 //! The engine talks to a `dyn Store`, so the SQLite implementation here and a PostgreSQL one
 //! can be swapped without touching it.
 
+pub mod postgres;
 pub mod sqlite;
 
 use std::time::Duration;
@@ -18,6 +19,7 @@ use serde_json::Value;
 use crate::ids::{RunId, ThreadId};
 use crate::model::{Message, Usage};
 
+pub use postgres::PgStore;
 pub use sqlite::SqliteStore;
 
 /// `Result` with the store's error.

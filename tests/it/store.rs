@@ -1,6 +1,8 @@
-//! The store's contract, checked directly on a real SQLite file: fencing, idempotent appends,
-//! gap-free sequences, one active run per thread, and the lease lifecycle.
+//! The store's contract — fencing, idempotent appends, gap-free sequences, one active run per
+//! thread, the lease lifecycle, enqueue order, idempotency keys, orphans — as one conformance
+//! suite run against both backends: a real SQLite file and a fresh PostgreSQL database.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
@@ -9,11 +11,54 @@ use subagents::model::Message;
 use subagents::queue::new_job_id;
 use subagents::store::*;
 
-async fn store() -> (SqliteStore, tempfile::TempDir) {
+/// A backend under test; keeps its temp dir alive.
+pub struct Backend {
+    pub store: Arc<dyn Store>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl std::ops::Deref for Backend {
+    type Target = dyn Store;
+    fn deref(&self) -> &(dyn Store + 'static) {
+        self.store.as_ref()
+    }
+}
+
+pub async fn sqlite() -> Backend {
     let dir = tempfile::tempdir().unwrap();
     let s = SqliteStore::connect(&format!("sqlite://{}", dir.path().join("s.db").display())).await.unwrap();
-    (s, dir)
+    Backend { store: Arc::new(s), _dir: Some(dir) }
 }
+
+pub async fn postgres() -> Backend {
+    let url = crate::support::fresh_postgres_database().await;
+    Backend { store: Arc::new(PgStore::connect(&url).await.unwrap()), _dir: None }
+}
+
+/// Generates one test per backend from one async fn taking the backend.
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite_backend {
+            $(#[tokio::test] async fn $name() { super::$name(super::sqlite().await).await })*
+        }
+        mod postgres_backend {
+            $(#[tokio::test] async fn $name() { super::$name(super::postgres().await).await })*
+        }
+    };
+}
+
+conformance!(
+    a_stale_epoch_cannot_write,
+    appends_are_idempotent_and_sequences_gap_free,
+    terminal_states_never_change,
+    the_database_enforces_one_active_run_per_thread,
+    enqueued_runs_wait_for_the_thread_and_go_in_order,
+    idempotency_keys_return_the_first_run,
+    runs_whose_workers_keep_dying_fail_as_lost,
+    orphans_are_found_after_the_grace_period,
+    parked_runs_are_claimed_again_and_cancelled_at_once,
+    listing_and_tree_queries,
+);
 
 fn new_run(thread: &ThreadId) -> NewRun {
     NewRun {
@@ -36,9 +81,7 @@ fn msg(run: RunId, key: &str) -> NewMessage {
     NewMessage { step: 1, key: format!("{run}:{key}"), message: Message::User { content: key.into() } }
 }
 
-#[tokio::test]
-async fn a_stale_epoch_cannot_write() {
-    let (s, _d) = store().await;
+async fn a_stale_epoch_cannot_write(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(old, _) = s.claim_run(run.id, "w1", Duration::from_millis(100), 5).await.unwrap() else { panic!() };
@@ -57,9 +100,7 @@ async fn a_stale_epoch_cannot_write() {
     assert_eq!(s.thread_messages(&t).await.unwrap().len(), 1);
 }
 
-#[tokio::test]
-async fn appends_are_idempotent_and_sequences_gap_free() {
-    let (s, _d) = store().await;
+async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
@@ -81,9 +122,7 @@ async fn appends_are_idempotent_and_sequences_gap_free() {
     assert_eq!(s.events_after(run.id, 4, 1).await.unwrap()[0].seq, 5, "cursor and limit");
 }
 
-#[tokio::test]
-async fn terminal_states_never_change() {
-    let (s, _d) = store().await;
+async fn terminal_states_never_change(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
@@ -100,9 +139,7 @@ async fn terminal_states_never_change() {
     s.create_run(new_run(&t)).await.unwrap();
 }
 
-#[tokio::test]
-async fn the_database_enforces_one_active_run_per_thread() {
-    let (s, _d) = store().await;
+async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
     let t = ThreadId::generate();
     let first = s.create_run(new_run(&t)).await.unwrap().run;
     match s.create_run(new_run(&t)).await.unwrap_err() {
@@ -114,9 +151,7 @@ async fn the_database_enforces_one_active_run_per_thread() {
     assert!(matches!(s.create_run(other).await.unwrap_err(), StoreError::ThreadOwnedElsewhere(_)));
 }
 
-#[tokio::test]
-async fn enqueued_runs_wait_for_the_thread_and_go_in_order() {
-    let (s, _d) = store().await;
+async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     let t = ThreadId::generate();
     let first = s.create_run(new_run(&t)).await.unwrap().run;
     let mut n = new_run(&t);
@@ -136,9 +171,7 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order() {
     assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10), 5).await.unwrap(), Claim::Acquired(..)));
 }
 
-#[tokio::test]
-async fn idempotency_keys_return_the_first_run() {
-    let (s, _d) = store().await;
+async fn idempotency_keys_return_the_first_run(s: Backend) {
     let mut a = new_run(&ThreadId::generate());
     a.idempotency_key = Some("k1".into());
     let first = s.create_run(a.clone()).await.unwrap();
@@ -154,9 +187,7 @@ async fn idempotency_keys_return_the_first_run() {
     assert!(!s.create_run(b).await.unwrap().existing);
 }
 
-#[tokio::test]
-async fn runs_whose_workers_keep_dying_fail_as_lost() {
-    let (s, _d) = store().await;
+async fn runs_whose_workers_keep_dying_fail_as_lost(s: Backend) {
     let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
     for _ in 0..2 {
         assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10), 2).await.unwrap(), Claim::Acquired(..)));
@@ -171,9 +202,7 @@ async fn runs_whose_workers_keep_dying_fail_as_lost() {
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=ev.len() as u64).collect::<Vec<_>>());
 }
 
-#[tokio::test]
-async fn orphans_are_found_after_the_grace_period() {
-    let (s, _d) = store().await;
+async fn orphans_are_found_after_the_grace_period(s: Backend) {
     let queued = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
     let running = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
     let Claim::Acquired(lease, _) = s.claim_run(running.id, "w", Duration::from_millis(10), 5).await.unwrap() else { panic!() };
@@ -189,8 +218,8 @@ async fn orphans_are_found_after_the_grace_period() {
     assert!(found.is_empty(), "renewed and re-enqueued runs are not orphans: {found:?}");
 }
 
-#[tokio::test]
-async fn status_transitions_are_checked_in_one_place() {
+#[test]
+fn status_transitions_are_checked_in_one_place() {
     use RunStatus::*;
     assert!(Queued.can_become(Running));
     assert!(Running.can_become(Succeeded));
@@ -202,4 +231,54 @@ async fn status_transitions_are_checked_in_one_place() {
             assert!(!s.can_become(to), "{s:?} -> {to:?}");
         }
     }
+}
+
+async fn parked_runs_are_claimed_again_and_cancelled_at_once(s: Backend) {
+    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    s.checkpoint(&lease, Checkpoint { park: Some(Some(12345)), ..Default::default() }).await.unwrap();
+    let parked = s.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!((parked.status, parked.wake_at), (RunStatus::Waiting, Some(12345)));
+    // A parked run holds no lease: the old epoch cannot write.
+    assert!(matches!(s.checkpoint(&lease, Checkpoint::default()).await, Err(StoreError::LeaseLost(_))));
+    let Claim::Acquired(again, rec) = s.claim_run(run.id, "w2", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    assert_eq!(rec.claimed_from, Some(RunStatus::Waiting));
+    let ev = s.events_after(run.id, 0, 100).await.unwrap();
+    assert_eq!(ev.last().unwrap().kind, "run.resumed");
+    s.checkpoint(&again, Checkpoint { park: Some(None), ..Default::default() }).await.unwrap();
+    assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Cancelled, "parked runs are cancelled at once");
+    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Cancelled);
+    let d1 = s.wait_deadline("k", 100).await.unwrap();
+    let d2 = s.wait_deadline("k", 999).await.unwrap();
+    assert_eq!((d1, d2), (100, 100), "a deadline is fixed at the first attempt");
+}
+
+async fn listing_and_tree_queries(s: Backend) {
+    let t = ThreadId::generate();
+    let root = s.create_run(new_run(&t)).await.unwrap().run;
+    let mut c = new_run(&ThreadId::generate());
+    c.parent_run_id = Some(root.id);
+    c.tree = TreePosition { root_run_id: Some(root.id), depth: 1, detached: false };
+    let child = s.create_run(c).await.unwrap().run;
+    let Claim::Acquired(lease, _) = s.claim_run(child.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    let usage = subagents::model::Usage { prompt_tokens: 10, completion_tokens: 5 };
+    s.checkpoint(&lease, Checkpoint { step: Some(2), usage, ..Default::default() }).await.unwrap();
+    let (tree, steps) = s.tree_usage(root.id).await.unwrap();
+    assert_eq!((tree.total(), steps), (15, 2));
+    assert_eq!(s.children(root.id).await.unwrap().iter().map(|r| r.id).collect::<Vec<_>>(), [child.id]);
+    let all = s.list_runs("o", &RunFilter::default(), 10).await.unwrap();
+    assert_eq!(all.iter().map(|r| r.id).collect::<Vec<_>>(), [child.id, root.id], "newest first");
+    let running = s.list_runs("o", &RunFilter { status: vec![RunStatus::Running], ..Default::default() }, 10).await.unwrap();
+    assert_eq!(running.len(), 1);
+    let page2 = s.list_runs("o", &RunFilter { before: Some(child.id), ..Default::default() }, 10).await.unwrap();
+    assert_eq!(page2.iter().map(|r| r.id).collect::<Vec<_>>(), [root.id]);
+    assert!(s.list_runs("someone-else", &RunFilter::default(), 10).await.unwrap().is_empty());
+    let counts = s.status_counts().await.unwrap();
+    assert!(counts.contains(&(RunStatus::Queued, 1)) && counts.contains(&(RunStatus::Running, 1)), "{counts:?}");
+    assert_eq!(s.queue_position(root.id).await.unwrap(), 0);
+    s.append_events(root.id, vec![NewEvent::new(EventKind::ChildFinished, json!({}))]).await.unwrap();
+    let ev = s.events_after(root.id, 0, 10).await.unwrap();
+    assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
+    assert!(s.get_thread(&t).await.unwrap().is_some());
+    assert_eq!(s.next_queued(&t).await.unwrap(), Some(root.id));
 }

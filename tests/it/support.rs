@@ -198,3 +198,28 @@ pub fn tools_with(extra: Vec<Arc<dyn subagents::tools::Tool>>) -> ToolRegistry {
     }
     t
 }
+
+/// A fresh, empty PostgreSQL database for one test. The server comes from
+/// `SUBAGENTS_TEST_POSTGRES` (default: the local one, trust auth), which `.ci/run` starts.
+pub async fn fresh_postgres_database() -> String {
+    let admin = std::env::var("SUBAGENTS_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let name = format!("sa_test_{}", uuid::Uuid::now_v7().simple());
+    let pool = sqlx::PgPool::connect(&admin).await.expect("PostgreSQL for the tests (set SUBAGENTS_TEST_POSTGRES)");
+    // Drop test databases left by runs over an hour old (their names carry a UUID v7, whose
+    // first 48 bits are the creation time in ms), so a developer machine does not fill up.
+    let old: Vec<String> = sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'sa\\_test\\_%'")
+        .fetch_all(&pool)
+        .await
+        .unwrap_or_default();
+    let hour_ago = chrono::Utc::now().timestamp_millis() - 3_600_000;
+    for db in old {
+        let born = db.strip_prefix("sa_test_").and_then(|h| i64::from_str_radix(h.get(..12)?, 16).ok());
+        if born.is_some_and(|b| b < hour_ago) {
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))).execute(&pool).await;
+        }
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&pool).await.unwrap();
+    pool.close().await;
+    let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
+    format!("{base}/{name}")
+}

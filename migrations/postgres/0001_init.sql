@@ -1,0 +1,85 @@
+-- subagents schema, PostgreSQL: the mirror of migrations/sqlite/0001_init.sql. Integers are
+-- BIGINT (one Rust type for both backends); lease deadlines are Unix milliseconds.
+
+CREATE TABLE IF NOT EXISTS sa_threads (
+    id          TEXT PRIMARY KEY,
+    owner       TEXT NOT NULL,
+    created_at  TIMESTAMPTZ NOT NULL,
+    updated_at  TIMESTAMPTZ NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS sa_runs (
+    id                TEXT PRIMARY KEY,
+    thread_id         TEXT NOT NULL REFERENCES sa_threads(id),
+    owner             TEXT NOT NULL,
+    agent             TEXT NOT NULL,
+    status            TEXT NOT NULL CHECK (status IN ('queued','running','waiting','succeeded','failed','cancelled')),
+    input             TEXT NOT NULL,
+    metadata          TEXT NOT NULL DEFAULT '{}',
+    limits            TEXT NOT NULL,
+    parent_run_id     TEXT,
+    root_run_id       TEXT,
+    depth             BIGINT NOT NULL DEFAULT 0,
+    detached          BIGINT NOT NULL DEFAULT 0,
+    wake_at           BIGINT,
+    claimed_from      TEXT,
+    step              BIGINT NOT NULL DEFAULT 0,
+    forced            BIGINT NOT NULL DEFAULT 0,
+    result            TEXT,
+    error_kind        TEXT,
+    error_message     TEXT,
+    prompt_tokens     BIGINT NOT NULL DEFAULT 0,
+    completion_tokens BIGINT NOT NULL DEFAULT 0,
+    attempts          BIGINT NOT NULL DEFAULT 0,
+    lease_owner       TEXT,
+    lease_epoch       BIGINT NOT NULL DEFAULT 0,
+    lease_expires_at  BIGINT NOT NULL DEFAULT 0,
+    cancel_requested  BIGINT NOT NULL DEFAULT 0,
+    event_seq         BIGINT NOT NULL DEFAULT 0,
+    idempotency_key   TEXT,
+    job_id            TEXT NOT NULL,
+    enqueued_at       BIGINT NOT NULL,
+    created_at        TIMESTAMPTZ NOT NULL,
+    started_at        TIMESTAMPTZ,
+    finished_at       TIMESTAMPTZ,
+    heartbeat_at      TIMESTAMPTZ,
+    updated_at        TIMESTAMPTZ NOT NULL
+);
+
+-- Invariant 4: one active (executing or parked) run per thread, enforced by the database.
+CREATE UNIQUE INDEX IF NOT EXISTS sa_runs_one_active_per_thread
+    ON sa_runs(thread_id) WHERE status IN ('running','waiting');
+CREATE UNIQUE INDEX IF NOT EXISTS sa_runs_idempotency
+    ON sa_runs(owner, idempotency_key) WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sa_runs_owner ON sa_runs(owner, id);
+CREATE INDEX IF NOT EXISTS sa_runs_thread ON sa_runs(thread_id, created_at);
+CREATE INDEX IF NOT EXISTS sa_runs_status ON sa_runs(status, lease_expires_at);
+CREATE INDEX IF NOT EXISTS sa_runs_parent ON sa_runs(parent_run_id);
+
+CREATE TABLE IF NOT EXISTS sa_waits (
+    key         TEXT PRIMARY KEY,
+    deadline    BIGINT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS sa_messages (
+    id          BIGSERIAL PRIMARY KEY,
+    thread_id   TEXT NOT NULL REFERENCES sa_threads(id),
+    run_id      TEXT NOT NULL REFERENCES sa_runs(id),
+    step        BIGINT NOT NULL,
+    role        TEXT NOT NULL,
+    key         TEXT NOT NULL UNIQUE,
+    body        TEXT NOT NULL,
+    created_at  TIMESTAMPTZ NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sa_messages_thread ON sa_messages(thread_id, id);
+CREATE INDEX IF NOT EXISTS sa_messages_run ON sa_messages(run_id, id);
+
+CREATE TABLE IF NOT EXISTS sa_events (
+    run_id      TEXT NOT NULL REFERENCES sa_runs(id),
+    seq         BIGINT NOT NULL,
+    type        TEXT NOT NULL,
+    data        TEXT NOT NULL,
+    created_at  TIMESTAMPTZ NOT NULL,
+    relayed     BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (run_id, seq)
+);
