@@ -175,14 +175,13 @@ pub struct App {
     pub agents: Arc<AgentRegistry>,
     /// Definition files that failed to load (reported, not fatal).
     pub agent_errors: Vec<AgentFileError>,
-    pool: sqlx::SqlitePool,
 }
 
 /// Start-up failures, with what to do about them.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// The URL names a backend this build cannot use.
-    #[error("DATABASE_URL `{0}` is not supported: use sqlite://FILE (PostgreSQL support is tracked separately)")]
+    #[error("DATABASE_URL `{0}` is not supported: use sqlite://FILE or postgres://USER@HOST/DB")]
     UnsupportedDatabase(String),
     /// The database could not be opened or migrated.
     #[error("cannot open the database {url}: {source}")]
@@ -228,10 +227,19 @@ impl App {
     /// Opens everything with the given model and tools (tests, embedders with their own tools).
     pub async fn open_custom(settings: Settings, model: Arc<dyn ChatModel>, tools: ToolRegistry) -> Result<App, OpenError> {
         let url = settings.database_url.clone();
-        if !url.starts_with("sqlite:") {
+        let db_err = |source| OpenError::Database { url: redact(&url), source };
+        let heartbeat = Duration::from_secs(5);
+        let (store, queue): (Arc<dyn Store>, Queue) = if url.starts_with("sqlite:") {
+            let s = SqliteStore::connect(&url).await.map_err(db_err)?;
+            let q = Queue::sqlite(s.pool(), heartbeat);
+            (Arc::new(s), q)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let s = crate::store::PgStore::connect(&url).await.map_err(db_err)?;
+            let q = Queue::postgres(s.pool(), heartbeat);
+            (Arc::new(s), q)
+        } else {
             return Err(OpenError::UnsupportedDatabase(redact(&url)));
-        }
-        let store = SqliteStore::connect(&url).await.map_err(|source| OpenError::Database { url: redact(&url), source })?;
+        };
         std::fs::create_dir_all(&settings.workspace)
             .map_err(|source| OpenError::Workspace { path: settings.workspace.display().to_string(), source })?;
         let (agents, agent_errors) = AgentRegistry::load_dir(&settings.jobs_dir);
@@ -239,9 +247,6 @@ impl App {
             tracing::warn!("agent definition skipped: {e}");
         }
         let agents = Arc::new(agents);
-        let pool = store.pool().clone();
-        let queue = Queue::sqlite(&pool, Duration::from_secs(5));
-        let store: Arc<dyn Store> = Arc::new(store);
         let engine = Arc::new(Engine {
             store: store.clone(),
             agents: agents.clone(),
@@ -262,7 +267,7 @@ impl App {
             },
             queue: queue.clone(),
         });
-        Ok(App { settings, store, queue, engine, agents, agent_errors, pool })
+        Ok(App { settings, store, queue, engine, agents, agent_errors })
     }
 
     /// Validates, records and enqueues a run. Once this returns, the run is durable: if the
@@ -322,7 +327,7 @@ impl App {
             reap_every: (ttl / 2).max(Duration::from_millis(200)),
             reap_grace: ttl.max(Duration::from_secs(2)),
         };
-        tokio::spawn(run_workers(self.engine.clone(), self.queue.clone(), self.pool.clone(), settings, shutdown))
+        tokio::spawn(run_workers(self.engine.clone(), self.queue.clone(), settings, shutdown))
     }
 }
 

@@ -243,9 +243,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(if errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         Command::Migrate => {
-            crate::store::SqliteStore::connect(&settings.database_url)
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot migrate {}: {e}", crate::app::redact(&settings.database_url)))?;
+            // Opening applies the migrations of the store and of the queue.
+            App::open(settings.clone()).await?;
             eprintln!("schema is up to date in {}", crate::app::redact(&settings.database_url));
             Ok(ExitCode::SUCCESS)
         }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use apalis::prelude::*;
+use apalis_postgres::{Config as PgQueueConfig, PgPool, PostgresStorage};
 use apalis_sqlite::{Config as SqliteQueueConfig, SqlitePool, SqliteStorage};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -46,10 +47,17 @@ pub enum QueueError {
     },
 }
 
+/// The apalis storage, on the store's database.
+#[derive(Clone)]
+enum Storage {
+    Sqlite(SqliteStorage<RunJob>),
+    Postgres(PostgresStorage<RunJob>),
+}
+
 /// Handle for pushing jobs.
 #[derive(Clone)]
 pub struct Queue {
-    storage: SqliteStorage<RunJob>,
+    storage: Storage,
     heartbeat: Duration,
 }
 
@@ -67,20 +75,32 @@ pub fn new_job_id() -> String {
 impl Queue {
     /// A queue on the given SQLite pool (the store's), with apalis's worker heartbeat.
     pub fn sqlite(pool: &SqlitePool, heartbeat: Duration) -> Self {
-        let storage = SqliteStorage::new(pool).with_config(Self::config(heartbeat));
+        let storage = Storage::Sqlite(SqliteStorage::new(pool).with_config(Self::sqlite_config(heartbeat)));
         Self { storage, heartbeat }
     }
 
-    fn config(heartbeat: Duration) -> SqliteQueueConfig {
+    /// A queue on the given PostgreSQL pool (the store's).
+    pub fn postgres(pool: &PgPool, heartbeat: Duration) -> Self {
+        let storage = Storage::Postgres(PostgresStorage::new(pool).with_config(Self::pg_config(heartbeat)));
+        Self { storage, heartbeat }
+    }
+
+    fn sqlite_config(heartbeat: Duration) -> SqliteQueueConfig {
         SqliteQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(4)
+    }
+
+    fn pg_config(heartbeat: Duration) -> PgQueueConfig {
+        PgQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(4)
     }
 
     /// Pushes the job for `run` under `job_id` (already recorded on the run).
     pub async fn push(&self, run: RunId, job_id: &str) -> Result<(), QueueError> {
         let id: ulid::Ulid = job_id.parse().map_err(|e| QueueError::Push { run, message: format!("bad job id: {e}") })?;
         let task = TaskBuilder::new(RunJob { run_id: run }).task_id(TaskId::from_string(id.to_string())).max_attempts(JOB_MAX_ATTEMPTS).build();
-        let mut storage = self.storage.clone();
-        storage.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() })
+        match self.storage.clone() {
+            Storage::Sqlite(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() }),
+            Storage::Postgres(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() }),
+        }
     }
 }
 
@@ -158,27 +178,45 @@ pub struct WorkerSettings {
 }
 
 /// Runs a worker (restarted on failure) and the reaper until `shutdown`.
-pub async fn run_workers(engine: Arc<Engine>, queue: Queue, pool: SqlitePool, settings: WorkerSettings, shutdown: CancellationToken) {
+pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutdown: CancellationToken) {
     let reaper = tokio::spawn(reap(engine.clone(), queue.clone(), settings.clone(), shutdown.clone()));
     let mut restarts = 0u32;
     loop {
         let name = format!("subagents-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let ctx = Arc::new(WorkerContext { engine: engine.clone(), name: name.clone(), shutdown: shutdown.clone(), queue: queue.clone() });
-        let backend = SqliteStorage::<RunJob>::new(&pool)
-            .with_config(Queue::config(queue.heartbeat))
-            .poll_with_interval(settings.poll_interval);
-        let worker = WorkerBuilder::new(name.as_str())
-            .backend(backend)
-            .concurrency(settings.concurrency.max(1))
-            .data(ctx)
-            .build(handle);
         tracing::info!(worker = %name, concurrency = settings.concurrency, "worker started");
         let stop = shutdown.clone();
-        let res = worker.run_until(async move {
+        let until = async move {
             stop.cancelled().await;
             Ok::<(), std::io::Error>(())
-        })
-        .await;
+        };
+        // The two storages are different types, so the (identical) worker is built per arm.
+        let res = match &queue.storage {
+            Storage::Sqlite(s) => {
+                // SQLite has no notifications: an idle worker polls (apalis trap 1).
+                let backend = SqliteStorage::<RunJob>::new(s.pool())
+                    .with_config(Queue::sqlite_config(queue.heartbeat))
+                    .poll_with_interval(settings.poll_interval);
+                WorkerBuilder::new(name.as_str())
+                    .backend(backend)
+                    .concurrency(settings.concurrency.max(1))
+                    .data(ctx)
+                    .build(handle)
+                    .run_until(until)
+                    .await
+            }
+            Storage::Postgres(s) => {
+                // PostgreSQL wakes idle workers with LISTEN/NOTIFY instead of polling.
+                let backend = PostgresStorage::<RunJob>::new(s.pool()).with_config(Queue::pg_config(queue.heartbeat)).with_pubsub();
+                WorkerBuilder::new(name.as_str())
+                    .backend(backend)
+                    .concurrency(settings.concurrency.max(1))
+                    .data(ctx)
+                    .build(handle)
+                    .run_until(until)
+                    .await
+            }
+        };
         if shutdown.is_cancelled() {
             break;
         }
