@@ -4,6 +4,7 @@
 mod api;
 mod cli;
 mod delegation;
+mod fleet;
 mod kill;
 mod runs;
 mod store;

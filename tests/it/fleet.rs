@@ -1,0 +1,146 @@
+//! A fleet on PostgreSQL: several `subagents worker` processes share one database; runs are
+//! spread over them, nothing runs twice, and a SIGKILLed worker's runs are finished by the
+//! others.
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use subagents::app::{App, StartRun};
+use subagents::model::mock::{MockOptions, MockServer};
+use subagents::store::{RunRecord, RunStatus};
+
+use crate::support::*;
+
+fn worker(url: &str, mock: &MockServer, concurrency: usize) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .arg("worker")
+        .env("DATABASE_URL", url)
+        .env("SUBAGENTS_JOBS_DIR", "/nonexistent-jobs-dir")
+        .env("SUBAGENTS_WORKSPACE", std::env::temp_dir().join("subagents-fleet-ws"))
+        .env("OPENAI_BASE_URL", mock.base_url())
+        .env("OPENAI_API_KEY", "x")
+        .env("SUBAGENTS_MODEL", "mock-model")
+        .env("SUBAGENTS_LEASE_TTL", "2")
+        .env("SUBAGENTS_CONCURRENCY", concurrency.to_string())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn worker")
+}
+
+struct Fleet {
+    app: App,
+    mock: MockServer,
+    url: String,
+    workers: Vec<Child>,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+    }
+}
+
+async fn fleet(latency_ms: u64, workers: usize, concurrency: usize) -> Fleet {
+    let url = fresh_postgres_database().await;
+    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::from_millis(latency_ms), ..Default::default() })
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = test_settings(dir.path(), &mock);
+    settings.database_url = url.clone();
+    let app = App::open(settings).await.unwrap();
+    let workers = (0..workers).map(|_| worker(&url, &mock, concurrency)).collect();
+    Fleet { app, mock, url, workers }
+}
+
+async fn start_runs(f: &Fleet, n: usize, steps: u32, tag: &str) -> Vec<RunRecord> {
+    let mut runs = vec![];
+    for i in 0..n {
+        let input = format!("Task {i}.\nSCENARIO steps={steps} tool=echo run={tag}-{i}");
+        runs.push(f.app.start_run(StartRun { agent: Some("echo".into()), input, ..Default::default() }).await.unwrap());
+    }
+    runs
+}
+
+async fn wait_all(f: &Fleet, runs: &[RunRecord], limit: Duration) -> Vec<RunRecord> {
+    let deadline = Instant::now() + limit;
+    let mut done = vec![];
+    for r in runs {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let d = f.app.wait(r.id, left).await.unwrap().unwrap();
+        assert!(d.status.is_terminal(), "run {} not finished within {limit:?}: {d:?}", r.id);
+        done.push(d);
+    }
+    done
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_workers_share_300_runs_and_run_nothing_twice() {
+    let f = fleet(0, 3, 8).await;
+    let runs = start_runs(&f, 300, 5, "fleet").await;
+    let done = wait_all(&f, &runs, Duration::from_secs(180)).await;
+    for d in &done {
+        assert_eq!(d.status, RunStatus::Succeeded, "{d:?}");
+        assert_eq!(d.result.as_deref(), Some("DONE after 5 steps"));
+        assert_eq!(d.attempts, 1);
+        let events = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
+        assert_gap_free(&events, RunStatus::Succeeded);
+    }
+    let served = count_served(&f.mock.state.log());
+    assert_eq!(served.len(), 300 * 5);
+    assert!(served.values().all(|n| *n == 1), "a step's response was requested twice");
+    // The work was spread over the processes.
+    let mut by_worker: HashMap<String, usize> = HashMap::new();
+    for d in &done {
+        let ev = f.app.store.events_after(d.id, 1, 1).await.unwrap();
+        let w = ev[0].data["worker"].as_str().unwrap().split('-').nth(1).unwrap().to_owned();
+        *by_worker.entry(w).or_default() += 1;
+    }
+    assert!(by_worker.len() >= 2, "runs spread over worker processes: {by_worker:?}");
+    let _ = &f.url;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_runs_are_finished_by_the_others() {
+    let mut f = fleet(150, 3, 4).await;
+    let runs = start_runs(&f, 12, 8, "kill").await;
+    // Let every worker get some runs going, then kill the first.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let victim = f.workers.remove(0);
+    let pid = victim.id();
+    let mut victim = victim;
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed_at = Instant::now();
+    let done = wait_all(&f, &runs, Duration::from_secs(60)).await;
+    let took = killed_at.elapsed();
+    println!("all runs finished {took:?} after the kill (lease 2 s)");
+    let mut resumed = 0;
+    for d in &done {
+        assert_eq!(d.status, RunStatus::Succeeded, "{d:?}");
+        assert_eq!(d.result.as_deref(), Some("DONE after 8 steps"));
+        let events = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
+        assert_gap_free(&events, RunStatus::Succeeded);
+        let claims: Vec<&str> = events.iter().filter(|e| e.kind == "run.started").filter_map(|e| e.data["worker"].as_str()).collect();
+        if claims.first().is_some_and(|w| w.contains(&format!("-{pid}-"))) {
+            resumed += 1;
+            assert!(claims.len() >= 2, "the victim's run was claimed again");
+        }
+    }
+    assert!(resumed > 0, "the killed worker held runs");
+    // Only a step in flight at the kill may have been answered twice, at most one per run.
+    let mut per_run: HashMap<String, usize> = HashMap::new();
+    for (key, n) in count_served(&f.mock.state.log()) {
+        if n > 1 {
+            *per_run.entry(key.split(':').next().unwrap().to_owned()).or_default() += n - 1;
+        }
+    }
+    assert!(per_run.values().all(|n| *n <= 1), "{per_run:?}");
+    assert!(took < Duration::from_secs(30), "finished within lease expiry plus a few seconds: {took:?}");
+}
