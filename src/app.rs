@@ -175,6 +175,8 @@ pub struct App {
     pub agents: Arc<AgentRegistry>,
     /// Definition files that failed to load (reported, not fatal).
     pub agent_errors: Vec<AgentFileError>,
+    /// Redis, when configured.
+    pub redis: Option<crate::relay::RedisEvents>,
 }
 
 /// Start-up failures, with what to do about them.
@@ -190,6 +192,14 @@ pub enum OpenError {
         url: String,
         /// Cause.
         source: StoreError,
+    },
+    /// Redis could not be reached.
+    #[error("cannot reach Redis at {url}: {source} (check REDIS_URL, or unset it to serve events from the database)")]
+    Redis {
+        /// Redacted URL.
+        url: String,
+        /// Cause.
+        source: crate::relay::RelayError,
     },
     /// The workspace directory could not be created.
     #[error("cannot create the workspace {path}: {source}")]
@@ -267,7 +277,19 @@ impl App {
             },
             queue: queue.clone(),
         });
-        Ok(App { settings, store, queue, engine, agents, agent_errors })
+        let redis = match &settings.redis_url {
+            None => None,
+            Some(url) => Some(
+                crate::relay::RedisEvents::connect(crate::relay::RedisSettings {
+                    url: url.clone(),
+                    global_maxlen: settings.redis_maxlen,
+                    retention: Duration::from_secs(settings.redis_retention_secs),
+                })
+                .await
+                .map_err(|source| OpenError::Redis { url: redact(url), source })?,
+            ),
+        };
+        Ok(App { settings, store, queue, engine, agents, agent_errors, redis })
     }
 
     /// Validates, records and enqueues a run. Once this returns, the run is durable: if the
@@ -312,10 +334,31 @@ impl App {
     /// reports to its parent at once.
     pub async fn cancel(&self, run: RunId) -> Result<crate::store::CancelOutcome, StoreError> {
         let outcome = crate::delegation::cancel_tree(self.store.as_ref(), run).await?;
-        if outcome == crate::store::CancelOutcome::Cancelled {
-            crate::delegation::after_end(self.store.as_ref(), &self.queue, run).await?;
+        match outcome {
+            crate::store::CancelOutcome::Cancelled => crate::delegation::after_end(self.store.as_ref(), &self.queue, run).await?,
+            // The worker holding it may be another process: tell it now, not at its next lease renewal.
+            crate::store::CancelOutcome::Requested => {
+                if let Some(r) = &self.redis {
+                    r.announce_cancel(run).await;
+                }
+            }
+            _ => {}
         }
         Ok(outcome)
+    }
+
+    /// Events of a run after a cursor: from Redis when configured (falling back to the outbox
+    /// for any range Redis lacks), else from the outbox.
+    pub async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<crate::store::EventRecord>, StoreError> {
+        match &self.redis {
+            Some(r) => r.events_after(self.store.as_ref(), run, after, limit).await,
+            None => self.store.events_after(run, after, limit).await,
+        }
+    }
+
+    /// Starts the Redis relay and wake-up subscriber, if Redis is configured.
+    pub fn spawn_relay(&self, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+        self.redis.clone().map(|r| r.spawn(self.store.clone(), shutdown))
     }
 
     /// Runs workers and the reaper in this process until `shutdown`.
@@ -327,7 +370,14 @@ impl App {
             reap_every: (ttl / 2).max(Duration::from_millis(200)),
             reap_grace: ttl.max(Duration::from_secs(2)),
         };
-        tokio::spawn(run_workers(self.engine.clone(), self.queue.clone(), settings, shutdown))
+        let relay = self.spawn_relay(shutdown.clone());
+        let workers = run_workers(self.engine.clone(), self.queue.clone(), settings, shutdown);
+        tokio::spawn(async move {
+            workers.await;
+            if let Some(r) = relay {
+                let _ = r.await;
+            }
+        })
     }
 }
 

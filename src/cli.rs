@@ -180,7 +180,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let app = Arc::new(App::open(settings).await?);
             let shutdown = CancellationToken::new();
-            let workers = (app.settings.concurrency > 0).then(|| app.spawn_workers(shutdown.clone()));
+            let workers = if app.settings.concurrency > 0 { Some(app.spawn_workers(shutdown.clone())) } else { app.spawn_relay(shutdown.clone()) };
             let server = crate::api::Server::start(app.clone(), keys, SocketAddr::new(host, port), shutdown.clone())
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;

@@ -79,6 +79,19 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_CHILD_RESULT_LIMIT", default_value_t = 4000, global = true)]
     pub child_result_limit: usize,
 
+    /// Redis for event streams and cross-process wake-ups (`redis://HOST:PORT`); without it,
+    /// events are served from the outbox table.
+    #[arg(long, env = "REDIS_URL", global = true)]
+    pub redis_url: Option<String>,
+
+    /// Approximate length kept of the global event stream (`MAXLEN ~`).
+    #[arg(long, env = "SUBAGENTS_REDIS_MAXLEN", default_value_t = 100_000, global = true)]
+    pub redis_maxlen: u64,
+
+    /// Seconds a finished run's event stream stays in Redis (the outbox keeps it for good).
+    #[arg(long, env = "SUBAGENTS_REDIS_RETENTION", default_value_t = 86_400, global = true)]
+    pub redis_retention_secs: u64,
+
     /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
     #[arg(long, env = "SUBAGENTS_TOOL_JOURNAL", global = true)]
     pub tool_journal: Option<PathBuf>,

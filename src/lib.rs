@@ -12,7 +12,8 @@
 //! - [`model`]: the chat client and the mock server;
 //! - [`tools`]: built-in tools confined to a workspace;
 //! - [`delegation`]: `task` and the `subagent_*` tools, parking and waking parents;
-//! - [`store`]: threads, runs, messages and the event outbox;
+//! - [`store`]: threads, runs, messages and the event outbox (SQLite and PostgreSQL);
+//! - [`relay`]: the outbox to Redis Streams, readers, and cross-process wake-ups;
 //! - [`config`], [`cli`], [`telemetry`], [`bench`]: the program's edges.
 #![warn(missing_docs)]
 
@@ -30,6 +31,7 @@ pub mod ids;
 pub mod model;
 pub mod notify;
 pub mod queue;
+pub mod relay;
 pub mod store;
 pub mod telemetry;
 pub mod tools;

@@ -11,6 +11,9 @@ use tokio::sync::Notify;
 
 use crate::ids::RunId;
 
+/// The key under which "any run changed" waiters wait.
+const ANY: RunId = RunId(uuid::Uuid::nil());
+
 /// Per-run wake-up registry.
 #[derive(Debug, Default)]
 pub struct Notifier {
@@ -33,11 +36,22 @@ impl Notifier {
         n
     }
 
-    /// Wakes everyone waiting on the run.
+    /// Wakes everyone waiting on the run, and everyone waiting on any run.
     pub fn notify(&self, run: RunId) {
-        let n = self.runs.lock().unwrap().get(&run).and_then(Weak::upgrade);
+        let (n, all) = {
+            let map = self.runs.lock().unwrap();
+            (map.get(&run).and_then(Weak::upgrade), map.get(&ANY).and_then(Weak::upgrade))
+        };
         if let Some(n) = n {
             n.notify_waiters();
         }
+        if let Some(all) = all {
+            all.notify_waiters();
+        }
+    }
+
+    /// Wakes on a change to any run (the relay uses it to publish promptly).
+    pub fn subscribe_all(&self) -> Arc<Notify> {
+        self.subscribe(ANY)
     }
 }

@@ -83,3 +83,4 @@ CREATE TABLE IF NOT EXISTS sa_events (
     relayed     BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, seq)
 );
+CREATE INDEX IF NOT EXISTS sa_events_unrelayed ON sa_events(run_id, seq) WHERE relayed = 0;

@@ -86,3 +86,4 @@ CREATE TABLE IF NOT EXISTS sa_events (
     relayed     INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, seq)
 );
+CREATE INDEX IF NOT EXISTS sa_events_unrelayed ON sa_events(run_id, seq) WHERE relayed = 0;

@@ -20,7 +20,7 @@ use super::{ApiError, ApiJson, ApiQuery, ApiState};
 use crate::app::{CROSS_PROCESS_RECHECK, StartRun};
 use crate::events::is_terminal;
 use crate::ids::{RunId, ThreadId};
-use crate::store::{CancelOutcome, IfBusy, RunFilter, RunRecord, RunStatus, Store};
+use crate::store::{CancelOutcome, IfBusy, RunFilter, RunRecord, RunStatus};
 
 /// Largest cursor accepted (2^53 - 1: exact in every JSON client).
 const MAX_SEQ: u64 = 9_007_199_254_740_991;
@@ -340,7 +340,7 @@ pub async fn events(
     let wants_sse = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("text/event-stream"));
     if !wants_sse {
         let after = q.after.unwrap_or(0);
-        let events = state.app.store.events_after(id, after, limit).await?;
+        let events = state.app.events_after(id, after, limit).await?;
         let next_after = events.last().map(|e| e.seq).unwrap_or(after);
         return Ok(Json(EventsPage { events, next_after }).into_response());
     }
@@ -354,21 +354,20 @@ pub async fn events(
     if cursor > MAX_SEQ {
         return Err(ApiError::bad_request("invalid_cursor", "Last-Event-ID is larger than any event seq"));
     }
-    let store = state.app.store.clone();
-    let stream = async_stream(store, id, cursor);
+    let stream = async_stream(state.app.clone(), id, cursor);
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
 }
 
 /// The SSE stream: sleeps on the run's notification between batches; ends after the terminal
 /// event.
-fn async_stream(store: Arc<dyn Store>, id: RunId, cursor: u64) -> impl futures::Stream<Item = Result<Event, Infallible>> {
+fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futures::Stream<Item = Result<Event, Infallible>> {
     struct St {
-        store: Arc<dyn Store>,
+        app: Arc<crate::app::App>,
         cursor: u64,
         done: bool,
         buf: VecDeque<Event>,
     }
-    let init = St { store, cursor, done: false, buf: VecDeque::new() };
+    let init = St { app, cursor, done: false, buf: VecDeque::new() };
     futures::stream::unfold(init, move |mut st| async move {
         loop {
             if let Some(e) = st.buf.pop_front() {
@@ -377,11 +376,11 @@ fn async_stream(store: Arc<dyn Store>, id: RunId, cursor: u64) -> impl futures::
             if st.done {
                 return None;
             }
-            let notify = st.store.subscribe(id);
+            let notify = st.app.store.subscribe(id);
             let changed = notify.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let events = match st.store.events_after(id, st.cursor, 200).await {
+            let events = match st.app.events_after(id, st.cursor, 200).await {
                 Ok(e) => e,
                 Err(err) => {
                     tracing::warn!(error = %err, "SSE read failed; retrying");

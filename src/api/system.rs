@@ -63,17 +63,25 @@ pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<Agents
 /// `GET /healthz`: the process is up.
 #[utoipa::path(get, path = "/healthz", tag = "system", security(()), responses((status = 200, body = Health)))]
 pub async fn healthz() -> Json<Health> {
-    Json(Health { status: "ok".into(), db: None })
+    Json(Health { status: "ok".into(), db: None, redis: None })
 }
 
 /// `GET /readyz`: the database answers.
 #[utoipa::path(get, path = "/readyz", tag = "system", security(()), responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<ApiState>) -> Response {
     match state.app.store.status_counts().await {
-        Ok(_) => Json(Health { status: "ready".into(), db: Some("ok".into()) }).into_response(),
+        Ok(_) => {
+            // Without Redis, runs go on and events wait in the outbox: degraded, not down.
+            let redis = match &state.app.redis {
+                None => None,
+                Some(r) => Some(if r.ping().await { "ok" } else { "unreachable" }),
+            };
+            let status = if redis == Some("unreachable") { "degraded" } else { "ready" };
+            Json(Health { status: status.into(), db: Some("ok".into()), redis: redis.map(Into::into) }).into_response()
+        }
         Err(e) => {
             tracing::warn!(error = %e, "readiness check failed");
-            (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "unavailable".into(), db: Some("unreachable".into()) })).into_response()
+            (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "unavailable".into(), db: Some("unreachable".into()), redis: None })).into_response()
         }
     }
 }

@@ -244,4 +244,7 @@ pub struct Health {
     /// Database state (readiness only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub db: Option<String>,
+    /// Redis state, when configured (readiness only); `unreachable` makes the status `degraded`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis: Option<String>,
 }

@@ -630,6 +630,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// The deadline recorded under `key`, recording `proposed` if there is none yet.
     async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64>;
+
+    /// Outbox rows not yet relayed to Redis, each run's in seq order.
+    async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>>;
+
+    /// Marks outbox rows as relayed.
+    async fn mark_relayed(&self, events: &[(RunId, u64)]) -> Result<()>;
+
+    /// Wake-ups on a change to any run made through this store.
+    fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify>;
+
+    /// Wakes this process's waiters for a change made elsewhere (heard over Redis).
+    fn wake_local(&self, run: RunId, cancel: bool);
 }
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend

@@ -689,6 +689,52 @@ impl Store for SqliteStore {
         .fetch_one(&self.pool)
         .await?)
     }
+    async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query("SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT ?1")
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let run: String = r.get("run_id");
+                let data: String = r.get("data");
+                Ok(EventRecord {
+                    seq: r.get::<i64, _>("seq") as u64,
+                    kind: r.get("type"),
+                    run_id: run.parse().map_err(|e| corrupt("event run id", e))?,
+                    created_at: r.get("created_at"),
+                    data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
+                })
+            })
+            .collect()
+    }
+
+    async fn mark_relayed(&self, events: &[(RunId, u64)]) -> Result<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.pool.begin().await?;
+        for (run, seq) in events {
+            sqlx::query("UPDATE sa_events SET relayed = 1 WHERE run_id = ?1 AND seq = ?2")
+                .bind(run.to_string())
+                .bind(*seq as i64)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        self.notifier.subscribe_all()
+    }
+
+    fn wake_local(&self, run: RunId, cancel: bool) {
+        self.notifier.notify(run);
+        if cancel {
+            self.cancels.notify(run);
+        }
+    }
 }
 
 fn message_from_row(r: &SqliteRow) -> Result<StoredMessage> {

@@ -12,9 +12,10 @@ use subagents::store::{RunRecord, RunStatus};
 
 use crate::support::*;
 
-fn worker(url: &str, mock: &MockServer, concurrency: usize) -> Child {
+fn worker(url: &str, redis: &str, mock: &MockServer, concurrency: usize) -> Child {
     Command::new(env!("CARGO_BIN_EXE_subagents"))
         .arg("worker")
+        .env("REDIS_URL", redis)
         .env("DATABASE_URL", url)
         .env("SUBAGENTS_JOBS_DIR", "/nonexistent-jobs-dir")
         .env("SUBAGENTS_WORKSPACE", std::env::temp_dir().join("subagents-fleet-ws"))
@@ -32,6 +33,7 @@ fn worker(url: &str, mock: &MockServer, concurrency: usize) -> Child {
 
 struct Fleet {
     app: App,
+    redis: RedisServer,
     mock: MockServer,
     url: String,
     workers: Vec<Child>,
@@ -54,9 +56,11 @@ async fn fleet(latency_ms: u64, workers: usize, concurrency: usize) -> Fleet {
     let dir = tempfile::tempdir().unwrap();
     let mut settings = test_settings(dir.path(), &mock);
     settings.database_url = url.clone();
+    let redis = RedisServer::start();
+    settings.redis_url = Some(redis.url());
     let app = App::open(settings).await.unwrap();
-    let workers = (0..workers).map(|_| worker(&url, &mock, concurrency)).collect();
-    Fleet { app, mock, url, workers }
+    let workers = (0..workers).map(|_| worker(&url, &redis.url(), &mock, concurrency)).collect();
+    Fleet { app, redis, mock, url, workers }
 }
 
 async fn start_runs(f: &Fleet, n: usize, steps: u32, tag: &str) -> Vec<RunRecord> {
@@ -104,6 +108,22 @@ async fn three_workers_share_300_runs_and_run_nothing_twice() {
     }
     assert!(by_worker.len() >= 2, "runs spread over worker processes: {by_worker:?}");
     let _ = &f.url;
+    // Every run's stream in Redis is its outbox: 1..n, no gap, no duplicate.
+    let mut c = redis::Client::open(f.redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for d in &done {
+        let outbox = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
+        let want: Vec<String> = outbox.iter().map(|e| format!("{}-0", e.seq)).collect();
+        loop {
+            let stream: redis::streams::StreamRangeReply = redis::AsyncCommands::xrange_all(&mut c, subagents::relay::run_stream(d.id)).await.unwrap();
+            let ids: Vec<String> = stream.ids.iter().map(|e| e.id.clone()).collect();
+            if ids == want {
+                break;
+            }
+            assert!(Instant::now() < deadline, "run {} stream {ids:?} != outbox {want:?}", d.id);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,6 +2,8 @@
 //! embedded workers; everything stops when the returned value is dropped.
 
 use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -223,3 +225,55 @@ pub async fn fresh_postgres_database() -> String {
     let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
     format!("{base}/{name}")
 }
+
+/// A private redis-server on a free port (append-only file, so a restart keeps its data).
+pub struct RedisServer {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut s = RedisServer { port, dir: tempfile::tempdir().unwrap(), child: None };
+        s.restart();
+        s
+    }
+
+    /// (Re)starts it; the append-only file makes a restart keep what was written.
+    pub fn restart(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes", "--appendfsync", "always"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+

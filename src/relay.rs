@@ -1,0 +1,265 @@
+//! Events to Redis Streams, and wake-ups across processes.
+//!
+//! The outbox (`sa_events`) is the truth; this relay copies it to Redis in order: each durable
+//! event `N` of a run becomes entry `N-0` of the run's stream `subagents:run:<id>` and an entry
+//! of the global stream `subagents:events` (trimmed with `MAXLEN ~`). A Lua script makes each
+//! publish atomic and idempotent: an event already in the run's stream is skipped, so any
+//! number of relays (one per process) may race and re-publishing never duplicates. A run's
+//! stream expires a retention period after its terminal event.
+//!
+//! Redis down: runs go on, events wait in the outbox, and the relay catches up when Redis
+//! returns. Readers ([`RedisEvents::events_after`]) check that what Redis returns continues the
+//! caller's cursor without a gap, and read the outbox otherwise, so a trimmed or lost range
+//! never hides a durable event.
+//!
+//! After relaying a run's events the relay publishes `change:<run>` on `subagents:wake`; every
+//! process subscribes and wakes its local waiters, so a waiter hears of a run that ended in
+//! another process in milliseconds. Cancel requests travel the same way (`cancel:<run>`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use redis::AsyncCommands;
+use tokio_util::sync::CancellationToken;
+
+use crate::events::is_terminal;
+use crate::ids::RunId;
+use crate::store::{EventRecord, Store, StoreError};
+
+/// Prefix of every key.
+pub const PREFIX: &str = "subagents";
+const WAKE_CHANNEL: &str = "subagents:wake";
+
+const PUBLISH: &str = r#"
+local last = 0
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 then last = tonumber(string.match(top[1][1], '^(%d+)')) end
+local seq = tonumber(ARGV[1])
+if seq <= last then return 0 end
+if seq > last + 1 and ARGV[4] ~= '1' then return -1 end
+redis.call('XADD', KEYS[1], ARGV[1] .. '-0', 'event', ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'event', ARGV[2])
+if ARGV[5] == '1' then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
+return 1
+"#;
+
+/// Redis settings.
+#[derive(Clone, Debug)]
+pub struct RedisSettings {
+    /// `redis://…`
+    pub url: String,
+    /// Approximate length of the global stream.
+    pub global_maxlen: u64,
+    /// How long a finished run's stream is kept.
+    pub retention: Duration,
+}
+
+/// A connection to Redis for events and wake-ups.
+#[derive(Clone)]
+pub struct RedisEvents {
+    client: redis::Client,
+    conn: redis::aio::ConnectionManager,
+    settings: RedisSettings,
+    script: Arc<redis::Script>,
+}
+
+/// Redis failures.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// Redis refused or is unreachable.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The stream key of a run.
+pub fn run_stream(run: RunId) -> String {
+    format!("{PREFIX}:run:{run}")
+}
+
+/// The global stream.
+pub fn global_stream() -> String {
+    format!("{PREFIX}:events")
+}
+
+impl RedisEvents {
+    /// Connects; fails at once (with the reason) if Redis is unreachable, so a wrong URL is a
+    /// clear start-up error.
+    pub async fn connect(settings: RedisSettings) -> Result<RedisEvents, RelayError> {
+        let client = redis::Client::open(settings.url.as_str())?;
+        let conn = tokio::time::timeout(Duration::from_secs(5), client.get_connection_manager())
+            .await
+            .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
+        Ok(RedisEvents { client, conn, settings, script: Arc::new(redis::Script::new(PUBLISH)) })
+    }
+
+    /// Whether Redis answers now (for `/readyz`).
+    pub async fn ping(&self) -> bool {
+        let mut c = self.conn.clone();
+        tokio::time::timeout(Duration::from_secs(1), redis::cmd("PING").query_async::<String>(&mut c))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Publishes one event; `allow_gap` when every earlier event of the run is known relayed
+    /// (Redis may have lost them). Returns false when an earlier event must go first.
+    async fn publish(&self, e: &EventRecord, allow_gap: bool) -> Result<bool, RelayError> {
+        let mut c = self.conn.clone();
+        let payload = serde_json::to_string(e).expect("event serializes");
+        let r: i64 = self
+            .script
+            .key(run_stream(e.run_id))
+            .key(global_stream())
+            .arg(e.seq)
+            .arg(payload)
+            .arg(self.settings.global_maxlen)
+            .arg(if allow_gap { "1" } else { "0" })
+            .arg(if is_terminal(&e.kind) { "1" } else { "0" })
+            .arg(self.settings.retention.as_secs().max(1))
+            .invoke_async(&mut c)
+            .await?;
+        Ok(r >= 0)
+    }
+
+    /// Moves unrelayed outbox rows to Redis, in order; returns how many were marked relayed.
+    pub async fn relay_once(&self, store: &dyn Store) -> Result<usize, RelayError> {
+        let batch = store.unrelayed(500).await?;
+        let mut done = vec![];
+        let mut first_of_run = std::collections::HashSet::new();
+        let mut blocked = std::collections::HashSet::new();
+        for e in &batch {
+            if blocked.contains(&e.run_id) {
+                continue;
+            }
+            let allow_gap = first_of_run.insert(e.run_id);
+            if self.publish(e, allow_gap).await? {
+                done.push((e.run_id, e.seq));
+            } else {
+                blocked.insert(e.run_id);
+            }
+        }
+        store.mark_relayed(&done).await?;
+        let mut runs: Vec<RunId> = done.iter().map(|(r, _)| *r).collect();
+        runs.dedup();
+        let mut c = self.conn.clone();
+        for r in runs {
+            let _: Result<i64, _> = c.publish(WAKE_CHANNEL, format!("change:{r}")).await;
+        }
+        Ok(done.len())
+    }
+
+    /// Tells every process that a cancel was requested for `run`.
+    pub async fn announce_cancel(&self, run: RunId) {
+        let mut c = self.conn.clone();
+        let _: Result<i64, _> = c.publish(WAKE_CHANNEL, format!("cancel:{run}")).await;
+    }
+
+    /// Events of `run` after `after`, from Redis when it holds a gap-free continuation of the
+    /// cursor, otherwise from the outbox.
+    pub async fn events_after(&self, store: &dyn Store, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
+        match self.from_redis(run, after, limit).await {
+            Ok(Some(events)) => Ok(events),
+            Ok(None) => store.events_after(run, after, limit).await,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading events from Redis failed; using the outbox");
+                store.events_after(run, after, limit).await
+            }
+        }
+    }
+
+    async fn from_redis(&self, run: RunId, after: u64, limit: u32) -> Result<Option<Vec<EventRecord>>, redis::RedisError> {
+        let mut c = self.conn.clone();
+        let reply: redis::streams::StreamRangeReply =
+            c.xrange_count(run_stream(run), format!("{}-0", after + 1), "+", limit as usize).await?;
+        let mut out = Vec::with_capacity(reply.ids.len());
+        for (i, entry) in reply.ids.iter().enumerate() {
+            let Some(payload) = entry.get::<String>("event") else { return Ok(None) };
+            let Ok(e) = serde_json::from_str::<serde_json::Value>(&payload) else { return Ok(None) };
+            let Some(seq) = e["seq"].as_u64() else { return Ok(None) };
+            if seq != after + 1 + i as u64 {
+                return Ok(None); // a gap: trimmed, lost or not yet relayed; the outbox decides
+            }
+            out.push(EventRecord {
+                seq,
+                kind: e["type"].as_str().unwrap_or_default().to_owned(),
+                run_id: run,
+                created_at: serde_json::from_value(e["created_at"].clone()).unwrap_or_else(|_| chrono::Utc::now()),
+                data: e["data"].clone(),
+            });
+        }
+        // Nothing in Redis may mean "nothing new" or "not relayed yet": the outbox knows.
+        if out.is_empty() { Ok(None) } else { Ok(Some(out)) }
+    }
+
+    /// Runs the relay and the wake-up subscriber until `shutdown`. Redis being down only
+    /// delays them: they retry with backoff.
+    pub fn spawn(self, store: Arc<dyn Store>, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let relay = {
+            let (me, store, shutdown) = (self.clone(), store.clone(), shutdown.clone());
+            async move {
+                let any = store.subscribe_all();
+                let mut backoff = Duration::from_millis(100);
+                loop {
+                    let changed = any.notified();
+                    tokio::pin!(changed);
+                    changed.as_mut().enable();
+                    match me.relay_once(store.as_ref()).await {
+                        Ok(n) if n > 0 => {
+                            backoff = Duration::from_millis(100);
+                            continue;
+                        }
+                        Ok(_) => backoff = Duration::from_millis(100),
+                        Err(e) => {
+                            tracing::warn!(error = %e, ?backoff, "relay to Redis failed; events wait in the outbox");
+                            backoff = (backoff * 2).min(Duration::from_secs(5));
+                        }
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = changed => {}
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                }
+            }
+        };
+        let subscriber = async move {
+            loop {
+                if shutdown.is_cancelled() {
+                    return;
+                }
+                match self.client.get_async_pubsub().await {
+                    Ok(mut ps) => {
+                        if ps.subscribe(WAKE_CHANNEL).await.is_ok() {
+                            let mut msgs = ps.on_message();
+                            loop {
+                                tokio::select! {
+                                    _ = shutdown.cancelled() => return,
+                                    m = msgs.next() => {
+                                        let Some(m) = m else { break };
+                                        let text: String = m.get_payload().unwrap_or_default();
+                                        if let Some((kind, id)) = text.split_once(':') {
+                                            if let Ok(run) = id.parse::<RunId>() {
+                                                store.wake_local(run, kind == "cancel");
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "wake-up subscriber cannot reach Redis; retrying"),
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        };
+        tokio::spawn(async move {
+            tokio::join!(relay, subscriber);
+        })
+    }
+}

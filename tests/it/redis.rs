@@ -1,0 +1,114 @@
+//! Events to Redis Streams: relayed in order, idempotently, surviving a Redis outage, and read
+//! back with the outbox as the fallback. Each test runs its own redis-server on a free port.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use redis::AsyncCommands;
+use subagents::app::StartRun;
+use subagents::relay::{global_stream, run_stream};
+use subagents::store::RunStatus;
+
+use crate::support::*;
+
+async fn with_redis(redis: &RedisServer, latency_ms: u64) -> TestApp {
+    let url = redis.url();
+    spawn_app_with(Options { latency: Duration::from_millis(latency_ms), tweak: Box::new(move |s| s.redis_url = Some(url)), ..Default::default() }).await
+}
+
+/// Waits until the relay has moved every outbox row.
+async fn drained(t: &TestApp) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !t.app.store.unrelayed(1).await.unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "relay did not catch up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Asserts every run's stream holds exactly its outbox, in order, and the global stream holds
+/// each event exactly once.
+async fn assert_streams_match_outbox(t: &TestApp, redis: &RedisServer, runs: &[subagents::store::RunRecord]) {
+    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let global: redis::streams::StreamRangeReply = c.xrange_all(global_stream()).await.unwrap();
+    let mut seen: HashMap<(String, u64), usize> = HashMap::new();
+    for e in &global.ids {
+        let v: serde_json::Value = serde_json::from_str(&e.get::<String>("event").unwrap()).unwrap();
+        *seen.entry((v["run_id"].as_str().unwrap().to_owned(), v["seq"].as_u64().unwrap())).or_default() += 1;
+    }
+    for r in runs {
+        let outbox = t.app.store.events_after(r.id, 0, 10_000).await.unwrap();
+        let stream: redis::streams::StreamRangeReply = c.xrange_all(run_stream(r.id)).await.unwrap();
+        let ids: Vec<String> = stream.ids.iter().map(|e| e.id.clone()).collect();
+        let want: Vec<String> = outbox.iter().map(|e| format!("{}-0", e.seq)).collect();
+        assert_eq!(ids, want, "run {} stream differs from its outbox", r.id);
+        for e in &outbox {
+            assert_eq!(seen.get(&(r.id.to_string(), e.seq)), Some(&1), "global stream: run {} seq {}", r.id, e.seq);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_events_reach_redis_in_order_exactly_once() {
+    let redis = RedisServer::start();
+    let t = with_redis(&redis, 0).await;
+    let mut runs = vec![];
+    for i in 0..20 {
+        runs.push(t.start(&format!("SCENARIO steps=4 parallel=2 run=r{i}")).await);
+    }
+    for r in &runs {
+        assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
+    }
+    drained(&t).await;
+    assert_streams_match_outbox(&t, &redis, &runs).await;
+    // Republishing is idempotent: mark every outbox row unrelayed and relay it all again.
+    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url).await.unwrap();
+    let n = sqlx::query("UPDATE sa_events SET relayed = 0").execute(&db).await.unwrap().rows_affected();
+    assert!(n > 100);
+    drained(&t).await;
+    assert_streams_match_outbox(&t, &redis, &runs).await;
+    // A finished run's stream expires after the retention period.
+    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let ttl: i64 = c.ttl(run_stream(runs[0].id)).await.unwrap();
+    assert!(ttl > 0, "finished runs' streams carry a TTL");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_fall_back_to_the_outbox_for_ranges_redis_lacks() {
+    let redis = RedisServer::start();
+    let t = with_redis(&redis, 0).await;
+    let r = t.run("SCENARIO steps=3").await;
+    drained(&t).await;
+    let outbox = t.app.store.events_after(r.id, 0, 1000).await.unwrap();
+    assert_eq!(t.app.events_after(r.id, 0, 1000).await.unwrap(), outbox, "served from Redis");
+    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    // Trim the first three entries: the reader notices the gap and reads the outbox.
+    let _: i64 = redis::cmd("XTRIM").arg(run_stream(r.id)).arg("MINID").arg("4-0").query_async(&mut c).await.unwrap();
+    assert_eq!(t.app.events_after(r.id, 0, 1000).await.unwrap(), outbox);
+    assert_eq!(t.app.events_after(r.id, 3, 1000).await.unwrap(), outbox[3..].to_vec(), "an intact range still comes from Redis");
+    let _: i64 = c.del(run_stream(r.id)).await.unwrap();
+    assert_eq!(t.app.events_after(r.id, 2, 1000).await.unwrap(), outbox[2..].to_vec());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_delays_events_but_loses_none() {
+    let mut redis = RedisServer::start();
+    let t = with_redis(&redis, 100).await;
+    let mut runs = vec![];
+    for i in 0..8 {
+        runs.push(t.app.start_run(StartRun { input: format!("SCENARIO steps=6 run=o{i}"), ..Default::default() }).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    redis.kill();
+    assert!(!t.app.redis.as_ref().unwrap().ping().await, "Redis is down");
+    // Runs keep going without Redis.
+    for r in &runs {
+        assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
+    }
+    assert!(!t.app.store.unrelayed(1).await.unwrap().is_empty(), "events wait in the outbox");
+    // Readers are served from the outbox meanwhile.
+    let outbox = t.app.store.events_after(runs[0].id, 0, 1000).await.unwrap();
+    assert_eq!(t.app.events_after(runs[0].id, 0, 1000).await.unwrap(), outbox);
+    redis.restart();
+    drained(&t).await;
+    assert_streams_match_outbox(&t, &redis, &runs).await;
+}
