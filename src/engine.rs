@@ -304,6 +304,8 @@ impl Engine {
             history = self.store.thread_messages(&run.thread_id).await?;
         }
         let mut usage = run.usage;
+        // The step whose tool.started events went out with its assistant message.
+        let mut announced_step: Option<u32> = None;
         loop {
             let mine: Vec<&StoredMessage> = history.iter().filter(|m| m.run_id == run.id).collect();
             let steps_done = mine.iter().filter(|m| matches!(m.message, Message::Assistant { .. })).count() as u32;
@@ -325,7 +327,8 @@ impl Engine {
                         tool_calls.iter().filter(|c| !answered.contains(c.id.as_str())).cloned().collect();
                     if !pending.is_empty() {
                         let prior = prior_calls(&mine, last.step);
-                        let parked = self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names).await?;
+                        let announced = announced_step == Some(last.step);
+                        let parked = self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names, announced).await?;
                         if let Some(wake_at) = parked {
                             return self.park(lease, run, &agent, last.step, wake_at, &pending).await;
                         }
@@ -404,8 +407,21 @@ impl Engine {
                 tracing::info!(forced, steps = step, "run succeeded");
                 return Ok(LoopEnd::Committed);
             }
+            // Announce the calls that will run as ordinary tools in the same commit.
+            let mine: Vec<&StoredMessage> = history.iter().filter(|m| m.run_id == run.id).collect();
+            let refused = refusals(&prior_calls(&mine, step), &calls);
+            for c in &calls {
+                let name = c.function.name.as_str();
+                let plain = tool_names.iter().any(|t| t == name) && !crate::delegation::TOOL_NAMES.contains(&name);
+                if plain && !refused.get(&c.id).copied().unwrap_or(false) {
+                    cp.events.push(NewEvent::new(EventKind::ToolStarted, json!({"step": step, "call_id": c.id, "tool": name})));
+                }
+            }
+            let committed = cp.messages[0].clone();
             self.store.checkpoint(lease, cp).instrument(span).await?;
-            history = self.store.thread_messages(&run.thread_id).await?;
+            announced_step = Some(step);
+            // The store holds exactly what we just wrote: extend the local copy, no re-read.
+            history.push(StoredMessage { id: i64::MAX, run_id: run.id, step, key: committed.key, message: committed.message });
             metrics::histogram!("subagents_step_seconds").record(step_t0.elapsed().as_secs_f64());
         }
     }
@@ -424,18 +440,9 @@ impl Engine {
         pending: &[ToolCall],
         prior: &[(String, String)],
         allowed: &[String],
+        announced: bool,
     ) -> Result<Option<Option<i64>>, Stop> {
-        // Loop detection over the run's whole call sequence, in order, so a replay decides the
-        // same way.
-        let mut seq: Vec<(String, String)> = prior.to_vec();
-        let mut refused: HashMap<String, bool> = HashMap::new();
-        for c in all_calls {
-            let sig = (c.function.name.clone(), canonical_args(&c.function.arguments));
-            let n = seq.len();
-            let repeated = n >= 2 && seq[n - 1] == sig && seq[n - 2] == sig;
-            refused.insert(c.id.clone(), repeated);
-            seq.push(sig);
-        }
+        let refused = refusals(prior, all_calls);
         let remaining = tokio::sync::Mutex::new(pending.len());
         let futs = pending.iter().map(|call| {
             let remaining = &remaining;
@@ -459,12 +466,16 @@ impl Engine {
                 } else if !allowed.iter().any(|a| a == &call.function.name) {
                     (format!("error[unknown_tool]: `{}` is not available to agent `{}`; use one of: {}", call.function.name, agent.name, allowed.join(", ")), false, false)
                 } else {
-                    self.store
-                        .checkpoint(lease, Checkpoint {
-                            events: vec![NewEvent::new(EventKind::ToolStarted, json!({"step": step, "call_id": call.id, "tool": call.function.name}))],
-                            ..Default::default()
-                        })
-                        .await?;
+                    // A fresh step announced its tools with its assistant message (one commit
+                    // fewer per call); a replayed call announces itself again.
+                    if !announced {
+                        self.store
+                            .checkpoint(lease, Checkpoint {
+                                events: vec![NewEvent::new(EventKind::ToolStarted, json!({"step": step, "call_id": call.id, "tool": call.function.name}))],
+                                ..Default::default()
+                            })
+                            .await?;
+                    }
                     let ctx = ToolCtx { workspace: self.settings.workspace.clone(), idempotency_key: key.clone() };
                     let t0 = std::time::Instant::now();
                     let out = tokio::time::timeout(self.settings.tool_timeout, self.tools.execute(&call.function.name, &call.function.arguments, &ctx)).await;
@@ -590,6 +601,20 @@ pub fn context(history: &[StoredMessage], current: RunId) -> Vec<Message> {
         }
     }
     out
+}
+
+/// Loop detection over the run's whole call sequence, in order, so a replay decides the same
+/// way: a call identical to the two before it is refused.
+fn refusals(prior: &[(String, String)], calls: &[ToolCall]) -> HashMap<String, bool> {
+    let mut seq: Vec<(String, String)> = prior.to_vec();
+    let mut refused = HashMap::new();
+    for c in calls {
+        let sig = (c.function.name.clone(), canonical_args(&c.function.arguments));
+        let n = seq.len();
+        refused.insert(c.id.clone(), n >= 2 && seq[n - 1] == sig && seq[n - 2] == sig);
+        seq.push(sig);
+    }
+    refused
 }
 
 /// Every call this run made before `step`, flattened in order, as (name, canonical args).
