@@ -234,6 +234,15 @@ impl Engine {
         Ok(l.max_total_tokens.is_some_and(|m| tokens >= m) || l.max_total_steps.is_some_and(|m| steps >= m))
     }
 
+    /// The `step.started` event of the step after `done`, when it can be known without asking
+    /// the database (no tree budget to check); `None` means "write it on its own".
+    fn next_step_event(&self, run: &RunRecord, done: u32) -> Option<NewEvent> {
+        if run.limits.max_total_tokens.is_some() || run.limits.max_total_steps.is_some() {
+            return None;
+        }
+        Some(NewEvent::new(EventKind::StepStarted, json!({"step": done + 1, "forced": done >= run.limits.max_steps})))
+    }
+
     /// A parent that ends cancels its still-running attached children.
     async fn end_children(&self, run: RunId) {
         if let Err(e) = crate::delegation::cancel_attached_children(self.store.as_ref(), run).await {
@@ -297,10 +306,15 @@ impl Engine {
         let model = agent.model.clone().unwrap_or_else(|| self.settings.default_model.clone());
 
         let mut history = self.store.thread_messages(&run.thread_id).await?;
+        // `step.started` of the next step rides on the commit that ends the previous one (or on
+        // the input's), saving a commit per step; after a replay it is written on its own.
+        let mut prestarted: Option<u32> = None;
         let input_key = format!("{}:input", run.id);
         if !history.iter().any(|m| m.key == input_key) {
             let msg = NewMessage { step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
-            self.store.checkpoint(lease, Checkpoint { messages: vec![msg], ..Default::default() }).await?;
+            let events = self.next_step_event(run, 0).into_iter().collect::<Vec<_>>();
+            prestarted = (!events.is_empty()).then_some(1);
+            self.store.checkpoint(lease, Checkpoint { messages: vec![msg], events, ..Default::default() }).await?;
             history = self.store.thread_messages(&run.thread_id).await?;
         }
         let mut usage = run.usage;
@@ -328,10 +342,13 @@ impl Engine {
                     if !pending.is_empty() {
                         let prior = prior_calls(&mine, last.step);
                         let announced = announced_step == Some(last.step);
-                        let parked = self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names, announced).await?;
+                        let next = self.next_step_event(run, last.step);
+                        let had_next = next.is_some();
+                        let parked = self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names, announced, next).await?;
                         if let Some(wake_at) = parked {
                             return self.park(lease, run, &agent, last.step, wake_at, &pending).await;
                         }
+                        prestarted = had_next.then_some(last.step + 1);
                         history = self.store.thread_messages(&run.thread_id).await?;
                         continue;
                     }
@@ -345,9 +362,11 @@ impl Engine {
             let forced = steps_done >= run.limits.max_steps || over_budget;
             let span = info_span!("step", step, forced, gen_ai.request.model = %model);
             let resp = async {
-                self.store
-                    .checkpoint(lease, Checkpoint { events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": step, "forced": forced}))], ..Default::default() })
-                    .await?;
+                if prestarted != Some(step) {
+                    self.store
+                        .checkpoint(lease, Checkpoint { events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": step, "forced": forced}))], ..Default::default() })
+                        .await?;
+                }
                 let mut messages = vec![Message::System { content: agent.system_prompt.clone() }];
                 messages.extend(context(&history, run.id));
                 if forced {
@@ -441,9 +460,11 @@ impl Engine {
         prior: &[(String, String)],
         allowed: &[String],
         announced: bool,
+        next_step: Option<NewEvent>,
     ) -> Result<Option<Option<i64>>, Stop> {
         let refused = refusals(prior, all_calls);
         let remaining = tokio::sync::Mutex::new(pending.len());
+        let next_step = &next_step;
         let futs = pending.iter().map(|call| {
             let remaining = &remaining;
             let refused = refused.get(&call.id).copied().unwrap_or(false);
@@ -500,6 +521,7 @@ impl Engine {
                 *left -= 1;
                 if *left == 0 {
                     events.push(NewEvent::new(EventKind::StepCompleted, json!({"step": step})));
+                    events.extend(next_step.clone());
                 }
                 let msg = NewMessage {
                     step,
