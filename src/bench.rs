@@ -86,14 +86,24 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     let tag = uuid::Uuid::now_v7().simple().to_string();
     let cpu0 = cpu_seconds();
     let t0 = chrono::Utc::now();
-    let mut ids = Vec::with_capacity(args.runs);
     let mut failures = 0usize;
-    for i in 0..args.runs {
+    let start = |i: usize| {
         let input = format!("Subagent task {i}.\nSCENARIO steps={} tool=echo run={tag}-{i}", args.steps);
-        let run = app.start_run(StartRun { agent: Some("echo".into()), input, max_steps: Some(args.steps + 1), ..Default::default() }).await?;
-        ids.push(run.id);
-        if args.sequential {
+        app.start_run(StartRun { agent: Some("echo".into()), input, max_steps: Some(args.steps + 1), ..Default::default() })
+    };
+    let mut ids = Vec::with_capacity(args.runs);
+    if args.sequential {
+        for i in 0..args.runs {
+            let run = start(i).await?;
+            ids.push(run.id);
             app.wait(run.id, Duration::from_secs(600)).await?;
+        }
+    } else {
+        // Enqueue as a busy caller would: many starts in flight at once.
+        use futures::StreamExt;
+        let started: Vec<_> = futures::stream::iter(0..args.runs).map(start).buffered(args.concurrency.clamp(1, 64)).collect().await;
+        for r in started {
+            ids.push(r?.id);
         }
     }
     let mut durations = vec![];
