@@ -90,6 +90,12 @@ impl RedisEvents {
     /// clear start-up error.
     pub async fn connect(settings: RedisSettings) -> Result<RedisEvents, RelayError> {
         let client = redis::Client::open(settings.url.as_str())?;
+        // A plain connection first: a refused connection fails at once with its cause (the
+        // managed connection below would keep retrying).
+        let mut probe = tokio::time::timeout(Duration::from_secs(5), client.get_multiplexed_async_connection())
+            .await
+            .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
+        redis::cmd("PING").query_async::<String>(&mut probe).await?;
         let conn = tokio::time::timeout(Duration::from_secs(5), client.get_connection_manager())
             .await
             .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;

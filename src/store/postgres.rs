@@ -34,6 +34,13 @@ macro_rules! run_columns {
 impl PgStore {
     /// Connects and migrates both our schema and apalis's.
     pub async fn connect(url: &str) -> Result<PgStore> {
+        // One direct connection first: a wrong URL or a server that is down fails here at once
+        // with its real cause, instead of after the pool's acquire timeout.
+        use sqlx::Connection;
+        let probe = tokio::time::timeout(Duration::from_secs(10), sqlx::PgConnection::connect(url))
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)??;
+        probe.close().await?;
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(30))

@@ -146,4 +146,22 @@ fn a_bad_database_url_is_a_clear_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("cannot open the database"), "{}", text(&out.stderr));
+    // Unreachable servers are named at start, not discovered later.
+    let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .args(["worker"])
+        .current_dir(dir.path())
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:9/nowhere")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("cannot open the database postgres://postgres@127.0.0.1:9/nowhere"), "{}", text(&out.stderr));
+    let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .args(["worker"])
+        .current_dir(dir.path())
+        .env("DATABASE_URL", format!("sqlite://{}", dir.path().join("x.db").display()))
+        .env("REDIS_URL", "redis://127.0.0.1:9")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("cannot reach Redis at redis://127.0.0.1:9"), "{}", text(&out.stderr));
 }

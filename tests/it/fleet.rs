@@ -164,3 +164,32 @@ async fn a_killed_workers_runs_are_finished_by_the_others() {
     assert!(per_run.values().all(|n| *n <= 1), "{per_run:?}");
     assert!(took < Duration::from_secs(30), "finished within lease expiry plus a few seconds: {took:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_database_connections_are_survived() {
+    // What a PostgreSQL restart does to us: every connection is cut. Workers reconnect (sqlx
+    // pools) or are restarted (apalis), and no run is lost.
+    let f = fleet(100, 2, 4).await;
+    let runs = start_runs(&f, 16, 6, "cut").await;
+    let admin = sqlx::PgPool::connect(&std::env::var("SUBAGENTS_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()))
+        .await
+        .unwrap();
+    let db = f.url.rsplit('/').next().unwrap().to_owned();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let cut: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()) t",
+        )
+        .bind(&db)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        assert!(cut > 0, "connections were cut");
+    }
+    let done = wait_all(&f, &runs, Duration::from_secs(90)).await;
+    for d in &done {
+        assert_eq!(d.status, RunStatus::Succeeded, "{d:?}");
+        assert_eq!(d.result.as_deref(), Some("DONE after 6 steps"));
+        assert_gap_free(&f.app.store.events_after(d.id, 0, 1000).await.unwrap(), RunStatus::Succeeded);
+    }
+}
