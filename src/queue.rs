@@ -206,8 +206,14 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
                     .await
             }
             Storage::Postgres(s) => {
-                // PostgreSQL wakes idle workers with LISTEN/NOTIFY instead of polling.
-                let backend = PostgresStorage::<RunJob>::new(s.pool()).with_config(Queue::pg_config(queue.heartbeat)).with_pubsub();
+                // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
+                // notification that was missed (seen: a job waiting for the 5 s heartbeat).
+                let strategy = apalis_core::backend::ext::poll_strategy::Strategy::new()
+                    .stream(apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()))
+                    .interval(settings.poll_interval.max(Duration::from_millis(250)));
+                let backend = PostgresStorage::<RunJob>::new(s.pool())
+                    .with_config(Queue::pg_config(queue.heartbeat))
+                    .poll_with_strategy(strategy);
                 WorkerBuilder::new(name.as_str())
                     .backend(backend)
                     .concurrency(settings.concurrency.max(1))
