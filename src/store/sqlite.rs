@@ -127,23 +127,27 @@ impl SqliteStore {
         Ok((last - n + 1) as u64)
     }
 
+    /// Inserts a commit's events in one statement (one round trip, whatever their number).
     async fn insert_events(
         tx: &mut Transaction<'_, sqlx::Sqlite>,
         run: RunId,
         first_seq: u64,
         events: &[NewEvent],
     ) -> Result<()> {
-        let now = Utc::now();
-        for (i, ev) in events.iter().enumerate() {
-            sqlx::query("INSERT INTO sa_events (run_id, seq, type, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5)")
-                .bind(run.to_string())
-                .bind((first_seq + i as u64) as i64)
-                .bind(ev.kind.as_str())
-                .bind(ev.data.to_string())
-                .bind(now)
-                .execute(&mut **tx)
-                .await?;
+        if events.is_empty() {
+            return Ok(());
         }
+        let now = Utc::now();
+        let run = run.to_string();
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at) ");
+        q.push_values(events.iter().enumerate(), |mut b, (i, ev)| {
+            b.push_bind(run.clone())
+                .push_bind((first_seq + i as u64) as i64)
+                .push_bind(ev.kind.as_str())
+                .push_bind(ev.data.to_string())
+                .push_bind(now);
+        });
+        q.build().execute(&mut **tx).await?;
         Ok(())
     }
 }
