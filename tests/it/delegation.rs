@@ -2,7 +2,6 @@
 //! system prompt) hands work to children that follow SCENARIO lines.
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -283,24 +282,6 @@ async fn delegating_keeps_the_parent_context_small() {
     assert!(delegated_gain * 3 < inline_gain, "delegation keeps the parent small: {delegated_gain} vs {inline_gain}");
 }
 
-fn worker(dir: &std::path::Path, mock: &subagents::model::mock::MockServer) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_subagents"))
-        .arg("worker")
-        .env("DATABASE_URL", format!("sqlite://{}", dir.join("test.db").display()))
-        .env("SUBAGENTS_JOBS_DIR", dir.join("jobs"))
-        .env("SUBAGENTS_WORKSPACE", dir.join("workspace"))
-        .env("OPENAI_BASE_URL", mock.base_url())
-        .env("OPENAI_API_KEY", "x")
-        .env("SUBAGENTS_MODEL", "mock-model")
-        .env("SUBAGENTS_LEASE_TTL", "1.5")
-        .env("SUBAGENTS_POLL_MS", "20")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn worker")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_while_the_parent_waits_and_the_child_runs() {
     let t = spawn_app_with(Options { workers: false, jobs: vec![parent_job("p-kill")], ..Default::default() }).await;
@@ -316,7 +297,7 @@ async fn killed_while_the_parent_waits_and_the_child_runs() {
         ],
     )]));
     let parent = start_parent(&t, "p-kill").await;
-    let mut first = worker(t.dir.path(), &t.mock);
+    let mut first = spawn_worker(t.dir.path(), &t.mock, &[]);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let p = t.app.store.get_run(parent.id).await.unwrap().unwrap();
@@ -329,7 +310,7 @@ async fn killed_while_the_parent_waits_and_the_child_runs() {
     }
     first.kill().unwrap();
     first.wait().unwrap();
-    let mut second = worker(t.dir.path(), &t.mock);
+    let mut second = spawn_worker(t.dir.path(), &t.mock, &[]);
     let done = t.app.wait(parent.id, Duration::from_secs(60)).await.unwrap().unwrap();
     second.kill().unwrap();
     second.wait().unwrap();

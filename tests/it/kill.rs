@@ -2,7 +2,6 @@
 //! run. The mock's request log and the tool journal prove nothing committed was redone.
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use subagents::app::{App, StartRun};
@@ -12,23 +11,8 @@ use subagents::store::RunStatus;
 
 use crate::support::*;
 
-fn worker(dir: &std::path::Path, mock: &MockServer, journal: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_subagents"))
-        .arg("worker")
-        .env("DATABASE_URL", format!("sqlite://{}", dir.join("test.db").display()))
-        .env("SUBAGENTS_JOBS_DIR", dir.join("jobs"))
-        .env("SUBAGENTS_WORKSPACE", dir.join("workspace"))
-        .env("OPENAI_BASE_URL", mock.base_url())
-        .env("OPENAI_API_KEY", "x")
-        .env("SUBAGENTS_MODEL", "mock-model")
-        .env("SUBAGENTS_LEASE_TTL", "1.5")
-        .env("SUBAGENTS_POLL_MS", "20")
-        .env("SUBAGENTS_TOOL_JOURNAL", journal)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn worker")
+fn worker(dir: &std::path::Path, mock: &MockServer, journal: &std::path::Path) -> std::process::Child {
+    spawn_worker(dir, mock, &[("SUBAGENTS_TOOL_JOURNAL", journal.display().to_string())])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

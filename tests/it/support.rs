@@ -277,3 +277,25 @@ impl Drop for RedisServer {
     }
 }
 
+
+/// A `subagents worker` process on the test's SQLite file (in `dir`) and mock model; `extra`
+/// environment variables are added or override the defaults.
+pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, String)]) -> Child {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
+    c.arg("worker")
+        .env("DATABASE_URL", format!("sqlite://{}", dir.join("test.db").display()))
+        .env("SUBAGENTS_JOBS_DIR", dir.join("jobs"))
+        .env("SUBAGENTS_WORKSPACE", dir.join("workspace"))
+        .env("OPENAI_BASE_URL", mock.base_url())
+        .env("OPENAI_API_KEY", "x")
+        .env("SUBAGENTS_MODEL", "mock-model")
+        .env("SUBAGENTS_LEASE_TTL", "1.5")
+        .env("SUBAGENTS_POLL_MS", "20")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    for (k, v) in extra {
+        c.env(k, v);
+    }
+    c.spawn().expect("spawn worker")
+}
