@@ -256,6 +256,18 @@ impl App {
         for e in &agent_errors {
             tracing::warn!("agent definition skipped: {e}");
         }
+        let redis = match &settings.redis_url {
+            None => None,
+            Some(url) => Some(
+                crate::relay::RedisEvents::connect(crate::relay::RedisSettings {
+                    url: url.clone(),
+                    global_maxlen: settings.redis_maxlen,
+                    retention: Duration::from_secs(settings.redis_retention_secs),
+                })
+                .await
+                .map_err(|source| OpenError::Redis { url: redact(url), source })?,
+            ),
+        };
         let agents = Arc::new(agents);
         let engine = Arc::new(Engine {
             store: store.clone(),
@@ -276,19 +288,8 @@ impl App {
                 max_input_bytes: settings.max_input_bytes,
             },
             queue: queue.clone(),
+            deltas: redis.clone(),
         });
-        let redis = match &settings.redis_url {
-            None => None,
-            Some(url) => Some(
-                crate::relay::RedisEvents::connect(crate::relay::RedisSettings {
-                    url: url.clone(),
-                    global_maxlen: settings.redis_maxlen,
-                    retention: Duration::from_secs(settings.redis_retention_secs),
-                })
-                .await
-                .map_err(|source| OpenError::Redis { url: redact(url), source })?,
-            ),
-        };
         Ok(App { settings, store, queue, engine, agents, agent_errors, redis })
     }
 

@@ -85,6 +85,8 @@ pub struct Engine {
     pub model: Arc<dyn ChatModel>,
     /// For starting children and waking parents.
     pub queue: Queue,
+    /// Where token deltas go (Redis only), if configured.
+    pub deltas: Option<crate::relay::RedisEvents>,
     /// Settings.
     pub settings: EngineSettings,
 }
@@ -379,7 +381,21 @@ impl Engine {
                     step_key: format!("{}:{}", run.id, step),
                 };
                 let t0 = std::time::Instant::now();
-                let resp = self.model.complete(&req, &|_delta| {}).await.map_err(|e| {
+                // Deltas follow the run's latest durable event (this step's `step.started`).
+                let deltas = match &self.deltas {
+                    Some(r) => Some(r.delta_sink(run.id, self.store.get_run(run.id).await?.map(|r| r.event_seq).unwrap_or(0))),
+                    None => None,
+                };
+                let on_delta = |t: &str| {
+                    if let Some(d) = &deltas {
+                        d.send(t);
+                    }
+                };
+                let resp = self.model.complete(&req, &on_delta).await;
+                if let Some(d) = deltas {
+                    d.finish().await;
+                }
+                let resp = resp.map_err(|e| {
                     Stop::Fail(RunError { kind: ErrorKind::Model, message: model_error_message(&e) })
                 })?;
                 metrics::histogram!("subagents_model_call_seconds").record(t0.elapsed().as_secs_f64());

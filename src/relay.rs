@@ -44,6 +44,35 @@ if ARGV[5] == '1' then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
 return 1
 "#;
 
+const DELTA: &str = r#"
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top == 0 then return 0 end
+local ms, sq = string.match(top[1][1], '^(%d+)-(%d+)$')
+if tonumber(ms) ~= tonumber(ARGV[1]) or tonumber(sq) >= tonumber(ARGV[2]) then return 0 end
+redis.call('XADD', KEYS[1], ARGV[1] .. '-' .. ARGV[2], 'delta', ARGV[3])
+return 1
+"#;
+
+/// One model call's deltas on their way to Redis.
+pub struct DeltaStream {
+    tx: tokio::sync::mpsc::UnboundedSender<String>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DeltaStream {
+    /// Queues a delta (never blocks the model stream).
+    pub fn send(&self, text: &str) {
+        let _ = self.tx.send(text.to_owned());
+    }
+
+    /// Waits (briefly) until the queued deltas are in Redis, so they precede the durable
+    /// event that ends the call.
+    pub async fn finish(self) {
+        drop(self.tx);
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.task).await;
+    }
+}
+
 /// Redis settings.
 #[derive(Clone, Debug)]
 pub struct RedisSettings {
@@ -62,6 +91,7 @@ pub struct RedisEvents {
     conn: redis::aio::ConnectionManager,
     settings: RedisSettings,
     script: Arc<redis::Script>,
+    delta: Arc<redis::Script>,
 }
 
 /// Redis failures.
@@ -99,7 +129,13 @@ impl RedisEvents {
         let conn = tokio::time::timeout(Duration::from_secs(5), client.get_connection_manager())
             .await
             .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
-        Ok(RedisEvents { client, conn, settings, script: Arc::new(redis::Script::new(PUBLISH)) })
+        Ok(RedisEvents {
+            client,
+            conn,
+            settings,
+            script: Arc::new(redis::Script::new(PUBLISH)),
+            delta: Arc::new(redis::Script::new(DELTA)),
+        })
     }
 
     /// Whether Redis answers now (for `/readyz`).
@@ -157,6 +193,27 @@ impl RedisEvents {
         Ok(done.len())
     }
 
+    /// A sink for one model call's token deltas: entries `N-1`, `N-2`, … of the run's stream,
+    /// `N` being the run's latest durable event. Best effort and ephemeral: a delta is dropped
+    /// when `N-0` is not in the stream yet (the relay has not caught up) or a later durable event
+    /// already is, so deltas never block or reorder durable events.
+    pub fn delta_sink(&self, run: RunId, after_seq: u64) -> DeltaStream {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            let mut k = 0u64;
+            let mut c = me.conn.clone();
+            while let Some(text) = rx.recv().await {
+                k += 1;
+                let r: Result<i64, _> = me.delta.key(run_stream(run)).arg(after_seq).arg(k).arg(text).invoke_async(&mut c).await;
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "token delta not published");
+                }
+            }
+        });
+        DeltaStream { tx, task }
+    }
+
     /// Tells every process that a cancel was requested for `run`.
     pub async fn announce_cancel(&self, run: RunId) {
         let mut c = self.conn.clone();
@@ -181,7 +238,8 @@ impl RedisEvents {
         let reply: redis::streams::StreamRangeReply =
             c.xrange_count(run_stream(run), format!("{}-0", after + 1), "+", limit as usize).await?;
         let mut out = Vec::with_capacity(reply.ids.len());
-        for (i, entry) in reply.ids.iter().enumerate() {
+        // Token deltas (`N-k`, k > 0) share the stream; durable readers skip them.
+        for (i, entry) in reply.ids.iter().filter(|e| e.id.ends_with("-0")).enumerate() {
             let Some(payload) = entry.get::<String>("event") else { return Ok(None) };
             let Ok(e) = serde_json::from_str::<serde_json::Value>(&payload) else { return Ok(None) };
             let Some(seq) = e["seq"].as_u64() else { return Ok(None) };

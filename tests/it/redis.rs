@@ -38,7 +38,7 @@ async fn assert_streams_match_outbox(t: &TestApp, redis: &RedisServer, runs: &[s
     for r in runs {
         let outbox = t.app.store.events_after(r.id, 0, 10_000).await.unwrap();
         let stream: redis::streams::StreamRangeReply = c.xrange_all(run_stream(r.id)).await.unwrap();
-        let ids: Vec<String> = stream.ids.iter().map(|e| e.id.clone()).collect();
+        let ids: Vec<String> = stream.ids.iter().map(|e| e.id.clone()).filter(|id| id.ends_with("-0")).collect();
         let want: Vec<String> = outbox.iter().map(|e| format!("{}-0", e.seq)).collect();
         assert_eq!(ids, want, "run {} stream differs from its outbox", r.id);
         for e in &outbox {
@@ -111,4 +111,33 @@ async fn a_redis_outage_delays_events_but_loses_none() {
     redis.restart();
     drained(&t).await;
     assert_streams_match_outbox(&t, &redis, &runs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_deltas_follow_their_durable_event_in_the_run_stream() {
+    let redis = RedisServer::start();
+    let t = with_redis(&redis, 300).await;
+    let r = t.run("SCENARIO steps=2").await;
+    assert_eq!(r.status, RunStatus::Succeeded);
+    drained(&t).await;
+    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let stream: redis::streams::StreamRangeReply = c.xrange_all(run_stream(r.id)).await.unwrap();
+    let deltas: Vec<(String, String)> = stream
+        .ids
+        .iter()
+        .filter(|e| !e.id.ends_with("-0"))
+        .map(|e| (e.id.clone(), e.get::<String>("delta").unwrap()))
+        .collect();
+    let text: String = deltas.iter().map(|(_, d)| d.as_str()).collect();
+    assert_eq!(text, "DONE after 2 steps", "the final answer streamed as deltas: {deltas:?}");
+    // They sit right after the step's durable events, numbered N-1, N-2, …
+    let n = deltas[0].0.split('-').next().unwrap().to_owned();
+    for (k, (id, _)) in deltas.iter().enumerate() {
+        assert_eq!(id, &format!("{n}-{}", k + 1));
+    }
+    // Durable readers never see them, and the outbox knows nothing of them.
+    let outbox = t.app.store.events_after(r.id, 0, 1000).await.unwrap();
+    assert!(outbox.iter().all(|e| e.kind != "model.delta"));
+    assert_eq!(t.app.events_after(r.id, 0, 1000).await.unwrap(), outbox);
+    assert_streams_match_outbox(&t, &redis, std::slice::from_ref(&r)).await;
 }
