@@ -387,7 +387,8 @@ pub async fn after_end(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(
     Ok(())
 }
 
-/// Pushes a job for a parked run so a worker re-checks what it waits for.
+/// Pushes a job for a run that can go on now: a parked parent to re-check what it waits for,
+/// or a queued run whose thread just became free.
 pub async fn wake(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
     let job = crate::queue::new_job_id();
     store.set_job(run, &job).await?;

@@ -155,7 +155,7 @@ impl Engine {
         };
         let finish = match result {
             Ok(Ok(LoopEnd::Committed)) => {
-                self.end_children(run.id).await;
+                self.end_children(&run).await;
                 return Ok(Executed::Finished);
             }
             Ok(Ok(LoopEnd::Parked)) => return Ok(Executed::Parked),
@@ -204,7 +204,7 @@ impl Engine {
         }
         match self.store.checkpoint(&lease, Checkpoint { events: vec![event], finish: Some(finish), ..Default::default() }).await {
             Ok(()) => {
-                self.end_children(run.id).await;
+                self.end_children(&run).await;
                 Ok(Executed::Finished)
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
@@ -245,9 +245,17 @@ impl Engine {
         Some(NewEvent::new(EventKind::StepStarted, json!({"step": done + 1, "forced": done >= run.limits.max_steps})))
     }
 
-    /// A parent that ends cancels its still-running attached children.
-    async fn end_children(&self, run: RunId) {
-        if let Err(e) = crate::delegation::cancel_attached_children(self.store.as_ref(), run).await {
+    /// A parent that ends cancels its still-running attached children. A run whose agent was
+    /// never offered the delegation tools has none, and costs no query.
+    async fn end_children(&self, run: &RunRecord) {
+        let may_delegate = self
+            .agents
+            .get(&run.agent)
+            .is_none_or(|a| crate::delegation::offered(a, run.tree.depth, &self.settings.delegation));
+        if !may_delegate {
+            return;
+        }
+        if let Err(e) = crate::delegation::cancel_attached_children(self.store.as_ref(), run.id).await {
             tracing::warn!(error = %e, "could not cancel the children of a finished run");
         }
     }
@@ -346,12 +354,21 @@ impl Engine {
                         let announced = announced_step == Some(last.step);
                         let next = self.next_step_event(run, last.step);
                         let had_next = next.is_some();
-                        let parked = self.run_tools(lease, run, &agent, last.step, tool_calls, &pending, &prior, &tool_names, announced, next).await?;
+                        let step = last.step;
+                        let (parked, committed) =
+                            self.run_tools(lease, run, &agent, step, tool_calls, &pending, &prior, &tool_names, announced, next).await?;
                         if let Some(wake_at) = parked {
-                            return self.park(lease, run, &agent, last.step, wake_at, &pending).await;
+                            return self.park(lease, run, &agent, step, wake_at, &pending).await;
                         }
-                        prestarted = had_next.then_some(last.step + 1);
-                        history = self.store.thread_messages(&run.thread_id).await?;
+                        prestarted = had_next.then_some(step + 1);
+                        // What was committed is known: extend the local copy instead of re-reading.
+                        history.extend(committed.into_iter().map(|m| StoredMessage {
+                            id: i64::MAX,
+                            run_id: run.id,
+                            step: m.step,
+                            key: m.key,
+                            message: m.message,
+                        }));
                         continue;
                     }
                 }
@@ -477,7 +494,7 @@ impl Engine {
         allowed: &[String],
         announced: bool,
         next_step: Option<NewEvent>,
-    ) -> Result<Option<Option<i64>>, Stop> {
+    ) -> Result<(Option<Option<i64>>, Vec<NewMessage>), Stop> {
         let refused = refusals(prior, all_calls);
         let remaining = tokio::sync::Mutex::new(pending.len());
         let next_step = &next_step;
@@ -494,7 +511,7 @@ impl Engine {
                     (LOOP_MESSAGE.to_owned(), false, false)
                 } else if delegation {
                     match self.delegation_ctx(run, agent).call(&call.function.name, &call.function.arguments, &call.id).await? {
-                        crate::delegation::Call::Park(wake_at) => return Ok::<_, Stop>(Some(wake_at)),
+                        crate::delegation::Call::Park(wake_at) => return Ok::<_, Stop>((Some(wake_at), None)),
                         crate::delegation::Call::Done(text) => {
                             let ok = !text.starts_with("error[");
                             (text, ok, false)
@@ -544,14 +561,17 @@ impl Engine {
                     key: format!("{}:{}:tool:{}", run.id, step, call.id),
                     message: Message::Tool { tool_call_id: call.id.clone(), content: text },
                 };
-                self.store.checkpoint(lease, Checkpoint { messages: vec![msg], events, ..Default::default() }).await?;
-                Ok::<_, Stop>(None)
+                self.store.checkpoint(lease, Checkpoint { messages: vec![msg.clone()], events, ..Default::default() }).await?;
+                Ok::<_, Stop>((None, Some(msg)))
             }
             .instrument(span)
         });
         let mut park: Option<Option<i64>> = None;
+        let mut committed = vec![];
         for r in futures::future::join_all(futs).await {
-            if let Some(wake_at) = r? {
+            let (parked, msg) = r?;
+            committed.extend(msg);
+            if let Some(wake_at) = parked {
                 // The earliest deadline wins; no deadline means "when a child ends".
                 park = Some(match (park.flatten(), wake_at) {
                     (Some(a), Some(b)) => Some(a.min(b)),
@@ -559,7 +579,7 @@ impl Engine {
                 });
             }
         }
-        Ok(park)
+        Ok((park, committed))
     }
 }
 

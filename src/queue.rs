@@ -124,9 +124,8 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
         async move {
             let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
             if executed == Executed::Finished {
-                start_next_on_thread(&ctx, run_id).await;
-                if let Err(e) = crate::delegation::after_end(ctx.engine.store.as_ref(), &ctx.queue, run_id).await {
-                    tracing::warn!(error = %e, "could not report to the parent; the reaper will wake it");
+                if let Err(e) = after_finish(&ctx, run_id).await {
+                    tracing::warn!(error = %e, "could not start the thread's next run or wake the parent; the reaper will");
                 }
             }
             Ok::<_, crate::store::StoreError>(executed)
@@ -140,28 +139,19 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
     }
 }
 
-/// A finished run frees its thread: push the job of the run enqueued behind it, if any. (If
-/// this process dies first, the reaper does it.)
-async fn start_next_on_thread(ctx: &WorkerContext, finished: RunId) {
-    let store = &ctx.engine.store;
-    let next = async {
-        let Some(run) = store.get_run(finished).await? else { return Ok(None) };
-        store.next_queued(&run.thread_id).await
-    };
-    match next.await {
-        Ok(Some(next)) => {
-            let job = new_job_id();
-            let pushed = match store.set_job(next, &job).await {
-                Ok(()) => ctx.queue.push(next, &job).await.map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            if let Err(e) = pushed {
-                tracing::warn!(run_id = %next, error = %e, "could not start the next run of the thread; the reaper will");
-            }
-        }
-        Ok(None) => {}
-        Err(e) => tracing::warn!(error = %e, "could not look for the next run of the thread; the reaper will"),
+/// A finished run frees its thread (push the job of the run enqueued behind it) and, if it is a
+/// child, tells its parent and wakes it when parked. If this process dies first, the reaper
+/// does both.
+async fn after_finish(ctx: &WorkerContext, finished: RunId) -> Result<(), crate::store::StoreError> {
+    let store = ctx.engine.store.as_ref();
+    let Some(run) = store.get_run(finished).await? else { return Ok(()) };
+    if let Some(next) = store.next_queued(&run.thread_id).await? {
+        crate::delegation::wake(store, &ctx.queue, next).await?;
     }
+    if let Some(parent) = crate::delegation::child_finished(store, &run).await? {
+        crate::delegation::wake(store, &ctx.queue, parent.id).await?;
+    }
+    Ok(())
 }
 
 /// Settings of a worker process's pool.

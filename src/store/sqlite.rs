@@ -306,7 +306,7 @@ impl Store for SqliteStore {
         let now = Utc::now();
         let nms = now_ms();
         let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(
+        let row = sqlx::query(concat!(
             "UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = ?1, lease_epoch = lease_epoch + 1, \
              lease_expires_at = ?2, attempts = attempts + 1, started_at = COALESCE(started_at, ?3), \
              heartbeat_at = ?3, updated_at = ?3, event_seq = event_seq + 1 \
@@ -316,8 +316,9 @@ impl Store for SqliteStore {
                  AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id)) \
                OR status = 'waiting' \
                OR (status = 'running' AND lease_expires_at < ?5 AND attempts < ?6)) \
-             RETURNING lease_epoch, event_seq, attempts, claimed_from",
-        )
+             RETURNING ",
+            run_columns!(),
+        ))
         .bind(owner)
         .bind(nms + ttl.as_millis() as i64)
         .bind(now)
@@ -327,10 +328,12 @@ impl Store for SqliteStore {
         .fetch_optional(&mut *tx)
         .await?;
         if let Some(row) = row {
-            let epoch: i64 = row.get(0);
-            let seq: i64 = row.get(1);
-            let attempts: i64 = row.get(2);
-            let from: String = row.get(3);
+            // The claimed row comes back whole: no second read.
+            let run = run_from_row(&row)?;
+            let epoch = run.lease_epoch;
+            let seq = run.event_seq as i64;
+            let attempts = run.attempts as i64;
+            let from = run.claimed_from.map(RunStatus::as_str).unwrap_or("queued");
             let kind = if from == "waiting" { EventKind::RunResumed } else { EventKind::RunStarted };
             Self::insert_events(
                 &mut tx,
@@ -341,7 +344,6 @@ impl Store for SqliteStore {
             .await?;
             tx.commit().await?;
             self.notifier.notify(id);
-            let run = self.get_run(id).await?.ok_or_else(|| corrupt("claimed run vanished", id))?;
             return Ok(Claim::Acquired(Lease { run_id: id, epoch, owner: owner.to_owned(), ttl }, Box::new(run)));
         }
         // Not claimable; if that is because its workers keep dying, fail it for good.
