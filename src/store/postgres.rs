@@ -69,62 +69,6 @@ impl PgStore {
         &self.pool
     }
 
-    /// The fenced opening of every checkpoint transaction: proves the epoch, extends the lease
-    /// and reserves `n_events` sequence numbers. Returns the first reserved seq.
-    async fn fence(tx: &mut Transaction<'_, sqlx::Postgres>, lease: &Lease, cp: &Checkpoint) -> Result<u64> {
-        let now = Utc::now();
-        let n = cp.events.len() as i64;
-        let (status, result, forced, ekind, emsg, finished) = match &cp.finish {
-            None => (None, None, None, None, None, None),
-            Some(Finish::Succeeded { result, forced }) => {
-                (Some(RunStatus::Succeeded), Some(result.clone()), Some(*forced as i64), None, None, Some(now))
-            }
-            Some(Finish::Failed(e)) => {
-                (Some(RunStatus::Failed), None, None, Some(e.kind.as_str()), Some(e.message.clone()), Some(now))
-            }
-            Some(Finish::Cancelled) => (Some(RunStatus::Cancelled), None, None, None, None, Some(now)),
-        };
-        let (status, park, wake_at) = match (status, cp.park) {
-            (None, Some(wake)) => (Some(RunStatus::Waiting), 1i64, wake),
-            (s, _) => (s, 0i64, None),
-        };
-        if let Some(to) = status {
-            debug_assert!(RunStatus::Running.can_become(to));
-        }
-        let row = sqlx::query(
-            "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
-             prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, \
-             lease_expires_at = CASE WHEN $5 IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
-             status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
-             error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
-             finished_at = COALESCE($12, finished_at), \
-             cancel_requested = CASE WHEN $5 IS NULL OR $15 = 1 THEN cancel_requested ELSE 0 END, \
-             wake_at = CASE WHEN $15 = 1 THEN $16 ELSE wake_at END \
-             WHERE id = $13 AND lease_epoch = $14 AND status = 'running' RETURNING event_seq",
-        )
-        .bind(n)
-        .bind(cp.step.map(|s| s as i64))
-        .bind(cp.usage.prompt_tokens as i64)
-        .bind(cp.usage.completion_tokens as i64)
-        .bind(status.map(RunStatus::as_str))
-        .bind(now_ms() + lease.ttl.as_millis() as i64)
-        .bind(now)
-        .bind(result)
-        .bind(forced)
-        .bind(ekind)
-        .bind(emsg)
-        .bind(finished)
-        .bind(lease.run_id.to_string())
-        .bind(lease.epoch)
-        .bind(park)
-        .bind(wake_at)
-        .fetch_optional(&mut **tx)
-        .await?;
-        let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
-        let last: i64 = row.get(0);
-        Ok((last - n + 1) as u64)
-    }
-
     /// Inserts a commit's events in one statement (one round trip, whatever their number).
     async fn insert_events(
         tx: &mut Transaction<'_, sqlx::Postgres>,
@@ -414,26 +358,82 @@ impl Store for PgStore {
     }
 
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
-        let first_seq = Self::fence(&mut tx, lease, &cp).await?;
+        // One statement, so one round trip and one implicit transaction: the fenced UPDATE of
+        // the run row (which also locks it and reserves the event seqs), the messages and the
+        // events, as data-modifying CTEs that all see the fence's RETURNING row. If the fence
+        // matches nothing, nothing is inserted and no row comes back: the lease is lost.
         let now = Utc::now();
-        for m in &cp.messages {
-            sqlx::query(
-                "INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
-                 SELECT thread_id, id, $1, $2, $3, $4, $5 FROM sa_runs WHERE id = $6 \
-                 ON CONFLICT(key) DO NOTHING",
-            )
-            .bind(m.step as i64)
-            .bind(m.message.role())
-            .bind(&m.key)
-            .bind(serde_json::to_string(&m.message).expect("message serializes"))
-            .bind(now)
-            .bind(lease.run_id.to_string())
-            .execute(&mut *tx)
-            .await?;
+        let n = cp.events.len() as i64;
+        let (status, result, forced, ekind, emsg, finished) = match &cp.finish {
+            None => (None, None, None, None, None, None),
+            Some(Finish::Succeeded { result, forced }) => {
+                (Some(RunStatus::Succeeded), Some(result.clone()), Some(*forced as i64), None, None, Some(now))
+            }
+            Some(Finish::Failed(e)) => (Some(RunStatus::Failed), None, None, Some(e.kind.as_str()), Some(e.message.clone()), Some(now)),
+            Some(Finish::Cancelled) => (Some(RunStatus::Cancelled), None, None, None, None, Some(now)),
+        };
+        let (status, park, wake_at) = match (status, cp.park) {
+            (None, Some(wake)) => (Some(RunStatus::Waiting), 1i64, wake),
+            (s, _) => (s, 0i64, None),
+        };
+        if let Some(to) = status {
+            debug_assert!(RunStatus::Running.can_become(to));
         }
-        Self::insert_events(&mut tx, lease.run_id, first_seq, &cp.events).await?;
-        tx.commit().await?;
+        let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
+        let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
+        let m_key: Vec<String> = cp.messages.iter().map(|m| m.key.clone()).collect();
+        let m_body: Vec<String> = cp.messages.iter().map(|m| serde_json::to_string(&m.message).expect("message serializes")).collect();
+        let e_type: Vec<String> = cp.events.iter().map(|e| e.kind.as_str().to_owned()).collect();
+        let e_data: Vec<String> = cp.events.iter().map(|e| e.data.to_string()).collect();
+        let row = sqlx::query(
+            "WITH f AS ( \
+               UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
+               prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, \
+               lease_expires_at = CASE WHEN $5::text IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
+               status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
+               error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
+               finished_at = COALESCE($12, finished_at), \
+               cancel_requested = CASE WHEN $5::text IS NULL OR $15 = 1 THEN cancel_requested ELSE 0 END, \
+               wake_at = CASE WHEN $15 = 1 THEN $16 ELSE wake_at END \
+               WHERE id = $13 AND lease_epoch = $14 AND status = 'running' RETURNING event_seq, thread_id \
+             ), m AS ( \
+               INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
+               SELECT f.thread_id, $13, x.step, x.role, x.key, x.body, $7 \
+               FROM f, unnest($17::bigint[], $18::text[], $19::text[], $20::text[]) AS x(step, role, key, body) \
+               ON CONFLICT (key) DO NOTHING \
+             ), e AS ( \
+               INSERT INTO sa_events (run_id, seq, type, data, created_at) \
+               SELECT $13, f.event_seq - $1 + x.ord, x.type, x.data, $7 \
+               FROM f, unnest($21::text[], $22::text[]) WITH ORDINALITY AS x(type, data, ord) \
+             ) SELECT event_seq FROM f",
+        )
+        .bind(n)
+        .bind(cp.step.map(|s| s as i64))
+        .bind(cp.usage.prompt_tokens as i64)
+        .bind(cp.usage.completion_tokens as i64)
+        .bind(status.map(RunStatus::as_str))
+        .bind(now_ms() + lease.ttl.as_millis() as i64)
+        .bind(now)
+        .bind(result)
+        .bind(forced)
+        .bind(ekind)
+        .bind(emsg)
+        .bind(finished)
+        .bind(lease.run_id.to_string())
+        .bind(lease.epoch)
+        .bind(park)
+        .bind(wake_at)
+        .bind(m_step)
+        .bind(m_role)
+        .bind(m_key)
+        .bind(m_body)
+        .bind(e_type)
+        .bind(e_data)
+        .fetch_optional(&self.pool)
+        .await?;
+        if row.is_none() {
+            return Err(StoreError::LeaseLost(lease.run_id));
+        }
         self.notifier.notify(lease.run_id);
         Ok(())
     }
