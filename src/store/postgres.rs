@@ -199,11 +199,12 @@ impl Store for PgStore {
                 return Err(StoreError::Busy { thread_id: new.thread_id, active_run });
             }
         }
-        sqlx::query(
+        let inserted = sqlx::query(concat!(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
              idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached) \
-             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15)",
-        )
+             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15) RETURNING ",
+            run_columns!()
+        ))
         .bind(new.id.to_string())
         .bind(new.thread_id.as_str())
         .bind(&new.owner)
@@ -219,8 +220,9 @@ impl Store for PgStore {
         .bind(new.tree.root_run_id.map(|r| r.to_string()))
         .bind(new.tree.depth as i64)
         .bind(new.tree.detached as i64)
-        .execute(&mut *tx)
+        .fetch_one(&mut *tx)
         .await?;
+        let run = run_from_row(&inserted)?;
         Self::insert_events(
             &mut tx,
             new.id,
@@ -232,7 +234,6 @@ impl Store for PgStore {
         )
         .await?;
         tx.commit().await?;
-        let run = self.get_run(new.id).await?.ok_or_else(|| corrupt("run vanished after insert", new.id))?;
         Ok(Created { run, existing: false })
     }
 
@@ -247,9 +248,9 @@ impl Store for PgStore {
     async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration, max_attempts: u32) -> Result<Claim> {
         let now = Utc::now();
         let nms = now_ms();
-        let mut tx = self.pool.begin().await?;
+        // One statement: the claim and its `run.started` / `run.resumed` event.
         let row = sqlx::query(concat!(
-            "UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
+            "WITH c AS (UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
              lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
              heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1 \
              WHERE id = $4 AND ( \
@@ -258,8 +259,13 @@ impl Store for PgStore {
                  AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id)) \
                OR status = 'waiting' \
                OR (status = 'running' AND lease_expires_at < $5 AND attempts < $6)) \
-             RETURNING ",
+             RETURNING *), \
+             e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at) \
+               SELECT c.id, c.event_seq, CASE WHEN c.claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
+                 json_build_object('attempt', c.attempts, 'worker', $1::text, 'from', c.claimed_from)::text, $3 FROM c) \
+             SELECT ",
             run_columns!(),
+            " FROM c"
         ))
         .bind(owner)
         .bind(nms + ttl.as_millis() as i64)
@@ -267,7 +273,7 @@ impl Store for PgStore {
         .bind(id.to_string())
         .bind(nms)
         .bind(max_attempts as i64)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&self.pool)
         .await;
         // Two workers claiming two queued runs of one thread at once: the unique index on
         // active runs lets one win; the other simply finds nothing to claim.
@@ -280,22 +286,10 @@ impl Store for PgStore {
         if let Some(row) = row {
             // The claimed row comes back whole: no second read.
             let run = run_from_row(&row)?;
-            let epoch = run.lease_epoch;
-            let seq = run.event_seq as i64;
-            let attempts = run.attempts as i64;
-            let from = run.claimed_from.map(RunStatus::as_str).unwrap_or("queued");
-            let kind = if from == "waiting" { EventKind::RunResumed } else { EventKind::RunStarted };
-            Self::insert_events(
-                &mut tx,
-                id,
-                seq as u64,
-                &[NewEvent::new(kind, serde_json::json!({"attempt": attempts, "worker": owner, "from": from}))],
-            )
-            .await?;
-            tx.commit().await?;
             self.notifier.notify(id);
-            return Ok(Claim::Acquired(Lease { run_id: id, epoch, owner: owner.to_owned(), ttl }, Box::new(run)));
+            return Ok(Claim::Acquired(Lease { run_id: id, epoch: run.lease_epoch, owner: owner.to_owned(), ttl }, Box::new(run)));
         }
+        let mut tx = self.pool.begin().await?;
         // Not claimable; if that is because its workers keep dying, fail it for good.
         let gave_up = sqlx::query(
             "UPDATE sa_runs SET status = 'failed', error_kind = 'lost', \

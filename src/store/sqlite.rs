@@ -257,11 +257,12 @@ impl Store for SqliteStore {
                 return Err(StoreError::Busy { thread_id: new.thread_id, active_run });
             }
         }
-        sqlx::query(
+        let inserted = sqlx::query(concat!(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
              idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached) \
-             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?12, 1, ?13, ?14, ?15)",
-        )
+             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?12, 1, ?13, ?14, ?15) RETURNING ",
+            run_columns!()
+        ))
         .bind(new.id.to_string())
         .bind(new.thread_id.as_str())
         .bind(&new.owner)
@@ -277,8 +278,9 @@ impl Store for SqliteStore {
         .bind(new.tree.root_run_id.map(|r| r.to_string()))
         .bind(new.tree.depth as i64)
         .bind(new.tree.detached as i64)
-        .execute(&mut *tx)
+        .fetch_one(&mut *tx)
         .await?;
+        let run = run_from_row(&inserted)?;
         Self::insert_events(
             &mut tx,
             new.id,
@@ -290,7 +292,6 @@ impl Store for SqliteStore {
         )
         .await?;
         tx.commit().await?;
-        let run = self.get_run(new.id).await?.ok_or_else(|| corrupt("run vanished after insert", new.id))?;
         Ok(Created { run, existing: false })
     }
 
