@@ -156,85 +156,40 @@ fn run_from_row(r: &PgRow) -> Result<RunRecord> {
 #[async_trait]
 impl Store for PgStore {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
-        let now = Utc::now();
-        let mut tx = self.pool.begin().await?;
-        // The upsert locks the thread row first, so the checks below and the insert see one
-        // state: a concurrent start on this thread waits here.
-        let inserted = sqlx::query(
-            "INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES ($1, $2, $3, $3) \
-             ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING owner",
-        )
-        .bind(new.thread_id.as_str())
-        .bind(&new.owner)
-        .bind(now)
-        .fetch_one(&mut *tx)
-        .await?;
-        let owner: String = inserted.get(0);
-        if owner != new.owner {
-            return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
-        }
-        if let Some(key) = &new.idempotency_key {
-            let existing: Option<String> =
-                sqlx::query_scalar("SELECT id FROM sa_runs WHERE owner = $1 AND idempotency_key = $2")
-                    .bind(&new.owner)
-                    .bind(key)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if let Some(id) = existing {
-                tx.rollback().await?;
-                let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
-                let run = self.get_run(id).await?.ok_or_else(|| corrupt("run vanished", id))?;
-                return Ok(Created { run, existing: true });
-            }
-        }
-        if new.if_busy == IfBusy::Reject {
-            let active: Option<String> = sqlx::query_scalar(
-                "SELECT id FROM sa_runs WHERE thread_id = $1 AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1",
-            )
+        // One round trip for the checks and inserts (`sa_create_run`, migrations/postgres/0002),
+        // one to read the run back.
+        let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id});
+        let row = sqlx::query("SELECT outcome, rid FROM sa_create_run($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)")
+            .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
-            .fetch_optional(&mut *tx)
+            .bind(&new.owner)
+            .bind(&new.agent)
+            .bind(&new.input)
+            .bind(new.metadata.to_string())
+            .bind(serde_json::to_string(&new.limits).expect("limits serialize"))
+            .bind(new.parent_run_id.map(|p| p.to_string()))
+            .bind(&new.idempotency_key)
+            .bind(&new.job_id)
+            .bind(now_ms())
+            .bind(Utc::now())
+            .bind(new.tree.root_run_id.map(|r| r.to_string()))
+            .bind(new.tree.depth as i64)
+            .bind(new.tree.detached as i64)
+            .bind(new.if_busy == IfBusy::Reject)
+            .bind(event.to_string())
+            .fetch_one(&self.pool)
             .await?;
-            if let Some(a) = active {
-                let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
-                return Err(StoreError::Busy { thread_id: new.thread_id, active_run });
-            }
+        let outcome: String = row.get(0);
+        let rid: Option<String> = row.get(1);
+        let rid = rid.map(|r| r.parse::<RunId>().map_err(|e| corrupt("run id", e))).transpose()?;
+        let read = |id: RunId| async move { self.get_run(id).await?.ok_or_else(|| corrupt("run vanished", id)) };
+        match (outcome.as_str(), rid) {
+            ("created", Some(id)) => Ok(Created { run: read(id).await?, existing: false }),
+            ("existing", Some(id)) => Ok(Created { run: read(id).await?, existing: true }),
+            ("busy", Some(active_run)) => Err(StoreError::Busy { thread_id: new.thread_id, active_run }),
+            ("owned_elsewhere", _) => Err(StoreError::ThreadOwnedElsewhere(new.thread_id)),
+            (other, _) => Err(corrupt("sa_create_run outcome", other)),
         }
-        let inserted = sqlx::query(concat!(
-            "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
-             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached) \
-             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15) RETURNING ",
-            run_columns!()
-        ))
-        .bind(new.id.to_string())
-        .bind(new.thread_id.as_str())
-        .bind(&new.owner)
-        .bind(&new.agent)
-        .bind(&new.input)
-        .bind(new.metadata.to_string())
-        .bind(serde_json::to_string(&new.limits).expect("limits serialize"))
-        .bind(new.parent_run_id.map(|p| p.to_string()))
-        .bind(&new.idempotency_key)
-        .bind(&new.job_id)
-        .bind(now_ms())
-        .bind(now)
-        .bind(new.tree.root_run_id.map(|r| r.to_string()))
-        .bind(new.tree.depth as i64)
-        .bind(new.tree.detached as i64)
-        .fetch_one(&mut *tx)
-        .await?;
-        let run = run_from_row(&inserted)?;
-        Self::insert_events(
-            &mut tx,
-            new.id,
-            1,
-            &[NewEvent::new(
-                EventKind::RunQueued,
-                serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id}),
-            )],
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(Created { run, existing: false })
     }
 
     async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>> {
