@@ -58,11 +58,21 @@ pub struct EngineSettings {
     pub max_input_bytes: usize,
 }
 
+/// Where a finished run sat: what its worker must tell others (the thread's next run, the
+/// parent) without reading the run again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ended {
+    /// Its thread.
+    pub thread_id: crate::ids::ThreadId,
+    /// Its parent, if it was a child.
+    pub parent_run_id: Option<RunId>,
+}
+
 /// What one execution attempt ended with (the run's own outcome is in the store).
 #[derive(Debug, PartialEq, Eq)]
 pub enum Executed {
-    /// The run reached a terminal state here.
-    Finished,
+    /// The run reached a terminal state here (`None`: failed as lost at claim time).
+    Finished(Option<Ended>),
     /// Nothing to do: finished already, or another worker holds it.
     Skipped,
     /// Another worker took the run over (our lease expired); we stopped.
@@ -121,7 +131,7 @@ impl Engine {
             Claim::Acquired(lease, run) => (lease, *run),
             Claim::GaveUp => {
                 tracing::warn!(%run_id, "run abandoned by too many workers; failed with kind=lost");
-                return Ok(Executed::Finished);
+                return Ok(Executed::Finished(None));
             }
             Claim::NotClaimable(status) => {
                 tracing::debug!(%run_id, ?status, "run not claimable; skipping job");
@@ -156,7 +166,7 @@ impl Engine {
         let finish = match result {
             Ok(Ok(LoopEnd::Committed)) => {
                 self.end_children(&run).await;
-                return Ok(Executed::Finished);
+                return Ok(Executed::Finished(Some(ended(&run))));
             }
             Ok(Ok(LoopEnd::Parked)) => return Ok(Executed::Parked),
             Ok(Ok(LoopEnd::Finish(finish))) => finish,
@@ -205,7 +215,7 @@ impl Engine {
         match self.store.checkpoint(&lease, Checkpoint { events: vec![event], finish: Some(finish), ..Default::default() }).await {
             Ok(()) => {
                 self.end_children(&run).await;
-                Ok(Executed::Finished)
+                Ok(Executed::Finished(Some(ended(&run))))
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
@@ -581,6 +591,10 @@ impl Engine {
         }
         Ok((park, committed))
     }
+}
+
+fn ended(run: &RunRecord) -> Ended {
+    Ended { thread_id: run.thread_id.clone(), parent_run_id: run.parent_run_id }
 }
 
 /// Renews the lease every third of its length (at least every second, so a cancel from another

@@ -123,8 +123,8 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
     let handle = tokio::spawn(
         async move {
             let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
-            if executed == Executed::Finished {
-                if let Err(e) = after_finish(&ctx, run_id).await {
+            if let Executed::Finished(ended) = &executed {
+                if let Err(e) = after_finish(&ctx, run_id, ended.clone()).await {
                     tracing::warn!(error = %e, "could not start the thread's next run or wake the parent; the reaper will");
                 }
             }
@@ -142,14 +142,25 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
 /// A finished run frees its thread (push the job of the run enqueued behind it) and, if it is a
 /// child, tells its parent and wakes it when parked. If this process dies first, the reaper
 /// does both.
-async fn after_finish(ctx: &WorkerContext, finished: RunId) -> Result<(), crate::store::StoreError> {
+async fn after_finish(ctx: &WorkerContext, finished: RunId, ended: Option<crate::engine::Ended>) -> Result<(), crate::store::StoreError> {
     let store = ctx.engine.store.as_ref();
-    let Some(run) = store.get_run(finished).await? else { return Ok(()) };
-    if let Some(next) = store.next_queued(&run.thread_id).await? {
+    let ended = match ended {
+        Some(e) => e,
+        None => match store.get_run(finished).await? {
+            Some(r) => crate::engine::Ended { thread_id: r.thread_id, parent_run_id: r.parent_run_id },
+            None => return Ok(()),
+        },
+    };
+    if let Some(next) = store.next_queued(&ended.thread_id).await? {
         crate::delegation::wake(store, &ctx.queue, next).await?;
     }
-    if let Some(parent) = crate::delegation::child_finished(store, &run).await? {
-        crate::delegation::wake(store, &ctx.queue, parent.id).await?;
+    // Only a child needs its final state read, for the parent's `child.finished`.
+    if ended.parent_run_id.is_some() {
+        if let Some(run) = store.get_run(finished).await? {
+            if let Some(parent) = crate::delegation::child_finished(store, &run).await? {
+                crate::delegation::wake(store, &ctx.queue, parent.id).await?;
+            }
+        }
     }
     Ok(())
 }
