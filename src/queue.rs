@@ -159,11 +159,7 @@ async fn after_finish(ctx: &WorkerContext, finished: RunId, ended: Option<crate:
     }
     // Only a child needs its final state read, for the parent's `child.finished`.
     if ended.parent_run_id.is_some() {
-        if let Some(run) = store.get_run(finished).await? {
-            if let Some(parent) = crate::delegation::child_finished(store, &run).await? {
-                crate::delegation::wake(store, &ctx.queue, parent.id).await?;
-            }
-        }
+        crate::delegation::after_end(store, &ctx.queue, finished).await?;
     }
     Ok(())
 }
@@ -195,36 +191,31 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
             Ok::<(), std::io::Error>(())
         };
         // The two storages are different types, so the (identical) worker is built per arm.
-        let res = match &queue.storage {
-            Storage::Sqlite(s) => {
-                // SQLite has no notifications: an idle worker polls (apalis trap 1).
-                let backend = SqliteStorage::<RunJob>::new(s.pool())
-                    .with_config(Queue::sqlite_config(queue.heartbeat))
-                    .poll_with_interval(settings.poll_interval);
+        macro_rules! run_worker {
+            ($backend:expr) => {
                 WorkerBuilder::new(name.as_str())
-                    .backend(backend)
+                    .backend($backend)
                     .concurrency(settings.concurrency.max(1))
                     .data(ctx)
                     .build(handle)
                     .run_until(until)
                     .await
-            }
+            };
+        }
+        let res = match &queue.storage {
+            // SQLite has no notifications: an idle worker polls (apalis trap 1).
+            Storage::Sqlite(s) => run_worker!(SqliteStorage::<RunJob>::new(s.pool())
+                .with_config(Queue::sqlite_config(queue.heartbeat))
+                .poll_with_interval(settings.poll_interval)),
+            // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
+            // notification that was missed (seen: a job waiting for the 5 s heartbeat).
             Storage::Postgres(s) => {
-                // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
-                // notification that was missed (seen: a job waiting for the 5 s heartbeat).
                 let strategy = apalis_core::backend::ext::poll_strategy::Strategy::new()
                     .stream(apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()))
                     .interval(settings.poll_interval.max(Duration::from_millis(250)));
-                let backend = PostgresStorage::<RunJob>::new(s.pool())
+                run_worker!(PostgresStorage::<RunJob>::new(s.pool())
                     .with_config(Queue::pg_config(queue.heartbeat, settings.concurrency))
-                    .poll_with_strategy(strategy);
-                WorkerBuilder::new(name.as_str())
-                    .backend(backend)
-                    .concurrency(settings.concurrency.max(1))
-                    .data(ctx)
-                    .build(handle)
-                    .run_until(until)
-                    .await
+                    .poll_with_strategy(strategy))
             }
         };
         if shutdown.is_cancelled() {

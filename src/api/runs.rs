@@ -411,12 +411,8 @@ pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<
     let id = parse_run_id(&id)?;
     let run = owned_run(&state, &owner, id).await?;
     match state.app.cancel(id).await? {
-        CancelOutcome::Cancelled | CancelOutcome::Requested => {
-            let r = state.app.store.get_run(id).await?.unwrap_or(run);
-            Ok((StatusCode::ACCEPTED, Json(RunView::build(state.app.store.as_ref(), r).await?)).into_response())
-        }
-        CancelOutcome::AlreadyFinished(s) if s == RunStatus::Cancelled => {
-            // Repeating a cancel of a cancelled run is not an error: cancel is idempotent.
+        // Repeating a cancel of a cancelled run is not an error: cancel is idempotent.
+        CancelOutcome::Cancelled | CancelOutcome::Requested | CancelOutcome::AlreadyFinished(RunStatus::Cancelled) => {
             let r = state.app.store.get_run(id).await?.unwrap_or(run);
             Ok((StatusCode::ACCEPTED, Json(RunView::build(state.app.store.as_ref(), r).await?)).into_response())
         }

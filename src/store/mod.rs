@@ -6,6 +6,96 @@
 //! The engine talks to a `dyn Store`, so the SQLite implementation here and a PostgreSQL one
 //! can be swapped without touching it.
 
+/// Row-to-record mapping, written once and instantiated per backend: the two backends store
+/// the same columns, and sqlx's row types differ only in name.
+macro_rules! row_mappers {
+    ($row:ty) => {
+        fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
+            StoreError::Corrupt(format!("{what}: {v}"))
+        }
+
+        fn run_from_row(r: &$row) -> Result<RunRecord> {
+            let id: String = r.get("id");
+            let status: String = r.get("status");
+            let limits: String = r.get("limits");
+            let metadata: String = r.get("metadata");
+            let parent: Option<String> = r.get("parent_run_id");
+            let ekind: Option<String> = r.get("error_kind");
+            let thread: String = r.get("thread_id");
+            Ok(RunRecord {
+                id: id.parse().map_err(|e| corrupt("run id", e))?,
+                thread_id: thread.parse().map_err(|e| corrupt("thread id", e))?,
+                owner: r.get("owner"),
+                agent: r.get("agent"),
+                status: RunStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
+                input: r.get("input"),
+                metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("metadata", e))?,
+                limits: serde_json::from_str(&limits).map_err(|e| corrupt("limits", e))?,
+                parent_run_id: parent.map(|p| p.parse()).transpose().map_err(|e| corrupt("parent id", e))?,
+                tree: TreePosition {
+                    root_run_id: r
+                        .get::<Option<String>, _>("root_run_id")
+                        .map(|p| p.parse())
+                        .transpose()
+                        .map_err(|e| corrupt("root id", e))?,
+                    depth: r.get::<i64, _>("depth") as u32,
+                    detached: r.get::<i64, _>("detached") != 0,
+                },
+                wake_at: r.get("wake_at"),
+                claimed_from: r.get::<Option<String>, _>("claimed_from").and_then(|s| RunStatus::parse(&s)),
+                step: r.get::<i64, _>("step") as u32,
+                forced: r.get::<i64, _>("forced") != 0,
+                result: r.get("result"),
+                error: match ekind {
+                    None => None,
+                    Some(k) => Some(RunError {
+                        kind: ErrorKind::parse(&k).ok_or_else(|| corrupt("error kind", &k))?,
+                        message: r.get::<Option<String>, _>("error_message").unwrap_or_default(),
+                    }),
+                },
+                usage: Usage {
+                    prompt_tokens: r.get::<i64, _>("prompt_tokens") as u64,
+                    completion_tokens: r.get::<i64, _>("completion_tokens") as u64,
+                },
+                attempts: r.get::<i64, _>("attempts") as u32,
+                lease_epoch: r.get("lease_epoch"),
+                cancel_requested: r.get::<i64, _>("cancel_requested") != 0,
+                job_id: r.get("job_id"),
+                event_seq: r.get::<i64, _>("event_seq") as u64,
+                created_at: r.get::<DateTime<Utc>, _>("created_at"),
+                started_at: r.get("started_at"),
+                finished_at: r.get("finished_at"),
+                heartbeat_at: r.get("heartbeat_at"),
+            })
+        }
+
+        fn message_from_row(r: &$row) -> Result<StoredMessage> {
+            let run: String = r.get("run_id");
+            let body: String = r.get("body");
+            Ok(StoredMessage {
+                id: r.get("id"),
+                run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
+                step: r.get::<i64, _>("step") as u32,
+                key: r.get("key"),
+                message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
+            })
+        }
+
+        fn event_from_row(r: &$row) -> Result<EventRecord> {
+            let run: String = r.get("run_id");
+            let data: String = r.get("data");
+            Ok(EventRecord {
+                seq: r.get::<i64, _>("seq") as u64,
+                kind: r.get("type"),
+                run_id: run.parse().map_err(|e| corrupt("event run id", e))?,
+                created_at: r.get("created_at"),
+                data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
+            })
+        }
+
+    };
+}
+
 pub mod postgres;
 pub mod sqlite;
 

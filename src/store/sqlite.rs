@@ -152,64 +152,7 @@ impl SqliteStore {
     }
 }
 
-fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(format!("{what}: {v}"))
-}
 
-fn run_from_row(r: &SqliteRow) -> Result<RunRecord> {
-    let id: String = r.get("id");
-    let status: String = r.get("status");
-    let limits: String = r.get("limits");
-    let metadata: String = r.get("metadata");
-    let parent: Option<String> = r.get("parent_run_id");
-    let ekind: Option<String> = r.get("error_kind");
-    let thread: String = r.get("thread_id");
-    Ok(RunRecord {
-        id: id.parse().map_err(|e| corrupt("run id", e))?,
-        thread_id: thread.parse().map_err(|e| corrupt("thread id", e))?,
-        owner: r.get("owner"),
-        agent: r.get("agent"),
-        status: RunStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
-        input: r.get("input"),
-        metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("metadata", e))?,
-        limits: serde_json::from_str(&limits).map_err(|e| corrupt("limits", e))?,
-        parent_run_id: parent.map(|p| p.parse()).transpose().map_err(|e| corrupt("parent id", e))?,
-        tree: TreePosition {
-            root_run_id: r
-                .get::<Option<String>, _>("root_run_id")
-                .map(|p| p.parse())
-                .transpose()
-                .map_err(|e| corrupt("root id", e))?,
-            depth: r.get::<i64, _>("depth") as u32,
-            detached: r.get::<i64, _>("detached") != 0,
-        },
-        wake_at: r.get("wake_at"),
-        claimed_from: r.get::<Option<String>, _>("claimed_from").and_then(|s| RunStatus::parse(&s)),
-        step: r.get::<i64, _>("step") as u32,
-        forced: r.get::<i64, _>("forced") != 0,
-        result: r.get("result"),
-        error: match ekind {
-            None => None,
-            Some(k) => Some(RunError {
-                kind: ErrorKind::parse(&k).ok_or_else(|| corrupt("error kind", &k))?,
-                message: r.get::<Option<String>, _>("error_message").unwrap_or_default(),
-            }),
-        },
-        usage: Usage {
-            prompt_tokens: r.get::<i64, _>("prompt_tokens") as u64,
-            completion_tokens: r.get::<i64, _>("completion_tokens") as u64,
-        },
-        attempts: r.get::<i64, _>("attempts") as u32,
-        lease_epoch: r.get("lease_epoch"),
-        cancel_requested: r.get::<i64, _>("cancel_requested") != 0,
-        job_id: r.get("job_id"),
-        event_seq: r.get::<i64, _>("event_seq") as u64,
-        created_at: r.get::<DateTime<Utc>, _>("created_at"),
-        started_at: r.get("started_at"),
-        finished_at: r.get("finished_at"),
-        heartbeat_at: r.get("heartbeat_at"),
-    })
-}
 
 #[async_trait]
 impl Store for SqliteStore {
@@ -443,25 +386,14 @@ impl Store for SqliteStore {
 
     async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>> {
         let rows = sqlx::query(
-            "SELECT seq, type, data, created_at FROM sa_events WHERE run_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+            "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE run_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
         )
         .bind(run.to_string())
         .bind(after as i64)
         .bind(limit as i64)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|r| {
-                let data: String = r.get("data");
-                Ok(EventRecord {
-                    seq: r.get::<i64, _>("seq") as u64,
-                    kind: r.get("type"),
-                    run_id: run,
-                    created_at: r.get("created_at"),
-                    data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
-                })
-            })
-            .collect()
+        rows.iter().map(event_from_row).collect()
     }
 
     async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome> {
@@ -701,19 +633,7 @@ impl Store for SqliteStore {
             .bind(limit as i64)
             .fetch_all(&self.pool)
             .await?;
-        rows.iter()
-            .map(|r| {
-                let run: String = r.get("run_id");
-                let data: String = r.get("data");
-                Ok(EventRecord {
-                    seq: r.get::<i64, _>("seq") as u64,
-                    kind: r.get("type"),
-                    run_id: run.parse().map_err(|e| corrupt("event run id", e))?,
-                    created_at: r.get("created_at"),
-                    data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
-                })
-            })
-            .collect()
+        rows.iter().map(event_from_row).collect()
     }
 
     async fn mark_relayed(&self, events: &[(RunId, u64)]) -> Result<()> {
@@ -744,14 +664,4 @@ impl Store for SqliteStore {
     }
 }
 
-fn message_from_row(r: &SqliteRow) -> Result<StoredMessage> {
-    let run: String = r.get("run_id");
-    let body: String = r.get("body");
-    Ok(StoredMessage {
-        id: r.get("id"),
-        run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
-        step: r.get::<i64, _>("step") as u32,
-        key: r.get("key"),
-        message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
-    })
-}
+row_mappers!(SqliteRow);
