@@ -195,7 +195,7 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         Some(TimeoutValue::Secs(s)) => Duration::from_secs(s),
         Some(TimeoutValue::Text(t)) => parse_duration(&t).map_err(|m| err(line_of("timeout"), m))?,
     };
-    if timeout.is_zero() || timeout.as_secs() > crate::app::MAX_TIMEOUT_SECS {
+    if timeout.is_zero() || timeout.as_secs() > crate::runs::MAX_TIMEOUT_SECS {
         return Err(err(line_of("timeout"), "timeout must be between 1 second and 7 days".into()));
     }
     // Claude Code's aliases name Anthropic models; on an OpenAI-compatible endpoint the

@@ -1,165 +1,29 @@
 //! Wiring: opens the store and queue, loads agents, builds the model client and the engine, and
-//! offers the operations every front end (CLI, API, tests) uses: start a run, wait for it,
-//! follow its events, run workers.
+//! hands every front end (CLI, API, tests) one value to call: start a run, wait for it, follow
+//! its events, cancel it, run workers. The operations themselves live in [`crate::runs`] and
+//! [`crate::worker`]; this module only wires.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::agents::{AgentFileError, AgentRegistry, GENERAL_PURPOSE};
+use crate::agents::{AgentFileError, AgentRegistry};
 use crate::config::Settings;
 use crate::engine::{Engine, EngineSettings};
-use crate::ids::{RunId, ThreadId};
+use crate::ids::RunId;
 use crate::model::openai::{OpenAiClient, OpenAiConfig};
 use crate::model::{ChatModel, RetryPolicy};
-use crate::queue::{Queue, QueueError, WorkerSettings, new_job_id, run_workers};
-use crate::store::{Created, IfBusy, NewRun, RunLimits, RunRecord, SqliteStore, Store, StoreError, TreePosition};
+use crate::queue::Queue;
+use crate::store::{Created, RunRecord, SqliteStore, Store, StoreError};
 use crate::tools::ToolRegistry;
+use crate::worker::{WorkerSettings, run_workers};
 
 /// How often waiters re-read a run in case a worker in another process changed it (in-process
 /// changes wake them at once).
 pub const CROSS_PROCESS_RECHECK: Duration = Duration::from_millis(250);
 
-/// Longest wall-time limit a run may have: 7 days.
-pub const MAX_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
-
-/// Owner of runs started without authentication (the CLI, the embedded default).
-pub const LOCAL_OWNER: &str = "local";
-
-/// A request to start a run.
-#[derive(Clone, Debug, Default)]
-pub struct StartRun {
-    /// Agent name; `general-purpose` when absent.
-    pub agent: Option<String>,
-    /// The task.
-    pub input: String,
-    /// Continue this thread (created if new).
-    pub thread_id: Option<ThreadId>,
-    /// Owner; [`LOCAL_OWNER`] when absent.
-    pub owner: Option<String>,
-    /// Override of the agent's `max_steps`.
-    pub max_steps: Option<u32>,
-    /// Override of the agent's `timeout`, in seconds.
-    pub timeout_secs: Option<u64>,
-    /// Token budget for the run and its descendants.
-    pub max_total_tokens: Option<u64>,
-    /// Step budget for the run and its descendants.
-    pub max_total_steps: Option<u64>,
-    /// Caller data kept with the run.
-    pub metadata: Option<Value>,
-    /// Busy thread: refuse (default) or queue behind the active run.
-    pub if_busy: IfBusy,
-    /// A repeated start with the same key returns the first run.
-    pub idempotency_key: Option<String>,
-    /// The delegating run (children only).
-    pub parent_run_id: Option<RunId>,
-    /// Place in the delegation tree (children only).
-    pub tree: TreePosition,
-}
-
-/// Why a run could not be started. Each has a stable code for APIs and scripts.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    /// No such agent.
-    #[error("unknown agent `{name}`; known agents: {}", known.join(", "))]
-    UnknownAgent {
-        /// Requested name.
-        name: String,
-        /// What exists.
-        known: Vec<String>,
-    },
-    /// Nothing to do.
-    #[error("the input is empty: say what the agent should do")]
-    EmptyInput,
-    /// Over the configured limit.
-    #[error("the input is {got} bytes; the limit is {limit} (SUBAGENTS_MAX_INPUT_BYTES)")]
-    InputTooLarge {
-        /// Limit.
-        limit: usize,
-        /// Actual size.
-        got: usize,
-    },
-    /// A limit override out of range.
-    #[error("{0}")]
-    BadLimit(String),
-    /// Storage refused or failed (busy thread included).
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
-impl StartError {
-    /// Stable machine code.
-    pub fn code(&self) -> &'static str {
-        match self {
-            StartError::UnknownAgent { .. } => "unknown_agent",
-            StartError::EmptyInput => "empty_input",
-            StartError::InputTooLarge { .. } => "input_too_large",
-            StartError::BadLimit(_) => "bad_limit",
-            StartError::Store(StoreError::Busy { .. }) => "thread_busy",
-            StartError::Store(StoreError::ThreadOwnedElsewhere(_)) => "thread_not_found",
-            StartError::Store(_) => "storage_unavailable",
-        }
-    }
-}
-
-/// Validates a start, records the run and pushes its job: the one path every start takes (API,
-/// CLI, and parents delegating to children). Once it returns, the run is durable: if the push
-/// fails, the reaper enqueues it later.
-pub async fn start_run(
-    store: &dyn Store,
-    queue: &Queue,
-    agents: &AgentRegistry,
-    max_input_bytes: usize,
-    req: StartRun,
-) -> Result<Created, StartError> {
-    let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
-    let agent = agents.get(&agent_name).ok_or_else(|| StartError::UnknownAgent { name: agent_name.clone(), known: agents.names() })?;
-    if req.input.trim().is_empty() {
-        return Err(StartError::EmptyInput);
-    }
-    if req.input.len() > max_input_bytes {
-        return Err(StartError::InputTooLarge { limit: max_input_bytes, got: req.input.len() });
-    }
-    let max_steps = req.max_steps.unwrap_or(agent.max_steps);
-    if max_steps == 0 || max_steps > 10_000 {
-        return Err(StartError::BadLimit(format!("max_steps {max_steps} is out of range 1..=10000")));
-    }
-    let timeout_secs = req.timeout_secs.unwrap_or(agent.timeout.as_secs().max(1));
-    if !(1..=MAX_TIMEOUT_SECS).contains(&timeout_secs) {
-        return Err(StartError::BadLimit(format!("timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)")));
-    }
-    if let Some(k) = &req.idempotency_key {
-        if k.is_empty() || k.len() > 200 {
-            return Err(StartError::BadLimit("idempotency_key must be 1 to 200 characters".into()));
-        }
-    }
-    let job_id = new_job_id();
-    let created = store
-        .create_run(NewRun {
-            id: RunId::new(),
-            thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
-            owner: req.owner.unwrap_or_else(|| LOCAL_OWNER.to_owned()),
-            agent: agent_name,
-            input: req.input,
-            metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
-            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens, max_total_steps: req.max_total_steps },
-            parent_run_id: req.parent_run_id,
-            tree: req.tree,
-            job_id: job_id.clone(),
-            if_busy: req.if_busy,
-            idempotency_key: req.idempotency_key,
-        })
-        .await?;
-    if !created.existing {
-        if let Err(e) = queue.push(created.run.id, &job_id).await {
-            let QueueError::Push { message, .. } = &e;
-            tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
-        }
-    }
-    Ok(created)
-}
+pub use crate::runs::{LOCAL_OWNER, MAX_TIMEOUT_SECS, StartError, StartRun, start_run};
 
 /// The assembled system.
 pub struct App {
@@ -201,6 +65,9 @@ pub enum OpenError {
         /// Cause.
         source: crate::relay::RelayError,
     },
+    /// `SUBAGENTS_FAILPOINTS` does not parse.
+    #[error("{0}")]
+    Failpoints(#[from] crate::failpoints::BadFailpoint),
     /// The workspace directory could not be created.
     #[error("cannot create the workspace {path}: {source}")]
     Workspace {
@@ -286,6 +153,9 @@ impl App {
                     result_limit: settings.child_result_limit,
                 },
                 max_input_bytes: settings.max_input_bytes,
+                drain_grace: settings.drain_grace(),
+                context_messages: settings.context_messages,
+                failpoints: Arc::new(crate::failpoints::Failpoints::parse(&settings.failpoints)?),
             },
             queue: queue.clone(),
             deltas: redis.clone(),
@@ -334,16 +204,12 @@ impl App {
     /// Cancels a run and its attached descendants; a run that ends here (queued or parked)
     /// reports to its parent at once.
     pub async fn cancel(&self, run: RunId) -> Result<crate::store::CancelOutcome, StoreError> {
-        let outcome = crate::delegation::cancel_tree(self.store.as_ref(), run).await?;
-        match outcome {
-            crate::store::CancelOutcome::Cancelled => crate::delegation::after_end(self.store.as_ref(), &self.queue, run).await?,
-            // The worker holding it may be another process: tell it now, not at its next lease renewal.
-            crate::store::CancelOutcome::Requested => {
-                if let Some(r) = &self.redis {
-                    r.announce_cancel(run).await;
-                }
+        let outcome = crate::runs::cancel(self.store.as_ref(), &self.queue, run).await?;
+        // The worker holding it may be another process: tell it now, not at its next lease renewal.
+        if outcome == crate::store::CancelOutcome::Requested {
+            if let Some(r) = &self.redis {
+                r.announce_cancel(run).await;
             }
-            _ => {}
         }
         Ok(outcome)
     }
@@ -365,11 +231,16 @@ impl App {
     /// Runs workers and the reaper in this process until `shutdown`.
     pub fn spawn_workers(&self, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
         let ttl = self.settings.lease_ttl();
+        let reap_every = match self.settings.reap_ms {
+            0 => (ttl / 2).max(Duration::from_millis(200)),
+            ms => Duration::from_millis(ms),
+        };
         let settings = WorkerSettings {
             concurrency: self.settings.concurrency,
             poll_interval: Duration::from_millis(self.settings.poll_ms.max(1)),
-            reap_every: (ttl / 2).max(Duration::from_millis(200)),
+            reap_every,
             reap_grace: ttl.max(Duration::from_secs(2)),
+            drain_grace: self.settings.drain_grace(),
         };
         let relay = self.spawn_relay(shutdown.clone());
         let workers = run_workers(self.engine.clone(), self.queue.clone(), settings, shutdown);

@@ -111,7 +111,7 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     let mut last_end = t0;
     for id in &ids {
         let r = app.wait(*id, Duration::from_secs(3600)).await?.ok_or_else(|| anyhow::anyhow!("run {id} vanished"))?;
-        let msgs = app.store.thread_messages(&r.thread_id).await?;
+        let msgs = app.store.thread_messages(&r.thread_id, 100_000).await?;
         let tools = msgs.iter().filter(|m| matches!(m.message, Message::Tool { .. })).count();
         let expected = format!("DONE after {} steps", args.steps);
         if r.status != RunStatus::Succeeded || r.result.as_deref() != Some(expected.as_str()) || tools != args.steps as usize - 1 {

@@ -434,7 +434,7 @@ async fn demo(mut settings: Settings) -> anyhow::Result<ExitCode> {
     let r2 = follow(&app, run2.id, &progress).await?;
     progress.finish();
     let code = report(&r2);
-    let messages = app.store.thread_messages(&thread).await?;
+    let messages = app.store.thread_messages(&thread, 100_000).await?;
     eprintln!(
         "\nthread {thread} now holds {} checkpointed messages from 2 runs; the parent that delegated each run would have received only the final line.",
         messages.len()

@@ -42,9 +42,29 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_LEASE_TTL", default_value_t = 15.0, global = true)]
     pub lease_ttl_secs: f64,
 
-    /// Claims of one run before it fails with `kind=lost` (its workers keep dying).
+    /// Expired leases (its worker crashed, was killed or froze) after which a run fails with
+    /// `kind=lost`. Parking, waking and graceful releases do not count.
     #[arg(long, env = "SUBAGENTS_MAX_ATTEMPTS", default_value_t = 5, global = true)]
     pub max_attempts: u32,
+
+    /// Seconds a stopping worker (SIGTERM) gives the steps in flight to finish before it
+    /// releases their runs to the queue, where another worker resumes them at once.
+    #[arg(long, env = "SUBAGENTS_DRAIN_GRACE", default_value_t = 10.0, global = true)]
+    pub drain_grace_secs: f64,
+
+    /// Messages of a thread a run reads back to rebuild its context (the newest ones).
+    #[arg(long, env = "SUBAGENTS_CONTEXT_MESSAGES", default_value_t = 2000, global = true)]
+    pub context_messages: u32,
+
+    /// Milliseconds between the reaper's passes (expired leases, lost jobs, due wake-ups);
+    /// 0 derives it from the lease (half of it). For tests, a very large value turns it off.
+    #[arg(long, env = "SUBAGENTS_REAP_MS", default_value_t = 0, global = true, hide = true)]
+    pub reap_ms: u64,
+
+    /// Failure points for tests (`name=sleep(MS)` or `name=crash`, comma-separated); off by
+    /// default. See the `failpoints` module.
+    #[arg(long, env = "SUBAGENTS_FAILPOINTS", default_value = "", global = true, hide = true)]
+    pub failpoints: String,
 
     /// Seconds one tool call may take; then the model is told it timed out.
     #[arg(long, env = "SUBAGENTS_TOOL_TIMEOUT", default_value_t = 60.0, global = true)]
@@ -132,6 +152,11 @@ impl Settings {
     /// Lease length.
     pub fn lease_ttl(&self) -> Duration {
         Duration::from_secs_f64(self.lease_ttl_secs.max(0.2))
+    }
+
+    /// How long a draining worker lets the steps in flight finish.
+    pub fn drain_grace(&self) -> Duration {
+        Duration::from_secs_f64(self.drain_grace_secs.clamp(0.0, 3600.0))
     }
 
     /// Tool time limit.

@@ -4,21 +4,56 @@
 //! the parent's run id and the tool call id, so a parent replaying a call after a crash finds
 //! the child it already started instead of starting another.
 //!
-//! `task` and `subagent_await` may have to wait. They then answer [`Call::Park`]: the engine
-//! parks the parent (`waiting`, no worker held) and the parent is claimed again when a child
-//! ends or the await's deadline passes. On that claim the engine replays the call, which this
-//! time finds its answer. Waiting is the replay path, not a second mechanism.
+//! `task` and `subagent_await` may have to wait. They then answer [`Call::Park`] with what they
+//! wait on: the engine parks the parent (`waiting`, no worker held), the store records the runs
+//! it waits on, and whoever ends one of them wakes it in the same commit (or the await's
+//! deadline passes). On the claim that follows, the engine replays the call, which this time
+//! finds its answer. Waiting is the replay path, not a second mechanism.
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::agents::{AgentDef, AgentRegistry};
-use crate::app::{StartError, StartRun};
+use crate::runs::{StartError, StartRun};
 use crate::events::progress_line;
 use crate::ids::{RunId, ThreadId};
 use crate::model::{FunctionSpec, ToolSpec};
 use crate::queue::Queue;
 use crate::store::{CancelOutcome, EventKind, IfBusy, NewEvent, RunRecord, RunStatus, Store, StoreError, TreePosition};
+
+/// A delegation call's result for the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// The compact text the model sees.
+    pub text: String,
+    /// False for refusals and bad arguments (reported as `ok: false` in `tool.completed`).
+    pub ok: bool,
+}
+
+/// What a parked call waits for: any of these runs ending, or the deadline.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Wait {
+    /// Wake when any of these ends (the call then replays and decides again).
+    pub on: Vec<RunId>,
+    /// Wake at this time (Unix ms) at the latest.
+    pub wake_at: Option<i64>,
+}
+
+impl Wait {
+    /// Two calls of one step that both wait: wake on either's runs, at the earlier deadline.
+    pub fn merge(mut self, other: Wait) -> Wait {
+        for r in other.on {
+            if !self.on.contains(&r) {
+                self.on.push(r);
+            }
+        }
+        self.wake_at = match (self.wake_at, other.wake_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self
+    }
+}
 
 /// Names of the delegation tools.
 pub const TOOL_NAMES: [&str; 6] =
@@ -43,9 +78,15 @@ impl Default for DelegationSettings {
 #[derive(Debug, PartialEq)]
 pub enum Call {
     /// The tool result for the model.
-    Done(String),
-    /// Not yet: park the parent; wake it at this time (Unix ms) at the latest, if set.
-    Park(Option<i64>),
+    Done(Answer),
+    /// Not yet: park the parent on this.
+    Park(Wait),
+}
+
+impl Call {
+    fn done(text: String) -> Call {
+        Call::Done(Answer { text, ok: true })
+    }
 }
 
 /// Everything a delegation call needs.
@@ -121,7 +162,7 @@ pub fn specs(agent: &AgentDef, agents: &AgentRegistry) -> Vec<ToolSpec> {
 }
 
 fn err(code: &str, message: impl std::fmt::Display) -> Call {
-    Call::Done(format!("error[{code}]: {message}"))
+    Call::Done(Answer { text: format!("error[{code}]: {message}"), ok: false })
 }
 
 fn cut(text: &str, limit: usize) -> String {
@@ -169,7 +210,7 @@ impl Ctx<'_> {
             "subagent_start" => self.start(&args, call_id).await,
             "subagent_status" => {
                 let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
-                Ok(Call::Done(snapshot(self.store, &run, self.settings.result_limit).await?.to_string()))
+                Ok(Call::done(snapshot(self.store, &run, self.settings.result_limit).await?.to_string()))
             }
             "subagent_events" => {
                 let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
@@ -181,18 +222,18 @@ impl Ctx<'_> {
                     .map(|e| format!("{} {}", e.seq, progress_line(e).map(|l| l.trim().to_owned()).unwrap_or_else(|| e.kind.clone())))
                     .collect();
                 let next = events.last().map(|e| e.seq).unwrap_or(after);
-                Ok(Call::Done(json!({"run_id": run.id, "status": run.status, "events": lines, "next_after_seq": next}).to_string()))
+                Ok(Call::done(json!({"run_id": run.id, "status": run.status, "events": lines, "next_after_seq": next}).to_string()))
             }
             "subagent_cancel" => {
                 let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
-                let outcome = cancel_tree(self.store, run.id).await?;
+                let outcome = crate::runs::cancel(self.store, self.queue, run.id).await?;
                 let text = match outcome {
                     CancelOutcome::Cancelled => "cancelled".to_owned(),
                     CancelOutcome::Requested => "cancel requested; it stops within a second".to_owned(),
                     CancelOutcome::AlreadyFinished(s) => format!("already finished: {}", s.as_str()),
                     CancelOutcome::NotFound => return Ok(self.no_such(&args["run_id"])),
                 };
-                Ok(Call::Done(json!({"run_id": run.id, "result": text}).to_string()))
+                Ok(Call::done(json!({"run_id": run.id, "result": text}).to_string()))
             }
             "subagent_await" => self.await_runs(&args, call_id).await,
             other => Ok(err("unknown_tool", format!("`{other}` is not a delegation tool"))),
@@ -255,7 +296,7 @@ impl Ctx<'_> {
             },
             ..Default::default()
         };
-        match crate::app::start_run(self.store, self.queue, self.agents, self.max_input_bytes, req).await {
+        match crate::runs::start_run(self.store, self.queue, self.agents, self.max_input_bytes, req).await {
             Ok(created) => {
                 if !created.existing {
                     let r = &created.run;
@@ -282,7 +323,7 @@ impl Ctx<'_> {
             Err(answer) => return Ok(answer),
         };
         if !child.status.is_terminal() {
-            return Ok(Call::Park(None));
+            return Ok(Call::Park(Wait { on: vec![child.id], wake_at: None }));
         }
         let mut v = json!({"run_id": child.id, "thread_id": child.thread_id, "status": child.status});
         match child.status {
@@ -293,13 +334,13 @@ impl Ctx<'_> {
                 }
             }
         }
-        Ok(Call::Done(v.to_string()))
+        Ok(Call::done(v.to_string()))
     }
 
     async fn start(&self, args: &Value, call_id: &str) -> Result<Call, StoreError> {
         let detached = args["detached"].as_bool().unwrap_or(false);
         Ok(match self.start_child(args, call_id, detached).await? {
-            Ok(c) => Call::Done(json!({"run_id": c.id, "thread_id": c.thread_id, "status": c.status}).to_string()),
+            Ok(c) => Call::done(json!({"run_id": c.id, "thread_id": c.thread_id, "status": c.status}).to_string()),
             Err(answer) => answer,
         })
     }
@@ -332,68 +373,14 @@ impl Ctx<'_> {
         };
         let timed_out = deadline.is_some_and(|d| crate::store::now_ms() >= d);
         if !ready && !timed_out {
-            return Ok(Call::Park(deadline));
+            // Wait on the ones still going: the end of any of them replays this call.
+            let on = runs.iter().filter(|r| !done(r)).map(|r| r.id).collect();
+            return Ok(Call::Park(Wait { on, wake_at: deadline }));
         }
         let mut snaps = vec![];
         for r in &runs {
             snaps.push(snapshot(self.store, r, self.settings.result_limit).await?);
         }
-        Ok(Call::Done(json!({"runs": snaps, "wait_timed_out": !ready}).to_string()))
+        Ok(Call::done(json!({"runs": snaps, "wait_timed_out": !ready}).to_string()))
     }
-}
-
-/// Cancels a run and, below it, every attached (non-detached) descendant still going.
-pub async fn cancel_tree(store: &dyn Store, run: RunId) -> Result<CancelOutcome, StoreError> {
-    let outcome = store.request_cancel(run).await?;
-    cancel_attached_children(store, run).await?;
-    Ok(outcome)
-}
-
-/// Cancels the attached children (and theirs) of a run: what happens when a parent ends.
-pub async fn cancel_attached_children(store: &dyn Store, run: RunId) -> Result<(), StoreError> {
-    let mut stack = vec![run];
-    while let Some(r) = stack.pop() {
-        for c in store.children(r).await? {
-            if c.tree.detached {
-                continue;
-            }
-            if !c.status.is_terminal() {
-                store.request_cancel(c.id).await?;
-            }
-            stack.push(c.id);
-        }
-    }
-    Ok(())
-}
-
-/// A child ended: tell its parent (a `child.finished` event) and, if the parent is parked,
-/// return it so the caller can wake it.
-pub async fn child_finished(store: &dyn Store, child: &RunRecord) -> Result<Option<RunRecord>, StoreError> {
-    let Some(parent_id) = child.parent_run_id else { return Ok(None) };
-    let mut data = json!({"child_run_id": child.id, "thread_id": child.thread_id, "status": child.status});
-    if let Some(e) = &child.error {
-        data["error"] = json!(e);
-    }
-    store.append_events(parent_id, vec![NewEvent::new(EventKind::ChildFinished, data)]).await?;
-    Ok(store.get_run(parent_id).await?.filter(|p| p.status == RunStatus::Waiting))
-}
-
-/// After a run ends: report to its parent and wake the parent if it is parked.
-pub async fn after_end(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
-    let Some(r) = store.get_run(run).await? else { return Ok(()) };
-    if let Some(parent) = child_finished(store, &r).await? {
-        wake(store, queue, parent.id).await?;
-    }
-    Ok(())
-}
-
-/// Pushes a job for a run that can go on now: a parked parent to re-check what it waits for,
-/// or a queued run whose thread just became free.
-pub async fn wake(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
-    let job = crate::queue::new_job_id();
-    store.set_job(run, &job).await?;
-    if let Err(e) = queue.push(run, &job).await {
-        tracing::warn!(run_id = %run, error = %e, "could not wake the parked run; the reaper will");
-    }
-    Ok(())
 }

@@ -4,17 +4,19 @@
 //! loop) and only its final text comes back. Every run is a queued job whose every step is
 //! checkpointed, so it survives crashed workers and can be continued on its thread.
 //!
-//! Modules, in the order data flows:
-//! - [`agents`]: definitions from `jobs/*.md`;
-//! - [`app`]: wiring — start a run, wait for it, run workers;
-//! - [`queue`]: apalis jobs, workers and the reaper;
-//! - [`engine`]: the step loop (replay, tools, limits, forced answers);
-//! - [`model`]: the chat client and the mock server;
-//! - [`tools`]: built-in tools confined to a workspace;
-//! - [`delegation`]: `task` and the `subagent_*` tools, parking and waking parents;
-//! - [`store`]: threads, runs, messages and the event outbox (SQLite and PostgreSQL);
-//! - [`relay`]: the outbox to Redis Streams, readers, and cross-process wake-ups;
-//! - [`config`], [`cli`], [`telemetry`], [`bench`]: the program's edges.
+//! Modules, from the bottom layer up (each uses only the ones before it):
+//! - [`ids`], [`lifecycle`] (the run state machine), [`failpoints`], [`model`] (the chat client
+//!   and the mock server), [`agents`] (definitions from `jobs/*.md`), [`tools`] (built-ins,
+//!   confined to the owner's workspace), [`events`], [`notify`];
+//! - [`store`]: threads, runs, messages and the event outbox (SQLite and PostgreSQL), applying
+//!   the state machine;
+//! - [`queue`]: pushes apalis jobs;
+//! - [`runs`]: start, cancel, and what follows a run's end;
+//! - [`delegation`]: `task` and the `subagent_*` tools;
+//! - [`engine`]: the step loop, as a planner and an executor;
+//! - [`worker`]: apalis workers, the drain, the reaper; [`relay`]: the outbox to Redis Streams;
+//! - [`app`]: wiring; [`api`], [`client`], [`cli`], [`config`], [`telemetry`], [`bench`]: the
+//!   program's edges.
 #![warn(missing_docs)]
 
 pub mod agents;
@@ -27,11 +29,15 @@ pub mod config;
 pub mod delegation;
 pub mod engine;
 pub mod events;
+pub mod failpoints;
 pub mod ids;
+pub mod lifecycle;
 pub mod model;
 pub mod notify;
 pub mod queue;
 pub mod relay;
+pub mod runs;
 pub mod store;
 pub mod telemetry;
 pub mod tools;
+pub mod worker;

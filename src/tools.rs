@@ -1,15 +1,18 @@
-//! Tools a run may call: a registry of built-ins confined to a workspace directory. Every call
+//! Tools a run may call: a registry of built-ins confined to the owner's workspace directory
+//! (every path opened through a `cap-std` capability, so nothing leaves it). Every call
 //! gets the idempotency key `{run_id}:{step}:{call_id}` (DESIGN.md invariant 2): a call that was
 //! in flight when a worker died runs again with the same key, and a tool with side effects can
 //! use it to do its work only once.
 
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use cap_std::fs::Dir;
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 
 use crate::agents::AgentDef;
 use crate::model::{FunctionSpec, ToolSpec};
@@ -17,10 +20,12 @@ use crate::model::{FunctionSpec, ToolSpec};
 /// What a tool knows about the call it is serving.
 #[derive(Clone, Debug)]
 pub struct ToolCtx {
-    /// The directory every path is confined to.
+    /// The owner's workspace: every path is resolved beneath it (see [`owner_workspace`]).
     pub workspace: PathBuf,
     /// `{run_id}:{step}:{call_id}`.
     pub idempotency_key: String,
+    /// Bytes of output the run keeps; tools that read should not read (much) more.
+    pub output_limit: usize,
 }
 
 /// A tool failure the model should see (it is sent back as the tool result, not raised).
@@ -62,41 +67,57 @@ fn str_arg<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
         .ok_or_else(|| ToolError::new("bad_arguments", format!("missing string argument `{key}`")))
 }
 
-/// Resolves `rel` inside `workspace`, refusing anything that would leave it: absolute paths,
-/// `..`, and symlinks that point outside. Never follows an escaping path.
-pub fn confine(workspace: &Path, rel: &str) -> Result<PathBuf, ToolError> {
-    let p = Path::new(rel);
-    if rel.is_empty() {
-        return Ok(workspace.to_owned());
+/// The directory of one owner beneath the workspace root: owners never see each other's files.
+/// Plain owner names (letters, digits, `-`, `_`, up to 64) are used as they are; any other is
+/// hashed, so no owner name can point elsewhere.
+pub fn owner_workspace(root: &Path, owner: &str) -> PathBuf {
+    let plain = !owner.is_empty() && owner.len() <= 64 && owner.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if plain {
+        return root.join(owner);
     }
-    for c in p.components() {
-        match c {
-            Component::Normal(_) | Component::CurDir => {}
-            _ => {
-                return Err(ToolError::new(
-                    "path_outside_workspace",
-                    format!("`{rel}` is not allowed: use a relative path inside the workspace, without `..`"),
-                ));
-            }
-        }
-    }
-    let root = workspace
-        .canonicalize()
+    let h = Sha256::digest(owner.as_bytes());
+    root.join(format!("owner-{}", h.iter().take(8).map(|b| format!("{b:02x}")).collect::<String>()))
+}
+
+/// The workspace as a capability: every path is opened relative to it, and the kernel-level
+/// resolution in `cap-std` refuses absolute paths, `..` and symlinks that lead outside, at open
+/// time. So no check-then-open race exists (a link swapped in between is still refused).
+fn workspace_dir(workspace: &Path) -> Result<Dir, ToolError> {
+    std::fs::create_dir_all(workspace)
         .map_err(|e| ToolError::new("workspace_unavailable", format!("workspace {}: {e}", workspace.display())))?;
-    let full = root.join(p);
-    // Check the deepest existing ancestor: a symlink anywhere on the way is resolved here.
-    let mut existing = full.as_path();
-    while !existing.exists() {
-        existing = existing.parent().unwrap_or(&root);
+    Dir::open_ambient_dir(workspace, cap_std::ambient_authority())
+        .map_err(|e| ToolError::new("workspace_unavailable", format!("workspace {}: {e}", workspace.display())))
+}
+
+/// Refuses what no workspace path may be, with a message that says what to write instead. The
+/// capability refuses these too; this only makes the message clearer.
+fn relative(rel: &str) -> Result<&Path, ToolError> {
+    let p = Path::new(rel);
+    if p.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir)) {
+        Ok(p)
+    } else {
+        Err(ToolError::new(
+            "path_outside_workspace",
+            format!("`{rel}` is not allowed: use a relative path inside the workspace, without `..`"),
+        ))
     }
-    let real = existing.canonicalize().map_err(|e| ToolError::new("io_error", e.to_string()))?;
-    if !real.starts_with(&root) {
-        return Err(ToolError::new(
+}
+
+/// Turns an I/O error on `rel` into what the model should hear.
+fn io_error(rel: &str, e: std::io::Error) -> ToolError {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => ToolError::new("not_found", format!("`{rel}` does not exist; list_dir shows what does")),
+        std::io::ErrorKind::PermissionDenied if e.to_string().contains("outside") => ToolError::new(
             "path_outside_workspace",
             format!("`{rel}` leads outside the workspace (through a link); it was not followed"),
-        ));
+        ),
+        _ => ToolError::new("io_error", format!("`{rel}`: {e}")),
     }
-    Ok(full)
+}
+
+/// Runs blocking file work off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ToolError> + Send + 'static) -> Result<T, ToolError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ToolError::new("io_error", format!("file task failed: {e}")))?
 }
 
 /// `echo`: returns its text. Harmless and deterministic: the tool tests and the mock use.
@@ -112,7 +133,11 @@ impl Tool for Echo {
     }
 }
 
-/// `read_file`: a UTF-8 file from the workspace.
+/// Room kept under the output limit for the truncation marker.
+const MARKER_ROOM: usize = 128;
+
+/// `read_file`: a UTF-8 file from the workspace, read only as far as the output limit (a huge
+/// file, or a pipe that never ends, costs no more than a small one).
 pub struct ReadFile;
 
 #[async_trait]
@@ -120,18 +145,39 @@ impl Tool for ReadFile {
     fn spec(&self) -> ToolSpec {
         spec(
             "read_file",
-            "Reads a UTF-8 text file from the workspace. `path` is relative to the workspace.",
+            "Reads a UTF-8 text file from the workspace. `path` is relative to the workspace. Long files are cut at the output limit, with a note saying so.",
             json!({"type":"object","properties":{"path":{"type":"string"}},"required":["path"]}),
         )
     }
     async fn call(&self, args: Value, ctx: &ToolCtx) -> Result<String, ToolError> {
-        let rel = str_arg(&args, "path")?;
-        let path = confine(&ctx.workspace, rel)?;
-        let bytes = tokio::fs::read(&path).await.map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ToolError::new("not_found", format!("`{rel}` does not exist; list_dir shows what does")),
-            _ => ToolError::new("io_error", format!("`{rel}`: {e}")),
-        })?;
-        String::from_utf8(bytes).map_err(|_| ToolError::new("not_text", format!("`{rel}` is not UTF-8 text")))
+        let rel = str_arg(&args, "path")?.to_owned();
+        let workspace = ctx.workspace.clone();
+        let keep = ctx.output_limit.saturating_sub(MARKER_ROOM).max(1);
+        blocking(move || {
+            let dir = workspace_dir(&workspace)?;
+            let file = dir.open(relative(&rel)?).map_err(|e| io_error(&rel, e))?;
+            let meta = file.metadata().map_err(|e| io_error(&rel, e))?;
+            if meta.is_dir() {
+                return Err(ToolError::new("is_directory", format!("`{rel}` is a directory; list_dir lists it")));
+            }
+            let mut buf = Vec::with_capacity(keep.min(1 << 20) + 1);
+            file.into_std().take(keep as u64 + 1).read_to_end(&mut buf).map_err(|e| io_error(&rel, e))?;
+            let more = buf.len() > keep;
+            buf.truncate(keep);
+            let text = match std::str::from_utf8(&buf) {
+                Ok(t) => t.to_owned(),
+                // A cut through the last character is not binary data.
+                Err(e) if more && e.error_len().is_none() => String::from_utf8_lossy(&buf[..e.valid_up_to()]).into_owned(),
+                Err(_) => return Err(ToolError::new("not_text", format!("`{rel}` is not UTF-8 text"))),
+            };
+            if !more {
+                return Ok(text);
+            }
+            let shown = text.len();
+            let total = if meta.is_file() { format!("{} bytes", meta.len()) } else { "longer (a stream)".into() };
+            Ok(format!("{text}\n[output truncated: the first {shown} bytes shown; the file is {total}]"))
+        })
+        .await
     }
 }
 
@@ -148,18 +194,23 @@ impl Tool for WriteFile {
         )
     }
     async fn call(&self, args: Value, ctx: &ToolCtx) -> Result<String, ToolError> {
-        let rel = str_arg(&args, "path")?;
-        let content = str_arg(&args, "content")?;
-        let path = confine(&ctx.workspace, rel)?;
-        if path.is_dir() {
-            return Err(ToolError::new("is_directory", format!("`{rel}` is a directory")));
-        }
-        if let Some(parent) = path.parent() {
-            tokio::fs::create_dir_all(parent).await.map_err(|e| ToolError::new("io_error", e.to_string()))?;
-        }
-        // Writing the whole content is idempotent: a replay after a crash leaves the same file.
-        tokio::fs::write(&path, content).await.map_err(|e| ToolError::new("io_error", format!("`{rel}`: {e}")))?;
-        Ok(format!("wrote {} bytes to {rel}", content.len()))
+        let rel = str_arg(&args, "path")?.to_owned();
+        let content = str_arg(&args, "content")?.to_owned();
+        let workspace = ctx.workspace.clone();
+        blocking(move || {
+            let dir = workspace_dir(&workspace)?;
+            let path = relative(&rel)?;
+            if rel.is_empty() || dir.is_dir(path) {
+                return Err(ToolError::new("is_directory", format!("`{rel}` is a directory")));
+            }
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                dir.create_dir_all(parent).map_err(|e| io_error(&rel, e))?;
+            }
+            // Writing the whole content is idempotent: a replay after a crash leaves the same file.
+            dir.write(path, content.as_bytes()).map_err(|e| io_error(&rel, e))?;
+            Ok(format!("wrote {} bytes to {rel}", content.len()))
+        })
+        .await
     }
 }
 
@@ -176,22 +227,24 @@ impl Tool for ListDir {
         )
     }
     async fn call(&self, args: Value, ctx: &ToolCtx) -> Result<String, ToolError> {
-        let rel = args.get("path").and_then(Value::as_str).unwrap_or("");
-        let path = confine(&ctx.workspace, rel)?;
-        let mut rd = tokio::fs::read_dir(&path).await.map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ToolError::new("not_found", format!("`{rel}` does not exist")),
-            _ => ToolError::new("io_error", format!("`{rel}`: {e}")),
-        })?;
-        let mut names = vec![];
-        while let Some(e) = rd.next_entry().await.map_err(|e| ToolError::new("io_error", e.to_string()))? {
-            let mut n = e.file_name().to_string_lossy().into_owned();
-            if e.file_type().await.map(|t| t.is_dir()).unwrap_or(false) {
-                n.push('/');
+        let rel = args.get("path").and_then(Value::as_str).unwrap_or("").to_owned();
+        let workspace = ctx.workspace.clone();
+        blocking(move || {
+            let dir = workspace_dir(&workspace)?;
+            let path = if rel.is_empty() { Path::new(".") } else { relative(&rel)? };
+            let mut names = vec![];
+            for e in dir.read_dir(path).map_err(|e| io_error(&rel, e))? {
+                let e = e.map_err(|e| io_error(&rel, e))?;
+                let mut n = e.file_name().to_string_lossy().into_owned();
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    n.push('/');
+                }
+                names.push(n);
             }
-            names.push(n);
-        }
-        names.sort();
-        Ok(if names.is_empty() { "(empty)".into() } else { names.join("\n") })
+            names.sort();
+            Ok(if names.is_empty() { "(empty)".into() } else { names.join("\n") })
+        })
+        .await
     }
 }
 
@@ -301,17 +354,39 @@ pub fn truncate_output(text: String, limit: usize) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn confine_refuses_escapes() {
+    fn ctx(dir: &Path) -> ToolCtx {
+        ToolCtx { workspace: dir.to_owned(), idempotency_key: "k".into(), output_limit: 16 * 1024 }
+    }
+
+    #[tokio::test]
+    async fn paths_that_leave_the_workspace_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(confine(dir.path(), "a/b.txt").is_ok());
-        assert_eq!(confine(dir.path(), "../x").unwrap_err().code, "path_outside_workspace");
-        assert_eq!(confine(dir.path(), "/etc/passwd").unwrap_err().code, "path_outside_workspace");
-        #[cfg(unix)]
-        {
-            std::os::unix::fs::symlink("/etc", dir.path().join("link")).unwrap();
-            assert_eq!(confine(dir.path(), "link/passwd").unwrap_err().code, "path_outside_workspace");
+        let ws = dir.path().join("ws");
+        let reg = ToolRegistry::builtin(None);
+        let c = ctx(&ws);
+        for bad in ["../x", "/etc/passwd", "a/../../x"] {
+            let e = reg.execute("read_file", &json!({"path": bad}).to_string(), &c).await.unwrap_err();
+            assert_eq!(e.code, "path_outside_workspace", "{bad}");
         }
+        std::fs::create_dir_all(&ws).unwrap();
+        std::os::unix::fs::symlink("/etc", ws.join("link")).unwrap();
+        let e = reg.execute("read_file", r#"{"path":"link/passwd"}"#, &c).await.unwrap_err();
+        assert_eq!(e.code, "path_outside_workspace");
+        // A dangling link: writing through it would create a file outside.
+        let outside = dir.path().join("outside.txt");
+        std::os::unix::fs::symlink(&outside, ws.join("dangling")).unwrap();
+        let e = reg.execute("write_file", r#"{"path":"dangling","content":"x"}"#, &c).await.unwrap_err();
+        assert_eq!(e.code, "path_outside_workspace");
+        assert!(!outside.exists(), "write_file created a file outside the workspace");
+    }
+
+    #[test]
+    fn owners_get_their_own_directories() {
+        let root = Path::new("/w");
+        assert_eq!(owner_workspace(root, "alice"), Path::new("/w/alice"));
+        let odd = owner_workspace(root, "../etc");
+        assert!(odd.to_str().unwrap().starts_with("/w/owner-") && odd.components().count() == 3, "{odd:?}");
+        assert_ne!(owner_workspace(root, "a/b"), owner_workspace(root, "a/c"));
     }
 
     #[test]
@@ -325,12 +400,29 @@ mod tests {
     async fn files_round_trip_and_bad_args_are_reported() {
         let dir = tempfile::tempdir().unwrap();
         let reg = ToolRegistry::builtin(None);
-        let ctx = ToolCtx { workspace: dir.path().to_owned(), idempotency_key: "k".into() };
+        let ctx = ctx(dir.path());
         reg.execute("write_file", r#"{"path":"d/x.txt","content":"hi"}"#, &ctx).await.unwrap();
         assert_eq!(reg.execute("read_file", r#"{"path":"d/x.txt"}"#, &ctx).await.unwrap(), "hi");
         assert_eq!(reg.execute("list_dir", "{}", &ctx).await.unwrap(), "d/");
+        assert_eq!(reg.execute("list_dir", r#"{"path":"d"}"#, &ctx).await.unwrap(), "x.txt");
         assert_eq!(reg.execute("read_file", "{", &ctx).await.unwrap_err().code, "bad_arguments");
         assert_eq!(reg.execute("nope", "{}", &ctx).await.unwrap_err().code, "unknown_tool");
         assert_eq!(reg.execute("read_file", r#"{"path":"zz"}"#, &ctx).await.unwrap_err().code, "not_found");
+        assert_eq!(reg.execute("read_file", r#"{"path":"d"}"#, &ctx).await.unwrap_err().code, "is_directory");
+        assert_eq!(reg.execute("write_file", r#"{"path":"d","content":""}"#, &ctx).await.unwrap_err().code, "is_directory");
+    }
+
+    #[tokio::test]
+    async fn reads_stop_at_the_output_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let reg = ToolRegistry::builtin(None);
+        let mut c = ctx(dir.path());
+        c.output_limit = 1000;
+        // A sparse 4 GiB file: reading it whole would take the worker down.
+        let f = std::fs::File::create(dir.path().join("huge.txt")).unwrap();
+        f.set_len(4 << 30).unwrap();
+        let out = reg.execute("read_file", r#"{"path":"huge.txt"}"#, &c).await.unwrap();
+        assert!(out.len() <= 1000, "{}", out.len());
+        assert!(out.ends_with("the file is 4294967296 bytes]"), "{}", &out[out.len() - 80..]);
     }
 }

@@ -58,6 +58,7 @@ macro_rules! row_mappers {
                     completion_tokens: r.get::<i64, _>("completion_tokens") as u64,
                 },
                 attempts: r.get::<i64, _>("attempts") as u32,
+                crashes: r.get::<i64, _>("crashes") as u32,
                 lease_epoch: r.get("lease_epoch"),
                 cancel_requested: r.get::<i64, _>("cancel_requested") != 0,
                 job_id: r.get("job_id"),
@@ -96,6 +97,8 @@ macro_rules! row_mappers {
     };
 }
 
+#[macro_use]
+mod common;
 pub mod postgres;
 pub mod sqlite;
 
@@ -115,72 +118,7 @@ pub use sqlite::SqliteStore;
 /// `Result` with the store's error.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
-/// Where a run is in its life. Stored as its lowercase name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum RunStatus {
-    /// Waiting for a worker.
-    Queued,
-    /// A worker holds its lease and is executing it.
-    Running,
-    /// Parked on children; holds no worker.
-    Waiting,
-    /// Finished with a final answer.
-    Succeeded,
-    /// Finished with an error (see [`ErrorKind`]).
-    Failed,
-    /// Stopped on request.
-    Cancelled,
-}
-
-impl RunStatus {
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RunStatus::Queued => "queued",
-            RunStatus::Running => "running",
-            RunStatus::Waiting => "waiting",
-            RunStatus::Succeeded => "succeeded",
-            RunStatus::Failed => "failed",
-            RunStatus::Cancelled => "cancelled",
-        }
-    }
-
-    /// Parses a stored name.
-    pub fn parse(s: &str) -> Option<RunStatus> {
-        Some(match s {
-            "queued" => RunStatus::Queued,
-            "running" => RunStatus::Running,
-            "waiting" => RunStatus::Waiting,
-            "succeeded" => RunStatus::Succeeded,
-            "failed" => RunStatus::Failed,
-            "cancelled" => RunStatus::Cancelled,
-            _ => return None,
-        })
-    }
-
-    /// A terminal state never changes again.
-    pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Succeeded | RunStatus::Failed | RunStatus::Cancelled)
-    }
-
-    /// The one place that says which moves are legal (DESIGN.md "Run states"). Every status
-    /// write in a store implementation is guarded by this check and by a matching SQL predicate.
-    pub fn can_become(self, to: RunStatus) -> bool {
-        use RunStatus::*;
-        matches!(
-            (self, to),
-            (Queued, Running)
-                | (Queued, Cancelled)
-                | (Running, Waiting)
-                | (Waiting, Running)
-                | (Running, Succeeded | Failed | Cancelled)
-                | (Waiting, Failed | Cancelled)
-                // A crashed worker's run is put back on the queue.
-                | (Running, Queued)
-        )
-    }
-}
+pub use crate::lifecycle::{IllegalTransition, RunStatus, Terminal, Transition};
 
 /// Why a run failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -375,8 +313,11 @@ pub struct RunRecord {
     pub error: Option<RunError>,
     /// Tokens used.
     pub usage: Usage,
-    /// Times a worker claimed it.
+    /// Times a worker claimed it (starts, resumes after parking or draining, and reclaims).
     pub attempts: u32,
+    /// Times its lease expired under a worker (crashes, kills, freezes): only these count
+    /// toward the attempts limit.
+    pub crashes: u32,
     /// Current lease epoch.
     pub lease_epoch: i64,
     /// A cancel was requested and not yet acted on.
@@ -543,8 +484,40 @@ pub enum Claim {
     Acquired(Lease, Box<RunRecord>),
     /// Someone else holds it, or it is finished or missing: nothing to do.
     NotClaimable(Option<RunStatus>),
-    /// Its workers kept vanishing; it has now been failed with `kind=lost`.
-    GaveUp,
+}
+
+/// A park: the lease holder gives up its worker until what it waits for happens.
+#[derive(Clone, Debug, Default)]
+pub struct Park {
+    /// Events to append with the park (`run.waiting`).
+    pub events: Vec<NewEvent>,
+    /// Wake at this time (Unix ms) at the latest, if set (an await's timeout).
+    pub wake_at: Option<i64>,
+    /// The runs whose end wakes it. Any that already ended when the park commits make it due at
+    /// once, so an end that raced the park is never missed.
+    pub waits_on: Vec<RunId>,
+}
+
+/// The answer to [`Store::park`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Parked {
+    /// Parked; `due` is true when something it waits on had already happened, so it needs a
+    /// claim at once.
+    Parked {
+        /// Wake it now.
+        due: bool,
+    },
+    /// Not parked: a cancel is pending, and the lease holder must finish the run as cancelled.
+    CancelPending,
+}
+
+/// A run whose lease had expired, as [`Store::expire_leases`] left it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expired {
+    /// The run.
+    pub run_id: RunId,
+    /// True when it failed with `kind=lost` (too many crashes) instead of being queued again.
+    pub gave_up: bool,
 }
 
 /// How a run ends.
@@ -574,11 +547,20 @@ pub struct Checkpoint {
     pub step: Option<u32>,
     /// Tokens to add.
     pub usage: Usage,
-    /// Terminal transition, if this write ends the run.
+    /// Terminal transition, if this write ends the run. The parent's `child.finished` event and
+    /// the wake-up of every run waiting on this one commit with it.
     pub finish: Option<Finish>,
-    /// Park the run (`running → waiting`), giving up the lease; `Some(Some(ms))` also sets a
-    /// deadline at which the reaper wakes it.
-    pub park: Option<Option<i64>>,
+}
+
+impl Finish {
+    /// The terminal status it ends in.
+    pub fn terminal(&self) -> Terminal {
+        match self {
+            Finish::Succeeded { .. } => Terminal::Succeeded,
+            Finish::Failed(_) => Terminal::Failed,
+            Finish::Cancelled => Terminal::Cancelled,
+        }
+    }
 }
 
 /// The answer to a lease renewal.
@@ -601,8 +583,8 @@ pub enum CancelOutcome {
     NotFound,
 }
 
-/// A run that needs a (new) queue job: queued without a live job, or running under an expired
-/// lease.
+/// A run that needs a (new) queue job: queued without a job that will start it, or parked
+/// and due.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Orphan {
     /// The run.
@@ -650,20 +632,40 @@ pub trait Store: Send + Sync + 'static {
     /// Reads a run.
     async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>>;
 
-    /// Takes the run if it is queued, or running under an expired lease; bumps the epoch.
-    async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration, max_attempts: u32) -> Result<Claim>;
+    /// [`Transition::Claim`]: takes a queued run (when its thread is free and it is the
+    /// thread's oldest) or a parked one; bumps the epoch.
+    async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim>;
 
-    /// Extends the lease. Fails with [`StoreError::LeaseLost`] if the epoch is stale.
+    /// [`Transition::Heartbeat`]: extends the lease. Fails with [`StoreError::LeaseLost`] if
+    /// the epoch is stale or the run is no longer running.
     async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus>;
 
-    /// Gives the run up at once (shutdown, internal error) so another worker may claim it.
-    async fn release_lease(&self, lease: &Lease) -> Result<()>;
+    /// [`Transition::Release`]: gives the run back to the queue at once (a draining worker, a
+    /// storage failure) under a new job id, which the caller pushes. Returns false when the
+    /// lease was already lost.
+    async fn release_lease(&self, lease: &Lease, job_id: &str) -> Result<bool>;
 
-    /// Commits progress atomically, fenced by the lease.
+    /// Commits progress atomically, fenced by the lease ([`Transition::Heartbeat`], or
+    /// [`Transition::Finish`] when `cp.finish` is set).
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
 
-    /// Every message of a thread, in order.
-    async fn thread_messages(&self, thread: &ThreadId) -> Result<Vec<StoredMessage>>;
+    /// [`Transition::Park`], fenced by the lease; refused with [`Parked::CancelPending`] when a
+    /// cancel was requested (the holder must finish the run instead).
+    async fn park(&self, lease: &Lease, park: Park) -> Result<Parked>;
+
+    /// [`Transition::Wake`]: makes a parked run due for a claim. False if it was not parked.
+    async fn wake(&self, run: RunId) -> Result<bool>;
+
+    /// [`Transition::Expire`] or, after `max_crashes` expiries, [`Transition::GiveUp`], for
+    /// every running run whose lease has run out.
+    async fn expire_leases(&self, max_crashes: u32) -> Result<Vec<Expired>>;
+
+    /// Parked runs that are due and wait on `run` or are its parent: who to push a job for
+    /// after `run` ended.
+    async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>>;
+
+    /// The newest `limit` messages of a thread, in order (the context a run rebuilds).
+    async fn thread_messages(&self, thread: &ThreadId, limit: u32) -> Result<Vec<StoredMessage>>;
 
     /// Events of a run with `seq > after`, at most `limit`.
     async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>>;
@@ -671,7 +673,9 @@ pub trait Store: Send + Sync + 'static {
     /// Asks a run to stop; idempotent.
     async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome>;
 
-    /// Runs that need a new queue job; `grace` keeps fresh enqueues and recent re-enqueues out.
+    /// Runs that need a new queue job: queued without a job that will start them (none, a
+    /// finished one, or one held by a worker without being started), or parked and due;
+    /// `grace` keeps fresh enqueues and recent re-enqueues out.
     async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>>;
 
     /// Records the queue job now responsible for the run.
@@ -708,9 +712,11 @@ pub trait Store: Send + Sync + 'static {
     /// Wake-ups for cancel requests of `run` made through this store.
     fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify>;
 
-    /// Appends events to a run's stream without holding its lease (a child reporting to its
-    /// parent). The seq stays gap-free: it is reserved under the run row's write lock.
-    async fn append_events(&self, run: RunId, events: Vec<NewEvent>) -> Result<()>;
+    /// Appends events to a run's stream without holding its lease (a parent announcing a
+    /// child it started). The seq stays gap-free: it is reserved under the run row's write
+    /// lock. Nothing is appended to a finished run (returns false): nothing follows a terminal
+    /// event.
+    async fn append_events(&self, run: RunId, events: Vec<NewEvent>) -> Result<bool>;
 
     /// The run's children, oldest first.
     async fn children(&self, run: RunId) -> Result<Vec<RunRecord>>;

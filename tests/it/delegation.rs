@@ -41,7 +41,7 @@ async fn start_parent(t: &TestApp, agent: &str) -> RunRecord {
 
 /// The parent's tool results, parsed, in call order (as the model sees them).
 async fn tool_results(t: &TestApp, run: &RunRecord) -> Vec<Value> {
-    let history = t.app.store.thread_messages(&run.thread_id).await.unwrap();
+    let history = t.app.store.thread_messages(&run.thread_id, 100_000).await.unwrap();
     subagents::engine::context(&history, run.id)
         .into_iter()
         .filter_map(|m| match m {
@@ -86,7 +86,7 @@ async fn task_runs_a_child_and_returns_only_its_final_text() {
         assert!(k.contains(&want), "{want} missing from {k:?}");
     }
     // The parent's context holds the child's answer, not its 5 intermediate messages.
-    let parent_msgs = t.app.store.thread_messages(&parent.thread_id).await.unwrap();
+    let parent_msgs = t.app.store.thread_messages(&parent.thread_id, 100_000).await.unwrap();
     assert_eq!(parent_msgs.len(), 4, "input, task call, task result, answer");
     // Usage rolls up.
     let (tree, steps) = t.app.store.tree_usage(parent.id).await.unwrap();

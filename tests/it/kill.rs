@@ -42,7 +42,7 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
     let at_kill = app.store.get_run(run.id).await.unwrap().unwrap();
     assert_eq!(at_kill.status, RunStatus::Running, "the dead worker's run is still running (lease pending expiry)");
     let committed_steps = at_kill.step;
-    let committed_msgs = app.store.thread_messages(&run.thread_id).await.unwrap();
+    let committed_msgs = app.store.thread_messages(&run.thread_id, 100_000).await.unwrap();
 
     let mut second = worker(dir.path(), &mock, &journal);
     let done = app.wait(run.id, Duration::from_secs(60)).await.unwrap().unwrap();
@@ -55,7 +55,7 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
     assert_eq!(done.attempts, 2, "claimed by the killed worker, then by the new one");
 
     // Every message committed before the kill is still there, unchanged, in the same place.
-    let msgs = app.store.thread_messages(&run.thread_id).await.unwrap();
+    let msgs = app.store.thread_messages(&run.thread_id, 100_000).await.unwrap();
     assert_eq!(&msgs[..committed_msgs.len()], &committed_msgs[..]);
     assert_eq!(msgs.iter().filter(|m| matches!(m.message, Message::Assistant { .. })).count(), 10);
     assert_eq!(msgs.iter().filter(|m| matches!(m.message, Message::Tool { .. })).count(), 9);

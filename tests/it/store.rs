@@ -55,8 +55,14 @@ conformance!(
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     idempotency_keys_return_the_first_run,
     runs_whose_workers_keep_dying_fail_as_lost,
+    parking_and_releases_do_not_spend_the_crash_budget,
     orphans_are_found_after_the_grace_period,
     parked_runs_are_claimed_again_and_cancelled_at_once,
+    a_pending_cancel_refuses_the_park,
+    a_childs_end_reports_and_wakes_in_the_same_commit,
+    a_live_parent_hears_of_every_childs_end,
+    a_park_on_ended_runs_is_due_at_once,
+    the_transition_table_is_enforced,
     listing_and_tree_queries,
 );
 
@@ -84,26 +90,27 @@ fn msg(run: RunId, key: &str) -> NewMessage {
 async fn a_stale_epoch_cannot_write(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(old, _) = s.claim_run(run.id, "w1", Duration::from_millis(100), 5).await.unwrap() else { panic!() };
+    let Claim::Acquired(old, _) = s.claim_run(run.id, "w1", Duration::from_millis(100)).await.unwrap() else { panic!() };
     // Not claimable while the lease is valid.
-    assert!(matches!(s.claim_run(run.id, "w2", Duration::from_secs(10), 5).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Running))));
+    assert!(matches!(s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Running))));
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let Claim::Acquired(new, rec) = s.claim_run(run.id, "w2", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    assert_eq!(s.expire_leases(5).await.unwrap(), [Expired { run_id: run.id, gave_up: false }]);
+    let Claim::Acquired(new, rec) = s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap() else { panic!() };
     assert_eq!(new.epoch, old.epoch + 1);
     assert_eq!(rec.attempts, 2);
     let err = s.checkpoint(&old, Checkpoint { messages: vec![msg(run.id, "a")], ..Default::default() }).await.unwrap_err();
     assert!(matches!(err, StoreError::LeaseLost(_)), "{err}");
     assert!(matches!(s.renew_lease(&old).await.unwrap_err(), StoreError::LeaseLost(_)));
     // The zombie's write left nothing behind.
-    assert!(s.thread_messages(&t).await.unwrap().is_empty());
+    assert!(s.thread_messages(&t, 100_000).await.unwrap().is_empty());
     s.checkpoint(&new, Checkpoint { messages: vec![msg(run.id, "a")], ..Default::default() }).await.unwrap();
-    assert_eq!(s.thread_messages(&t).await.unwrap().len(), 1);
+    assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 1);
 }
 
 async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
     for _ in 0..2 {
         s.checkpoint(
             &lease,
@@ -116,7 +123,7 @@ async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
         .await
         .unwrap();
     }
-    assert_eq!(s.thread_messages(&t).await.unwrap().len(), 2, "same keys appended once");
+    assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 2, "same keys appended once");
     let ev = s.events_after(run.id, 0, 100).await.unwrap();
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
     assert_eq!(s.events_after(run.id, 4, 1).await.unwrap()[0].seq, 5, "cursor and limit");
@@ -125,13 +132,13 @@ async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
 async fn terminal_states_never_change(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
     s.checkpoint(&lease, Checkpoint { finish: Some(Finish::Succeeded { result: "r".into(), forced: false }), ..Default::default() })
         .await
         .unwrap();
     let again = s.checkpoint(&lease, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await;
     assert!(matches!(again, Err(StoreError::LeaseLost(_))));
-    assert!(matches!(s.claim_run(run.id, "w2", Duration::from_secs(1), 5).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Succeeded))));
+    assert!(matches!(s.claim_run(run.id, "w2", Duration::from_secs(1)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Succeeded))));
     assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::AlreadyFinished(RunStatus::Succeeded));
     let r = s.get_run(run.id).await.unwrap().unwrap();
     assert_eq!((r.status, r.result.as_deref()), (RunStatus::Succeeded, Some("r")));
@@ -161,14 +168,14 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     n.if_busy = IfBusy::Enqueue;
     let third = s.create_run(n).await.unwrap().run;
     // Only the oldest queued run of the thread is claimable.
-    assert!(matches!(s.claim_run(third.id, "w", Duration::from_secs(10), 5).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
-    let Claim::Acquired(l1, _) = s.claim_run(first.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    assert!(matches!(s.claim_run(third.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
+    let Claim::Acquired(l1, _) = s.claim_run(first.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
     // While the first runs, the second waits.
-    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10), 5).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
+    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
     assert!(s.orphans(Duration::ZERO).await.unwrap().iter().all(|o| o.run_id != second.id), "a blocked run is not an orphan");
     s.checkpoint(&l1, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await.unwrap();
     assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id));
-    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10), 5).await.unwrap(), Claim::Acquired(..)));
+    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)));
 }
 
 async fn idempotency_keys_return_the_first_run(s: Backend) {
@@ -189,11 +196,17 @@ async fn idempotency_keys_return_the_first_run(s: Backend) {
 
 async fn runs_whose_workers_keep_dying_fail_as_lost(s: Backend) {
     let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    for _ in 0..2 {
-        assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10), 2).await.unwrap(), Claim::Acquired(..)));
+    for crash in 1..=2u32 {
+        assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10)).await.unwrap(), Claim::Acquired(..)));
         tokio::time::sleep(Duration::from_millis(20)).await;
+        let expired = s.expire_leases(3).await.unwrap();
+        assert_eq!(expired, [Expired { run_id: run.id, gave_up: false }], "crash {crash} puts it back on the queue");
+        let r = s.get_run(run.id).await.unwrap().unwrap();
+        assert_eq!((r.status, r.crashes), (RunStatus::Queued, crash));
     }
-    assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10), 2).await.unwrap(), Claim::GaveUp));
+    assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10)).await.unwrap(), Claim::Acquired(..)));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(s.expire_leases(3).await.unwrap(), [Expired { run_id: run.id, gave_up: true }]);
     let r = s.get_run(run.id).await.unwrap().unwrap();
     assert_eq!(r.status, RunStatus::Failed);
     assert_eq!(r.error.unwrap().kind, ErrorKind::Lost);
@@ -202,55 +215,258 @@ async fn runs_whose_workers_keep_dying_fail_as_lost(s: Backend) {
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=ev.len() as u64).collect::<Vec<_>>());
 }
 
+/// Hole 1: parking, waking and graceful releases are not crashes. A run that parked five times
+/// and was released once still survives a crash with a crash budget of 2.
+async fn parking_and_releases_do_not_spend_the_crash_budget(s: Backend) {
+    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    for _ in 0..5 {
+        let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+        let park = Park { wake_at: Some(now_ms() + 60_000), ..Default::default() };
+        assert_eq!(s.park(&lease, park).await.unwrap(), Parked::Parked { due: false });
+    }
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    assert!(s.release_lease(&lease, &new_job_id()).await.unwrap());
+    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Queued, "a release queues it again at once");
+    let Claim::Acquired(..) = s.claim_run(run.id, "w", Duration::from_millis(10)).await.unwrap() else { panic!() };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(s.expire_leases(2).await.unwrap(), [Expired { run_id: run.id, gave_up: false }]);
+    let r = s.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!((r.status, r.attempts, r.crashes), (RunStatus::Queued, 7, 1));
+    let Claim::Acquired(..) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!("one crash must not lose it") };
+}
+
 async fn orphans_are_found_after_the_grace_period(s: Backend) {
     let queued = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let running = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(running.id, "w", Duration::from_millis(10), 5).await.unwrap() else { panic!() };
+    let parked = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let Claim::Acquired(lease, _) = s.claim_run(parked.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    s.park(&lease, Park { wake_at: Some(now_ms() + 20), ..Default::default() }).await.unwrap();
     assert!(s.orphans(Duration::from_secs(60)).await.unwrap().is_empty(), "fresh enqueues are left alone");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let found = s.orphans(Duration::from_millis(1)).await.unwrap();
-    // The queued run's job was never pushed; the running one's lease expired.
+    // The queued run's job was never pushed; the parked one's deadline passed.
     assert!(found.iter().any(|o| o.run_id == queued.id && o.status == RunStatus::Queued), "{found:?}");
-    assert!(found.iter().any(|o| o.run_id == running.id && o.status == RunStatus::Running), "{found:?}");
-    s.renew_lease(&lease).await.unwrap();
+    assert!(found.iter().any(|o| o.run_id == parked.id && o.status == RunStatus::Waiting), "{found:?}");
     s.set_job(queued.id, &new_job_id()).await.unwrap();
+    s.set_job(parked.id, &new_job_id()).await.unwrap();
     let found = s.orphans(Duration::from_secs(1)).await.unwrap();
-    assert!(found.is_empty(), "renewed and re-enqueued runs are not orphans: {found:?}");
-}
-
-#[test]
-fn status_transitions_are_checked_in_one_place() {
-    use RunStatus::*;
-    assert!(Queued.can_become(Running));
-    assert!(Running.can_become(Succeeded));
-    assert!(!Succeeded.can_become(Running));
-    assert!(!Cancelled.can_become(Queued));
-    assert!(!Queued.can_become(Succeeded));
-    for s in [Succeeded, Failed, Cancelled] {
-        for to in [Queued, Running, Waiting, Succeeded, Failed, Cancelled] {
-            assert!(!s.can_become(to), "{s:?} -> {to:?}");
-        }
-    }
+    assert!(found.is_empty(), "re-enqueued runs are not orphans within the grace: {found:?}");
 }
 
 async fn parked_runs_are_claimed_again_and_cancelled_at_once(s: Backend) {
     let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
-    s.checkpoint(&lease, Checkpoint { park: Some(Some(12345)), ..Default::default() }).await.unwrap();
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    s.park(&lease, Park { wake_at: Some(12345), ..Default::default() }).await.unwrap();
     let parked = s.get_run(run.id).await.unwrap().unwrap();
     assert_eq!((parked.status, parked.wake_at), (RunStatus::Waiting, Some(12345)));
     // A parked run holds no lease: the old epoch cannot write.
     assert!(matches!(s.checkpoint(&lease, Checkpoint::default()).await, Err(StoreError::LeaseLost(_))));
-    let Claim::Acquired(again, rec) = s.claim_run(run.id, "w2", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
-    assert_eq!(rec.claimed_from, Some(RunStatus::Waiting));
+    let Claim::Acquired(again, rec) = s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    assert_eq!((rec.claimed_from, rec.wake_at), (Some(RunStatus::Waiting), None));
     let ev = s.events_after(run.id, 0, 100).await.unwrap();
     assert_eq!(ev.last().unwrap().kind, "run.resumed");
-    s.checkpoint(&again, Checkpoint { park: Some(None), ..Default::default() }).await.unwrap();
+    s.park(&again, Park { wake_at: Some(now_ms() + 60_000), ..Default::default() }).await.unwrap();
     assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Cancelled, "parked runs are cancelled at once");
     assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Cancelled);
     let d1 = s.wait_deadline("k", 100).await.unwrap();
     let d2 = s.wait_deadline("k", 999).await.unwrap();
     assert_eq!((d1, d2), (100, 100), "a deadline is fixed at the first attempt");
+}
+
+/// Hole 5: a cancel requested while the run was deciding to park refuses the park; the holder
+/// then finishes it as cancelled.
+async fn a_pending_cancel_refuses_the_park(s: Backend) {
+    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Requested);
+    let park = Park { wake_at: Some(now_ms() + 60_000), ..Default::default() };
+    assert_eq!(s.park(&lease, park).await.unwrap(), Parked::CancelPending);
+    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Running);
+    s.checkpoint(&lease, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await.unwrap();
+    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Cancelled);
+}
+
+fn child_of(parent: &RunRecord) -> NewRun {
+    let mut c = new_run(&ThreadId::generate());
+    c.parent_run_id = Some(parent.id);
+    c.tree = TreePosition { root_run_id: Some(parent.id), depth: 1, detached: false };
+    c
+}
+
+/// Holes 3 and 4: a child's end commits its parent's `child.finished` and wakes whoever is
+/// parked on it — also a later run of the parent's thread — for every way a child ends.
+async fn a_childs_end_reports_and_wakes_in_the_same_commit(s: Backend) {
+    let t = ThreadId::generate();
+    let first = s.create_run(new_run(&t)).await.unwrap().run;
+    let Claim::Acquired(l1, _) = s.claim_run(first.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let finished = s.create_run(child_of(&first)).await.unwrap().run;
+    let cancelled_queued = s.create_run(child_of(&first)).await.unwrap().run;
+    let lost = s.create_run(child_of(&first)).await.unwrap().run;
+    // The first run ends (its children live on, as detached ones would); a second run of the
+    // same thread awaits them.
+    let end = vec![NewEvent::new(EventKind::RunSucceeded, json!({}))];
+    s.checkpoint(&l1, Checkpoint { events: end, finish: Some(Finish::Succeeded { result: "x".into(), forced: false }), ..Default::default() })
+        .await
+        .unwrap();
+    let mut second = new_run(&t);
+    second.if_busy = IfBusy::Enqueue;
+    let second = s.create_run(second).await.unwrap().run;
+    let Claim::Acquired(l2, _) = s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let park = Park { waits_on: vec![finished.id, cancelled_queued.id, lost.id], ..Default::default() };
+    assert_eq!(s.park(&l2, park).await.unwrap(), Parked::Parked { due: false });
+    assert!(s.due_waiters(finished.id).await.unwrap().is_empty());
+
+    // Ends by a finish checkpoint.
+    let Claim::Acquired(lc, _) = s.claim_run(finished.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    s.checkpoint(&lc, Checkpoint { finish: Some(Finish::Succeeded { result: "r".into(), forced: false }), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(s.due_waiters(finished.id).await.unwrap(), [second.id], "the later run of the thread is woken");
+    let woken = s.get_run(second.id).await.unwrap().unwrap();
+    assert_eq!(woken.status, RunStatus::Waiting);
+    assert!(woken.wake_at.is_some_and(|w| w <= now_ms()));
+    // Re-park on the rest; ends by cancel while queued.
+    let Claim::Acquired(l2, _) = s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let park = Park { waits_on: vec![cancelled_queued.id, lost.id], ..Default::default() };
+    assert_eq!(s.park(&l2, park).await.unwrap(), Parked::Parked { due: false });
+    assert_eq!(s.request_cancel(cancelled_queued.id).await.unwrap(), CancelOutcome::Cancelled);
+    assert_eq!(s.due_waiters(cancelled_queued.id).await.unwrap(), [second.id]);
+    // Re-park on the last; it ends by giving up after a crash.
+    let Claim::Acquired(l2, _) = s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    assert_eq!(s.park(&l2, Park { waits_on: vec![lost.id], ..Default::default() }).await.unwrap(), Parked::Parked { due: false });
+    let Claim::Acquired(..) = s.claim_run(lost.id, "w", Duration::from_millis(5)).await.unwrap() else { panic!() };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let expired = s.expire_leases(1).await.unwrap();
+    assert!(expired.contains(&Expired { run_id: lost.id, gave_up: true }), "{expired:?}");
+    assert_eq!(s.due_waiters(lost.id).await.unwrap(), [second.id]);
+
+    // The first run had ended before its children: nothing follows its terminal event.
+    let ev = s.events_after(first.id, 0, 100).await.unwrap();
+    assert_eq!(ev.last().unwrap().kind, "run.succeeded", "{:?}", ev.iter().map(|e| &e.kind).collect::<Vec<_>>());
+    assert!(!s.append_events(first.id, vec![NewEvent::new(EventKind::ChildStarted, json!({}))]).await.unwrap());
+    assert_eq!(s.events_after(first.id, 0, 100).await.unwrap().len(), ev.len());
+}
+
+/// A live parent gets `child.finished` in its outbox with the child's end, whichever way the
+/// child ended.
+async fn a_live_parent_hears_of_every_childs_end(s: Backend) {
+    let parent = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let Claim::Acquired(lp, _) = s.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let a = s.create_run(child_of(&parent)).await.unwrap().run;
+    let b = s.create_run(child_of(&parent)).await.unwrap().run;
+    assert_eq!(s.request_cancel(a.id).await.unwrap(), CancelOutcome::Cancelled);
+    let Claim::Acquired(lb, _) = s.claim_run(b.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let err = RunError { kind: ErrorKind::Model, message: "m".into() };
+    s.checkpoint(&lb, Checkpoint { finish: Some(Finish::Failed(err)), ..Default::default() }).await.unwrap();
+    let ev = s.events_after(parent.id, 0, 100).await.unwrap();
+    let finished: Vec<_> = ev.iter().filter(|e| e.kind == "child.finished").map(|e| (e.data["child_run_id"].clone(), e.data["status"].clone())).collect();
+    assert_eq!(finished, [(json!(a.id), json!("cancelled")), (json!(b.id), json!("failed"))]);
+    assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=ev.len() as u64).collect::<Vec<_>>());
+    // The parent never parked on them: nothing to wake, and it still holds its lease.
+    s.renew_lease(&lp).await.unwrap();
+}
+
+/// Hole 2: a park on runs that already ended is due at once (the end raced the park).
+async fn a_park_on_ended_runs_is_due_at_once(s: Backend) {
+    let parent = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let Claim::Acquired(lp, _) = s.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let child = s.create_run(child_of(&parent)).await.unwrap().run;
+    assert_eq!(s.request_cancel(child.id).await.unwrap(), CancelOutcome::Cancelled);
+    let park = Park { waits_on: vec![child.id], ..Default::default() };
+    assert_eq!(s.park(&lp, park).await.unwrap(), Parked::Parked { due: true });
+    let r = s.get_run(parent.id).await.unwrap().unwrap();
+    assert!(r.status == RunStatus::Waiting && r.wake_at.is_some_and(|w| w <= now_ms()));
+    assert!(s.orphans(Duration::ZERO).await.unwrap().iter().any(|o| o.run_id == parent.id), "the reaper finds it due");
+}
+
+/// The state machine of `subagents::lifecycle`, walked pair by pair through the store's own
+/// operations: every allowed pair moves the run to `next_status`, every other pair is refused
+/// and leaves it as it was.
+async fn the_transition_table_is_enforced(s: Backend) {
+    use subagents::lifecycle::{Terminal, Transition, next_status};
+    for from in RunStatus::ALL {
+        for event in Transition::ALL {
+            // `request_cancel` is one operation for two transitions (cancel what holds no
+            // worker, ask a running run to stop): each is checked where the other is illegal.
+            let other = match event {
+                Transition::RequestCancel => Some(Transition::Cancel),
+                Transition::Cancel => Some(Transition::RequestCancel),
+                _ => None,
+            };
+            if other.is_some_and(|o| next_status(from, o).is_ok()) {
+                continue;
+            }
+            let (run, lease) = run_in(&s, from).await;
+            let applied = apply(&s, &run, &lease, event).await;
+            let now = s.get_run(run.id).await.unwrap().unwrap().status;
+            match next_status(from, event) {
+                Ok(to) => {
+                    assert!(applied, "{} on {}: allowed but refused", from.as_str(), event.name());
+                    assert_eq!(now, to, "{} on {}", from.as_str(), event.name());
+                }
+                Err(_) => {
+                    assert!(!applied, "{} on {}: illegal but applied", from.as_str(), event.name());
+                    assert_eq!(now, from, "{} on {}: refused but moved", from.as_str(), event.name());
+                }
+            }
+        }
+    }
+
+    /// A run in `st`, with a lease carrying its current epoch (so only the status can refuse).
+    async fn run_in(s: &Backend, st: RunStatus) -> (RunRecord, Lease) {
+        let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+        let ttl = Duration::from_millis(5);
+        if st != RunStatus::Queued && st != RunStatus::Cancelled {
+            let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", ttl).await.unwrap() else { panic!() };
+            match st {
+                RunStatus::Waiting => {
+                    s.park(&lease, Park { wake_at: Some(now_ms() + 600_000), ..Default::default() }).await.unwrap();
+                }
+                RunStatus::Succeeded => {
+                    let f = Finish::Succeeded { result: "r".into(), forced: false };
+                    s.checkpoint(&lease, Checkpoint { finish: Some(f), ..Default::default() }).await.unwrap();
+                }
+                RunStatus::Failed => {
+                    let f = Finish::Failed(RunError { kind: ErrorKind::Tool, message: "t".into() });
+                    s.checkpoint(&lease, Checkpoint { finish: Some(f), ..Default::default() }).await.unwrap();
+                }
+                _ => {}
+            }
+        }
+        if st == RunStatus::Cancelled {
+            s.request_cancel(run.id).await.unwrap();
+        }
+        // Expired for `expire`/`give-up`; the epoch still matches for everything else.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let run = s.get_run(run.id).await.unwrap().unwrap();
+        assert_eq!(run.status, st);
+        let lease = Lease { run_id: run.id, epoch: run.lease_epoch, owner: "w".into(), ttl };
+        (run, lease)
+    }
+
+    async fn apply(s: &Backend, run: &RunRecord, lease: &Lease, event: Transition) -> bool {
+        match event {
+            Transition::Claim => matches!(s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)),
+            Transition::Heartbeat => s.renew_lease(lease).await.is_ok(),
+            Transition::Park => {
+                let park = Park { wake_at: Some(now_ms() + 600_000), ..Default::default() };
+                matches!(s.park(lease, park).await, Ok(Parked::Parked { .. }))
+            }
+            Transition::Wake => s.wake(run.id).await.unwrap(),
+            Transition::Release => s.release_lease(lease, &new_job_id()).await.unwrap(),
+            Transition::Finish(t) => {
+                let finish = match t {
+                    Terminal::Succeeded => Finish::Succeeded { result: "r".into(), forced: false },
+                    Terminal::Failed => Finish::Failed(RunError { kind: ErrorKind::Tool, message: "t".into() }),
+                    Terminal::Cancelled => Finish::Cancelled,
+                };
+                s.checkpoint(lease, Checkpoint { finish: Some(finish), ..Default::default() }).await.is_ok()
+            }
+            Transition::RequestCancel => s.request_cancel(run.id).await.unwrap() == CancelOutcome::Requested,
+            Transition::Cancel => s.request_cancel(run.id).await.unwrap() == CancelOutcome::Cancelled,
+            Transition::Expire => s.expire_leases(1000).await.unwrap().contains(&Expired { run_id: run.id, gave_up: false }),
+            Transition::GiveUp => s.expire_leases(1).await.unwrap().contains(&Expired { run_id: run.id, gave_up: true }),
+        }
+    }
 }
 
 async fn listing_and_tree_queries(s: Backend) {
@@ -260,7 +476,7 @@ async fn listing_and_tree_queries(s: Backend) {
     c.parent_run_id = Some(root.id);
     c.tree = TreePosition { root_run_id: Some(root.id), depth: 1, detached: false };
     let child = s.create_run(c).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(child.id, "w", Duration::from_secs(10), 5).await.unwrap() else { panic!() };
+    let Claim::Acquired(lease, _) = s.claim_run(child.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
     let usage = subagents::model::Usage { prompt_tokens: 10, completion_tokens: 5 };
     s.checkpoint(&lease, Checkpoint { step: Some(2), usage, ..Default::default() }).await.unwrap();
     let (tree, steps) = s.tree_usage(root.id).await.unwrap();

@@ -1,6 +1,7 @@
-//! The engine: one run's step loop. It rebuilds the run's state from committed messages and
-//! continues from there, so a fresh start and a resume after a crash are the same code path
-//! (steno's "replay, don't redo"):
+//! The engine: one run's step loop, as a planner and an executor. The planner ([`plan`]) is a
+//! pure function of the run's committed messages; the executor here does the I/O — the model
+//! call, the tools, the commits — and asks the planner again after each commit. So a fresh
+//! start and a resume after a crash are the same code path (steno's "replay, don't redo"):
 //!
 //! - an assistant message with tool calls commits before any tool runs;
 //! - each tool result commits as soon as its tool returns, with the same idempotency key on a
@@ -8,7 +9,12 @@
 //! - a committed model response is never requested again;
 //! - every write is fenced by the run's lease epoch; a lost lease stops the loop at once.
 //!
-//! Limits (steps, tokens, wall time, tool time, tool output) all end in a defined outcome.
+//! How an attempt ends is decided in one place ([`Engine::execute`]): a final answer, a park
+//! (the run waits on children, holding no worker), a release (the worker is draining), a
+//! cancel, a timeout, or a lost lease. Limits (steps, tokens, wall time, tool time, tool
+//! output) all end in a defined outcome.
+
+pub mod plan;
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -20,15 +26,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span};
 
 use crate::agents::{AgentDef, AgentRegistry};
-use crate::delegation::DelegationSettings;
-use crate::queue::Queue;
+use crate::delegation::{Answer, DelegationSettings, Wait};
+use crate::failpoints::Failpoints;
 use crate::ids::RunId;
 use crate::model::{ChatModel, ChatRequest, Message, ModelError, ToolCall};
+use crate::queue::Queue;
 use crate::store::{
-    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, RunError, RunRecord, Store, StoreError,
-    StoredMessage,
+    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, Park, Parked, RunError, RunRecord, Store,
+    StoreError, StoredMessage,
 };
 use crate::tools::{ToolCtx, ToolRegistry, truncate_output};
+pub use plan::{Next, plan};
 
 /// The text a refused repeated call gets; the marker is stable so models (and the mock) can
 /// recognise it.
@@ -42,11 +50,11 @@ pub const FORCE_MESSAGE: &str = "You have reached this task's step or token limi
 pub struct EngineSettings {
     /// Used when an agent names no model.
     pub default_model: String,
-    /// Root of every tool path.
+    /// Root of the owners' workspaces (each owner gets a directory beneath it).
     pub workspace: PathBuf,
     /// Lease length; renewed every third of it.
     pub lease_ttl: Duration,
-    /// Claims before a run whose workers keep dying fails with `kind=lost`.
+    /// Expired leases before a run whose workers keep dying fails with `kind=lost`.
     pub max_attempts: u32,
     /// Limit on one tool call.
     pub tool_timeout: Duration,
@@ -56,31 +64,31 @@ pub struct EngineSettings {
     pub delegation: DelegationSettings,
     /// Largest input a child run may be given.
     pub max_input_bytes: usize,
-}
-
-/// Where a finished run sat: what its worker must tell others (the thread's next run, the
-/// parent) without reading the run again.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Ended {
-    /// Its thread.
-    pub thread_id: crate::ids::ThreadId,
-    /// Its parent, if it was a child.
-    pub parent_run_id: Option<RunId>,
+    /// How long a draining worker lets the step in flight finish before releasing the run.
+    pub drain_grace: Duration,
+    /// Newest messages of the thread read back to rebuild the context.
+    pub context_messages: u32,
+    /// Failure points for tests (none by default).
+    pub failpoints: Arc<Failpoints>,
 }
 
 /// What one execution attempt ended with (the run's own outcome is in the store).
 #[derive(Debug, PartialEq, Eq)]
 pub enum Executed {
-    /// The run reached a terminal state here (`None`: failed as lost at claim time).
-    Finished(Option<Ended>),
+    /// The run reached a terminal state here.
+    Finished,
     /// Nothing to do: finished already, or another worker holds it.
     Skipped,
     /// Another worker took the run over (our lease expired); we stopped.
     LeaseLost,
-    /// We were shutting down and gave the run back to the queue.
+    /// We were draining and gave the run back to the queue (its job is pushed).
     Released,
-    /// The run parked (`waiting`) on its children and left the worker.
-    Parked,
+    /// The run parked and left the worker; `due` when what it waits on had already happened,
+    /// so it needs a job at once.
+    Parked {
+        /// Push a job for it now.
+        due: bool,
+    },
 }
 
 /// Runs the step loop for claimed runs.
@@ -93,7 +101,7 @@ pub struct Engine {
     pub tools: Arc<ToolRegistry>,
     /// The model.
     pub model: Arc<dyn ChatModel>,
-    /// For starting children and waking parents.
+    /// For starting children and releasing runs.
     pub queue: Queue,
     /// Where token deltas go (Redis only), if configured.
     pub deltas: Option<crate::relay::RedisEvents>,
@@ -101,14 +109,29 @@ pub struct Engine {
     pub settings: EngineSettings,
 }
 
-/// How the step loop ended.
+/// How the step loop ended, when it ended by itself.
 enum LoopEnd {
     /// The final answer and terminal state are committed.
     Committed,
     /// The run must be finished with this.
     Finish(Finish),
-    /// The run parked on its children.
-    Parked,
+    /// Delegation calls must wait: park on this.
+    Park(Wait),
+    /// The worker is draining: the step in flight is done, give the run back.
+    Drained,
+}
+
+/// What stopped the loop from outside.
+#[derive(Debug)]
+enum Interrupt {
+    /// A cancel was requested.
+    Cancel,
+    /// Another worker owns the run now.
+    LeaseLost,
+    /// The drain grace ran out with a step still in flight.
+    DrainCut,
+    /// The run's wall-time limit passed.
+    Timeout,
 }
 
 /// Why the loop stopped before reaching a final answer.
@@ -123,16 +146,19 @@ impl From<StoreError> for Stop {
     }
 }
 
+/// What a step's tools came to.
+struct ToolsOutcome {
+    /// Results committed in this pass.
+    committed: Vec<NewMessage>,
+    /// Delegation calls that must wait, merged.
+    wait: Option<Wait>,
+}
+
 impl Engine {
-    /// Claims and executes one run until it ends, is handed over, or `shutdown` fires.
+    /// Claims and executes one run until it ends, parks, is handed over, or `shutdown` drains it.
     pub async fn execute(&self, run_id: RunId, worker: &str, shutdown: &CancellationToken) -> Result<Executed, StoreError> {
-        let s = &self.settings;
-        let (lease, run) = match self.store.claim_run(run_id, worker, s.lease_ttl, s.max_attempts).await? {
+        let (lease, run) = match self.store.claim_run(run_id, worker, self.settings.lease_ttl).await? {
             Claim::Acquired(lease, run) => (lease, *run),
-            Claim::GaveUp => {
-                tracing::warn!(%run_id, "run abandoned by too many workers; failed with kind=lost");
-                return Ok(Executed::Finished(None));
-            }
             Claim::NotClaimable(status) => {
                 tracing::debug!(%run_id, ?status, "run not claimable; skipping job");
                 return Ok(Executed::Skipped);
@@ -143,11 +169,16 @@ impl Engine {
     }
 
     async fn execute_claimed(&self, lease: Lease, run: RunRecord, shutdown: &CancellationToken) -> Result<Executed, StoreError> {
-        tracing::info!(step = run.step, "run claimed");
+        tracing::info!(step = run.step, crashes = run.crashes, "run claimed");
+        // A cancel that arrived while its worker was gone is honoured before anything else: no
+        // model call, no tool.
+        if run.cancel_requested {
+            tracing::info!("a cancel was pending at claim");
+            return self.finish(&lease, &run, Finish::Cancelled).await;
+        }
         let cancel = CancellationToken::new();
         let lost = CancellationToken::new();
-        let heartbeat = tokio::spawn(heartbeat(self.store.clone(), lease.clone(), cancel.clone(), lost.clone()));
-        let _stop_heartbeat = AbortOnDrop(heartbeat);
+        let heartbeat = AbortOnDrop(tokio::spawn(heartbeat(self.store.clone(), lease.clone(), cancel.clone(), lost.clone())));
 
         // Limits are validated at start; still, stored data must never make the engine panic.
         let started = run.started_at.unwrap_or_else(chrono::Utc::now);
@@ -156,73 +187,125 @@ impl Engine {
             .checked_add_signed(limit)
             .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO))
             .unwrap_or(Duration::MAX / 4);
-        let result = tokio::select! {
-            r = self.run_loop(&lease, &run) => Ok(r),
-            _ = cancel.cancelled() => Err("cancel"),
-            _ = lost.cancelled() => Err("lost"),
-            _ = shutdown.cancelled() => Err("shutdown"),
-            _ = tokio::time::sleep(deadline_in) => Err("timeout"),
+        // A drain lets the step in flight finish (the loop stops at the next step boundary),
+        // but only for so long.
+        let grace = self.settings.drain_grace;
+        let drain_cut = async move {
+            shutdown.cancelled().await;
+            tokio::time::sleep(grace).await;
         };
-        let finish = match result {
+        let result = tokio::select! {
+            r = self.run_loop(&lease, &run, shutdown) => Ok(r),
+            _ = cancel.cancelled() => Err(Interrupt::Cancel),
+            _ = lost.cancelled() => Err(Interrupt::LeaseLost),
+            _ = drain_cut => Err(Interrupt::DrainCut),
+            _ = tokio::time::sleep(deadline_in) => Err(Interrupt::Timeout),
+        };
+        // The heartbeat stops before any park or release: its renewal requires `running`, and
+        // must not report a lease "lost" that we are giving up on purpose.
+        drop(heartbeat);
+        match result {
             Ok(Ok(LoopEnd::Committed)) => {
                 self.end_children(&run).await;
-                return Ok(Executed::Finished(Some(ended(&run))));
+                Ok(Executed::Finished)
             }
-            Ok(Ok(LoopEnd::Parked)) => return Ok(Executed::Parked),
-            Ok(Ok(LoopEnd::Finish(finish))) => finish,
-            Ok(Err(Stop::Fail(e))) => Finish::Failed(e),
-            Ok(Err(Stop::Store(StoreError::LeaseLost(_)))) | Err("lost") => {
+            Ok(Ok(LoopEnd::Finish(finish))) => self.finish(&lease, &run, finish).await,
+            Ok(Ok(LoopEnd::Park(wait))) => self.park(&lease, &run, wait).await,
+            Ok(Ok(LoopEnd::Drained)) => self.release(&lease, "draining: the step in flight finished").await,
+            Err(Interrupt::DrainCut) => self.release(&lease, "draining: the grace period ran out mid-step").await,
+            Ok(Err(Stop::Fail(e))) => self.finish(&lease, &run, Finish::Failed(e)).await,
+            Err(Interrupt::Cancel) => self.finish(&lease, &run, Finish::Cancelled).await,
+            Err(Interrupt::Timeout) => {
+                let message = format!("the run exceeded its wall-time limit of {}s", run.limits.timeout_secs);
+                self.finish(&lease, &run, Finish::Failed(RunError { kind: ErrorKind::Timeout, message })).await
+            }
+            Ok(Err(Stop::Store(StoreError::LeaseLost(_)))) | Err(Interrupt::LeaseLost) => {
                 tracing::warn!("lease lost: another worker owns this run now; dropping it");
-                return Ok(Executed::LeaseLost);
+                Ok(Executed::LeaseLost)
+            }
+            Ok(Err(Stop::Store(StoreError::Corrupt(what)))) => {
+                // Replaying cannot get past unreadable data: fail instead of looping.
+                let message = format!("stored data of this run could not be read: {what}");
+                self.finish(&lease, &run, Finish::Failed(RunError { kind: ErrorKind::Internal, message })).await
             }
             Ok(Err(Stop::Store(e))) => {
-                // Give the run back at once so a retry (or another worker) resumes it from the
-                // last checkpoint instead of waiting for the lease to expire.
+                // Give the run back at once so a retry resumes it from the last checkpoint
+                // instead of waiting for the lease to expire.
                 tracing::error!(error = %e, "storage failed mid-run; releasing the run for a retry");
-                let _ = self.store.release_lease(&lease).await;
-                return Err(e);
+                let _ = self.store.release_lease(&lease, &crate::queue::new_job_id()).await;
+                Err(e)
             }
-            Err("cancel") => Finish::Cancelled,
-            Err("shutdown") => {
-                tracing::info!("shutting down: releasing the run to the queue");
-                self.store.release_lease(&lease).await?;
-                return Ok(Executed::Released);
-            }
-            Err(_) => Finish::Failed(RunError {
-                kind: ErrorKind::Timeout,
-                message: format!("the run exceeded its wall-time limit of {}s", run.limits.timeout_secs),
-            }),
-        };
+        }
+    }
+
+    /// Commits the run's end (its event, and the parent's `child.finished` and wake-ups in the
+    /// same transaction), then cancels its attached children.
+    async fn finish(&self, lease: &Lease, run: &RunRecord, finish: Finish) -> Result<Executed, StoreError> {
         let event = match &finish {
-            Finish::Succeeded { result, forced } => NewEvent::new(
-                EventKind::RunSucceeded,
-                json!({"result": result, "forced": forced}),
-            ),
+            Finish::Succeeded { result, forced } => NewEvent::new(EventKind::RunSucceeded, json!({"result": result, "forced": forced})),
             Finish::Failed(e) => NewEvent::new(EventKind::RunFailed, json!({"error": e})),
             Finish::Cancelled => NewEvent::new(EventKind::RunCancelled, json!({})),
         };
-        let status = match &finish {
-            Finish::Succeeded { .. } => "succeeded",
-            Finish::Failed(_) => "failed",
-            Finish::Cancelled => "cancelled",
-        };
-        metrics::counter!("subagents_runs_finished_total", "status" => status).increment(1);
+        let status = finish.terminal().status();
         match &finish {
             Finish::Succeeded { forced, .. } => tracing::info!(forced, "run succeeded"),
             Finish::Failed(e) => tracing::warn!(kind = e.kind.as_str(), error = %e.message, "run failed"),
             Finish::Cancelled => tracing::info!("run cancelled"),
         }
-        match self.store.checkpoint(&lease, Checkpoint { events: vec![event], finish: Some(finish), ..Default::default() }).await {
+        match self.store.checkpoint(lease, Checkpoint { events: vec![event], finish: Some(finish), ..Default::default() }).await {
             Ok(()) => {
-                self.end_children(&run).await;
-                Ok(Executed::Finished(Some(ended(&run))))
+                metrics::counter!("subagents_runs_finished_total", "status" => status.as_str()).increment(1);
+                self.end_children(run).await;
+                Ok(Executed::Finished)
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
-                let _ = self.store.release_lease(&lease).await;
+                let _ = self.store.release_lease(lease, &crate::queue::new_job_id()).await;
                 Err(e)
             }
         }
+    }
+
+    /// Parks the run on what its delegation calls wait for. The store records what it waits
+    /// on and makes it due at once if any of that already ended, so an end that raced the park
+    /// is never missed; a cancel pending at the park finishes the run instead.
+    async fn park(&self, lease: &Lease, run: &RunRecord, wait: Wait) -> Result<Executed, StoreError> {
+        let fp = &self.settings.failpoints;
+        fp.hit("before_park_commit").await;
+        let event = NewEvent::new(
+            EventKind::RunWaiting,
+            json!({"step": run.step.max(1), "waiting_on": "children", "run_ids": wait.on, "wake_at": wait.wake_at}),
+        );
+        let park = Park { events: vec![event], wake_at: wait.wake_at, waits_on: wait.on.clone() };
+        match self.store.park(lease, park).await {
+            Ok(Parked::Parked { due }) => {
+                fp.hit("after_park_commit").await;
+                tracing::info!(waits_on = ?wait.on, wake_at = ?wait.wake_at, due, "parked: waiting for children");
+                Ok(Executed::Parked { due })
+            }
+            Ok(Parked::CancelPending) => {
+                tracing::info!("a cancel arrived before the park: finishing as cancelled");
+                self.finish(lease, run, Finish::Cancelled).await
+            }
+            Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
+            Err(e) => {
+                let _ = self.store.release_lease(lease, &crate::queue::new_job_id()).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives the run back to the queue and pushes its job, so another worker resumes it at once.
+    async fn release(&self, lease: &Lease, why: &str) -> Result<Executed, StoreError> {
+        let job = crate::queue::new_job_id();
+        if !self.store.release_lease(lease, &job).await? {
+            return Ok(Executed::LeaseLost);
+        }
+        tracing::info!(why, "run released to the queue");
+        if let Err(e) = self.queue.push(lease.run_id, &job).await {
+            tracing::warn!(error = %e, "could not push the released run; the reaper will");
+        }
+        Ok(Executed::Released)
     }
 
     /// Whether the tree this run belongs to has used up its token or step budget (set on the
@@ -265,7 +348,7 @@ impl Engine {
         if !may_delegate {
             return;
         }
-        if let Err(e) = crate::delegation::cancel_attached_children(self.store.as_ref(), run.id).await {
+        if let Err(e) = crate::runs::cancel_attached_children(self.store.as_ref(), &self.queue, run.id).await {
             tracing::warn!(error = %e, "could not cancel the children of a finished run");
         }
     }
@@ -282,35 +365,8 @@ impl Engine {
         }
     }
 
-    /// Parks the run: `running → waiting` with the lease given up. Then looks once more at what
-    /// it waits for, since a child may have ended (or a cancel arrived) just before the park
-    /// committed, when nobody could wake it.
-    async fn park(&self, lease: &Lease, run: &RunRecord, agent: &AgentDef, step: u32, wake_at: Option<i64>, pending: &[ToolCall]) -> Result<LoopEnd, Stop> {
-        self.store
-            .checkpoint(lease, Checkpoint {
-                events: vec![NewEvent::new(EventKind::RunWaiting, json!({"step": step, "wake_at": wake_at}))],
-                park: Some(wake_at),
-                ..Default::default()
-            })
-            .await?;
-        tracing::info!(step, ?wake_at, "parked: waiting for children");
-        let now = self.store.get_run(run.id).await?;
-        if now.as_ref().is_some_and(|r| r.cancel_requested) {
-            crate::delegation::cancel_tree(self.store.as_ref(), run.id).await?;
-            return Ok(LoopEnd::Parked);
-        }
-        let ctx = self.delegation_ctx(run, agent);
-        for call in pending.iter().filter(|c| crate::delegation::TOOL_NAMES.contains(&c.function.name.as_str())) {
-            if let crate::delegation::Call::Done(_) = ctx.call(&call.function.name, &call.function.arguments, &call.id).await? {
-                crate::delegation::wake(self.store.as_ref(), &self.queue, run.id).await?;
-                break;
-            }
-        }
-        Ok(LoopEnd::Parked)
-    }
-
-    /// The step loop. Returns the final answer; every intermediate write is committed inside.
-    async fn run_loop(&self, lease: &Lease, run: &RunRecord) -> Result<LoopEnd, Stop> {
+    /// The executor's loop: ask the planner, do what it says, commit, repeat.
+    async fn run_loop(&self, lease: &Lease, run: &RunRecord, shutdown: &CancellationToken) -> Result<LoopEnd, Stop> {
         let agent = self.agents.get(&run.agent).cloned().ok_or_else(|| {
             Stop::Fail(RunError {
                 kind: ErrorKind::Internal,
@@ -324,68 +380,57 @@ impl Engine {
             tool_names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
         let model = agent.model.clone().unwrap_or_else(|| self.settings.default_model.clone());
+        let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
 
-        let mut history = self.store.thread_messages(&run.thread_id).await?;
+        // One bounded read of the thread per claim; after that the local copy is extended with
+        // exactly what this loop commits.
+        let mut history = self.store.thread_messages(&run.thread_id, self.settings.context_messages.max(1)).await?;
+        let mut steps_done = run.step;
         // `step.started` of the next step rides on the commit that ends the previous one (or on
         // the input's), saving a commit per step; after a replay it is written on its own.
         let mut prestarted: Option<u32> = None;
         let input_key = format!("{}:input", run.id);
-        if !history.iter().any(|m| m.key == input_key) {
+        if run.step == 0 && !history.iter().any(|m| m.key == input_key) {
             let msg = NewMessage { step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
             let events = self.next_step_event(run, 0).into_iter().collect::<Vec<_>>();
             prestarted = (!events.is_empty()).then_some(1);
-            self.store.checkpoint(lease, Checkpoint { messages: vec![msg], events, ..Default::default() }).await?;
-            history = self.store.thread_messages(&run.thread_id).await?;
+            self.store.checkpoint(lease, Checkpoint { messages: vec![msg.clone()], events, ..Default::default() }).await?;
+            history.push(StoredMessage { id: i64::MAX, run_id: run.id, step: 0, key: msg.key, message: msg.message });
         }
         let mut usage = run.usage;
         // The step whose tool.started events went out with its assistant message.
         let mut announced_step: Option<u32> = None;
         loop {
-            let mine: Vec<&StoredMessage> = history.iter().filter(|m| m.run_id == run.id).collect();
-            let steps_done = mine.iter().filter(|m| matches!(m.message, Message::Assistant { .. })).count() as u32;
-            // A committed final answer (crash between it and the status write) ends the run.
-            if let Some(last) = mine.iter().rev().find(|m| matches!(m.message, Message::Assistant { .. })) {
-                if let Message::Assistant { content, tool_calls } = &last.message {
-                    if tool_calls.is_empty() {
-                        let result = content.clone().unwrap_or_default();
-                        return Ok(LoopEnd::Finish(Finish::Succeeded { result, forced: run.forced }));
-                    }
-                    let answered: HashSet<&str> = mine
-                        .iter()
-                        .filter_map(|m| match &m.message {
-                            Message::Tool { tool_call_id, .. } if m.step == last.step => Some(tool_call_id.as_str()),
-                            _ => None,
-                        })
-                        .collect();
-                    let pending: Vec<ToolCall> =
-                        tool_calls.iter().filter(|c| !answered.contains(c.id.as_str())).cloned().collect();
-                    if !pending.is_empty() {
-                        let prior = prior_calls(&mine, last.step);
-                        let announced = announced_step == Some(last.step);
-                        let next = self.next_step_event(run, last.step);
-                        let had_next = next.is_some();
-                        let step = last.step;
-                        let (parked, committed) =
-                            self.run_tools(lease, run, &agent, step, tool_calls, &pending, &prior, &tool_names, announced, next).await?;
-                        if let Some(wake_at) = parked {
-                            return self.park(lease, run, &agent, step, wake_at, &pending).await;
-                        }
-                        prestarted = had_next.then_some(step + 1);
-                        // What was committed is known: extend the local copy instead of re-reading.
-                        history.extend(committed.into_iter().map(|m| StoredMessage {
-                            id: i64::MAX,
-                            run_id: run.id,
-                            step: m.step,
-                            key: m.key,
-                            message: m.message,
-                        }));
-                        continue;
-                    }
-                }
+            // A draining worker stops at a step boundary: everything so far is committed.
+            if shutdown.is_cancelled() {
+                return Ok(LoopEnd::Drained);
             }
+            let mine: Vec<&StoredMessage> = history.iter().filter(|m| m.run_id == run.id).collect();
+            let step = match plan(&mine, steps_done) {
+                Next::Finish { result } => return Ok(LoopEnd::Finish(Finish::Succeeded { result, forced: run.forced })),
+                Next::RunTools { step, calls, pending } => {
+                    let prior = prior_calls(&mine, step);
+                    let announced = announced_step == Some(step);
+                    let next = self.next_step_event(run, step);
+                    let had_next = next.is_some();
+                    let out = self.run_tools(lease, run, &agent, &workspace, step, &calls, &pending, &prior, &tool_names, announced, next).await?;
+                    if let Some(wait) = out.wait {
+                        return Ok(LoopEnd::Park(wait));
+                    }
+                    prestarted = had_next.then_some(step + 1);
+                    history.extend(out.committed.into_iter().map(|m| StoredMessage {
+                        id: i64::MAX,
+                        run_id: run.id,
+                        step: m.step,
+                        key: m.key,
+                        message: m.message,
+                    }));
+                    continue;
+                }
+                Next::CallModel { step } => step,
+            };
 
             // A new step: one model call.
-            let step = steps_done + 1;
             let step_t0 = std::time::Instant::now();
             let over_budget = self.over_tree_budget(run, usage, steps_done).await?;
             let forced = steps_done >= run.limits.max_steps || over_budget;
@@ -439,6 +484,7 @@ impl Engine {
             }
             .instrument(span.clone())
             .await?;
+            self.settings.failpoints.hit("after_model_response").await;
             usage.prompt_tokens += resp.usage.prompt_tokens;
             usage.completion_tokens += resp.usage.completion_tokens;
 
@@ -462,15 +508,13 @@ impl Engine {
                 let result = resp.content.unwrap_or_default();
                 cp.events.push(NewEvent::new(EventKind::StepCompleted, json!({"step": step})));
                 cp.events.push(NewEvent::new(EventKind::RunSucceeded, json!({"result": result, "forced": forced})));
-                let finish = Finish::Succeeded { result, forced };
-                cp.finish = Some(finish.clone());
+                cp.finish = Some(Finish::Succeeded { result, forced });
                 self.store.checkpoint(lease, cp).instrument(span).await?;
                 metrics::counter!("subagents_runs_finished_total", "status" => "succeeded").increment(1);
                 tracing::info!(forced, steps = step, "run succeeded");
                 return Ok(LoopEnd::Committed);
             }
             // Announce the calls that will run as ordinary tools in the same commit.
-            let mine: Vec<&StoredMessage> = history.iter().filter(|m| m.run_id == run.id).collect();
             let refused = refusals(&prior_calls(&mine, step), &calls);
             for c in &calls {
                 let name = c.function.name.as_str();
@@ -481,6 +525,7 @@ impl Engine {
             }
             let committed = cp.messages[0].clone();
             self.store.checkpoint(lease, cp).instrument(span).await?;
+            steps_done = step;
             announced_step = Some(step);
             // The store holds exactly what we just wrote: extend the local copy, no re-read.
             history.push(StoredMessage { id: i64::MAX, run_id: run.id, step, key: committed.key, message: committed.message });
@@ -489,14 +534,15 @@ impl Engine {
     }
 
     /// Runs a step's pending calls concurrently; each result commits as soon as it is ready,
-    /// and the last one carries `step.completed`. Returns `Some(wake_at)` when a delegation call
-    /// must wait (the run then parks; the earliest deadline wins).
+    /// and the last one carries `step.completed`. Delegation calls that must wait are merged
+    /// into one [`Wait`] (the run then parks; the earliest deadline wins).
     #[allow(clippy::too_many_arguments)]
     async fn run_tools(
         &self,
         lease: &Lease,
         run: &RunRecord,
         agent: &AgentDef,
+        workspace: &std::path::Path,
         step: u32,
         all_calls: &[ToolCall],
         pending: &[ToolCall],
@@ -504,7 +550,7 @@ impl Engine {
         allowed: &[String],
         announced: bool,
         next_step: Option<NewEvent>,
-    ) -> Result<(Option<Option<i64>>, Vec<NewMessage>), Stop> {
+    ) -> Result<ToolsOutcome, Stop> {
         let refused = refusals(prior, all_calls);
         let remaining = tokio::sync::Mutex::new(pending.len());
         let next_step = &next_step;
@@ -521,11 +567,8 @@ impl Engine {
                     (LOOP_MESSAGE.to_owned(), false, false)
                 } else if delegation {
                     match self.delegation_ctx(run, agent).call(&call.function.name, &call.function.arguments, &call.id).await? {
-                        crate::delegation::Call::Park(wake_at) => return Ok::<_, Stop>((Some(wake_at), None)),
-                        crate::delegation::Call::Done(text) => {
-                            let ok = !text.starts_with("error[");
-                            (text, ok, false)
-                        }
+                        crate::delegation::Call::Park(wait) => return Ok::<_, Stop>((Some(wait), None)),
+                        crate::delegation::Call::Done(Answer { text, ok }) => (text, ok, false),
                     }
                 } else if !allowed.iter().any(|a| a == &call.function.name) {
                     (format!("error[unknown_tool]: `{}` is not available to agent `{}`; use one of: {}", call.function.name, agent.name, allowed.join(", ")), false, false)
@@ -540,7 +583,7 @@ impl Engine {
                             })
                             .await?;
                     }
-                    let ctx = ToolCtx { workspace: self.settings.workspace.clone(), idempotency_key: key.clone() };
+                    let ctx = ToolCtx { workspace: workspace.to_owned(), idempotency_key: key.clone(), output_limit: self.settings.tool_output_limit };
                     let t0 = std::time::Instant::now();
                     let out = tokio::time::timeout(self.settings.tool_timeout, self.tools.execute(&call.function.name, &call.function.arguments, &ctx)).await;
                     let (text, ok) = match out {
@@ -554,6 +597,7 @@ impl Engine {
                     let truncated = text.len() != len;
                     (text, ok, truncated)
                 };
+                self.settings.failpoints.hit("before_tool_commit").await;
                 let preview: String = text.chars().take(200).collect();
                 let mut events = vec![NewEvent::new(
                     EventKind::ToolCompleted,
@@ -576,25 +620,20 @@ impl Engine {
             }
             .instrument(span)
         });
-        let mut park: Option<Option<i64>> = None;
+        let mut wait: Option<Wait> = None;
         let mut committed = vec![];
         for r in futures::future::join_all(futs).await {
             let (parked, msg) = r?;
             committed.extend(msg);
-            if let Some(wake_at) = parked {
-                // The earliest deadline wins; no deadline means "when a child ends".
-                park = Some(match (park.flatten(), wake_at) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
+            if let Some(w) = parked {
+                wait = Some(match wait {
+                    None => w,
+                    Some(acc) => acc.merge(w),
                 });
             }
         }
-        Ok((park, committed))
+        Ok(ToolsOutcome { committed, wait })
     }
-}
-
-fn ended(run: &RunRecord) -> Ended {
-    Ended { thread_id: run.thread_id.clone(), parent_run_id: run.parent_run_id }
 }
 
 /// Renews the lease every third of its length (at least every second, so a cancel from another

@@ -1,0 +1,100 @@
+//! Named failure points (after oxidecomputer/steno's `inject_error`): places in the worker where
+//! a test can make it stop for a while or die on the spot, to make races and crashes that are
+//! otherwise a matter of luck happen every time.
+//!
+//! They are off unless `SUBAGENTS_FAILPOINTS` names some, e.g.
+//! `SUBAGENTS_FAILPOINTS="before_park_commit=sleep(800),after_terminal_commit=crash"`. Each
+//! point is looked up in a small map, so an unset point costs one hash lookup. Points:
+//!
+//! | point | where |
+//! |---|---|
+//! | `after_model_response` | a model response arrived; its checkpoint is not yet written |
+//! | `before_tool_commit` | a tool returned; its result is not yet committed |
+//! | `before_park_commit` | a run decided to park; the park is not yet committed |
+//! | `after_park_commit` | the park is committed; nothing else done yet |
+//! | `after_terminal_commit` | a run's terminal state is committed; the thread's next run and its waiters are not yet pushed |
+//!
+//! Actions: `sleep(MS)` pauses the task there; `crash` aborts the whole process (as a SIGKILL
+//! would: nothing is flushed or released).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// What a failure point does when reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Pause the task for this long.
+    Sleep(Duration),
+    /// Abort the process at once.
+    Crash,
+}
+
+/// The configured failure points (none by default).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Failpoints {
+    points: HashMap<String, Action>,
+}
+
+/// A `SUBAGENTS_FAILPOINTS` value that does not parse.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("bad failure point `{0}`: write name=sleep(MS) or name=crash, separated by commas")]
+pub struct BadFailpoint(pub String);
+
+impl Failpoints {
+    /// Parses `name=sleep(MS),name=crash,…`; an empty string means none.
+    pub fn parse(spec: &str) -> Result<Failpoints, BadFailpoint> {
+        let mut points = HashMap::new();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (name, action) = item.split_once('=').ok_or_else(|| BadFailpoint(item.into()))?;
+            let action = match action.trim() {
+                "crash" => Action::Crash,
+                a => {
+                    let ms = a
+                        .strip_prefix("sleep(")
+                        .and_then(|r| r.strip_suffix(')'))
+                        .and_then(|n| n.trim().parse::<u64>().ok())
+                        .ok_or_else(|| BadFailpoint(item.into()))?;
+                    Action::Sleep(Duration::from_millis(ms))
+                }
+            };
+            points.insert(name.trim().to_owned(), action);
+        }
+        Ok(Failpoints { points })
+    }
+
+    /// True when no point is set.
+    pub fn is_empty(&self) -> bool {
+        self.points.is_empty()
+    }
+
+    /// Reaches the point `name`: does what it is set to do, if anything.
+    pub async fn hit(&self, name: &str) {
+        match self.points.get(name) {
+            None => {}
+            Some(Action::Sleep(d)) => {
+                tracing::warn!(failpoint = name, ms = d.as_millis() as u64, "failure point: sleeping");
+                tokio::time::sleep(*d).await;
+            }
+            Some(Action::Crash) => {
+                tracing::error!(failpoint = name, "failure point: crashing the process");
+                std::process::abort();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_points_and_refuses_nonsense() {
+        let f = Failpoints::parse(" a=sleep(20), b=crash ").unwrap();
+        assert_eq!(f.points["a"], Action::Sleep(Duration::from_millis(20)));
+        assert_eq!(f.points["b"], Action::Crash);
+        assert!(Failpoints::parse("").unwrap().is_empty());
+        assert!(Failpoints::parse("a").is_err());
+        assert!(Failpoints::parse("a=sleep(x)").is_err());
+        assert!(Failpoints::parse("a=explode").is_err());
+    }
+}

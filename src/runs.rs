@@ -1,0 +1,210 @@
+//! The runs service: the operations on a run that are not the step loop itself — start, cancel,
+//! and what follows a run's end (the thread's next run, and whoever waits on it). Every front end
+//! (API, CLI, a parent delegating to a child, the worker) goes through here, so each of these
+//! has one path.
+//!
+//! Layering: `runs` uses the store and the queue; delegation and the engine use `runs`; the
+//! worker uses the engine; `app` only wires them together.
+
+use serde_json::Value;
+
+use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
+use crate::ids::{RunId, ThreadId};
+use crate::queue::{Queue, QueueError, new_job_id};
+use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, Store, StoreError, TreePosition};
+
+/// Longest wall-time limit a run may have: 7 days.
+pub const MAX_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
+
+/// Owner of runs started without authentication (the CLI, the embedded default).
+pub const LOCAL_OWNER: &str = "local";
+
+/// A request to start a run.
+#[derive(Clone, Debug, Default)]
+pub struct StartRun {
+    /// Agent name; `general-purpose` when absent.
+    pub agent: Option<String>,
+    /// The task.
+    pub input: String,
+    /// Continue this thread (created if new).
+    pub thread_id: Option<ThreadId>,
+    /// Owner; [`LOCAL_OWNER`] when absent.
+    pub owner: Option<String>,
+    /// Override of the agent's `max_steps`.
+    pub max_steps: Option<u32>,
+    /// Override of the agent's `timeout`, in seconds.
+    pub timeout_secs: Option<u64>,
+    /// Token budget for the run and its descendants.
+    pub max_total_tokens: Option<u64>,
+    /// Step budget for the run and its descendants.
+    pub max_total_steps: Option<u64>,
+    /// Caller data kept with the run.
+    pub metadata: Option<Value>,
+    /// Busy thread: refuse (default) or queue behind the active run.
+    pub if_busy: IfBusy,
+    /// A repeated start with the same key returns the first run.
+    pub idempotency_key: Option<String>,
+    /// The delegating run (children only).
+    pub parent_run_id: Option<RunId>,
+    /// Place in the delegation tree (children only).
+    pub tree: TreePosition,
+}
+
+/// Why a run could not be started. Each has a stable code for APIs and scripts.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// No such agent.
+    #[error("unknown agent `{name}`; known agents: {}", known.join(", "))]
+    UnknownAgent {
+        /// Requested name.
+        name: String,
+        /// What exists.
+        known: Vec<String>,
+    },
+    /// Nothing to do.
+    #[error("the input is empty: say what the agent should do")]
+    EmptyInput,
+    /// Over the configured limit.
+    #[error("the input is {got} bytes; the limit is {limit} (SUBAGENTS_MAX_INPUT_BYTES)")]
+    InputTooLarge {
+        /// Limit.
+        limit: usize,
+        /// Actual size.
+        got: usize,
+    },
+    /// A limit override out of range.
+    #[error("{0}")]
+    BadLimit(String),
+    /// Storage refused or failed (busy thread included).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl StartError {
+    /// Stable machine code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            StartError::UnknownAgent { .. } => "unknown_agent",
+            StartError::EmptyInput => "empty_input",
+            StartError::InputTooLarge { .. } => "input_too_large",
+            StartError::BadLimit(_) => "bad_limit",
+            StartError::Store(StoreError::Busy { .. }) => "thread_busy",
+            StartError::Store(StoreError::ThreadOwnedElsewhere(_)) => "thread_not_found",
+            StartError::Store(_) => "storage_unavailable",
+        }
+    }
+}
+
+/// Validates a start, records the run and pushes its job: the one path every start takes (API,
+/// CLI, and parents delegating to children). Once it returns, the run is durable: if the push
+/// fails, the reaper enqueues it later.
+pub async fn start_run(
+    store: &dyn Store,
+    queue: &Queue,
+    agents: &AgentRegistry,
+    max_input_bytes: usize,
+    req: StartRun,
+) -> Result<Created, StartError> {
+    let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
+    let agent = agents.get(&agent_name).ok_or_else(|| StartError::UnknownAgent { name: agent_name.clone(), known: agents.names() })?;
+    if req.input.trim().is_empty() {
+        return Err(StartError::EmptyInput);
+    }
+    if req.input.len() > max_input_bytes {
+        return Err(StartError::InputTooLarge { limit: max_input_bytes, got: req.input.len() });
+    }
+    let max_steps = req.max_steps.unwrap_or(agent.max_steps);
+    if max_steps == 0 || max_steps > 10_000 {
+        return Err(StartError::BadLimit(format!("max_steps {max_steps} is out of range 1..=10000")));
+    }
+    let timeout_secs = req.timeout_secs.unwrap_or(agent.timeout.as_secs().max(1));
+    if !(1..=MAX_TIMEOUT_SECS).contains(&timeout_secs) {
+        return Err(StartError::BadLimit(format!("timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)")));
+    }
+    if let Some(k) = &req.idempotency_key {
+        if k.is_empty() || k.len() > 200 {
+            return Err(StartError::BadLimit("idempotency_key must be 1 to 200 characters".into()));
+        }
+    }
+    let job_id = new_job_id();
+    let created = store
+        .create_run(NewRun {
+            id: RunId::new(),
+            thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
+            owner: req.owner.unwrap_or_else(|| LOCAL_OWNER.to_owned()),
+            agent: agent_name,
+            input: req.input,
+            metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
+            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens, max_total_steps: req.max_total_steps },
+            parent_run_id: req.parent_run_id,
+            tree: req.tree,
+            job_id: job_id.clone(),
+            if_busy: req.if_busy,
+            idempotency_key: req.idempotency_key,
+        })
+        .await?;
+    if !created.existing {
+        if let Err(e) = queue.push(created.run.id, &job_id).await {
+            let QueueError::Push { message, .. } = &e;
+            tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
+        }
+    }
+    Ok(created)
+}
+
+
+/// Cancels a run and, below it, every attached (non-detached) descendant still going; a run
+/// that ends here (queued or parked) frees its thread and wakes its waiters at once. The
+/// child's `child.finished` event and its parent's wake-up commit with the cancel itself.
+pub async fn cancel(store: &dyn Store, queue: &Queue, run: RunId) -> Result<CancelOutcome, StoreError> {
+    let outcome = store.request_cancel(run).await?;
+    if outcome == CancelOutcome::Cancelled {
+        after_end(store, queue, run).await?;
+    }
+    cancel_attached_children(store, queue, run).await?;
+    Ok(outcome)
+}
+
+/// Cancels the attached children (and theirs) of a run: what happens when a parent ends or is
+/// cancelled.
+pub async fn cancel_attached_children(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+    let mut stack = vec![run];
+    while let Some(r) = stack.pop() {
+        for c in store.children(r).await? {
+            if c.tree.detached {
+                continue;
+            }
+            if !c.status.is_terminal() && store.request_cancel(c.id).await? == CancelOutcome::Cancelled {
+                after_end(store, queue, c.id).await?;
+            }
+            stack.push(c.id);
+        }
+    }
+    Ok(())
+}
+
+/// After a run ended (however it ended): push the job of the run enqueued behind it on its
+/// thread, and of every parked run its end made due. Both are already durable (the terminal
+/// commit woke the waiters; the reaper finds queued runs without a job), so this is only the
+/// fast path: if the process dies first, the reaper does the same.
+pub async fn after_end(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+    let Some(r) = store.get_run(run).await? else { return Ok(()) };
+    if let Some(next) = store.next_queued(&r.thread_id).await? {
+        push(store, queue, next).await?;
+    }
+    for waiter in store.due_waiters(run).await? {
+        push(store, queue, waiter).await?;
+    }
+    Ok(())
+}
+
+/// Pushes a fresh job for a run that can go on now (a due parked run, a queued run whose thread
+/// just became free, a released run). A failed push is logged: the reaper repairs it.
+pub async fn push(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+    let job = new_job_id();
+    store.set_job(run, &job).await?;
+    if let Err(e) = queue.push(run, &job).await {
+        tracing::warn!(run_id = %run, error = %e, "could not push the run's job; the reaper will");
+    }
+    Ok(())
+}

@@ -1,0 +1,205 @@
+//! Worker processes: apalis workers that hand each job's run to the engine, the drain on
+//! shutdown, and the reaper that keeps the queue honest.
+//!
+//! apalis traps handled here: workers poll on a short interval (an idle worker otherwise waits
+//! for its 30 s heartbeat), worker names are unique per process, and a worker that dies on a
+//! database error is restarted.
+//!
+//! The reaper, in every worker process, applies the state machine's time-driven moves: runs
+//! whose lease expired go back on the queue (or fail as `lost` after too many crashes), queued
+//! runs without a job that will start them get one (a crash between a start's commit and its
+//! push, or a job prefetched by a worker that died or is full), and parked runs that are due
+//! get one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use apalis::prelude::*;
+use apalis_postgres::PostgresStorage;
+use apalis_sqlite::SqliteStorage;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::engine::{Engine, Executed};
+use crate::queue::{QUEUE_NAME, Queue, RunJob, Storage};
+
+/// What a worker needs to execute jobs.
+pub struct WorkerContext {
+    /// The engine.
+    pub engine: Arc<Engine>,
+    /// Worker name (unique per process), used as the lease owner.
+    pub name: String,
+    /// Fires on shutdown: runs finish their step in flight (within the drain grace) and are
+    /// released to the queue.
+    pub shutdown: CancellationToken,
+    /// For pushing the next run of a thread, waiters, released runs.
+    pub queue: Queue,
+    /// Every run this process is executing, so a shutdown can wait for them to drain.
+    pub in_flight: TaskTracker,
+}
+
+async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDynError> {
+    let ctx: Arc<WorkerContext> = (*ctx).clone();
+    let run_id = job.run_id;
+    // Spawned so runs use every core (apalis polls one worker's jobs in one task), and tracked
+    // so a shutdown waits for the drain even if apalis stops waiting for us.
+    let tracker = ctx.in_flight.clone();
+    let task = tracker.spawn(
+        async move {
+            let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
+            let store = ctx.engine.store.as_ref();
+            match executed {
+                Executed::Finished => {
+                    ctx.engine.settings.failpoints.hit("after_terminal_commit").await;
+                    if let Err(e) = crate::runs::after_end(store, &ctx.queue, run_id).await {
+                        tracing::warn!(error = %e, "could not start the thread's next run or wake its waiters; the reaper will");
+                    }
+                }
+                Executed::Parked { due: true } | Executed::Released => crate::runs::push(store, &ctx.queue, run_id).await?,
+                Executed::Parked { due: false } | Executed::Skipped | Executed::LeaseLost => {}
+            }
+            Ok::<_, crate::store::StoreError>(executed)
+        }
+        .instrument(tracing::info_span!("job", %run_id)),
+    );
+    match task.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(Box::new(e)),
+        Err(join) => Err(Box::new(join)),
+    }
+}
+
+/// Settings of a worker process's pool.
+#[derive(Clone, Debug)]
+pub struct WorkerSettings {
+    /// Runs executed at once.
+    pub concurrency: usize,
+    /// How often an idle worker looks for jobs.
+    pub poll_interval: Duration,
+    /// Reaper period.
+    pub reap_every: Duration,
+    /// How long a fresh enqueue is left alone by the reaper.
+    pub reap_grace: Duration,
+    /// How long a shutdown waits for the runs in flight to finish their step and be released.
+    pub drain_grace: Duration,
+}
+
+/// Runs a worker (restarted on failure) and the reaper until `shutdown`, then drains: the runs
+/// in flight finish their current step (within `drain_grace`) and go back to the queue.
+pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutdown: CancellationToken) {
+    let reaper = tokio::spawn(reap(engine.clone(), queue.clone(), settings.clone(), shutdown.clone()));
+    let in_flight = TaskTracker::new();
+    let mut restarts = 0u32;
+    loop {
+        let name = format!("subagents-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let ctx = Arc::new(WorkerContext {
+            engine: engine.clone(),
+            name: name.clone(),
+            shutdown: shutdown.clone(),
+            queue: queue.clone(),
+            in_flight: in_flight.clone(),
+        });
+        tracing::info!(worker = %name, concurrency = settings.concurrency, "worker started");
+        let stop = shutdown.clone();
+        let until = async move {
+            stop.cancelled().await;
+            Ok::<(), std::io::Error>(())
+        };
+        // The two storages are different types, so the (identical) worker is built per arm.
+        macro_rules! run_worker {
+            ($backend:expr) => {
+                WorkerBuilder::new(name.as_str())
+                    .backend($backend)
+                    .concurrency(settings.concurrency.max(1))
+                    .data(ctx)
+                    .build(handle)
+                    .run_until(until)
+                    .await
+            };
+        }
+        let res = match &queue.storage {
+            // SQLite has no notifications: an idle worker polls.
+            Storage::Sqlite(s) => run_worker!(SqliteStorage::<RunJob>::new(s.pool())
+                .with_config(Queue::sqlite_config(queue.heartbeat))
+                .poll_with_interval(settings.poll_interval)),
+            // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
+            // notification that was missed (seen: a job waiting for the 5 s heartbeat).
+            Storage::Postgres(s) => {
+                let strategy = apalis_core::backend::ext::poll_strategy::Strategy::new()
+                    .stream(apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()))
+                    .interval(settings.poll_interval.max(Duration::from_millis(250)));
+                run_worker!(PostgresStorage::<RunJob>::new(s.pool())
+                    .with_config(Queue::pg_config(queue.heartbeat, settings.concurrency))
+                    .poll_with_strategy(strategy))
+            }
+        };
+        if shutdown.is_cancelled() {
+            break;
+        }
+        restarts += 1;
+        let wait = Duration::from_millis(500 * u64::from(restarts.min(10)));
+        match res {
+            Ok(()) => tracing::warn!(worker = %name, "worker stopped unexpectedly; restarting"),
+            Err(e) => tracing::error!(worker = %name, error = %e, ?wait, "worker failed (database unavailable?); restarting"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    // The drain: every run in flight finishes its step (or is cut at the grace) and is released.
+    in_flight.close();
+    let n = in_flight.len();
+    if n > 0 {
+        tracing::info!(runs = n, grace_s = settings.drain_grace.as_secs_f64(), "draining: finishing the steps in flight");
+    }
+    if tokio::time::timeout(settings.drain_grace + Duration::from_secs(2), in_flight.wait()).await.is_err() {
+        tracing::warn!("drain did not finish in time; the remaining runs resume when their leases expire");
+    }
+    let _ = reaper.await;
+    tracing::info!("workers stopped");
+}
+
+/// One reaper pass every `reap_every`: expired leases, queued runs without a live job, due
+/// parked runs.
+async fn reap(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutdown: CancellationToken) {
+    let store = engine.store.as_ref();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(settings.reap_every) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        match store.expire_leases(engine.settings.max_attempts).await {
+            Ok(expired) => {
+                for e in expired {
+                    if e.gave_up {
+                        tracing::warn!(run_id = %e.run_id, "run abandoned by too many workers; failed with kind=lost");
+                        if let Err(err) = crate::runs::after_end(store, &queue, e.run_id).await {
+                            tracing::warn!(error = %err, "reaper could not report a lost run");
+                        }
+                    } else {
+                        tracing::info!(run_id = %e.run_id, "lease expired: run back on the queue");
+                        if let Err(err) = crate::runs::push(store, &queue, e.run_id).await {
+                            tracing::warn!(error = %err, "reaper could not re-enqueue an expired run");
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reaper could not expire leases"),
+        }
+        let orphans = match store.orphans(settings.reap_grace).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(error = %e, "reaper could not read orphans");
+                continue;
+            }
+        };
+        for o in orphans {
+            tracing::info!(run_id = %o.run_id, status = o.status.as_str(), "re-enqueueing a run that has no live job");
+            if let Err(e) = crate::runs::push(store, &queue, o.run_id).await {
+                tracing::warn!(error = %e, "reaper could not re-enqueue a run");
+            }
+        }
+    }
+}
