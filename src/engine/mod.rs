@@ -385,11 +385,17 @@ impl Engine {
         // One bounded read of the thread per claim; after that the local copy is extended with
         // exactly what this loop commits.
         let mut history = self.store.thread_messages(&run.thread_id, self.settings.context_messages.max(1)).await?;
+        // A long thread's oldest messages fall outside the window; this run's own task never
+        // does (until compaction summarises what is cut).
+        let input_key = format!("{}:input", run.id);
+        if run.step > 0 && !history.iter().any(|m| m.key == input_key) {
+            let input = StoredMessage { id: 0, run_id: run.id, step: 0, key: input_key.clone(), message: Message::User { content: run.input.clone() } };
+            history.insert(0, input);
+        }
         let mut steps_done = run.step;
         // `step.started` of the next step rides on the commit that ends the previous one (or on
         // the input's), saving a commit per step; after a replay it is written on its own.
         let mut prestarted: Option<u32> = None;
-        let input_key = format!("{}:input", run.id);
         if run.step == 0 && !history.iter().any(|m| m.key == input_key) {
             let msg = NewMessage { step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
             let events = self.next_step_event(run, 0).into_iter().collect::<Vec<_>>();

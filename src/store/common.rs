@@ -62,8 +62,9 @@ macro_rules! store_impl {
 
             /// What every terminal transition commits with it, whichever way the run ended
             /// (finish, cancel, give-up): the parent's `child.finished` event (unless the parent
-            /// has ended: nothing follows a terminal event), the wake-up of the parent and of
-            /// every run parked on this one, and the end of this run's own waits.
+            /// has ended: nothing follows a terminal event), the wake-up of every run parked on
+            /// this one (a parent only wakes for the children it waits on: a detached child
+            /// ending does not disturb it), and the end of this run's own waits.
             async fn terminal_effects(
                 tx: &mut sqlx::Transaction<'_, $db>,
                 run: RunId,
@@ -74,13 +75,10 @@ macro_rules! store_impl {
             ) -> Result<()> {
                 let nms = now_ms();
                 if let Some(parent) = parent {
-                    let row = sqlx::query(sql!(
-                        "UPDATE sa_runs SET event_seq = event_seq + 1, \
-                         wake_at = CASE WHEN status IN ({}) THEN $1 ELSE wake_at END \
-                         WHERE id = $2 AND status IN ('queued','running','waiting') RETURNING event_seq",
-                        Transition::Wake
-                    ))
-                    .bind(nms)
+                    let row = sqlx::query(
+                        "UPDATE sa_runs SET event_seq = event_seq + 1 \
+                         WHERE id = $1 AND status IN ('queued','running','waiting') RETURNING event_seq",
+                    )
                     .bind(parent)
                     .fetch_optional(&mut **tx)
                     .await?;
@@ -230,9 +228,8 @@ macro_rules! store_impl {
 
             async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>> {
                 let rows = sqlx::query(sql!(
-                    "SELECT id FROM sa_runs WHERE status IN ({}) AND wake_at <= $1 AND ( \
-                       id IN (SELECT waiter FROM sa_run_waits WHERE target = $2) \
-                       OR id = (SELECT parent_run_id FROM sa_runs WHERE id = $2))",
+                    "SELECT id FROM sa_runs WHERE status IN ({}) AND wake_at <= $1 \
+                     AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
                     Transition::Wake
                 ))
                 .bind(now_ms())

@@ -660,8 +660,7 @@ pub trait Store: Send + Sync + 'static {
     /// every running run whose lease has run out.
     async fn expire_leases(&self, max_crashes: u32) -> Result<Vec<Expired>>;
 
-    /// Parked runs that are due and wait on `run` or are its parent: who to push a job for
-    /// after `run` ended.
+    /// Parked runs that are due and wait on `run`: who to push a job for after `run` ended.
     async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>>;
 
     /// The newest `limit` messages of a thread, in order (the context a run rebuilds).

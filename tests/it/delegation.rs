@@ -13,19 +13,19 @@ use subagents::store::{RunRecord, RunStatus};
 
 use crate::support::*;
 
-fn parent_job(name: &str) -> (String, String) {
+pub(crate) fn parent_job(name: &str) -> (String, String) {
     (name.to_owned(), format!("---\nname: {name}\ndescription: scripted test parent\n---\nYou delegate work to subagents. MOCK:{name}\n"))
 }
 
-fn call(name: &str, arguments: Value) -> ScriptCall {
+pub(crate) fn call(name: &str, arguments: Value) -> ScriptCall {
     ScriptCall { name: name.into(), arguments }
 }
 
-fn calls(c: Vec<ScriptCall>) -> Turn {
+pub(crate) fn calls(c: Vec<ScriptCall>) -> Turn {
     Turn { content: None, tool_calls: c }
 }
 
-fn say(text: &str) -> Turn {
+pub(crate) fn say(text: &str) -> Turn {
     Turn { content: Some(text.into()), tool_calls: vec![] }
 }
 
@@ -35,12 +35,12 @@ async fn app_with(parent: &str, turns: Vec<Turn>, tweak: Box<dyn FnOnce(&mut sub
     t
 }
 
-async fn start_parent(t: &TestApp, agent: &str) -> RunRecord {
+pub(crate) async fn start_parent(t: &TestApp, agent: &str) -> RunRecord {
     t.app.start_run(StartRun { agent: Some(agent.into()), input: "Coordinate the work.".into(), ..Default::default() }).await.unwrap()
 }
 
 /// The parent's tool results, parsed, in call order (as the model sees them).
-async fn tool_results(t: &TestApp, run: &RunRecord) -> Vec<Value> {
+pub(crate) async fn tool_results(t: &TestApp, run: &RunRecord) -> Vec<Value> {
     let history = t.app.store.thread_messages(&run.thread_id, 100_000).await.unwrap();
     subagents::engine::context(&history, run.id)
         .into_iter()

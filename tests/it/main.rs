@@ -6,6 +6,7 @@ mod cli;
 mod delegation;
 mod fleet;
 mod kill;
+mod lifecycle;
 mod redis;
 mod runs;
 mod store;

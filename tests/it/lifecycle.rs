@@ -1,0 +1,294 @@
+//! The run state machine end to end: each hole the explicit state machine closed, made to
+//! happen every time with named failure points (`SUBAGENTS_FAILPOINTS`) and, where a hole used
+//! to be papered over by the reaper, with the reaper turned off (`reap_ms`), so only the
+//! designed path can finish the run.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use subagents::app::StartRun;
+use subagents::model::mock::Script;
+use subagents::store::{CancelOutcome, Claim, IfBusy, RunStatus};
+
+use crate::delegation::{call, calls, parent_job, say, start_parent, tool_results};
+use crate::support::*;
+
+/// No reaper: a run that is not woken by the designed path stays stuck.
+const NO_REAPER_MS: u64 = 3_600_000;
+
+async fn scripted(agents: Vec<(&str, Vec<subagents::model::mock::Turn>)>, tweak: impl FnOnce(&mut subagents::config::Settings) + 'static) -> TestApp {
+    let jobs = agents.iter().map(|(name, _)| parent_job(name)).collect();
+    let t = spawn_app_with(Options { jobs, tweak: Box::new(tweak), ..Default::default() }).await;
+    t.mock.state.set_script(Script::from_iter(agents.into_iter().map(|(n, turns)| (n.to_owned(), turns))));
+    t
+}
+
+async fn wait_for(t: &TestApp, run: subagents::ids::RunId, within: Duration) -> subagents::store::RunRecord {
+    let r = t.app.wait(run, within).await.unwrap().unwrap();
+    assert!(r.status.is_terminal(), "run {run} is stuck in {:?} after {within:?}: {r:?}", r.status);
+    r
+}
+
+/// Hole 2: a child that ends while its parent is committing its park (when nobody can wake
+/// the parent yet) is seen by the park itself; the heartbeat cannot abort anything after it.
+#[tokio::test]
+async fn a_child_ending_while_its_parent_parks_still_wakes_it() {
+    let t = scripted(
+        vec![("p-race", vec![calls(vec![call("task", json!({"description": "Quick.\nSCENARIO steps=1 run=race", "subagent": "general-purpose"}))]), say("parent done")])],
+        |s| {
+            s.reap_ms = NO_REAPER_MS;
+            s.failpoints = "before_park_commit=sleep(1000),after_park_commit=sleep(1200)".into();
+        },
+    )
+    .await;
+    let parent = start_parent(&t, "p-race").await;
+    let done = wait_for(&t, parent.id, Duration::from_secs(20)).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.result.as_deref(), Some("parent done"));
+    let child = &t.app.store.children(parent.id).await.unwrap()[0];
+    assert_eq!(child.status, RunStatus::Succeeded);
+    let events = t.events(parent.id).await;
+    assert_gap_free(&events, RunStatus::Succeeded);
+    let waiting = events.iter().find(|e| e.kind == "run.waiting").unwrap();
+    let finished = events.iter().find(|e| e.kind == "child.finished").unwrap();
+    assert!(finished.seq < waiting.seq, "the child really ended before the park committed");
+}
+
+/// Hole 3: a run may await a child started by an earlier run of its thread; the child's end
+/// wakes the run that waits on it (not the finished run that started it), once.
+#[tokio::test]
+async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
+    let t = scripted(
+        vec![
+            (
+                "p-first",
+                vec![
+                    calls(vec![call(
+                        "subagent_start",
+                        json!({"description": "Slow.\nSCENARIO steps=3 latency_ms=400 run=earlier", "subagent": "general-purpose", "detached": true}),
+                    )]),
+                    say("started it"),
+                ],
+            ),
+            ("p-second", vec![]),
+        ],
+        |s| s.reap_ms = NO_REAPER_MS,
+    )
+    .await;
+    let first = start_parent(&t, "p-first").await;
+    assert_eq!(wait_for(&t, first.id, Duration::from_secs(20)).await.status, RunStatus::Succeeded);
+    let child = t.app.store.children(first.id).await.unwrap().remove(0);
+    assert!(!child.status.is_terminal(), "the detached child outlives the run that started it");
+    t.mock.state.set_script(Script::from([(
+        "p-second".to_owned(),
+        vec![calls(vec![call("subagent_await", json!({"run_ids": [child.id]}))]), say("awaited it")],
+    )]));
+    let second = t
+        .app
+        .start_run(StartRun { agent: Some("p-second".into()), input: "Collect it.".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .await
+        .unwrap();
+    let done = wait_for(&t, second.id, Duration::from_secs(20)).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let results = tool_results(&t, &second).await;
+    let awaited = results.last().unwrap();
+    assert_eq!(awaited["runs"][0]["status"], "succeeded", "{awaited}");
+    assert_eq!(done.attempts, 2, "claimed to start and once more when the child ended, never in a loop");
+}
+
+/// Hole 4: the child's end and its parent's `child.finished` (and wake-up) commit together, so
+/// a worker that dies right after the child's terminal commit loses neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_childs_end_loses_neither_the_event_nor_the_wake() {
+    let t = spawn_app_with(Options { workers: false, jobs: vec![parent_job("p-crash")], ..Default::default() }).await;
+    t.mock.state.set_script(Script::from([(
+        "p-crash".to_owned(),
+        vec![calls(vec![call("task", json!({"description": "Child.\nSCENARIO steps=2 latency_ms=100 run=crash", "subagent": "general-purpose"}))]), say("parent done")],
+    )]));
+    let parent = start_parent(&t, "p-crash").await;
+    // This worker dies right after the first terminal commit it makes: the child's.
+    let mut doomed = spawn_worker(t.dir.path(), &t.mock, &[("SUBAGENTS_FAILPOINTS", "after_terminal_commit=crash".into())]);
+    let status = tokio::task::spawn_blocking(move || doomed.wait().unwrap()).await.unwrap();
+    assert!(!status.success(), "the worker crashed at the failure point");
+    let child = t.app.store.children(parent.id).await.unwrap().remove(0);
+    assert_eq!(child.status, RunStatus::Succeeded);
+    let events = t.events(parent.id).await;
+    assert!(
+        events.iter().any(|e| e.kind == "child.finished" && e.data["child_run_id"] == json!(child.id)),
+        "child.finished committed with the child's end: {:?}",
+        kinds(&events)
+    );
+    // The parent is due; a healthy worker's reaper finds it.
+    let mut healthy = spawn_worker(t.dir.path(), &t.mock, &[]);
+    let done = t.app.wait(parent.id, Duration::from_secs(30)).await.unwrap().unwrap();
+    healthy.kill().unwrap();
+    healthy.wait().unwrap();
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_gap_free(&t.events(parent.id).await, RunStatus::Succeeded);
+}
+
+/// Hole 5, first edge: a cancel that arrives while a child run is parking finishes it as
+/// cancelled, cancels its own child, and wakes its parent.
+#[tokio::test]
+async fn a_cancel_during_a_park_ends_the_run_and_wakes_its_parent() {
+    let t = scripted(
+        vec![
+            ("p-root", vec![calls(vec![call("task", json!({"description": "Middle.", "subagent": "p-mid"}))]), say("root done")]),
+            (
+                "p-mid",
+                vec![calls(vec![call("task", json!({"description": "Leaf.\nSCENARIO steps=5 latency_ms=500 run=leaf", "subagent": "general-purpose"}))]), say("mid done")],
+            ),
+        ],
+        |s| {
+            s.reap_ms = NO_REAPER_MS;
+            s.max_depth = 2;
+            s.failpoints = "before_park_commit=sleep(1500)".into();
+        },
+    )
+    .await;
+    let root = start_parent(&t, "p-root").await;
+    // Wait until the middle run has started its leaf: it is then in its 1.5 s before the park.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mid = loop {
+        let kids = t.app.store.children(root.id).await.unwrap();
+        if let Some(m) = kids.first() {
+            if !t.app.store.children(m.id).await.unwrap().is_empty() {
+                break m.clone();
+            }
+        }
+        assert!(Instant::now() < deadline, "the middle run never started its leaf");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(t.app.cancel(mid.id).await.unwrap(), CancelOutcome::Requested);
+    let mid_done = wait_for(&t, mid.id, Duration::from_secs(10)).await;
+    assert_eq!(mid_done.status, RunStatus::Cancelled);
+    let mid_events = t.events(mid.id).await;
+    assert_gap_free(&mid_events, RunStatus::Cancelled);
+    assert!(!kinds(&mid_events).contains(&"run.waiting"), "the park was refused: {:?}", kinds(&mid_events));
+    let leaf = t.app.store.children(mid.id).await.unwrap().remove(0);
+    assert_eq!(wait_for(&t, leaf.id, Duration::from_secs(10)).await.status, RunStatus::Cancelled);
+    let root_done = wait_for(&t, root.id, Duration::from_secs(20)).await;
+    assert_eq!(root_done.status, RunStatus::Succeeded, "the parent was woken: {root_done:?}");
+    assert_eq!(tool_results(&t, &root).await[0]["status"], "cancelled");
+}
+
+/// Hole 5, second edge: a cancel requested while the run's worker was gone is honoured at the
+/// next claim, before any model call.
+#[tokio::test]
+async fn a_cancel_pending_at_claim_makes_no_model_call() {
+    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let run = t.start("SCENARIO steps=3 run=pending-cancel").await;
+    // A worker takes it and dies at once (its lease simply runs out).
+    let Claim::Acquired(..) = t.app.store.claim_run(run.id, "dead-worker", Duration::from_millis(20)).await.unwrap() else { panic!() };
+    assert_eq!(t.app.cancel(run.id).await.unwrap(), CancelOutcome::Requested);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let w = t.app.spawn_workers(stop.clone());
+    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
+    stop.cancel();
+    w.await.unwrap();
+    assert_eq!(done.status, RunStatus::Cancelled);
+    assert!(t.mock.state.log().iter().all(|l| !l.step_key.starts_with(&run.id.to_string())), "no model call after the cancel");
+    assert_gap_free(&t.events(run.id).await, RunStatus::Cancelled);
+}
+
+/// Hole 5, third edge: cancelling a parked run frees its thread: the run enqueued behind it
+/// starts.
+#[tokio::test]
+async fn cancelling_a_parked_run_starts_the_next_run_of_its_thread() {
+    let t = scripted(
+        vec![(
+            "p-park",
+            vec![calls(vec![call("task", json!({"description": "Slow.\nSCENARIO steps=4 latency_ms=1000 run=slow", "subagent": "general-purpose"}))]), say("never")],
+        )],
+        |s| s.reap_ms = NO_REAPER_MS,
+    )
+    .await;
+    let parent = start_parent(&t, "p-park").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while t.app.store.get_run(parent.id).await.unwrap().unwrap().status != RunStatus::Waiting {
+        assert!(Instant::now() < deadline, "the parent never parked");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let behind = t
+        .app
+        .start_run(StartRun { input: "SCENARIO steps=1 run=behind".into(), thread_id: Some(parent.thread_id.clone()), if_busy: IfBusy::Enqueue, ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(behind.status, RunStatus::Queued);
+    assert_eq!(t.app.cancel(parent.id).await.unwrap(), CancelOutcome::Cancelled);
+    let done = wait_for(&t, behind.id, Duration::from_secs(10)).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_gap_free(&t.events(parent.id).await, RunStatus::Cancelled);
+}
+
+/// Hole 6: a parked run is woken only by what it waits on — not by a child it merely started
+/// (whose call was answered before the park), nor by a re-run of an answered call.
+#[tokio::test]
+async fn a_parked_run_is_woken_only_by_what_it_waits_on() {
+    let t = scripted(
+        vec![(
+            "p-spurious",
+            vec![
+                calls(vec![
+                    call("subagent_start", json!({"description": "Quick.\nSCENARIO steps=1 run=quick", "subagent": "general-purpose"})),
+                    call("task", json!({"description": "Slow.\nSCENARIO steps=3 latency_ms=400 run=slow6", "subagent": "general-purpose"})),
+                ]),
+                say("both done"),
+            ],
+        )],
+        |s| s.reap_ms = NO_REAPER_MS,
+    )
+    .await;
+    let parent = start_parent(&t, "p-spurious").await;
+    let done = wait_for(&t, parent.id, Duration::from_secs(20)).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let events = t.events(parent.id).await;
+    let resumed = events.iter().filter(|e| e.kind == "run.resumed").count();
+    assert_eq!(resumed, 1, "woken once, when the awaited child ended: {:?}", kinds(&events));
+    assert_eq!(t.app.store.children(parent.id).await.unwrap().len(), 2, "each child started once");
+}
+
+/// Hole 7: a claim reads a long thread back in a bounded window (the newest messages), not
+/// whole; the run's own task is always in its context.
+#[tokio::test]
+async fn a_long_thread_is_read_back_in_a_bounded_window() {
+    let t = spawn_app_with(Options { tweak: Box::new(|s| s.context_messages = 6), ..Default::default() }).await;
+    let first = t.run("SCENARIO steps=8 run=long").await;
+    assert_eq!(first.status, RunStatus::Succeeded, "{first:?}");
+    assert_eq!(t.app.store.thread_messages(&first.thread_id, 100_000).await.unwrap().len(), 16);
+    let second = t
+        .app
+        .start_run(StartRun { input: "SCENARIO steps=1 run=window".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(t.wait(second.id).await.status, RunStatus::Succeeded);
+    let log = t.mock.state.log();
+    let req = log.iter().find(|l| l.step_key.starts_with(&second.id.to_string())).unwrap();
+    // The system prompt and the 6 newest messages (its own task among them), not all 17.
+    assert_eq!(req.messages, 7, "{req:?}");
+    assert!(req.scenario.contains("window"));
+}
+
+/// Hole 8: owners have their own workspaces, and no path leaves them.
+#[tokio::test]
+async fn owners_cannot_read_each_others_files() {
+    let t = scripted(
+        vec![
+            ("p-write", vec![calls(vec![call("write_file", json!({"path": "secret.txt", "content": "alice's"}))]), say("written")]),
+            ("p-read", vec![calls(vec![call("read_file", json!({"path": "secret.txt"}))]), say("read")]),
+        ],
+        |_| {},
+    )
+    .await;
+    let start = |agent: &str, owner: &str| StartRun { agent: Some(agent.into()), input: "Go.".into(), owner: Some(owner.into()), ..Default::default() };
+    let w = t.app.start_run(start("p-write", "alice")).await.unwrap();
+    assert_eq!(t.wait(w.id).await.status, RunStatus::Succeeded);
+    assert_eq!(std::fs::read_to_string(t.dir.path().join("workspace/alice/secret.txt")).unwrap(), "alice's");
+    let bob = t.app.start_run(start("p-read", "bob")).await.unwrap();
+    assert_eq!(t.wait(bob.id).await.status, RunStatus::Succeeded);
+    let seen = tool_results(&t, &bob).await;
+    assert!(seen[0].as_str().unwrap().starts_with("error[not_found]"), "bob saw: {seen:?}");
+    let alice = t.app.start_run(start("p-read", "alice")).await.unwrap();
+    assert_eq!(t.wait(alice.id).await.status, RunStatus::Succeeded);
+    assert_eq!(tool_results(&t, &alice).await[0], json!("alice's"));
+}
