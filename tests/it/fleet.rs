@@ -13,8 +13,13 @@ use subagents::store::{RunRecord, RunStatus};
 use crate::support::*;
 
 fn worker(url: &str, redis: &str, mock: &MockServer, concurrency: usize) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_subagents"))
-        .arg("worker")
+    worker_with(url, redis, mock, concurrency, &[])
+}
+
+/// A worker process; `extra` environment variables override the defaults.
+fn worker_with(url: &str, redis: &str, mock: &MockServer, concurrency: usize, extra: &[(&str, String)]) -> Child {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
+    c.arg("worker")
         .env("REDIS_URL", redis)
         .env("DATABASE_URL", url)
         .env("SUBAGENTS_JOBS_DIR", "/nonexistent-jobs-dir")
@@ -26,9 +31,11 @@ fn worker(url: &str, redis: &str, mock: &MockServer, concurrency: usize) -> Chil
         .env("SUBAGENTS_CONCURRENCY", concurrency.to_string())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn worker")
+        .stderr(Stdio::inherit());
+    for (k, v) in extra {
+        c.env(k, v);
+    }
+    c.spawn().expect("spawn worker")
 }
 
 struct Fleet {
@@ -49,6 +56,11 @@ impl Drop for Fleet {
 }
 
 async fn fleet(latency_ms: u64, workers: usize, concurrency: usize) -> Fleet {
+    fleet_with_jobs(latency_ms, workers, concurrency, None).await
+}
+
+/// A fleet whose starter knows the agents in `jobs` (workers get `SUBAGENTS_JOBS_DIR` themselves).
+async fn fleet_with_jobs(latency_ms: u64, workers: usize, concurrency: usize, jobs: Option<&std::path::Path>) -> Fleet {
     let url = fresh_postgres_database().await;
     let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::from_millis(latency_ms), ..Default::default() })
         .await
@@ -56,6 +68,9 @@ async fn fleet(latency_ms: u64, workers: usize, concurrency: usize) -> Fleet {
     let dir = tempfile::tempdir().unwrap();
     let mut settings = test_settings(dir.path(), &mock);
     settings.database_url = url.clone();
+    if let Some(j) = jobs {
+        settings.jobs_dir = j.to_owned();
+    }
     let redis = RedisServer::start();
     settings.redis_url = Some(redis.url());
     let app = App::open(settings).await.unwrap();
@@ -192,4 +207,156 @@ async fn dropped_database_connections_are_survived() {
         assert_eq!(d.result.as_deref(), Some("DONE after 6 steps"));
         assert_gap_free(&f.app.store.events_after(d.id, 0, 1000).await.unwrap(), RunStatus::Succeeded);
     }
+}
+
+/// When each run was first claimed at or after `since` (from its `run.started` / `run.resumed`
+/// events' commit times).
+async fn claimed_after(f: &Fleet, runs: &[RunRecord], since: chrono::DateTime<chrono::Utc>) -> Vec<(RunRecord, Option<chrono::DateTime<chrono::Utc>>)> {
+    let mut out = vec![];
+    for r in runs {
+        let events = f.app.store.events_after(r.id, 0, 10_000).await.unwrap();
+        let at = events.iter().filter(|e| matches!(e.kind.as_str(), "run.started" | "run.resumed") && e.created_at >= since).map(|e| e.created_at).next();
+        out.push((f.app.store.get_run(r.id).await.unwrap().unwrap(), at));
+    }
+    out
+}
+
+/// Hole 9: jobs a worker fetched but had no slot for are not stranded when it dies: every run
+/// it held or had fetched is claimed again within the lease TTL plus a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_workers_fetched_runs_start_within_the_lease() {
+    let mut f = fleet(300, 0, 1).await;
+    let fast_reaper = [("SUBAGENTS_REAP_MS", "250".to_owned())];
+    f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 2, &fast_reaper));
+    let runs = start_runs(&f, 10, 4, "prefetch").await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let counts = f.app.store.status_counts().await.unwrap();
+        if counts.iter().any(|(s, n)| *s == RunStatus::Running && *n >= 2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the first worker never got going");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held: i64 = sqlx::query_scalar("SELECT count(*) FROM apalis.jobs j JOIN sa_runs r ON r.job_id = j.id WHERE j.status = 'Running' AND r.status = 'queued'")
+        .fetch_one(&sqlx::PgPool::connect(&f.url).await.unwrap())
+        .await
+        .unwrap();
+    let mut victim = f.workers.remove(0);
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed_at = chrono::Utc::now();
+    println!("killed a worker holding 2 runs and {held} fetched but unstarted jobs");
+    f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &fast_reaper));
+    let done = wait_all(&f, &runs, Duration::from_secs(60)).await;
+    assert!(done.iter().all(|d| d.status == RunStatus::Succeeded), "{done:?}");
+    let ttl = chrono::Duration::milliseconds(2000);
+    for (run, claimed) in claimed_after(&f, &runs, killed_at).await {
+        let Some(at) = claimed else { continue };
+        let waited = at - killed_at;
+        assert!(waited <= ttl + chrono::Duration::milliseconds(1000), "run {} waited {waited} after its worker died (crashes {})", run.id, run.crashes);
+    }
+}
+
+/// Delegation in a fleet under SIGKILL: parents awaiting four children each, workers killed at
+/// random and replaced; every run ends `succeeded`, none `lost`, no child started twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parents_and_children_survive_random_kills() {
+    use rand::Rng;
+    use subagents::model::mock::Script;
+    let jobs = tempfile::tempdir().unwrap();
+    std::fs::write(jobs.path().join("fleet-parent.md"), "---\nname: fleet-parent\ndescription: parent\n---\nDelegate. MOCK:fleet-parent\n").unwrap();
+    let mut f = fleet_with_jobs(150, 0, 1, Some(jobs.path())).await;
+    let starts = (1..=4)
+        .map(|i| subagents::model::mock::ScriptCall {
+            name: "subagent_start".into(),
+            arguments: serde_json::json!({"description": format!("Part {i}.\nSCENARIO steps=4 run=part{i}"), "subagent": "general-purpose"}),
+        })
+        .collect();
+    let await_all = subagents::model::mock::ScriptCall { name: "subagent_await".into(), arguments: serde_json::json!({"run_ids": "{{all:run_id}}"}) };
+    f.mock.state.set_script(Script::from([(
+        "fleet-parent".to_owned(),
+        vec![
+            subagents::model::mock::Turn { content: None, tool_calls: starts },
+            subagents::model::mock::Turn { content: None, tool_calls: vec![await_all] },
+            subagents::model::mock::Turn { content: Some("all parts done".into()), tool_calls: vec![] },
+        ],
+    )]));
+    let env = [("SUBAGENTS_JOBS_DIR", jobs.path().display().to_string()), ("SUBAGENTS_REAP_MS", "250".to_owned())];
+    for _ in 0..3 {
+        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &env));
+    }
+    let mut parents = vec![];
+    for i in 0..6 {
+        let req = StartRun { agent: Some("fleet-parent".into()), input: format!("Job {i}."), ..Default::default() };
+        parents.push(f.app.start_run(req).await.unwrap());
+    }
+    let mut rng = rand::rng();
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(800..1600))).await;
+        let i = rng.random_range(0..f.workers.len());
+        let mut victim = f.workers.remove(i);
+        victim.kill().unwrap();
+        victim.wait().unwrap();
+        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &env));
+    }
+    let done = wait_all(&f, &parents, Duration::from_secs(120)).await;
+    let mut crashes = 0;
+    for p in &done {
+        assert_eq!(p.status, RunStatus::Succeeded, "{p:?}");
+        assert_eq!(p.result.as_deref(), Some("all parts done"));
+        let kids = f.app.store.children(p.id).await.unwrap();
+        assert_eq!(kids.len(), 4, "each child started exactly once");
+        for k in &kids {
+            assert_eq!(k.status, RunStatus::Succeeded, "{k:?}");
+            crashes += k.crashes;
+            assert_gap_free(&f.app.store.events_after(k.id, 0, 1000).await.unwrap(), RunStatus::Succeeded);
+        }
+        crashes += p.crashes;
+        assert_gap_free(&f.app.store.events_after(p.id, 0, 1000).await.unwrap(), RunStatus::Succeeded);
+    }
+    println!("6 parents x 4 children finished through 4 kills ({crashes} runs reclaimed after a crash)");
+}
+
+/// Hole 10: a rolling restart. Every worker is SIGTERMed in turn under load and replaced; the
+/// step in flight finishes (no step is asked for twice) and a released run is claimed by
+/// another worker within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_abandons_no_step() {
+    let mut f = fleet(300, 0, 1).await;
+    let env = [("SUBAGENTS_DRAIN_GRACE", "5".to_owned())];
+    for _ in 0..2 {
+        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
+    }
+    let runs = start_runs(&f, 12, 8, "rolling").await;
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let mut old = f.workers.remove(0);
+        // Its replacement first, as a rolling deploy does.
+        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
+        Command::new("kill").args(["-TERM", &old.id().to_string()]).status().unwrap();
+        let status = tokio::task::spawn_blocking(move || old.wait().unwrap()).await.unwrap();
+        assert!(status.success(), "a drained worker exits cleanly: {status:?}");
+    }
+    let done = wait_all(&f, &runs, Duration::from_secs(90)).await;
+    let mut released = 0;
+    for d in &done {
+        assert_eq!(d.status, RunStatus::Succeeded, "{d:?}");
+        assert_eq!(d.result.as_deref(), Some("DONE after 8 steps"));
+        assert_eq!(d.crashes, 0, "a drain is not a crash");
+        let events = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
+        assert_gap_free(&events, RunStatus::Succeeded);
+        for pair in events.windows(2) {
+            if pair[1].kind == "run.started" && pair[1].data["attempt"].as_u64() > Some(1) {
+                released += 1;
+                let gap = pair[1].created_at - pair[0].created_at;
+                assert!(gap <= chrono::Duration::milliseconds(1000), "run {} was released and resumed {gap} later", d.id);
+            }
+        }
+    }
+    assert!(released > 0, "the restarts released runs");
+    let served = count_served(&f.mock.state.log());
+    assert!(served.values().all(|n| *n == 1), "a step in flight was abandoned and asked for again: {served:?}");
+    println!("12 runs through 4 rolling restarts: {released} releases, every step served once");
 }
