@@ -229,25 +229,28 @@ async fn a_dead_workers_fetched_runs_start_within_the_lease() {
     let fast_reaper = [("SUBAGENTS_REAP_MS", "250".to_owned())];
     f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 2, &fast_reaper));
     let runs = start_runs(&f, 10, 4, "prefetch").await;
+    // A slot that frees up fetches a whole batch (as many jobs as the worker has slots): the
+    // jobs beyond the free slot stay locked by this worker while their runs are still queued.
+    let db = sqlx::PgPool::connect(&f.url).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let counts = f.app.store.status_counts().await.unwrap();
-        if counts.iter().any(|(s, n)| *s == RunStatus::Running && *n >= 2) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the first worker never got going");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let held: i64 = sqlx::query_scalar("SELECT count(*) FROM apalis.jobs j JOIN sa_runs r ON r.job_id = j.id WHERE j.status = 'Running' AND r.status = 'queued'")
-        .fetch_one(&sqlx::PgPool::connect(&f.url).await.unwrap())
+    let held = loop {
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM apalis.jobs j JOIN sa_runs r ON r.job_id = j.id WHERE j.status = 'Running' AND r.status = 'queued'",
+        )
+        .fetch_one(&db)
         .await
         .unwrap();
+        if held > 0 {
+            break held;
+        }
+        assert!(Instant::now() < deadline, "the worker never held a fetched job it could not start");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     let mut victim = f.workers.remove(0);
     victim.kill().unwrap();
     victim.wait().unwrap();
     let killed_at = chrono::Utc::now();
-    println!("killed a worker holding 2 runs and {held} fetched but unstarted jobs");
+    println!("killed a worker holding its runs and {held} fetched but unstarted jobs");
     f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &fast_reaper));
     let done = wait_all(&f, &runs, Duration::from_secs(60)).await;
     assert!(done.iter().all(|d| d.status == RunStatus::Succeeded), "{done:?}");
