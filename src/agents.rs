@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+/// Longest wall-time limit a run may have: 7 days.
+pub const MAX_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
+
 /// Steps allowed when a definition does not say.
 pub const DEFAULT_MAX_STEPS: u32 = 25;
 /// Wall time allowed when a definition does not say.
@@ -195,7 +198,7 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         Some(TimeoutValue::Secs(s)) => Duration::from_secs(s),
         Some(TimeoutValue::Text(t)) => parse_duration(&t).map_err(|m| err(line_of("timeout"), m))?,
     };
-    if timeout.is_zero() || timeout.as_secs() > crate::runs::MAX_TIMEOUT_SECS {
+    if timeout.is_zero() || timeout.as_secs() > MAX_TIMEOUT_SECS {
         return Err(err(line_of("timeout"), "timeout must be between 1 second and 7 days".into()));
     }
     // Claude Code's aliases name Anthropic models; on an OpenAI-compatible endpoint the

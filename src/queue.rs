@@ -1,6 +1,6 @@
 //! The queue: apalis 1.0 on the store's database. A job carries only a run id; the run row is
 //! the truth, so a duplicate job is harmless (its claim finds the run taken or finished) and a
-//! lost job is repaired by the reaper (see [`crate::worker`]). This module only knows jobs: it
+//! lost job is repaired by the reaper (in the worker module). This module only knows jobs: it
 //! pushes them, and builds the apalis storage the worker consumes. It knows nothing of runs'
 //! execution, so the dependencies point one way (runs, delegation and the engine push jobs;
 //! the worker consumes them).
@@ -17,9 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::RunId;
 
-/// The queue's name in apalis's tables. Fixed: the default (the Rust type path) would orphan
-/// queued jobs whenever the type moved.
-pub const QUEUE_NAME: &str = "subagents.runs";
+pub use crate::store::QUEUE_NAME;
 
 /// Queue-level retries of one job (a job fails only when storage fails mid-run).
 pub(crate) const JOB_MAX_ATTEMPTS: usize = 10;

@@ -13,8 +13,7 @@ use crate::ids::{RunId, ThreadId};
 use crate::queue::{Queue, QueueError, new_job_id};
 use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, Store, StoreError, TreePosition};
 
-/// Longest wall-time limit a run may have: 7 days.
-pub const MAX_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
+pub use crate::agents::MAX_TIMEOUT_SECS;
 
 /// Owner of runs started without authentication (the CLI, the embedded default).
 pub const LOCAL_OWNER: &str = "local";

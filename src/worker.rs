@@ -56,8 +56,9 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
                         tracing::warn!(error = %e, "could not start the thread's next run or wake its waiters; the reaper will");
                     }
                 }
-                Executed::Parked { due: true } | Executed::Released => crate::runs::push(store, &ctx.queue, run_id).await?,
-                Executed::Parked { due: false } | Executed::Skipped | Executed::LeaseLost => {}
+                Executed::Parked { due: true } => crate::runs::push(store, &ctx.queue, run_id).await?,
+                // A released run's job was pushed with the release.
+                Executed::Released | Executed::Parked { due: false } | Executed::Skipped | Executed::LeaseLost => {}
             }
             Ok::<_, crate::store::StoreError>(executed)
         }
@@ -175,8 +176,13 @@ async fn reap(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutd
                 for e in expired {
                     if e.gave_up {
                         tracing::warn!(run_id = %e.run_id, "run abandoned by too many workers; failed with kind=lost");
-                        if let Err(err) = crate::runs::after_end(store, &queue, e.run_id).await {
-                            tracing::warn!(error = %err, "reaper could not report a lost run");
+                        // A parent that ends takes its attached children with it, however it ended.
+                        let ended = async {
+                            crate::runs::after_end(store, &queue, e.run_id).await?;
+                            crate::runs::cancel_attached_children(store, &queue, e.run_id).await
+                        };
+                        if let Err(err) = ended.await {
+                            tracing::warn!(error = %err, "reaper could not finish the ending of a lost run");
                         }
                     } else {
                         tracing::info!(run_id = %e.run_id, "lease expired: run back on the queue");

@@ -322,13 +322,14 @@ macro_rules! store_impl {
             async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>> {
                 let nms = now_ms();
                 // apalis's job table is read, never written. A queued run needs a new job when
-                // its own is gone, finished, or held by a worker that has not started it within
-                // the grace period (a prefetched job of a dead or full worker).
+                // its own is not `Pending` (free for any worker to fetch) after the grace period:
+                // gone, finished, or fetched (`Queued`, `Running`) by a worker that has not
+                // started it — the batch of a dead or full worker. A duplicate job is harmless.
                 let rows = sqlx::query(concat!(
                     "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < $1 AND ( \
                        (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at <= $2) OR \
                        (r.status = 'queued' \
-                         AND NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status IN ('Pending','Queued')) \
+                         AND NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status = 'Pending') \
                          AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
                          AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id)) \
                      ) LIMIT 1000"
@@ -365,7 +366,7 @@ macro_rules! store_impl {
                     sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
                 }
                 sqlx::query(concat!("DELETE FROM ", $jobs, " WHERE job_type = $1"))
-                    .bind(crate::queue::QUEUE_NAME)
+                    .bind(super::QUEUE_NAME)
                     .execute(&mut *tx)
                     .await?;
                 tx.commit().await?;

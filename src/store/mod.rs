@@ -115,6 +115,11 @@ use crate::model::{Message, Usage};
 pub use postgres::PgStore;
 pub use sqlite::SqliteStore;
 
+/// The queue's name in apalis's job table, which the store reads (to find runs whose job is
+/// not waiting to be fetched) and the queue writes. Fixed: apalis's default (the Rust type
+/// path) would orphan queued jobs whenever the type moved.
+pub const QUEUE_NAME: &str = "subagents.runs";
+
 /// `Result` with the store's error.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 

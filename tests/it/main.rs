@@ -6,6 +6,7 @@ mod cli;
 mod delegation;
 mod fleet;
 mod kill;
+mod layers;
 mod lifecycle;
 mod redis;
 mod runs;
