@@ -21,6 +21,27 @@ macro_rules! sql {
     }};
 }
 
+/// Binds `$1`..`$14` of a checkpoint's fence, identical on both backends: counters, lease
+/// deadline, the terminal columns of [`FenceFields`](super::FenceFields), run id and epoch.
+macro_rules! bind_fence {
+    ($q:expr, $cp:expr, $ff:expr, $lease:expr, $now:expr) => {
+        $q.bind($cp.events.len() as i64)
+            .bind($cp.step.map(|s| s as i64))
+            .bind($cp.usage.prompt_tokens as i64)
+            .bind($cp.usage.completion_tokens as i64)
+            .bind($ff.status.map(RunStatus::as_str))
+            .bind(now_ms() + $lease.ttl.as_millis() as i64)
+            .bind($now)
+            .bind($ff.result)
+            .bind($ff.forced)
+            .bind($ff.error_kind)
+            .bind($ff.error_message)
+            .bind($ff.finished_at)
+            .bind($lease.run_id.to_string())
+            .bind($lease.epoch)
+    };
+}
+
 /// The columns of a run, in the order `run_from_row` reads them.
 macro_rules! run_columns {
     () => {
@@ -32,9 +53,11 @@ macro_rules! run_columns {
 }
 
 /// Implements [`Store`](super::Store) for `$store` on sqlx database `$db`, whose apalis job
-/// table is `$jobs`: the shared statements below plus the backend's own `{ … }` items.
+/// table is `$jobs`: the shared statements below plus the backend's own `{ … }` items. How a
+/// park orders its reads and its fence is the one locking difference between the backends
+/// (`park_reads_first`, and `share`: the lock clause of those reads).
 macro_rules! store_impl {
-    ($store:ty, $db:ty, $jobs:literal, { $($own:tt)* }) => {
+    ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, { $($own:tt)* }) => {
         impl $store {
             /// Inserts a commit's events in one statement (one round trip, whatever their number).
             async fn insert_events(
@@ -106,9 +129,75 @@ macro_rules! store_impl {
             }
         }
 
+        impl $store {
+            /// Whether any of `targets` has ended (or is missing): a park on them is due at once.
+            async fn any_ended(tx: &mut sqlx::Transaction<'_, $db>, targets: &[RunId]) -> Result<bool> {
+                let mut ended = false;
+                for target in targets {
+                    let status: Option<String> = sqlx::query_scalar(concat!("SELECT status FROM sa_runs WHERE id = $1", $share))
+                        .bind(target.to_string())
+                        .fetch_optional(&mut **tx)
+                        .await?;
+                    ended |= status.and_then(|s| RunStatus::parse(&s)).is_none_or(RunStatus::is_terminal);
+                }
+                Ok(ended)
+            }
+        }
+
         #[async_trait]
         impl Store for $store {
             $($own)*
+
+            async fn park(&self, lease: &Lease, park: Park) -> Result<Parked> {
+                debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty(), "a park needs something to wake it");
+                let now = Utc::now();
+                let mut tx = self.pool.begin().await?;
+                // Either order leaves no window: a child that ends now either commits first (and
+                // is seen ended here) or after this park (and then finds it parked and wakes it).
+                let mut due = $reads_first && Self::any_ended(&mut tx, &park.waits_on).await?;
+                let row = sqlx::query(sql!(
+                    "UPDATE sa_runs SET heartbeat_at = $1 WHERE id = $2 AND lease_epoch = $3 AND status IN ({}) RETURNING cancel_requested",
+                    Transition::Park
+                ))
+                .bind(now)
+                .bind(lease.run_id.to_string())
+                .bind(lease.epoch)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
+                if row.get::<i64, _>(0) != 0 {
+                    tx.rollback().await?;
+                    return Ok(Parked::CancelPending);
+                }
+                if !$reads_first {
+                    due = Self::any_ended(&mut tx, &park.waits_on).await?;
+                }
+                sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(lease.run_id.to_string()).execute(&mut *tx).await?;
+                for target in &park.waits_on {
+                    sqlx::query("INSERT INTO sa_run_waits (waiter, target) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                        .bind(lease.run_id.to_string())
+                        .bind(target.to_string())
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                let wake_at = if due { Some(now_ms()) } else { park.wake_at };
+                let n = park.events.len() as i64;
+                let row = sqlx::query(
+                    "UPDATE sa_runs SET status = 'waiting', lease_expires_at = 0, lease_owner = NULL, wake_at = $1, \
+                     event_seq = event_seq + $2, updated_at = $3 WHERE id = $4 RETURNING event_seq",
+                )
+                .bind(wake_at)
+                .bind(n)
+                .bind(now)
+                .bind(lease.run_id.to_string())
+                .fetch_one(&mut *tx)
+                .await?;
+                let last: i64 = row.get(0);
+                Self::insert_events(&mut tx, lease.run_id, (last - n + 1) as u64, &park.events).await?;
+                tx.commit().await?;
+                self.notifier.notify(lease.run_id);
+                Ok(Parked::Parked { due })
+            }
 
             async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>> {
                 let row = sqlx::query(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE id = $1"))

@@ -557,6 +557,56 @@ pub struct Checkpoint {
     pub finish: Option<Finish>,
 }
 
+/// What a checkpoint's fenced `UPDATE` writes besides the counters: the terminal columns (if
+/// it finishes the run) and the status guard its transition allows. Both backends bind these
+/// the same way (see `bind_fence!`).
+pub(crate) struct FenceFields {
+    pub(crate) status: Option<RunStatus>,
+    pub(crate) result: Option<String>,
+    pub(crate) forced: Option<i64>,
+    pub(crate) error_kind: Option<&'static str>,
+    pub(crate) error_message: Option<String>,
+    pub(crate) finished_at: Option<DateTime<Utc>>,
+    pub(crate) guard: &'static str,
+}
+
+impl Checkpoint {
+    pub(crate) fn fence_fields(&self, now: DateTime<Utc>) -> FenceFields {
+        let mut f = FenceFields {
+            status: self.finish.as_ref().map(|f| f.terminal().status()),
+            result: None,
+            forced: None,
+            error_kind: None,
+            error_message: None,
+            finished_at: self.finish.as_ref().map(|_| now),
+            guard: sources!(Transition::Heartbeat),
+        };
+        match &self.finish {
+            None => {}
+            Some(Finish::Succeeded { result, forced }) => {
+                f.result = Some(result.clone());
+                f.forced = Some(*forced as i64);
+                f.guard = sources!(Transition::Finish(Terminal::Succeeded));
+            }
+            Some(Finish::Failed(e)) => {
+                f.error_kind = Some(e.kind.as_str());
+                f.error_message = Some(e.message.clone());
+                f.guard = sources!(Transition::Finish(Terminal::Failed));
+            }
+            Some(Finish::Cancelled) => f.guard = sources!(Transition::Finish(Terminal::Cancelled)),
+        }
+        f
+    }
+
+    /// The error it finishes the run with, if any (for the parent's `child.finished`).
+    pub(crate) fn error(&self) -> Option<&RunError> {
+        match &self.finish {
+            Some(Finish::Failed(e)) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 impl Finish {
     /// The terminal status it ends in.
     pub fn terminal(&self) -> Terminal {

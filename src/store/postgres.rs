@@ -61,7 +61,9 @@ impl PgStore {
     }
 }
 
-store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", {
+// PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
+// a child's terminal commit takes (its own row, then its parent's and waiters').
+store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
         // One round trip for the checks and inserts (`sa_create_run`, migrations/postgres/0002),
         // one to read the run back.
@@ -155,23 +157,8 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", {
         // terminal checkpoint adds its effects on the parent and the waiters in the same
         // transaction.
         let now = Utc::now();
-        let n = cp.events.len() as i64;
-        let (status, result, forced, ekind, emsg, finished) = match &cp.finish {
-            None => (None, None, None, None, None, None),
-            Some(Finish::Succeeded { result, forced }) => {
-                (Some(RunStatus::Succeeded), Some(result.clone()), Some(*forced as i64), None, None, Some(now))
-            }
-            Some(Finish::Failed(e)) => (Some(RunStatus::Failed), None, None, Some(e.kind.as_str()), Some(e.message.clone()), Some(now)),
-            Some(Finish::Cancelled) => (Some(RunStatus::Cancelled), None, None, None, None, Some(now)),
-        };
-        let guard = match &cp.finish {
-            None => sources!(Transition::Heartbeat),
-            Some(f) => match f.terminal() {
-                Terminal::Succeeded => sources!(Transition::Finish(Terminal::Succeeded)),
-                Terminal::Failed => sources!(Transition::Finish(Terminal::Failed)),
-                Terminal::Cancelled => sources!(Transition::Finish(Terminal::Cancelled)),
-            },
-        };
+        let ff = cp.fence_fields(now);
+        let (status, guard) = (ff.status, ff.guard);
         let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
         let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
         let m_key: Vec<String> = cp.messages.iter().map(|m| m.key.clone()).collect();
@@ -199,41 +186,23 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", {
                FROM f, unnest($19::text[], $20::text[]) WITH ORDINALITY AS x(type, data, ord) \
              ) SELECT event_seq, thread_id, parent_run_id FROM f"
         );
-        let query = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(n)
-            .bind(cp.step.map(|s| s as i64))
-            .bind(cp.usage.prompt_tokens as i64)
-            .bind(cp.usage.completion_tokens as i64)
-            .bind(status.map(RunStatus::as_str))
-            .bind(now_ms() + lease.ttl.as_millis() as i64)
-            .bind(now)
-            .bind(result)
-            .bind(forced)
-            .bind(ekind)
-            .bind(emsg)
-            .bind(finished)
-            .bind(lease.run_id.to_string())
-            .bind(lease.epoch)
+        let query = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
             .bind(m_step)
             .bind(m_role)
             .bind(m_key)
             .bind(m_body)
             .bind(e_type)
             .bind(e_data);
-        match (status, &cp.finish) {
-            (Some(status), Some(finish)) => {
+        match status {
+            Some(status) => {
                 let mut tx = self.pool.begin().await?;
                 let Some(row) = query.fetch_optional(&mut *tx).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
                 let thread: String = row.get(1);
                 let parent: Option<String> = row.get(2);
-                let error = match finish {
-                    Finish::Failed(e) => Some(e),
-                    _ => None,
-                };
-                Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, error).await?;
+                Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error()).await?;
                 tx.commit().await?;
             }
-            _ => {
+            None => {
                 if query.fetch_optional(&self.pool).await?.is_none() {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 }
@@ -241,62 +210,6 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", {
         }
         self.notifier.notify(lease.run_id);
         Ok(())
-    }
-
-    async fn park(&self, lease: &Lease, park: Park) -> Result<Parked> {
-        debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty(), "a park needs something to wake it");
-        let now = Utc::now();
-        let mut tx = self.pool.begin().await?;
-        // Lock order: the runs it waits on (shared) before its own row, the same order a child's
-        // terminal commit takes (its own row, then its parent's and waiters'). So a child ending
-        // at this moment either commits first (and is seen ended here) or waits for this park
-        // (and then finds the parent parked and wakes it): no end is missed, no deadlock.
-        let mut due = false;
-        for target in &park.waits_on {
-            let status: Option<String> = sqlx::query_scalar("SELECT status FROM sa_runs WHERE id = $1 FOR SHARE")
-                .bind(target.to_string())
-                .fetch_optional(&mut *tx)
-                .await?;
-            due |= status.and_then(|s| RunStatus::parse(&s)).is_none_or(RunStatus::is_terminal);
-        }
-        let row = sqlx::query(sql!(
-            "UPDATE sa_runs SET heartbeat_at = $1 WHERE id = $2 AND lease_epoch = $3 AND status IN ({}) RETURNING cancel_requested",
-            Transition::Park
-        ))
-        .bind(now)
-        .bind(lease.run_id.to_string())
-        .bind(lease.epoch)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
-        if row.get::<i64, _>(0) != 0 {
-            tx.rollback().await?;
-            return Ok(Parked::CancelPending);
-        }
-        sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(lease.run_id.to_string()).execute(&mut *tx).await?;
-        let targets: Vec<String> = park.waits_on.iter().map(|t| t.to_string()).collect();
-        sqlx::query("INSERT INTO sa_run_waits (waiter, target) SELECT $1, t FROM unnest($2::text[]) AS t ON CONFLICT DO NOTHING")
-            .bind(lease.run_id.to_string())
-            .bind(targets)
-            .execute(&mut *tx)
-            .await?;
-        let wake_at = if due { Some(now_ms()) } else { park.wake_at };
-        let n = park.events.len() as i64;
-        let row = sqlx::query(
-            "UPDATE sa_runs SET status = 'waiting', lease_expires_at = 0, lease_owner = NULL, wake_at = $1, \
-             event_seq = event_seq + $2, updated_at = $3 WHERE id = $4 RETURNING event_seq",
-        )
-        .bind(wake_at)
-        .bind(n)
-        .bind(now)
-        .bind(lease.run_id.to_string())
-        .fetch_one(&mut *tx)
-        .await?;
-        let last: i64 = row.get(0);
-        Self::insert_events(&mut tx, lease.run_id, (last - n + 1) as u64, &park.events).await?;
-        tx.commit().await?;
-        self.notifier.notify(lease.run_id);
-        Ok(Parked::Parked { due })
     }
 
     async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {

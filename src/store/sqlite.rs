@@ -63,7 +63,9 @@ impl SqliteStore {
     }
 }
 
-store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", {
+// SQLite serializes writers: the park's fence (a write) must come first, so the reads after it
+// see the latest state (a read first would pin a snapshot that the write could not upgrade).
+store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share = "", {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
         let now = Utc::now();
         let mut tx = self.pool.begin().await?;
@@ -198,28 +200,12 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", {
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
         let now = Utc::now();
         let n = cp.events.len() as i64;
-        let (status, result, forced, ekind, emsg, finished) = match &cp.finish {
-            None => (None, None, None, None, None, None),
-            Some(Finish::Succeeded { result, forced }) => {
-                (Some(RunStatus::Succeeded), Some(result.clone()), Some(*forced as i64), None, None, Some(now))
-            }
-            Some(Finish::Failed(e)) => {
-                (Some(RunStatus::Failed), None, None, Some(e.kind.as_str()), Some(e.message.clone()), Some(now))
-            }
-            Some(Finish::Cancelled) => (Some(RunStatus::Cancelled), None, None, None, None, Some(now)),
-        };
-        let guard = match &cp.finish {
-            None => sources!(Transition::Heartbeat),
-            Some(f) => match f.terminal() {
-                Terminal::Succeeded => sources!(Transition::Finish(Terminal::Succeeded)),
-                Terminal::Failed => sources!(Transition::Finish(Terminal::Failed)),
-                Terminal::Cancelled => sources!(Transition::Finish(Terminal::Cancelled)),
-            },
-        };
+        let ff = cp.fence_fields(now);
+        let (status, guard) = (ff.status, ff.guard);
         let mut tx = self.pool.begin().await?;
         // The fence opens the transaction: it proves the epoch, takes SQLite's write lock (so
         // the seqs it reserves stay gap-free) and applies the counters and any terminal state.
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        let row = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
             "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
              prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, \
              lease_expires_at = CASE WHEN $5 IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
@@ -228,21 +214,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", {
              finished_at = COALESCE($12, finished_at), \
              cancel_requested = CASE WHEN $5 IS NULL THEN cancel_requested ELSE 0 END \
              WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id"
-        )))
-        .bind(n)
-        .bind(cp.step.map(|s| s as i64))
-        .bind(cp.usage.prompt_tokens as i64)
-        .bind(cp.usage.completion_tokens as i64)
-        .bind(status.map(RunStatus::as_str))
-        .bind(now_ms() + lease.ttl.as_millis() as i64)
-        .bind(now)
-        .bind(result)
-        .bind(forced)
-        .bind(ekind)
-        .bind(emsg)
-        .bind(finished)
-        .bind(lease.run_id.to_string())
-        .bind(lease.epoch)
+        ))), cp, ff, lease, now)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
@@ -265,67 +237,12 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", {
             .await?;
         }
         Self::insert_events(&mut tx, lease.run_id, (last - n + 1) as u64, &cp.events).await?;
-        if let (Some(status), Some(finish)) = (status, &cp.finish) {
-            let error = match finish {
-                Finish::Failed(e) => Some(e),
-                _ => None,
-            };
-            Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, error).await?;
+        if let Some(status) = status {
+            Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error()).await?;
         }
         tx.commit().await?;
         self.notifier.notify(lease.run_id);
         Ok(())
-    }
-
-    async fn park(&self, lease: &Lease, park: Park) -> Result<Parked> {
-        debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty(), "a park needs something to wake it");
-        let now = Utc::now();
-        let mut tx = self.pool.begin().await?;
-        // The fence comes first: it takes SQLite's write lock, so what is read below is the
-        // latest state and no child can end unseen between the read and the park.
-        let row = sqlx::query(sql!(
-            "UPDATE sa_runs SET heartbeat_at = $1 WHERE id = $2 AND lease_epoch = $3 AND status IN ({}) RETURNING cancel_requested",
-            Transition::Park
-        ))
-        .bind(now)
-        .bind(lease.run_id.to_string())
-        .bind(lease.epoch)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
-        if row.get::<i64, _>(0) != 0 {
-            tx.rollback().await?;
-            return Ok(Parked::CancelPending);
-        }
-        sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(lease.run_id.to_string()).execute(&mut *tx).await?;
-        let mut due = false;
-        for target in &park.waits_on {
-            sqlx::query("INSERT INTO sa_run_waits (waiter, target) VALUES ($1, $2) ON CONFLICT DO NOTHING")
-                .bind(lease.run_id.to_string())
-                .bind(target.to_string())
-                .execute(&mut *tx)
-                .await?;
-            let status: Option<String> =
-                sqlx::query_scalar("SELECT status FROM sa_runs WHERE id = $1").bind(target.to_string()).fetch_optional(&mut *tx).await?;
-            due |= status.and_then(|s| RunStatus::parse(&s)).is_none_or(RunStatus::is_terminal);
-        }
-        let wake_at = if due { Some(now_ms()) } else { park.wake_at };
-        let n = park.events.len() as i64;
-        let row = sqlx::query(
-            "UPDATE sa_runs SET status = 'waiting', lease_expires_at = 0, lease_owner = NULL, wake_at = $1, \
-             event_seq = event_seq + $2, updated_at = $3 WHERE id = $4 RETURNING event_seq",
-        )
-        .bind(wake_at)
-        .bind(n)
-        .bind(now)
-        .bind(lease.run_id.to_string())
-        .fetch_one(&mut *tx)
-        .await?;
-        let last: i64 = row.get(0);
-        Self::insert_events(&mut tx, lease.run_id, (last - n + 1) as u64, &park.events).await?;
-        tx.commit().await?;
-        self.notifier.notify(lease.run_id);
-        Ok(Parked::Parked { due })
     }
 
     async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
