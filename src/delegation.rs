@@ -19,7 +19,7 @@ use crate::events::progress_line;
 use crate::ids::{RunId, ThreadId};
 use crate::model::{FunctionSpec, ToolSpec};
 use crate::queue::Queue;
-use crate::store::{CancelOutcome, EventKind, IfBusy, NewEvent, RunRecord, RunStatus, Store, StoreError, TreePosition};
+use crate::store::{CancelOutcome, EventKind, IfBusy, NewEvent, RunRecord, RunLog, RunStatus, StoreError, TreePosition};
 
 /// A delegation call's result for the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,7 +92,7 @@ impl Call {
 /// Everything a delegation call needs.
 pub struct Ctx<'a> {
     /// Storage.
-    pub store: &'a dyn Store,
+    pub store: &'a dyn RunLog,
     /// For pushing child jobs.
     pub queue: &'a Queue,
     /// Agent definitions.
@@ -183,7 +183,7 @@ pub fn child_thread(parent_thread: &ThreadId, parent_run: RunId, call_id: &str, 
 }
 
 /// A snapshot fit for a model's context: status, 3 progress lines, the (cut) result or error.
-pub async fn snapshot(store: &dyn Store, r: &RunRecord, limit: usize) -> Result<Value, StoreError> {
+pub async fn snapshot(store: &dyn RunLog, r: &RunRecord, limit: usize) -> Result<Value, StoreError> {
     let recent = store.events_after(r.id, r.event_seq.saturating_sub(12), 12).await?;
     let mut progress: Vec<String> = recent.iter().filter_map(progress_line).map(|l| l.trim().to_owned()).collect();
     let n = progress.len();

@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
 use crate::ids::{RunId, ThreadId};
 use crate::queue::{Queue, QueueError, new_job_id};
-use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, Store, StoreError, TreePosition};
+use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, RunLog, StoreError, TreePosition};
 
 pub use crate::agents::MAX_TIMEOUT_SECS;
 
@@ -98,7 +98,7 @@ impl StartError {
 /// CLI, and parents delegating to children). Once it returns, the run is durable: if the push
 /// fails, the reaper enqueues it later.
 pub async fn start_run(
-    store: &dyn Store,
+    store: &dyn RunLog,
     queue: &Queue,
     agents: &AgentRegistry,
     max_input_bytes: usize,
@@ -155,10 +155,10 @@ pub async fn start_run(
 /// Cancels a run and, below it, every attached (non-detached) descendant still going; a run
 /// that ends here (queued or parked) frees its thread and wakes its waiters at once. The
 /// child's `child.finished` event and its parent's wake-up commit with the cancel itself.
-pub async fn cancel(store: &dyn Store, queue: &Queue, run: RunId) -> Result<CancelOutcome, StoreError> {
+pub async fn cancel(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<CancelOutcome, StoreError> {
     let outcome = store.request_cancel(run).await?;
     if outcome == CancelOutcome::Cancelled {
-        after_end(store, queue, run).await?;
+        after_end_of(store, queue, run).await?;
     }
     cancel_attached_children(store, queue, run).await?;
     Ok(outcome)
@@ -166,7 +166,7 @@ pub async fn cancel(store: &dyn Store, queue: &Queue, run: RunId) -> Result<Canc
 
 /// Cancels the attached children (and theirs) of a run: what happens when a parent ends or is
 /// cancelled.
-pub async fn cancel_attached_children(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+pub async fn cancel_attached_children(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), StoreError> {
     let mut stack = vec![run];
     while let Some(r) = stack.pop() {
         for c in store.children(r).await? {
@@ -174,7 +174,7 @@ pub async fn cancel_attached_children(store: &dyn Store, queue: &Queue, run: Run
                 continue;
             }
             if !c.status.is_terminal() && store.request_cancel(c.id).await? == CancelOutcome::Cancelled {
-                after_end(store, queue, c.id).await?;
+                after_end(store, queue, &Ended { run_id: c.id, thread_id: c.thread_id.clone(), is_child: true }).await?;
             }
             stack.push(c.id);
         }
@@ -182,24 +182,42 @@ pub async fn cancel_attached_children(store: &dyn Store, queue: &Queue, run: Run
     Ok(())
 }
 
+/// What a finished run's worker knows without reading it again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ended {
+    /// The run.
+    pub run_id: RunId,
+    /// Its thread (whose next queued run may start now).
+    pub thread_id: ThreadId,
+    /// Only a child can be awaited, so only a child's end can have made waiters due.
+    pub is_child: bool,
+}
+
 /// After a run ended (however it ended): push the job of the run enqueued behind it on its
 /// thread, and of every parked run its end made due. Both are already durable (the terminal
 /// commit woke the waiters; the reaper finds queued runs without a job), so this is only the
 /// fast path: if the process dies first, the reaper does the same.
-pub async fn after_end(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
-    let Some(r) = store.get_run(run).await? else { return Ok(()) };
-    if let Some(next) = store.next_queued(&r.thread_id).await? {
+pub async fn after_end(store: &dyn RunLog, queue: &Queue, ended: &Ended) -> Result<(), StoreError> {
+    if let Some(next) = store.next_queued(&ended.thread_id).await? {
         push(store, queue, next).await?;
     }
-    for waiter in store.due_waiters(run).await? {
-        push(store, queue, waiter).await?;
+    if ended.is_child {
+        for waiter in store.due_waiters(ended.run_id).await? {
+            push(store, queue, waiter).await?;
+        }
     }
     Ok(())
 }
 
+/// [`after_end`] for a run the caller has not read (a cancel, the reaper).
+pub async fn after_end_of(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+    let Some(r) = store.get_run(run).await? else { return Ok(()) };
+    after_end(store, queue, &Ended { run_id: r.id, thread_id: r.thread_id, is_child: r.parent_run_id.is_some() }).await
+}
+
 /// Pushes a fresh job for a run that can go on now (a due parked run, a queued run whose thread
 /// just became free, a released run). A failed push is logged: the reaper repairs it.
-pub async fn push(store: &dyn Store, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+pub async fn push(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), StoreError> {
     let job = new_job_id();
     store.set_job(run, &job).await?;
     if let Err(e) = queue.push(run, &job).await {

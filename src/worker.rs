@@ -49,10 +49,10 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
         async move {
             let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
             let store = ctx.engine.store.as_ref();
-            match executed {
-                Executed::Finished => {
+            match &executed {
+                Executed::Finished(ended) => {
                     ctx.engine.settings.failpoints.hit("after_terminal_commit").await;
-                    if let Err(e) = crate::runs::after_end(store, &ctx.queue, run_id).await {
+                    if let Err(e) = crate::runs::after_end(store, &ctx.queue, ended).await {
                         tracing::warn!(error = %e, "could not start the thread's next run or wake its waiters; the reaper will");
                     }
                 }
@@ -178,7 +178,7 @@ async fn reap(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutd
                         tracing::warn!(run_id = %e.run_id, "run abandoned by too many workers; failed with kind=lost");
                         // A parent that ends takes its attached children with it, however it ended.
                         let ended = async {
-                            crate::runs::after_end(store, &queue, e.run_id).await?;
+                            crate::runs::after_end_of(store, &queue, e.run_id).await?;
                             crate::runs::cancel_attached_children(store, &queue, e.run_id).await
                         };
                         if let Err(err) = ended.await {

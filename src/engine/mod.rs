@@ -32,7 +32,7 @@ use crate::ids::RunId;
 use crate::model::{ChatModel, ChatRequest, Message, ModelError, ToolCall};
 use crate::queue::Queue;
 use crate::store::{
-    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, Park, Parked, RunError, RunRecord, Store,
+    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, Park, Parked, RunError, RunLog, RunRecord,
     StoreError, StoredMessage,
 };
 use crate::tools::{ToolCtx, ToolRegistry, truncate_output};
@@ -76,7 +76,7 @@ pub struct EngineSettings {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Executed {
     /// The run reached a terminal state here.
-    Finished,
+    Finished(crate::runs::Ended),
     /// Nothing to do: finished already, or another worker holds it.
     Skipped,
     /// Another worker took the run over (our lease expired); we stopped.
@@ -94,7 +94,7 @@ pub enum Executed {
 /// Runs the step loop for claimed runs.
 pub struct Engine {
     /// Storage.
-    pub store: Arc<dyn Store>,
+    pub store: Arc<dyn RunLog>,
     /// Agent definitions.
     pub agents: Arc<AgentRegistry>,
     /// Tools.
@@ -187,6 +187,12 @@ impl Engine {
             .checked_add_signed(limit)
             .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO))
             .unwrap_or(Duration::MAX / 4);
+        // A run parked past its wall-time limit is claimed at its deadline (see `park`) and
+        // ends here, before any other call.
+        if deadline_in.is_zero() {
+            let message = format!("the run exceeded its wall-time limit of {}s", run.limits.timeout_secs);
+            return self.finish(&lease, &run, Finish::Failed(RunError { kind: ErrorKind::Timeout, message })).await;
+        }
         // A drain lets the step in flight finish (the loop stops at the next step boundary),
         // but only for so long.
         let grace = self.settings.drain_grace;
@@ -207,7 +213,7 @@ impl Engine {
         match result {
             Ok(Ok(LoopEnd::Committed)) => {
                 self.end_children(&run).await;
-                Ok(Executed::Finished)
+                Ok(Executed::Finished(ended(&run)))
             }
             Ok(Ok(LoopEnd::Finish(finish))) => self.finish(&lease, &run, finish).await,
             Ok(Ok(LoopEnd::Park(wait))) => self.park(&lease, &run, wait).await,
@@ -256,7 +262,7 @@ impl Engine {
             Ok(()) => {
                 metrics::counter!("subagents_runs_finished_total", "status" => status.as_str()).increment(1);
                 self.end_children(run).await;
-                Ok(Executed::Finished)
+                Ok(Executed::Finished(ended(run)))
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
@@ -269,8 +275,12 @@ impl Engine {
     /// Parks the run on what its delegation calls wait for. The store records what it waits
     /// on and makes it due at once if any of that already ended, so an end that raced the park
     /// is never missed; a cancel pending at the park finishes the run instead.
-    async fn park(&self, lease: &Lease, run: &RunRecord, wait: Wait) -> Result<Executed, StoreError> {
+    async fn park(&self, lease: &Lease, run: &RunRecord, mut wait: Wait) -> Result<Executed, StoreError> {
         let fp = &self.settings.failpoints;
+        // The wall-time limit holds while parked too: wake at the deadline at the latest.
+        if let Some(deadline) = run_deadline_ms(run) {
+            wait.wake_at = Some(wait.wake_at.map_or(deadline, |w| w.min(deadline)));
+        }
         fp.hit("before_park_commit").await;
         let event = NewEvent::new(
             EventKind::RunWaiting,
@@ -338,8 +348,10 @@ impl Engine {
         Some(NewEvent::new(EventKind::StepStarted, json!({"step": done + 1, "forced": done >= run.limits.max_steps})))
     }
 
-    /// A parent that ends cancels its still-running attached children. A run whose agent was
-    /// never offered the delegation tools has none, and costs no query.
+    /// A parent that ends cancels its still-running attached children. The terminal commit
+    /// already did that durably (parked and queued ones cancelled, running ones asked to stop);
+    /// this is the fast path that wakes their workers in this process at once. A run whose
+    /// agent was never offered the delegation tools has none, and costs no query.
     async fn end_children(&self, run: &RunRecord) {
         let may_delegate = self
             .agents
@@ -642,11 +654,22 @@ impl Engine {
     }
 }
 
+fn ended(run: &RunRecord) -> crate::runs::Ended {
+    crate::runs::Ended { run_id: run.id, thread_id: run.thread_id.clone(), is_child: run.parent_run_id.is_some() }
+}
+
+/// When the run's wall-time limit ends (Unix ms), counted from its first start.
+fn run_deadline_ms(run: &RunRecord) -> Option<i64> {
+    let started = run.started_at?.timestamp_millis();
+    let limit = i64::try_from(run.limits.timeout_secs).ok()?.checked_mul(1000)?;
+    started.checked_add(limit)
+}
+
 /// Renews the lease every third of its length (at least every second, so a cancel from another
 /// process is seen within a second; one from this process wakes it at once); trips `cancel`
 /// when a cancel was requested and `lost` when the lease is gone. A failed renewal (database
 /// briefly away) is retried until the lease would have expired.
-async fn heartbeat(store: Arc<dyn Store>, lease: Lease, cancel: CancellationToken, lost: CancellationToken) {
+async fn heartbeat(store: Arc<dyn RunLog>, lease: Lease, cancel: CancellationToken, lost: CancellationToken) {
     let every = (lease.ttl / 3).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_ok = std::time::Instant::now();
     let cancel_asked = store.subscribe_cancel(lease.run_id);

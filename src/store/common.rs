@@ -52,12 +52,13 @@ macro_rules! run_columns {
     };
 }
 
-/// Implements [`Store`](super::Store) for `$store` on sqlx database `$db`, whose apalis job
-/// table is `$jobs`: the shared statements below plus the backend's own `{ … }` items. How a
+/// Implements the store traits ([`RunLog`](super::RunLog), [`Queries`](super::Queries),
+/// [`Outbox`](super::Outbox)) for `$store` on sqlx database `$db`, whose apalis job
+/// table is `$jobs`: the shared statements below plus the backend's own items for each trait. How a
 /// park orders its reads and its fence is the one locking difference between the backends
 /// (`park_reads_first`, and `share`: the lock clause of those reads).
 macro_rules! store_impl {
-    ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, { $($own:tt)* }) => {
+    ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, run_log = { $($run_log:tt)* }, queries = { $($queries:tt)* }) => {
         impl $store {
             /// Inserts a commit's events in one statement (one round trip, whatever their number).
             async fn insert_events(
@@ -87,7 +88,8 @@ macro_rules! store_impl {
             /// (finish, cancel, give-up): the parent's `child.finished` event (unless the parent
             /// has ended: nothing follows a terminal event), the wake-up of every run parked on
             /// this one (a parent only wakes for the children it waits on: a detached child
-            /// ending does not disturb it), and the end of this run's own waits.
+            /// ending does not disturb it), the end of this run's own waits, and the end of its
+            /// attached children.
             async fn terminal_effects(
                 tx: &mut sqlx::Transaction<'_, $db>,
                 run: RunId,
@@ -95,6 +97,7 @@ macro_rules! store_impl {
                 parent: Option<&str>,
                 status: RunStatus,
                 error: Option<&RunError>,
+                reach: Reach,
             ) -> Result<()> {
                 let nms = now_ms();
                 if let Some(parent) = parent {
@@ -115,16 +118,78 @@ macro_rules! store_impl {
                         Self::insert_events(tx, parent_id, seq as u64, &[NewEvent::new(EventKind::ChildFinished, data)]).await?;
                     }
                 }
-                sqlx::query(sql!(
-                    "UPDATE sa_runs SET wake_at = $1 WHERE status IN ({}) \
-                     AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
-                    Transition::Wake
-                ))
-                .bind(nms)
-                .bind(run.to_string())
-                .execute(&mut **tx)
-                .await?;
-                sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(run.to_string()).execute(&mut **tx).await?;
+                if reach.waits {
+                    sqlx::query(sql!(
+                        "UPDATE sa_runs SET wake_at = $1 WHERE status IN ({}) \
+                         AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
+                        Transition::Wake
+                    ))
+                    .bind(nms)
+                    .bind(run.to_string())
+                    .execute(&mut **tx)
+                    .await?;
+                    sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(run.to_string()).execute(&mut **tx).await?;
+                }
+                if reach.children {
+                    Self::end_attached_children(tx, run).await?;
+                }
+                Ok(())
+            }
+
+            /// A run that ends takes its attached (non-detached) descendants with it, in the same
+            /// commit: parked and queued ones are cancelled here (their waiters woken), running
+            /// ones are asked to stop (their workers finish them within a second). So a crash
+            /// right after a parent's end cannot leave its children running.
+            async fn end_attached_children(tx: &mut sqlx::Transaction<'_, $db>, run: RunId) -> Result<()> {
+                let now = Utc::now();
+                let mut stack = vec![run.to_string()];
+                while let Some(parent) = stack.pop() {
+                    sqlx::query(sql!(
+                        "UPDATE sa_runs SET cancel_requested = 1, updated_at = $1 \
+                         WHERE parent_run_id = $2 AND detached = 0 AND status IN ({})",
+                        Transition::RequestCancel
+                    ))
+                    .bind(now)
+                    .bind(&parent)
+                    .execute(&mut **tx)
+                    .await?;
+                    let running: Vec<String> = sqlx::query_scalar(sql!(
+                        "SELECT id FROM sa_runs WHERE parent_run_id = $1 AND detached = 0 AND status IN ({})",
+                        Transition::RequestCancel
+                    ))
+                    .bind(&parent)
+                    .fetch_all(&mut **tx)
+                    .await?;
+                    stack.extend(running);
+                    let ended = sqlx::query(sql!(
+                        "UPDATE sa_runs SET status = 'cancelled', finished_at = $1, updated_at = $1, event_seq = event_seq + 1, \
+                         cancel_requested = 0, lease_expires_at = 0, wake_at = NULL \
+                         WHERE parent_run_id = $2 AND detached = 0 AND status IN ({}) RETURNING id, event_seq",
+                        Transition::Cancel
+                    ))
+                    .bind(now)
+                    .bind(&parent)
+                    .fetch_all(&mut **tx)
+                    .await?;
+                    for row in &ended {
+                        let id: String = row.get(0);
+                        let child: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
+                        let seq: i64 = row.get(1);
+                        let data = serde_json::json!({"reason": "parent_ended", "parent_run_id": parent});
+                        Self::insert_events(tx, child, seq as u64, &[NewEvent::new(EventKind::RunCancelled, data)]).await?;
+                        sqlx::query(sql!(
+                            "UPDATE sa_runs SET wake_at = $1 WHERE status IN ({}) \
+                             AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
+                            Transition::Wake
+                        ))
+                        .bind(now_ms())
+                        .bind(&id)
+                        .execute(&mut **tx)
+                        .await?;
+                        sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(&id).execute(&mut **tx).await?;
+                        stack.push(id);
+                    }
+                }
                 Ok(())
             }
         }
@@ -145,8 +210,8 @@ macro_rules! store_impl {
         }
 
         #[async_trait]
-        impl Store for $store {
-            $($own)*
+        impl RunLog for $store {
+            $($run_log)*
 
             async fn park(&self, lease: &Lease, park: Park) -> Result<Parked> {
                 debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty(), "a park needs something to wake it");
@@ -292,7 +357,7 @@ macro_rules! store_impl {
                         &[NewEvent::new(EventKind::RunFailed, serde_json::json!({"error": error, "crashes": crashes}))],
                     )
                     .await?;
-                    Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Failed, Some(&error)).await?;
+                    Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Failed, Some(&error), Reach::ALL).await?;
                     out.push(Expired { run_id: run, gave_up: true });
                 }
                 let requeued = sqlx::query(sql!(
@@ -380,7 +445,7 @@ macro_rules! store_impl {
                             &[NewEvent::new(EventKind::RunCancelled, serde_json::json!({"while": state.as_str()}))],
                         )
                         .await?;
-                        Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Cancelled, None).await?;
+                        Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Cancelled, None, Reach::ALL).await?;
                         tx.commit().await?;
                         self.notifier.notify(run);
                         return Ok(CancelOutcome::Cancelled);
@@ -449,50 +514,6 @@ macro_rules! store_impl {
                 Ok(())
             }
 
-            async fn wipe(&self) -> Result<()> {
-                let mut tx = self.pool.begin().await?;
-                for t in ["sa_events", "sa_messages", "sa_run_waits", "sa_runs", "sa_threads", "sa_waits"] {
-                    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
-                }
-                sqlx::query(concat!("DELETE FROM ", $jobs, " WHERE job_type = $1"))
-                    .bind(super::QUEUE_NAME)
-                    .execute(&mut *tx)
-                    .await?;
-                tx.commit().await?;
-                Ok(())
-            }
-
-            async fn checkpoint_rows(&self) -> Result<i64> {
-                Ok(sqlx::query_scalar("SELECT (SELECT count(*) FROM sa_messages) + (SELECT count(*) FROM sa_events)")
-                    .fetch_one(&self.pool)
-                    .await?)
-            }
-
-            async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
-                let row = sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = $1")
-                    .bind(id.as_str())
-                    .fetch_optional(&self.pool)
-                    .await?;
-                Ok(row.map(|r| ThreadRecord {
-                    id: id.clone(),
-                    owner: r.get("owner"),
-                    created_at: r.get("created_at"),
-                    updated_at: r.get("updated_at"),
-                }))
-            }
-
-            async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>> {
-                let rows = sqlx::query(
-                    "SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = $1 AND id > $2 ORDER BY id LIMIT $3",
-                )
-                .bind(thread.as_str())
-                .bind(after)
-                .bind(limit as i64)
-                .fetch_all(&self.pool)
-                .await?;
-                rows.iter().map(message_from_row).collect()
-            }
-
             async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>> {
                 let id: Option<String> =
                     sqlx::query_scalar("SELECT id FROM sa_runs WHERE thread_id = $1 AND status = 'queued' ORDER BY id LIMIT 1")
@@ -500,23 +521,6 @@ macro_rules! store_impl {
                         .fetch_optional(&self.pool)
                         .await?;
                 id.map(|i| i.parse().map_err(|e| corrupt("run id", e))).transpose()
-            }
-
-            async fn queue_position(&self, run: RunId) -> Result<i64> {
-                Ok(sqlx::query_scalar("SELECT count(*) FROM sa_runs WHERE status = 'queued' AND id < $1")
-                    .bind(run.to_string())
-                    .fetch_one(&self.pool)
-                    .await?)
-            }
-
-            async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
-                let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(&self.pool).await?;
-                rows.iter()
-                    .map(|r| {
-                        let s: String = r.get(0);
-                        Ok((RunStatus::parse(&s).ok_or_else(|| corrupt("status", &s))?, r.get::<i64, _>(1)))
-                    })
-                    .collect()
             }
 
             fn subscribe(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify> {
@@ -578,7 +582,80 @@ macro_rules! store_impl {
                 .fetch_one(&self.pool)
                 .await?)
             }
+        }
 
+        #[async_trait]
+        impl Queries for $store {
+            $($queries)*
+
+            async fn wipe(&self) -> Result<()> {
+                let mut tx = self.pool.begin().await?;
+                for t in ["sa_events", "sa_messages", "sa_run_waits", "sa_runs", "sa_threads", "sa_waits"] {
+                    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
+                }
+                sqlx::query(concat!("DELETE FROM ", $jobs, " WHERE job_type = $1"))
+                    .bind(super::QUEUE_NAME)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn checkpoint_rows(&self) -> Result<i64> {
+                Ok(sqlx::query_scalar("SELECT (SELECT count(*) FROM sa_messages) + (SELECT count(*) FROM sa_events)")
+                    .fetch_one(&self.pool)
+                    .await?)
+            }
+
+            async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
+                let row = sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = $1")
+                    .bind(id.as_str())
+                    .fetch_optional(&self.pool)
+                    .await?;
+                Ok(row.map(|r| ThreadRecord {
+                    id: id.clone(),
+                    owner: r.get("owner"),
+                    created_at: r.get("created_at"),
+                    updated_at: r.get("updated_at"),
+                }))
+            }
+
+            async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>> {
+                let rows = sqlx::query(
+                    "SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = $1 AND id > $2 ORDER BY id LIMIT $3",
+                )
+                .bind(thread.as_str())
+                .bind(after)
+                .bind(limit as i64)
+                .fetch_all(&self.pool)
+                .await?;
+                rows.iter().map(message_from_row).collect()
+            }
+
+            async fn queue_position(&self, run: RunId) -> Result<i64> {
+                Ok(sqlx::query_scalar("SELECT count(*) FROM sa_runs WHERE status = 'queued' AND id < $1")
+                    .bind(run.to_string())
+                    .fetch_one(&self.pool)
+                    .await?)
+            }
+
+            async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
+                let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(&self.pool).await?;
+                rows.iter()
+                    .map(|r| {
+                        let s: String = r.get(0);
+                        Ok((RunStatus::parse(&s).ok_or_else(|| corrupt("status", &s))?, r.get::<i64, _>(1)))
+                    })
+                    .collect()
+            }
+
+            fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify> {
+                self.notifier.subscribe_all()
+            }
+        }
+
+        #[async_trait]
+        impl Outbox for $store {
             async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>> {
                 let rows = sqlx::query(
                     "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1",
@@ -603,10 +680,6 @@ macro_rules! store_impl {
                 }
                 tx.commit().await?;
                 Ok(())
-            }
-
-            fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify> {
-                self.notifier.subscribe_all()
             }
 
             fn wake_local(&self, run: RunId, cancel: bool) {

@@ -557,6 +557,25 @@ pub struct Checkpoint {
     pub finish: Option<Finish>,
 }
 
+/// Which of a terminal commit's effects can apply, as the fence found out in the same
+/// statement: skipping the ones that cannot keeps an ordinary run's end one statement.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Reach {
+    /// Some run waits on it, or it waited on some: wake-ups and its own waits.
+    pub(crate) waits: bool,
+    /// It has attached children not yet ended.
+    pub(crate) children: bool,
+}
+
+impl Reach {
+    /// Every effect (paths that did not ask).
+    pub(crate) const ALL: Reach = Reach { waits: true, children: true };
+}
+
+/// The extra columns a terminal fence returns: what [`Reach`] is read from.
+pub(crate) const REACH_COLUMNS: &str = ", EXISTS (SELECT 1 FROM sa_run_waits w WHERE w.target = sa_runs.id OR w.waiter = sa_runs.id), \
+    EXISTS (SELECT 1 FROM sa_runs c WHERE c.parent_run_id = sa_runs.id AND c.detached = 0 AND c.status IN ('queued','running','waiting'))";
+
 /// What a checkpoint's fenced `UPDATE` writes besides the counters: the terminal columns (if
 /// it finishes the run) and the status guard its transition allows. Both backends bind these
 /// the same way (see `bind_fence!`).
@@ -568,6 +587,8 @@ pub(crate) struct FenceFields {
     pub(crate) error_message: Option<String>,
     pub(crate) finished_at: Option<DateTime<Utc>>,
     pub(crate) guard: &'static str,
+    /// [`REACH_COLUMNS`] for a terminal checkpoint, nothing otherwise.
+    pub(crate) reach_columns: &'static str,
 }
 
 impl Checkpoint {
@@ -580,6 +601,7 @@ impl Checkpoint {
             error_message: None,
             finished_at: self.finish.as_ref().map(|_| now),
             guard: sources!(Transition::Heartbeat),
+            reach_columns: if self.finish.is_some() { REACH_COLUMNS } else { "" },
         };
         match &self.finish {
             None => {}
@@ -676,9 +698,11 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
 
-/// Everything the engine, queue and API need from storage.
+/// What runs need from storage: the run log the engine writes (claims, checkpoints, parks,
+/// terminal commits) and the reads and moves the runs service, delegation and the worker make.
+/// Every status write applies `lifecycle::next_status`.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait RunLog: Send + Sync + 'static {
     /// Creates the thread if new and the run (`queued`) with its `run.queued` event.
     /// With [`IfBusy::Reject`], refuses with [`StoreError::Busy`] when the thread has an
     /// unfinished run.
@@ -735,30 +759,8 @@ pub trait Store: Send + Sync + 'static {
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
 
-    /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
-    /// must start from empty tables; the server never calls it.
-    async fn wipe(&self) -> Result<()>;
-
-    /// Rows written by checkpoints (messages plus events), for benchmarks.
-    async fn checkpoint_rows(&self) -> Result<i64>;
-
-    /// Runs of `owner` matching `filter`, newest first.
-    async fn list_runs(&self, owner: &str, filter: &RunFilter, limit: u32) -> Result<Vec<RunRecord>>;
-
-    /// A thread, if it exists.
-    async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>>;
-
-    /// A page of a thread's messages with `id > after`, oldest first.
-    async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>>;
-
     /// The oldest queued run of a thread: the one to start when the thread frees up.
     async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
-
-    /// How many queued runs are ahead of this one (0 = next).
-    async fn queue_position(&self, run: RunId) -> Result<i64>;
-
-    /// Number of runs per state, for metrics.
-    async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>>;
 
     /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).
     fn subscribe(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify>;
@@ -780,19 +782,56 @@ pub trait Store: Send + Sync + 'static {
 
     /// The deadline recorded under `key`, recording `proposed` if there is none yet.
     async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64>;
+}
 
+/// What the API, metrics and benchmarks read (and wipe) beyond a single run.
+#[async_trait]
+pub trait Queries: Send + Sync + 'static {
+    /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
+    /// must start from empty tables; the server never calls it.
+    async fn wipe(&self) -> Result<()>;
+
+    /// Rows written by checkpoints (messages plus events), for benchmarks.
+    async fn checkpoint_rows(&self) -> Result<i64>;
+
+    /// Runs of `owner` matching `filter`, newest first.
+    async fn list_runs(&self, owner: &str, filter: &RunFilter, limit: u32) -> Result<Vec<RunRecord>>;
+
+    /// A thread, if it exists.
+    async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>>;
+
+    /// A page of a thread's messages with `id > after`, oldest first.
+    async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>>;
+
+    /// How many queued runs are ahead of this one (0 = next).
+    async fn queue_position(&self, run: RunId) -> Result<i64>;
+
+    /// Number of runs per state, for metrics.
+    async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>>;
+
+    /// Wake-ups on a change to any run made through this store.
+    fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify>;
+}
+
+/// What the relay needs: outbox rows not yet in Redis, and local wake-ups for changes heard
+/// from other processes.
+#[async_trait]
+pub trait Outbox: Send + Sync + 'static {
     /// Outbox rows not yet relayed to Redis, each run's in seq order.
     async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>>;
 
     /// Marks outbox rows as relayed.
     async fn mark_relayed(&self, events: &[(RunId, u64)]) -> Result<()>;
 
-    /// Wake-ups on a change to any run made through this store.
-    fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify>;
-
     /// Wakes this process's waiters for a change made elsewhere (heard over Redis).
     fn wake_local(&self, run: RunId, cancel: bool);
 }
+
+/// The whole store, split by its users ([`RunLog`], [`Queries`], [`Outbox`]); both backends
+/// implement all three.
+pub trait Store: RunLog + Queries + Outbox {}
+
+impl<T: RunLog + Queries + Outbox> Store for T {}
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend
 /// compares them the same way.

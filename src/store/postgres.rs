@@ -63,7 +63,7 @@ impl PgStore {
 
 // PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
 // a child's terminal commit takes (its own row, then its parent's and waiters').
-store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", {
+store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", run_log = {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
         // One round trip for the checks and inserts (`sa_create_run`, migrations/postgres/0002),
         // one to read the run back.
@@ -158,7 +158,7 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         // transaction.
         let now = Utc::now();
         let ff = cp.fence_fields(now);
-        let (status, guard) = (ff.status, ff.guard);
+        let (status, guard, reach_columns) = (ff.status, ff.guard, ff.reach_columns);
         let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
         let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
         let m_key: Vec<String> = cp.messages.iter().map(|m| m.key.clone()).collect();
@@ -174,7 +174,7 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
                error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
                finished_at = COALESCE($12, finished_at), \
                cancel_requested = CASE WHEN $5::text IS NULL THEN cancel_requested ELSE 0 END \
-               WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id \
+               WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns} \
              ), m AS ( \
                INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
                SELECT f.thread_id, $13, x.step, x.role, x.key, x.body, $7 \
@@ -184,7 +184,7 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
                INSERT INTO sa_events (run_id, seq, type, data, created_at) \
                SELECT $13, f.event_seq - $1 + x.ord, x.type, x.data, $7 \
                FROM f, unnest($19::text[], $20::text[]) WITH ORDINALITY AS x(type, data, ord) \
-             ) SELECT event_seq, thread_id, parent_run_id FROM f"
+             ) SELECT * FROM f"
         );
         let query = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
             .bind(m_step)
@@ -199,7 +199,8 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
                 let Some(row) = query.fetch_optional(&mut *tx).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
                 let thread: String = row.get(1);
                 let parent: Option<String> = row.get(2);
-                Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error()).await?;
+                let reach = Reach { waits: row.get(3), children: row.get(4) };
+                Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
                 tx.commit().await?;
             }
             None => {
@@ -212,6 +213,7 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         Ok(())
     }
 
+}, queries = {
     async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
         let RunFilter { status, agent, thread_id, parent_run_id, before } = f;
         let statuses: Vec<&str> = status.iter().map(|s| s.as_str()).collect();

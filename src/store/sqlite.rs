@@ -65,7 +65,7 @@ impl SqliteStore {
 
 // SQLite serializes writers: the park's fence (a write) must come first, so the reads after it
 // see the latest state (a read first would pin a snapshot that the write could not upgrade).
-store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share = "", {
+store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share = "", run_log = {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
         let now = Utc::now();
         let mut tx = self.pool.begin().await?;
@@ -201,7 +201,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         let now = Utc::now();
         let n = cp.events.len() as i64;
         let ff = cp.fence_fields(now);
-        let (status, guard) = (ff.status, ff.guard);
+        let (status, guard, reach_columns) = (ff.status, ff.guard, ff.reach_columns);
         let mut tx = self.pool.begin().await?;
         // The fence opens the transaction: it proves the epoch, takes SQLite's write lock (so
         // the seqs it reserves stay gap-free) and applies the counters and any terminal state.
@@ -213,7 +213,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
              error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
              finished_at = COALESCE($12, finished_at), \
              cancel_requested = CASE WHEN $5 IS NULL THEN cancel_requested ELSE 0 END \
-             WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id"
+             WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns}"
         ))), cp, ff, lease, now)
         .fetch_optional(&mut *tx)
         .await?;
@@ -238,13 +238,15 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         }
         Self::insert_events(&mut tx, lease.run_id, (last - n + 1) as u64, &cp.events).await?;
         if let Some(status) = status {
-            Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error()).await?;
+            let reach = Reach { waits: row.get(3), children: row.get(4) };
+            Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
         }
         tx.commit().await?;
         self.notifier.notify(lease.run_id);
         Ok(())
     }
 
+}, queries = {
     async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
         let RunFilter { status, agent, thread_id, parent_run_id, before } = f;
         let statuses: Vec<&str> = status.iter().map(|s| s.as_str()).collect();

@@ -292,3 +292,25 @@ async fn owners_cannot_read_each_others_files() {
     assert_eq!(t.wait(alice.id).await.status, RunStatus::Succeeded);
     assert_eq!(tool_results(&t, &alice).await[0], json!("alice's"));
 }
+
+/// Bounded while parked: a run's wall-time limit ends it even while it waits on a child that
+/// takes longer, and its attached child is cancelled with it.
+#[tokio::test]
+async fn the_wall_time_limit_ends_a_parked_run() {
+    let t = scripted(
+        vec![("p-slow", vec![calls(vec![call("task", json!({"description": "Slow.\nSCENARIO steps=10 latency_ms=1000 run=slowest", "subagent": "general-purpose"}))]), say("never")])],
+        |_| {},
+    )
+    .await;
+    let parent = t
+        .app
+        .start_run(StartRun { agent: Some("p-slow".into()), input: "Go.".into(), timeout_secs: Some(2), ..Default::default() })
+        .await
+        .unwrap();
+    let done = wait_for(&t, parent.id, Duration::from_secs(30)).await;
+    assert_eq!(done.status, RunStatus::Failed, "{done:?}");
+    assert_eq!(done.error.as_ref().unwrap().kind, subagents::store::ErrorKind::Timeout);
+    // It ended before its 10 s child did: the child was cancelled with it, not finished.
+    let child = t.app.store.children(parent.id).await.unwrap().remove(0);
+    assert_eq!(wait_for(&t, child.id, Duration::from_secs(10)).await.status, RunStatus::Cancelled);
+}

@@ -63,6 +63,7 @@ conformance!(
     a_live_parent_hears_of_every_childs_end,
     a_park_on_ended_runs_is_due_at_once,
     the_transition_table_is_enforced,
+    a_runs_end_ends_its_attached_children_in_the_same_commit,
     listing_and_tree_queries,
 );
 
@@ -298,11 +299,16 @@ async fn a_childs_end_reports_and_wakes_in_the_same_commit(s: Backend) {
     let t = ThreadId::generate();
     let first = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(l1, _) = s.claim_run(first.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    let finished = s.create_run(child_of(&first)).await.unwrap().run;
-    let cancelled_queued = s.create_run(child_of(&first)).await.unwrap().run;
-    let lost = s.create_run(child_of(&first)).await.unwrap().run;
-    // The first run ends (its children live on, as detached ones would); a second run of the
-    // same thread awaits them.
+    let detached = || {
+        let mut c = child_of(&first);
+        c.tree.detached = true;
+        c
+    };
+    let finished = s.create_run(detached()).await.unwrap().run;
+    let cancelled_queued = s.create_run(detached()).await.unwrap().run;
+    let lost = s.create_run(detached()).await.unwrap().run;
+    // The first run ends (its detached children live on); a second run of the same thread
+    // awaits them.
     let end = vec![NewEvent::new(EventKind::RunSucceeded, json!({}))];
     s.checkpoint(&l1, Checkpoint { events: end, finish: Some(Finish::Succeeded { result: "x".into(), forced: false }), ..Default::default() })
         .await
@@ -376,6 +382,40 @@ async fn a_park_on_ended_runs_is_due_at_once(s: Backend) {
     let r = s.get_run(parent.id).await.unwrap().unwrap();
     assert!(r.status == RunStatus::Waiting && r.wake_at.is_some_and(|w| w <= now_ms()));
     assert!(s.orphans(Duration::ZERO).await.unwrap().iter().any(|o| o.run_id == parent.id), "the reaper finds it due");
+}
+
+/// A parent's end takes its attached children with it in the same commit — queued and parked
+/// ones cancelled (and their own children), running ones asked to stop — so a crash right after
+/// the parent's end cannot leave them going; detached children live on.
+async fn a_runs_end_ends_its_attached_children_in_the_same_commit(s: Backend) {
+    let parent = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let Claim::Acquired(lp, _) = s.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let queued = s.create_run(child_of(&parent)).await.unwrap().run;
+    let running = s.create_run(child_of(&parent)).await.unwrap().run;
+    let Claim::Acquired(lr, _) = s.claim_run(running.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let parked = s.create_run(child_of(&parent)).await.unwrap().run;
+    let Claim::Acquired(lw, _) = s.claim_run(parked.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let grandchild = s.create_run(child_of(&parked)).await.unwrap().run;
+    s.park(&lw, Park { waits_on: vec![grandchild.id], ..Default::default() }).await.unwrap();
+    let mut d = child_of(&parent);
+    d.tree.detached = true;
+    let detached = s.create_run(d).await.unwrap().run;
+    let err = RunError { kind: ErrorKind::Model, message: "m".into() };
+    s.checkpoint(&lp, Checkpoint { finish: Some(Finish::Failed(err)), ..Default::default() }).await.unwrap();
+    let store = &s;
+    let status = |id| async move { store.get_run(id).await.unwrap().unwrap() };
+    assert_eq!(status(queued.id).await.status, RunStatus::Cancelled);
+    assert_eq!(status(parked.id).await.status, RunStatus::Cancelled);
+    assert_eq!(status(grandchild.id).await.status, RunStatus::Cancelled, "and their own children");
+    let r = status(running.id).await;
+    assert!(r.status == RunStatus::Running && r.cancel_requested, "a running child is asked to stop: {r:?}");
+    assert!(s.renew_lease(&lr).await.unwrap().cancel_requested);
+    assert_eq!(status(detached.id).await.status, RunStatus::Queued, "a detached child lives on");
+    for id in [queued.id, parked.id, grandchild.id] {
+        let ev = s.events_after(id, 0, 100).await.unwrap();
+        assert_eq!(ev.last().unwrap().kind, "run.cancelled");
+        assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=ev.len() as u64).collect::<Vec<_>>());
+    }
 }
 
 /// The state machine of `subagents::lifecycle`, walked pair by pair through the store's own
