@@ -1,0 +1,328 @@
+//! Tools a run may call: a registry of built-ins — files ([`fs`]), search ([`search`]), the
+//! web ([`web`]) and, when an operator enables it, a shell ([`shell`]) — working in the owner's
+//! workspace directory (every path opened through a `cap-std` capability, so nothing leaves
+//! it), and the mapping of Claude Code's tool names onto them ([`lookup`]). Every call
+//! gets the idempotency key `{run_id}:{step}:{call_id}` (DESIGN.md invariant 2): a call that was
+//! in flight when a worker died runs again with the same key, and a tool with side effects can
+//! use it to do its work only once.
+
+pub mod fs;
+pub mod search;
+pub mod shell;
+pub mod web;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use cap_std::fs::Dir;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::agents::AgentDef;
+use crate::model::{FunctionSpec, ToolSpec};
+pub use fs::{EditFile, ListDir, MultiEdit, ReadFile, WriteFile};
+pub use web::FetchPolicy;
+
+/// What a tool knows about the call it is serving.
+#[derive(Clone, Debug)]
+pub struct ToolCtx {
+    /// The owner's workspace: every path is resolved beneath it (see [`owner_workspace`]).
+    pub workspace: PathBuf,
+    /// `{run_id}:{step}:{call_id}`.
+    pub idempotency_key: String,
+    /// Bytes of output the run keeps; tools that read should not read (much) more.
+    pub output_limit: usize,
+}
+
+/// A tool failure the model should see (it is sent back as the tool result, not raised).
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("error[{code}]: {message}")]
+pub struct ToolError {
+    /// Stable machine code, e.g. `path_outside_workspace`.
+    pub code: &'static str,
+    /// What went wrong and what to do instead.
+    pub message: String,
+}
+
+impl ToolError {
+    /// Shorthand.
+    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        Self { code, message: message.into() }
+    }
+}
+
+/// One tool.
+#[async_trait]
+pub trait Tool: Send + Sync {
+    /// Name, description and JSON schema.
+    fn spec(&self) -> ToolSpec;
+    /// Runs the call; `args` is the parsed argument object.
+    async fn call(&self, args: Value, ctx: &ToolCtx) -> Result<String, ToolError>;
+}
+
+fn spec(name: &str, description: &str, parameters: Value) -> ToolSpec {
+    ToolSpec {
+        kind: "function".into(),
+        function: FunctionSpec { name: name.into(), description: description.into(), parameters },
+    }
+}
+
+fn str_arg<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
+    args.get(key)
+        .and_then(Value::as_str)
+        .ok_or_else(|| ToolError::new("bad_arguments", format!("missing string argument `{key}`")))
+}
+
+/// The directory of one owner beneath the workspace root: owners never see each other's files.
+/// Plain owner names (letters, digits, `-`, `_`, up to 64) are used as they are; any other is
+/// hashed, so no owner name can point elsewhere.
+pub fn owner_workspace(root: &Path, owner: &str) -> PathBuf {
+    let plain = !owner.is_empty() && owner.len() <= 64 && owner.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if plain {
+        return root.join(owner);
+    }
+    let h = Sha256::digest(owner.as_bytes());
+    root.join(format!("owner-{}", h.iter().take(8).map(|b| format!("{b:02x}")).collect::<String>()))
+}
+
+/// The workspace as a capability: every path is opened relative to it, and the kernel-level
+/// resolution in `cap-std` refuses absolute paths, `..` and symlinks that lead outside, at open
+/// time. So no check-then-open race exists (a link swapped in between is still refused).
+fn workspace_dir(workspace: &Path) -> Result<Dir, ToolError> {
+    std::fs::create_dir_all(workspace)
+        .map_err(|e| ToolError::new("workspace_unavailable", format!("workspace {}: {e}", workspace.display())))?;
+    Dir::open_ambient_dir(workspace, cap_std::ambient_authority())
+        .map_err(|e| ToolError::new("workspace_unavailable", format!("workspace {}: {e}", workspace.display())))
+}
+
+/// Refuses what no workspace path may be, with a message that says what to write instead. The
+/// capability refuses these too; this only makes the message clearer.
+fn relative(rel: &str) -> Result<&Path, ToolError> {
+    let p = Path::new(rel);
+    if p.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir)) {
+        Ok(p)
+    } else {
+        Err(ToolError::new(
+            "path_outside_workspace",
+            format!("`{rel}` is not allowed: use a relative path inside the workspace, without `..`"),
+        ))
+    }
+}
+
+/// Turns an I/O error on `rel` into what the model should hear.
+fn io_error(rel: &str, e: std::io::Error) -> ToolError {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => ToolError::new("not_found", format!("`{rel}` does not exist; list_dir shows what does")),
+        std::io::ErrorKind::PermissionDenied if e.to_string().contains("outside") => ToolError::new(
+            "path_outside_workspace",
+            format!("`{rel}` leads outside the workspace (through a link); it was not followed"),
+        ),
+        _ => ToolError::new("io_error", format!("`{rel}`: {e}")),
+    }
+}
+
+/// Runs blocking file work off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ToolError> + Send + 'static) -> Result<T, ToolError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ToolError::new("io_error", format!("file task failed: {e}")))?
+}
+
+/// `echo`: returns its text. Harmless and deterministic: the tool tests and the mock use.
+pub struct Echo;
+
+#[async_trait]
+impl Tool for Echo {
+    fn spec(&self) -> ToolSpec {
+        spec("echo", "Returns the given text unchanged.", json!({"type":"object","properties":{"text":{"type":"string"}},"required":["text"]}))
+    }
+    async fn call(&self, args: Value, _: &ToolCtx) -> Result<String, ToolError> {
+        Ok(str_arg(&args, "text")?.to_owned())
+    }
+}
+
+/// The settings of the built-in tools.
+#[derive(Clone, Debug, Default)]
+pub struct ToolSettings {
+    /// Append one line per tool execution (`key<TAB>tool`) to this file.
+    pub journal: Option<PathBuf>,
+    /// Offer `bash` (to agents that list it).
+    pub allow_bash: bool,
+    /// Who `web_fetch` may reach.
+    pub fetch: FetchPolicy,
+}
+
+/// The tools this process can offer, by name.
+#[derive(Clone)]
+pub struct ToolRegistry {
+    tools: BTreeMap<String, Arc<dyn Tool>>,
+    journal: Option<PathBuf>,
+    allow_bash: bool,
+}
+
+impl std::fmt::Debug for ToolRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ToolRegistry").field("tools", &self.tools.keys().collect::<Vec<_>>()).finish()
+    }
+}
+
+/// What a name in an agent's `tools:` list means here: one of our tools, the delegation tools,
+/// or something this process cannot honour (and why).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Named {
+    /// This tool.
+    Tool(&'static str),
+    /// `Task`/`Agent`: turns delegation on (see [`crate::delegation::offered`]).
+    Delegation,
+    /// Not available, with the reason for people.
+    Unavailable(&'static str),
+}
+
+/// Claude Code's tool names (and ours), so its agent files keep their meaning. A rule suffix
+/// such as `Bash(git status:*)` names the same tool.
+pub fn lookup(name: &str) -> Named {
+    let base = name.split('(').next().unwrap_or(name).trim();
+    match base {
+        "Read" | "read_file" => Named::Tool("read_file"),
+        "Write" | "write_file" => Named::Tool("write_file"),
+        "Edit" | "edit_file" => Named::Tool("edit_file"),
+        "MultiEdit" | "multi_edit" => Named::Tool("multi_edit"),
+        "LS" | "list_dir" => Named::Tool("list_dir"),
+        "Glob" | "glob" => Named::Tool("glob"),
+        "Grep" | "grep" => Named::Tool("grep"),
+        "Bash" | "bash" => Named::Tool("bash"),
+        "WebFetch" | "web_fetch" => Named::Tool("web_fetch"),
+        "echo" => Named::Tool("echo"),
+        "Task" | "Agent" | "task" => Named::Delegation,
+        n if n.starts_with("subagent_") => Named::Delegation,
+        "WebSearch" => Named::Unavailable("no web search backend is configured"),
+        "TodoWrite" | "TodoRead" => Named::Unavailable("todo lists are not supported yet"),
+        "NotebookEdit" | "NotebookRead" => Named::Unavailable("notebooks are not supported"),
+        n if n.starts_with("mcp__") => Named::Unavailable("MCP servers are not supported yet"),
+        _ => Named::Unavailable("no such tool"),
+    }
+}
+
+/// What an agent's tool list comes to on this process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Resolution {
+    /// The tools it gets, in the order it named them.
+    pub tools: Vec<String>,
+    /// Names it cannot have, each with the reason.
+    pub unavailable: Vec<(String, String)>,
+}
+
+impl ToolRegistry {
+    /// The built-ins with default settings; `journal`, if set, gets one line per tool
+    /// execution (`key<TAB>tool`), written before the tool runs: an audit trail operators (and
+    /// the kill tests) read to see exactly what was executed.
+    pub fn builtin(journal: Option<PathBuf>) -> Self {
+        Self::with_settings(ToolSettings { journal, ..Default::default() })
+    }
+
+    /// The built-ins with these settings.
+    pub fn with_settings(settings: ToolSettings) -> Self {
+        let mut tools: BTreeMap<String, Arc<dyn Tool>> = BTreeMap::new();
+        let builtins: Vec<Arc<dyn Tool>> = vec![
+            Arc::new(Echo),
+            Arc::new(fs::ReadFile),
+            Arc::new(fs::WriteFile),
+            Arc::new(fs::EditFile),
+            Arc::new(fs::MultiEdit),
+            Arc::new(fs::ListDir),
+            Arc::new(search::Glob),
+            Arc::new(search::Grep),
+            Arc::new(web::WebFetch { policy: settings.fetch.clone() }),
+        ];
+        for t in builtins {
+            tools.insert(t.spec().function.name.clone(), t);
+        }
+        if settings.allow_bash {
+            tools.insert("bash".into(), Arc::new(shell::Bash));
+        }
+        Self { tools, journal: settings.journal, allow_bash: settings.allow_bash }
+    }
+
+    /// Adds a tool (embedders, tests).
+    pub fn register(&mut self, tool: Arc<dyn Tool>) {
+        self.tools.insert(tool.spec().function.name.clone(), tool);
+    }
+
+    /// What an agent gets. Without a `tools:` list: every tool but `bash` (a shell must be
+    /// asked for by name).
+    pub fn resolve(&self, agent: &AgentDef) -> Resolution {
+        let Some(list) = &agent.tools else {
+            return Resolution { tools: self.tools.keys().filter(|n| *n != "bash").cloned().collect(), unavailable: vec![] };
+        };
+        let mut r = Resolution::default();
+        for name in list {
+            match lookup(name) {
+                Named::Delegation => {}
+                Named::Tool(t) if self.tools.contains_key(t) => {
+                    if !r.tools.iter().any(|o| o == t) {
+                        r.tools.push(t.to_owned());
+                    }
+                }
+                Named::Tool("bash") if !self.allow_bash => {
+                    r.unavailable.push((name.clone(), "bash is off: an operator enables it with SUBAGENTS_ALLOW_BASH=1".into()));
+                }
+                Named::Tool(_) => r.unavailable.push((name.clone(), "not offered by this process".into())),
+                Named::Unavailable(_) if self.tools.contains_key(name.as_str()) => {
+                    // An embedder's own tool (registered under its own name).
+                    if !r.tools.iter().any(|o| o == name) {
+                        r.tools.push(name.clone());
+                    }
+                }
+                Named::Unavailable(why) => r.unavailable.push((name.clone(), why.into())),
+            }
+        }
+        r
+    }
+
+    /// Names of the tools an agent may use (see [`ToolRegistry::resolve`]).
+    pub fn allowed_for(&self, agent: &AgentDef) -> Vec<String> {
+        self.resolve(agent).tools
+    }
+
+    /// Specs for the named tools.
+    pub fn specs(&self, names: &[String]) -> Vec<ToolSpec> {
+        names.iter().filter_map(|n| self.tools.get(n)).map(|t| t.spec()).collect()
+    }
+
+    /// Runs one call by name with raw JSON arguments. Errors come back as `Err` so the caller
+    /// can report them to the model.
+    pub async fn execute(&self, name: &str, raw_args: &str, ctx: &ToolCtx) -> Result<String, ToolError> {
+        let tool = self.tools.get(name).ok_or_else(|| {
+            ToolError::new("unknown_tool", format!("there is no tool `{name}`; use one of the tools offered"))
+        })?;
+        let args: Value = if raw_args.trim().is_empty() {
+            json!({})
+        } else {
+            serde_json::from_str(raw_args)
+                .map_err(|e| ToolError::new("bad_arguments", format!("arguments are not valid JSON ({e}); send a JSON object")))?
+        };
+        if !args.is_object() {
+            return Err(ToolError::new("bad_arguments", "arguments must be a JSON object"));
+        }
+        if let Some(j) = &self.journal {
+            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(j) {
+                let _ = writeln!(f, "{}\t{name}", ctx.idempotency_key);
+            }
+        }
+        tool.call(args, ctx).await
+    }
+}
+
+/// Cuts `text` to at most `limit` bytes (on a char boundary) and says so.
+pub fn truncate_output(text: String, limit: usize) -> String {
+    if text.len() <= limit {
+        return text;
+    }
+    let mut cut = limit;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}\n[output truncated: {} of {} bytes shown]", &text[..cut], cut, text.len())
+}
+
