@@ -83,8 +83,66 @@ impl ListOrString {
     fn into_vec(self) -> Vec<String> {
         match self {
             ListOrString::List(v) => v.into_iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
-            ListOrString::Str(s) => s.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+            ListOrString::Str(s) => split_top_level(&s),
         }
+    }
+}
+
+/// Splits `Read, Task(a, b), Bash(git status:*)` on the commas outside parentheses.
+fn split_top_level(s: &str) -> Vec<String> {
+    let mut out = vec![];
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, c) in s.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = (depth - 1).max(0),
+            ',' if depth == 0 => {
+                out.push(s[start..i].trim().to_owned());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(s[start..].trim().to_owned());
+    out.retain(|t| !t.is_empty());
+    out
+}
+
+/// `Task(a, b)` / `Agent(a)` name the sub-agents a Claude Code agent may delegate to.
+fn named_subagents(tool: &str) -> Option<Vec<String>> {
+    let (name, rest) = tool.split_once('(')?;
+    if !matches!(name.trim(), "Task" | "Agent") {
+        return None;
+    }
+    Some(rest.trim_end_matches(')').split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect())
+}
+
+/// Claude Code's model names, which an OpenAI-compatible endpoint does not know.
+const CLAUDE_ALIASES: [&str; 3] = ["sonnet", "opus", "haiku"];
+
+/// The model a run uses: the agent's `model:` through the alias map; `inherit` (or none) the
+/// parent's model for a child and the default for a root; Claude's `sonnet`/`opus`/`haiku`
+/// without an alias entry the default. Returns the model and, when a name was mapped or
+/// replaced, how (for `subagents agents` and the logs).
+pub fn resolve_model(
+    agent_model: Option<&str>,
+    parent_model: Option<&str>,
+    default: &str,
+    aliases: &BTreeMap<String, String>,
+) -> (String, Option<String>) {
+    match agent_model.map(str::trim) {
+        None | Some("") => (default.to_owned(), None),
+        Some("inherit") => match parent_model {
+            Some(p) => (p.to_owned(), Some("inherited from the parent run".into())),
+            None => (default.to_owned(), Some("inherit: a top-level run uses the default model".into())),
+        },
+        Some(m) => match aliases.get(m) {
+            Some(to) => (to.clone(), Some(format!("alias {m} -> {to}"))),
+            None if CLAUDE_ALIASES.contains(&m) => {
+                (default.to_owned(), Some(format!("{m}: no alias in SUBAGENTS_MODEL_ALIASES, so the default model")))
+            }
+            None => (m.to_owned(), None),
+        },
     }
 }
 
@@ -201,25 +259,25 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
     if timeout.is_zero() || timeout.as_secs() > MAX_TIMEOUT_SECS {
         return Err(err(line_of("timeout"), "timeout must be between 1 second and 7 days".into()));
     }
-    // Claude Code's aliases name Anthropic models; on an OpenAI-compatible endpoint the
-    // configured default is the honest stand-in.
-    let model = fm.model.map(|m| m.trim().to_owned()).filter(|m| {
-        let alias = matches!(m.as_str(), "" | "inherit" | "sonnet" | "opus" | "haiku");
-        if alias {
-            tracing::debug!(path = %path.display(), model = %m, "model alias: using the default model");
+    // Kept as written: `inherit` and aliases are resolved per run (see `resolve_model`).
+    let model = fm.model.map(|m| m.trim().to_owned()).filter(|m| !m.is_empty());
+    let tools = fm.tools.map(ListOrString::into_vec);
+    let mut subagents = fm.subagents.map(ListOrString::into_vec).unwrap_or_default();
+    if subagents.is_empty() {
+        for t in tools.iter().flatten() {
+            subagents.extend(named_subagents(t).unwrap_or_default());
         }
-        !alias
-    });
+    }
     let system_prompt = text[body_at..].trim().to_owned();
     let _ = close_line;
     Ok(AgentDef {
         name,
         description,
-        tools: fm.tools.map(ListOrString::into_vec),
+        tools,
         model,
         max_steps,
         timeout,
-        subagents: fm.subagents.map(ListOrString::into_vec).unwrap_or_default(),
+        subagents,
         system_prompt,
         source: Some(path.to_owned()),
     })
@@ -321,9 +379,28 @@ mod tests {
         let a = parse_agent(&p(), text).unwrap();
         assert_eq!(a.name, "code-reviewer");
         assert_eq!(a.tools, Some(vec!["Read".into(), "Grep".into(), "Glob".into()]));
-        assert_eq!(a.model, None);
+        assert_eq!(a.model.as_deref(), Some("sonnet"));
         assert_eq!(a.system_prompt, "You review code.");
         assert_eq!(a.max_steps, DEFAULT_MAX_STEPS);
+    }
+
+    #[test]
+    fn task_forms_name_subagents_and_commas_in_parentheses_do_not_split() {
+        let text = "---\nname: lead\ndescription: d\ntools: Read, Task(researcher, reviewer), Bash(git status:*, git log:*)\n---\nbody";
+        let a = parse_agent(&p(), text).unwrap();
+        assert_eq!(a.tools.unwrap(), ["Read", "Task(researcher, reviewer)", "Bash(git status:*, git log:*)"]);
+        assert_eq!(a.subagents, ["researcher", "reviewer"]);
+    }
+
+    #[test]
+    fn models_resolve_through_aliases_and_inherit() {
+        let aliases: BTreeMap<String, String> = [("sonnet".to_owned(), "gpt-4.1".to_owned())].into();
+        assert_eq!(resolve_model(None, Some("p"), "d", &aliases).0, "d");
+        assert_eq!(resolve_model(Some("inherit"), Some("p"), "d", &aliases).0, "p");
+        assert_eq!(resolve_model(Some("inherit"), None, "d", &aliases).0, "d");
+        assert_eq!(resolve_model(Some("sonnet"), None, "d", &aliases).0, "gpt-4.1");
+        assert_eq!(resolve_model(Some("opus"), None, "d", &aliases).0, "d");
+        assert_eq!(resolve_model(Some("gpt-4o"), None, "d", &aliases), ("gpt-4o".to_owned(), None));
     }
 
     #[test]

@@ -65,6 +65,9 @@ pub enum OpenError {
         /// Cause.
         source: crate::relay::RelayError,
     },
+    /// A setting does not parse.
+    #[error("{0}")]
+    Config(String),
     /// `SUBAGENTS_FAILPOINTS` does not parse.
     #[error("{0}")]
     Failpoints(#[from] crate::failpoints::BadFailpoint),
@@ -95,9 +98,19 @@ impl App {
         }))
     }
 
+    /// The built-in tools' settings.
+    pub fn tool_settings(settings: &Settings) -> crate::tools::ToolSettings {
+        let clean = |v: &[String]| v.iter().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty()).collect();
+        crate::tools::ToolSettings {
+            journal: settings.tool_journal.clone(),
+            allow_bash: settings.allow_bash,
+            fetch: crate::tools::FetchPolicy { allow_hosts: clean(&settings.fetch_allow), deny_hosts: clean(&settings.fetch_deny), ..Default::default() },
+        }
+    }
+
     /// Opens everything with the given model and the built-in tools.
     pub async fn open_with_model(settings: Settings, model: Arc<dyn ChatModel>) -> Result<App, OpenError> {
-        let tools = ToolRegistry::builtin(settings.tool_journal.clone());
+        let tools = ToolRegistry::with_settings(Self::tool_settings(&settings));
         Self::open_custom(settings, model, tools).await
     }
 
@@ -123,6 +136,12 @@ impl App {
         for e in &agent_errors {
             tracing::warn!("agent definition skipped: {e}");
         }
+        // What an agent names but cannot have is said once at start, not hidden in a debug log.
+        for a in agents.all() {
+            for (name, why) in tools.resolve(a).unavailable {
+                tracing::warn!(agent = %a.name, tool = %name, "agent lists a tool it will not get: {why}");
+            }
+        }
         let redis = match &settings.redis_url {
             None => None,
             Some(url) => Some(
@@ -143,6 +162,7 @@ impl App {
             model,
             settings: EngineSettings {
                 default_model: settings.default_model.clone(),
+                model_aliases: settings.model_alias_map().map_err(OpenError::Config)?,
                 workspace: settings.workspace.clone(),
                 lease_ttl: settings.lease_ttl(),
                 max_attempts: settings.max_attempts,

@@ -98,8 +98,13 @@ enum Command {
     /// Talk to a running server: start, status, events, cancel, wait.
     #[command(flatten)]
     Client(crate::client::ClientCommand),
-    /// List agent definitions (built-in and from the jobs directory) and report broken files.
-    Agents,
+    /// List agent definitions (built-in and from the jobs directory) with the tools and model
+    /// each really gets, warn about tools it names but cannot have, and report broken files.
+    Agents {
+        /// Exit non-zero when any agent names a tool it cannot have.
+        #[arg(long)]
+        strict: bool,
+    },
     /// Show a multi-step run and a continued thread against an in-process mock model.
     Demo,
     /// Create or upgrade the database schema, then exit.
@@ -227,18 +232,38 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             let _ = workers.await;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Agents => {
+        Command::Agents { strict } => {
             let (reg, errors) = crate::agents::AgentRegistry::load_dir(&settings.jobs_dir);
+            let tools = crate::tools::ToolRegistry::with_settings(App::tool_settings(&settings));
+            let aliases = settings.model_alias_map().map_err(|e| anyhow::anyhow!(e))?;
+            let delegation = crate::delegation::DelegationSettings { max_depth: settings.max_depth, ..Default::default() };
+            let mut unavailable = 0;
             for a in reg.all() {
-                let tools = match &a.tools {
-                    None => "all built-in tools".to_owned(),
-                    Some(t) => t.join(", "),
+                let r = tools.resolve(a);
+                let mut got = r.tools.clone();
+                if crate::delegation::offered(a, 0, &delegation) {
+                    let to: Vec<&str> = crate::delegation::allowed(a, &reg).iter().map(|d| d.name.as_str()).collect();
+                    got.push(format!("task/subagent_* (to: {})", to.join(", ")));
+                }
+                let (model, note) = crate::agents::resolve_model(a.model.as_deref(), None, &settings.default_model, &aliases);
+                let model = match note {
+                    Some(n) => format!("{model} ({n})"),
+                    None => model,
                 };
                 let src = a.source.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in".into());
-                println!("{}\n  {}\n  tools: {tools}\n  model: {}  max_steps: {}  timeout: {}s  ({src})\n", a.name, a.description, a.model.as_deref().unwrap_or("(default)"), a.max_steps, a.timeout.as_secs());
+                println!("{}\n  {}\n  tools: {}\n  model: {model}  max_steps: {}  timeout: {}s  ({src})", a.name, a.description, if got.is_empty() { "(none)".into() } else { got.join(", ") }, a.max_steps, a.timeout.as_secs());
+                for (name, why) in &r.unavailable {
+                    println!("  warning: `{name}` is not available: {why}");
+                    unavailable += 1;
+                }
+                println!();
             }
             for e in &errors {
                 eprintln!("broken definition: {e}");
+            }
+            if strict && unavailable > 0 {
+                eprintln!("{unavailable} tool name(s) cannot be honoured (--strict)");
+                return Ok(ExitCode::from(1));
             }
             Ok(if errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }

@@ -112,6 +112,26 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_REDIS_RETENTION", default_value_t = 86_400, global = true)]
     pub redis_retention_secs: u64,
 
+    /// Offer the `bash` tool (to agents that list it). A shell is not confined to the
+    /// workspace the way the file tools are: enable it only where agents may run commands.
+    #[arg(long, env = "SUBAGENTS_ALLOW_BASH", default_value_t = false, global = true)]
+    pub allow_bash: bool,
+
+    /// Hosts `web_fetch` may reach even though they resolve to a private or local address
+    /// (comma-separated names or addresses).
+    #[arg(long, env = "SUBAGENTS_FETCH_ALLOW", value_delimiter = ',', global = true)]
+    pub fetch_allow: Vec<String>,
+
+    /// Hosts `web_fetch` never reaches (comma-separated).
+    #[arg(long, env = "SUBAGENTS_FETCH_DENY", value_delimiter = ',', global = true)]
+    pub fetch_deny: Vec<String>,
+
+    /// Model names agent files use, mapped onto the endpoint's models:
+    /// `sonnet=gpt-4.1,haiku=gpt-4.1-mini`. Claude's `sonnet`, `opus` and `haiku` without an
+    /// entry use the default model.
+    #[arg(long, env = "SUBAGENTS_MODEL_ALIASES", default_value = "", global = true)]
+    pub model_aliases: String,
+
     /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
     #[arg(long, env = "SUBAGENTS_TOOL_JOURNAL", global = true)]
     pub tool_journal: Option<PathBuf>,
@@ -152,6 +172,19 @@ impl Settings {
     /// Lease length.
     pub fn lease_ttl(&self) -> Duration {
         Duration::from_secs_f64(self.lease_ttl_secs.max(0.2))
+    }
+
+    /// The model alias map (`SUBAGENTS_MODEL_ALIASES`), or what is wrong with it.
+    pub fn model_alias_map(&self) -> Result<std::collections::BTreeMap<String, String>, String> {
+        let mut map = std::collections::BTreeMap::new();
+        for item in self.model_aliases.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (from, to) = item
+                .split_once('=')
+                .filter(|(f, t)| !f.trim().is_empty() && !t.trim().is_empty())
+                .ok_or_else(|| format!("SUBAGENTS_MODEL_ALIASES: `{item}` is not NAME=MODEL (e.g. sonnet=gpt-4.1)"))?;
+            map.insert(from.trim().to_owned(), to.trim().to_owned());
+        }
+        Ok(map)
     }
 
     /// How long a draining worker lets the steps in flight finish.

@@ -114,8 +114,9 @@ pub fn offered(agent: &AgentDef, depth: u32, settings: &DelegationSettings) -> b
     }
     match &agent.tools {
         None => true,
-        // An explicit tool list delegates only if it names `task` (Claude Code writes `Task`).
-        Some(list) => list.iter().any(|t| t.eq_ignore_ascii_case("task") || t.starts_with("subagent_")),
+        // An explicit tool list delegates only if it names `task` (Claude Code writes `Task`,
+        // `Agent`, or `Task(a, b)` naming the sub-agents).
+        Some(list) => list.iter().any(|t| crate::tools::lookup(t) == crate::tools::Named::Delegation),
     }
 }
 

@@ -50,6 +50,8 @@ pub const FORCE_MESSAGE: &str = "You have reached this task's step or token limi
 pub struct EngineSettings {
     /// Used when an agent names no model.
     pub default_model: String,
+    /// Model names in agent files mapped onto the endpoint's models (`sonnet=gpt-4.1`).
+    pub model_aliases: std::collections::BTreeMap<String, String>,
     /// Root of the owners' workspaces (each owner gets a directory beneath it).
     pub workspace: PathBuf,
     /// Lease length; renewed every third of it.
@@ -365,6 +367,28 @@ impl Engine {
         }
     }
 
+    /// The model this run calls: its agent's `model:` through the alias map; `inherit` walks up
+    /// to the nearest ancestor whose agent names one (the default at the root).
+    async fn model_for(&self, run: &RunRecord, agent: &AgentDef) -> Result<String, Stop> {
+        let mut chain = vec![agent.model.clone()];
+        let mut parent = run.parent_run_id;
+        while chain.last().and_then(|m| m.as_deref()).map(str::trim) == Some("inherit") {
+            let Some(id) = parent else { break };
+            let Some(p) = self.store.get_run(id).await? else { break };
+            chain.push(self.agents.get(&p.agent).and_then(|a| a.model.clone()));
+            parent = p.parent_run_id;
+        }
+        let mut resolved: Option<String> = None;
+        for m in chain.iter().rev() {
+            let (model, note) = crate::agents::resolve_model(m.as_deref(), resolved.as_deref(), &self.settings.default_model, &self.settings.model_aliases);
+            if let Some(note) = note {
+                tracing::debug!(%model, note, "model resolved");
+            }
+            resolved = Some(model);
+        }
+        Ok(resolved.unwrap_or_else(|| self.settings.default_model.clone()))
+    }
+
     fn delegation_ctx<'a>(&'a self, run: &'a RunRecord, agent: &'a AgentDef) -> crate::delegation::Ctx<'a> {
         crate::delegation::Ctx {
             store: self.store.as_ref(),
@@ -391,7 +415,7 @@ impl Engine {
             tool_specs.extend(crate::delegation::specs(&agent, &self.agents));
             tool_names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
-        let model = agent.model.clone().unwrap_or_else(|| self.settings.default_model.clone());
+        let model = self.model_for(run, &agent).await?;
         let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
 
         // One bounded read of the thread per claim; after that the local copy is extended with

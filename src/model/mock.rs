@@ -137,6 +137,9 @@ pub struct LogEntry {
     /// Characters of all messages in the request (the context the model was given).
     #[serde(default)]
     pub prompt_chars: usize,
+    /// The model the request named.
+    #[serde(default)]
+    pub model: String,
 }
 
 /// One scripted turn: text, tool calls, or both.
@@ -301,7 +304,7 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
     let scenario = match scenario {
         Some(Err(e)) => {
             let (messages, offered_tools) = (req.messages.len(), !req.tools.is_empty());
-            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools, prompt_chars: 0 });
+            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools, prompt_chars: 0, model: req.model.clone() });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
         Some(Ok(s)) => Some(s),
@@ -323,6 +326,7 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         messages: req.messages.len(),
         offered_tools: !req.tools.is_empty(),
         prompt_chars: req.messages.iter().map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0)).sum(),
+        model: req.model.clone(),
     };
     if let Some(s) = &scenario {
         if s.fail_every > 0 {

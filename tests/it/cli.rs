@@ -93,7 +93,7 @@ fn the_repository_agents_load_cleanly() {
         assert!(a.system_prompt.len() > 200, "{name} has a real prompt");
     }
     let tools = subagents::tools::ToolRegistry::builtin(None);
-    assert_eq!(tools.allowed_for(reg.get("researcher").unwrap()), ["read_file", "list_dir"]);
+    assert_eq!(tools.allowed_for(reg.get("researcher").unwrap()), ["read_file", "grep", "glob", "list_dir", "web_fetch"]);
 }
 
 #[test]

@@ -12,3 +12,4 @@ mod redis;
 mod runs;
 mod store;
 mod support;
+mod tools;

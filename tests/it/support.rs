@@ -75,7 +75,7 @@ pub async fn spawn_app_with(opts: Options) -> TestApp {
     let mut settings = test_settings(dir.path(), &mock);
     (opts.tweak)(&mut settings);
     let model = App::model_client(&settings);
-    let tools = opts.tools.unwrap_or_else(|| ToolRegistry::builtin(settings.tool_journal.clone()));
+    let tools = opts.tools.unwrap_or_else(|| ToolRegistry::with_settings(App::tool_settings(&settings)));
     let app = Arc::new(App::open_custom(settings, model, tools).await.unwrap());
     let shutdown = CancellationToken::new();
     let workers = opts.workers.then(|| app.spawn_workers(shutdown.clone()));
