@@ -80,6 +80,23 @@ async fn agents_lists_definitions_and_reports_broken_files_with_their_line() {
     assert!(o.contains("good") && o.contains("general-purpose"), "{o}");
     let e = text(&out.stderr);
     assert!(e.contains("bad.md:3:"), "path and line of the problem: {e}");
+    assert!(o.contains("tools: read_file, grep"), "the tools it really gets: {o}");
+}
+
+#[test]
+fn agents_warns_about_tools_it_cannot_honour_and_strict_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let jobs = dir.path().join("jobs");
+    std::fs::create_dir_all(&jobs).unwrap();
+    std::fs::write(jobs.join("planner.md"), "---\nname: planner\ndescription: plans\ntools: Read, TodoWrite, Bash\nmodel: haiku\n---\nprompt").unwrap();
+    let out = subagents(dir.path(), None, &["agents"]);
+    assert_eq!(out.status.code(), Some(0), "warnings alone do not fail");
+    let o = text(&out.stdout);
+    assert!(o.contains("warning: `TodoWrite` is not available"), "{o}");
+    assert!(o.contains("warning: `Bash` is not available: bash is off"), "{o}");
+    assert!(o.contains("haiku: no alias in SUBAGENTS_MODEL_ALIASES"), "{o}");
+    let strict = subagents(dir.path(), None, &["agents", "--strict"]);
+    assert_eq!(strict.status.code(), Some(1), "--strict makes an unknown tool an error");
 }
 
 #[test]
