@@ -290,7 +290,7 @@ async fn owners_cannot_read_each_others_files() {
     assert!(seen[0].as_str().unwrap().starts_with("error[not_found]"), "bob saw: {seen:?}");
     let alice = t.app.start_run(start("p-read", "alice")).await.unwrap();
     assert_eq!(t.wait(alice.id).await.status, RunStatus::Succeeded);
-    assert_eq!(tool_results(&t, &alice).await[0], json!("alice's"));
+    assert_eq!(tool_results(&t, &alice).await[0], json!("     1\talice's\n"));
 }
 
 /// Bounded while parked: a run's wall-time limit ends it even while it waits on a child that
