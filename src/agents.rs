@@ -196,8 +196,34 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs(total))
 }
 
+/// As Claude Code: anything but `:`, `/` and whitespace (collections use `.` and capitals).
 fn valid_name(n: &str) -> bool {
-    !n.is_empty() && n.len() <= 64 && n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    !n.is_empty() && n.chars().count() <= 64 && !n.chars().any(|c| c == ':' || c == '/' || c.is_whitespace() || c.is_control())
+}
+
+/// Claude Code reads a one-line value such as `description: Use it when X. Examples: …` as
+/// text, where YAML sees a second mapping. This quotes such values (top-level keys only, values
+/// not already quoted, block or flow), so the files load as they do there.
+fn quote_plain_values(yaml: &str) -> String {
+    let mut out = String::with_capacity(yaml.len() + 64);
+    for line in yaml.split_inclusive('\n') {
+        let body = line.trim_end_matches(['\n', '\r']);
+        let plain = body.split_once(": ").filter(|(key, value)| {
+            !key.is_empty()
+                && !key.starts_with([' ', '\t', '-', '#'])
+                && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                && value.contains(": ")
+                && !value.trim_start().starts_with(['"', '\'', '|', '>', '[', '{'])
+        });
+        match plain {
+            Some((key, value)) => {
+                let escaped = value.trim().replace('\\', "\\\\").replace('"', "\\\"");
+                out.push_str(&format!("{key}: \"{escaped}\"\n"));
+            }
+            None => out.push_str(line),
+        }
+    }
+    out
 }
 
 /// Parses one definition file's text. `path` is for messages and the fallback name.
@@ -226,10 +252,19 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
     let fm: FrontMatter = if yaml.trim().is_empty() {
         return Err(err(2, "front matter is empty: it needs at least `description:`".into()));
     } else {
-        serde_yaml_ng::from_str(&yaml).map_err(|e| {
-            let line = e.location().map(|l| l.line() + 1).unwrap_or(2);
-            err(line, format!("front matter is not valid: {e}"))
-        })?
+        match serde_yaml_ng::from_str(&yaml) {
+            Ok(fm) => fm,
+            // What Claude Code accepts, we accept: retry with one-line values quoted.
+            Err(e) => serde_yaml_ng::from_str(&quote_plain_values(&yaml)).map_err(|_| {
+                let line = e.location().map(|l| l.line() + 1).unwrap_or(2);
+                err(
+                    line,
+                    format!(
+                        "front matter is not valid YAML: {e}. If a value contains `: ` or starts with a special character, quote it (\"...\") or write it as a block (`description: |` with the text indented on the next lines)"
+                    ),
+                )
+            })?,
+        }
     };
     for key in fm.extra.keys() {
         tracing::debug!(path = %path.display(), key, "ignoring unknown front matter key");
@@ -240,7 +275,7 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("").to_owned();
     let name = fm.name.unwrap_or(stem);
     if !valid_name(&name) {
-        return Err(err(line_of("name"), format!("name `{name}` is not valid: use 1-64 characters from a-z 0-9 - _")));
+        return Err(err(line_of("name"), format!("name `{name}` is not valid: use 1 to 64 characters, without `:`, `/` or spaces")));
     }
     let description = fm.description.unwrap_or_default().trim().to_owned();
     if description.is_empty() {
@@ -306,15 +341,26 @@ impl AgentRegistry {
         Self { agents }
     }
 
-    /// Loads every `*.md` in `dir` (a missing directory is empty). Broken files are returned
-    /// beside the registry; the others still load. A file may redefine `general-purpose`.
+    /// Loads every `*.md` in `dir` and its subdirectories (collections install that way; a
+    /// missing directory is empty). Broken files are returned beside the registry; the others
+    /// still load. A file may redefine `general-purpose`.
     pub fn load_dir(dir: &Path) -> (Self, Vec<AgentFileError>) {
         let mut reg = Self::builtin();
         let mut errors = vec![];
-        let mut paths: Vec<PathBuf> = match std::fs::read_dir(dir) {
-            Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|e| e == "md")).collect(),
-            Err(_) => vec![],
-        };
+        let mut paths: Vec<PathBuf> = vec![];
+        let mut dirs = vec![dir.to_owned()];
+        while let Some(d) = dirs.pop() {
+            let Ok(rd) = std::fs::read_dir(&d) else { continue };
+            for e in rd.flatten() {
+                let p = e.path();
+                let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+                match e.file_type() {
+                    Ok(t) if t.is_dir() && !hidden => dirs.push(p),
+                    Ok(t) if t.is_file() && p.extension().is_some_and(|x| x == "md") && !hidden => paths.push(p),
+                    _ => {}
+                }
+            }
+        }
         paths.sort();
         let mut from_files: BTreeMap<String, PathBuf> = BTreeMap::new();
         for path in paths {
@@ -328,10 +374,21 @@ impl AgentRegistry {
             match parse_agent(&path, &text) {
                 Ok(def) => {
                     if let Some(prev) = from_files.get(&def.name) {
+                        let line_in = |p: &Path| {
+                            std::fs::read_to_string(p)
+                                .ok()
+                                .and_then(|t| t.lines().position(|l| l.trim_start().starts_with("name:")).map(|i| i + 1))
+                                .unwrap_or(1)
+                        };
                         errors.push(AgentFileError {
                             path: path.clone(),
-                            line: 1,
-                            message: format!("agent `{}` is already defined in {}", def.name, prev.display()),
+                            line: line_in(&path),
+                            message: format!(
+                                "agent `{}` is defined twice: here and in {}:{} (the first one is used); rename one of them",
+                                def.name,
+                                prev.display(),
+                                line_in(prev)
+                            ),
                         });
                         continue;
                     }
@@ -401,6 +458,35 @@ mod tests {
         assert_eq!(resolve_model(Some("sonnet"), None, "d", &aliases).0, "gpt-4.1");
         assert_eq!(resolve_model(Some("opus"), None, "d", &aliases).0, "d");
         assert_eq!(resolve_model(Some("gpt-4o"), None, "d", &aliases), ("gpt-4o".to_owned(), None));
+    }
+
+    #[test]
+    fn claude_code_leniency() {
+        // An unquoted one-line description with `: ` in it, as collections write them.
+        let text = "---\nname: api.designer\ndescription: Use this agent for APIs. Examples: <example>Context: a REST API</example>\ntools: Read\n---\nbody";
+        let a = parse_agent(&p(), text).unwrap();
+        assert_eq!(a.name, "api.designer");
+        assert_eq!(a.description, "Use this agent for APIs. Examples: <example>Context: a REST API</example>");
+        // Still refused: what Claude Code refuses.
+        assert!(parse_agent(&p(), "name: x\n---\n").is_err());
+        assert!(parse_agent(&p(), "---\nname: a/b\ndescription: d\n---\n").is_err());
+        let e = parse_agent(&p(), "---\ndescription: [broken\n---\n").unwrap_err();
+        assert!(e.message.contains("quote it"), "{e}");
+    }
+
+    #[test]
+    fn subdirectories_load_and_duplicates_name_both_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("collection/engineering")).unwrap();
+        std::fs::write(dir.path().join("a.md"), "---\nname: dup\ndescription: first\n---\nx").unwrap();
+        std::fs::write(dir.path().join("collection/engineering/b.md"), "---\ndescription: second\nname: dup\n---\nx").unwrap();
+        std::fs::write(dir.path().join("collection/engineering/deep.md"), "---\ndescription: nested\n---\nx").unwrap();
+        let (reg, errors) = AgentRegistry::load_dir(dir.path());
+        assert_eq!(reg.get("dup").unwrap().description, "first");
+        assert!(reg.get("deep").is_some(), "files in subdirectories load");
+        assert_eq!(errors.len(), 1);
+        let e = errors[0].to_string();
+        assert!(e.contains("b.md:3:") && e.contains("a.md:2"), "{e}");
     }
 
     #[test]

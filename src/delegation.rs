@@ -174,6 +174,10 @@ fn cut(text: &str, limit: usize) -> String {
 pub fn child_thread(parent_thread: &ThreadId, parent_run: RunId, call_id: &str, agent: &str) -> ThreadId {
     let h = Sha256::digest(format!("{parent_run}:{call_id}").as_bytes());
     let hex: String = h.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    // Agent names may hold characters a thread id cannot (Claude Code allows most): those
+    // become `-`, so every name yields a valid id.
+    let agent: String =
+        agent.chars().take(64).map(|c| if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') { c } else { '-' }).collect();
     let id = format!("{parent_thread}_sub_{agent}_{hex}");
     id.parse().unwrap_or_else(|_| {
         // A parent thread id near the length limit: fall back to a hash of the whole name.

@@ -9,6 +9,7 @@
 pub mod fs;
 pub mod search;
 pub mod shell;
+pub mod todo;
 pub mod web;
 
 use std::collections::BTreeMap;
@@ -194,10 +195,11 @@ pub fn lookup(name: &str) -> Named {
         "Bash" | "bash" => Named::Tool("bash"),
         "WebFetch" | "web_fetch" => Named::Tool("web_fetch"),
         "echo" => Named::Tool("echo"),
+        "TodoWrite" | "todo_write" => Named::Tool("todo_write"),
         "Task" | "Agent" | "task" => Named::Delegation,
         n if n.starts_with("subagent_") => Named::Delegation,
         "WebSearch" => Named::Unavailable("no web search backend is configured"),
-        "TodoWrite" | "TodoRead" => Named::Unavailable("todo lists are not supported yet"),
+        "TodoRead" => Named::Unavailable("the plan is in the conversation: todo_write's result shows it"),
         "NotebookEdit" | "NotebookRead" => Named::Unavailable("notebooks are not supported"),
         n if n.starts_with("mcp__") => Named::Unavailable("MCP servers are not supported yet"),
         _ => Named::Unavailable("no such tool"),
@@ -234,6 +236,7 @@ impl ToolRegistry {
             Arc::new(search::Glob),
             Arc::new(search::Grep),
             Arc::new(web::WebFetch { policy: settings.fetch.clone() }),
+            Arc::new(todo::TodoWrite),
         ];
         for t in builtins {
             tools.insert(t.spec().function.name.clone(), t);

@@ -88,11 +88,11 @@ fn agents_warns_about_tools_it_cannot_honour_and_strict_fails() {
     let dir = tempfile::tempdir().unwrap();
     let jobs = dir.path().join("jobs");
     std::fs::create_dir_all(&jobs).unwrap();
-    std::fs::write(jobs.join("planner.md"), "---\nname: planner\ndescription: plans\ntools: Read, TodoWrite, Bash\nmodel: haiku\n---\nprompt").unwrap();
+    std::fs::write(jobs.join("planner.md"), "---\nname: planner\ndescription: plans\ntools: Read, WebSearch, Bash\nmodel: haiku\n---\nprompt").unwrap();
     let out = subagents(dir.path(), None, &["agents"]);
     assert_eq!(out.status.code(), Some(0), "warnings alone do not fail");
     let o = text(&out.stdout);
-    assert!(o.contains("warning: `TodoWrite` is not available"), "{o}");
+    assert!(o.contains("warning: `WebSearch` is not available"), "{o}");
     assert!(o.contains("warning: `Bash` is not available: bash is off"), "{o}");
     assert!(o.contains("haiku: no alias in SUBAGENTS_MODEL_ALIASES"), "{o}");
     let strict = subagents(dir.path(), None, &["agents", "--strict"]);

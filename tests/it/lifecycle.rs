@@ -37,7 +37,7 @@ async fn a_child_ending_while_its_parent_parks_still_wakes_it() {
         vec![("p-race", vec![calls(vec![call("task", json!({"description": "Quick.\nSCENARIO steps=1 run=race", "subagent": "general-purpose"}))]), say("parent done")])],
         |s| {
             s.reap_ms = NO_REAPER_MS;
-            s.failpoints = "before_park_commit=sleep(1000),after_park_commit=sleep(1200)".into();
+            s.failpoints = "before_park_commit=sleep(4000),after_park_commit=sleep(1200)".into();
         },
     )
     .await;

@@ -115,9 +115,9 @@ async fn claude_code_agent_files_keep_their_meaning() {
     assert_eq!(fixer.unavailable.len(), 1);
     assert!(fixer.unavailable[0].0 == "Bash" && fixer.unavailable[0].1.contains("SUBAGENTS_ALLOW_BASH"), "{:?}", fixer.unavailable);
     let lead = get("lead");
-    assert_eq!(lead.tools, ["web_fetch"]);
+    assert_eq!(lead.tools, ["web_fetch", "todo_write"]);
     let missing: Vec<&str> = lead.unavailable.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(missing, ["TodoWrite", "mcp__github__create_issue"]);
+    assert_eq!(missing, ["mcp__github__create_issue"]);
     let settings = subagents::delegation::DelegationSettings::default();
     let lead_def = reg.get("lead").unwrap();
     assert!(subagents::delegation::offered(lead_def, 0, &settings), "Task(...) turns delegation on");
