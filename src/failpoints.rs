@@ -14,17 +14,20 @@
 //! | `after_park_commit` | the park is committed; nothing else done yet |
 //! | `after_terminal_commit` | a run's terminal state is committed; the thread's next run and its waiters are not yet pushed |
 //!
-//! Actions: `sleep(MS)` pauses the task there; `crash` aborts the whole process (as a SIGKILL
-//! would: nothing is flushed or released).
+//! Actions: `sleep(MS)` pauses the task there; `wait(PATH)` pauses it until the file `PATH`
+//! exists (at most a minute), so a test can hold a run at a point until the world is as it
+//! needs; `crash` aborts the whole process (as a SIGKILL would: nothing is flushed or released).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 /// What a failure point does when reached.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Pause the task for this long.
     Sleep(Duration),
+    /// Pause the task until this file exists (at most a minute).
+    WaitFor(std::path::PathBuf),
     /// Abort the process at once.
     Crash,
 }
@@ -37,7 +40,7 @@ pub struct Failpoints {
 
 /// A `SUBAGENTS_FAILPOINTS` value that does not parse.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("bad failure point `{0}`: write name=sleep(MS) or name=crash, separated by commas")]
+#[error("bad failure point `{0}`: write name=sleep(MS), name=wait(PATH) or name=crash, separated by commas")]
 pub struct BadFailpoint(pub String);
 
 impl Failpoints {
@@ -48,6 +51,7 @@ impl Failpoints {
             let (name, action) = item.split_once('=').ok_or_else(|| BadFailpoint(item.into()))?;
             let action = match action.trim() {
                 "crash" => Action::Crash,
+                a if a.starts_with("wait(") && a.ends_with(')') && a.len() > 6 => Action::WaitFor(a[5..a.len() - 1].into()),
                 a => {
                     let ms = a
                         .strip_prefix("sleep(")
@@ -75,6 +79,13 @@ impl Failpoints {
                 tracing::warn!(failpoint = name, ms = d.as_millis() as u64, "failure point: sleeping");
                 tokio::time::sleep(*d).await;
             }
+            Some(Action::WaitFor(path)) => {
+                tracing::warn!(failpoint = name, path = %path.display(), "failure point: waiting for the file");
+                let until = tokio::time::Instant::now() + Duration::from_secs(60);
+                while !path.exists() && tokio::time::Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
             Some(Action::Crash) => {
                 tracing::error!(failpoint = name, "failure point: crashing the process");
                 std::process::abort();
@@ -89,9 +100,10 @@ mod tests {
 
     #[test]
     fn parses_points_and_refuses_nonsense() {
-        let f = Failpoints::parse(" a=sleep(20), b=crash ").unwrap();
+        let f = Failpoints::parse(" a=sleep(20), b=crash, c=wait(/tmp/go) ").unwrap();
         assert_eq!(f.points["a"], Action::Sleep(Duration::from_millis(20)));
         assert_eq!(f.points["b"], Action::Crash);
+        assert_eq!(f.points["c"], Action::WaitFor("/tmp/go".into()));
         assert!(Failpoints::parse("").unwrap().is_empty());
         assert!(Failpoints::parse("a").is_err());
         assert!(Failpoints::parse("a=sleep(x)").is_err());

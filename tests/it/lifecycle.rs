@@ -33,25 +33,38 @@ async fn wait_for(t: &TestApp, run: subagents::ids::RunId, within: Duration) -> 
 /// the parent yet) is seen by the park itself; the heartbeat cannot abort anything after it.
 #[tokio::test]
 async fn a_child_ending_while_its_parent_parks_still_wakes_it() {
+    // The parent is held just before its park commit until the test has seen the child end.
+    let gate = tempfile::tempdir().unwrap();
+    let go = gate.path().join("go");
+    let points = format!("before_park_commit=wait({}),after_park_commit=sleep(1200)", go.display());
     let t = scripted(
         vec![("p-race", vec![calls(vec![call("task", json!({"description": "Quick.\nSCENARIO steps=1 run=race", "subagent": "general-purpose"}))]), say("parent done")])],
-        |s| {
+        move |s| {
             s.reap_ms = NO_REAPER_MS;
-            s.failpoints = "before_park_commit=sleep(4000),after_park_commit=sleep(1200)".into();
+            s.failpoints = points;
         },
     )
     .await;
     let parent = start_parent(&t, "p-race").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let child = loop {
+        if let Some(c) = t.app.store.children(parent.id).await.unwrap().into_iter().find(|c| c.status.is_terminal()) {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "the child never ended");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(child.status, RunStatus::Succeeded);
+    assert_eq!(t.app.store.get_run(parent.id).await.unwrap().unwrap().status, RunStatus::Running, "the parent has not parked yet");
+    std::fs::write(&go, "").unwrap();
     let done = wait_for(&t, parent.id, Duration::from_secs(20)).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_eq!(done.result.as_deref(), Some("parent done"));
-    let child = &t.app.store.children(parent.id).await.unwrap()[0];
-    assert_eq!(child.status, RunStatus::Succeeded);
     let events = t.events(parent.id).await;
     assert_gap_free(&events, RunStatus::Succeeded);
     let waiting = events.iter().find(|e| e.kind == "run.waiting").unwrap();
     let finished = events.iter().find(|e| e.kind == "child.finished").unwrap();
-    assert!(finished.seq < waiting.seq, "the child really ended before the park committed");
+    assert!(finished.seq < waiting.seq, "the child ended before the park committed");
 }
 
 /// Hole 3: a run may await a child started by an earlier run of its thread; the child's end
@@ -65,7 +78,7 @@ async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
                 vec![
                     calls(vec![call(
                         "subagent_start",
-                        json!({"description": "Slow.\nSCENARIO steps=3 latency_ms=400 run=earlier", "subagent": "general-purpose", "detached": true}),
+                        json!({"description": "Slow.\nSCENARIO steps=2 latency_ms=3000 run=earlier", "subagent": "general-purpose", "detached": true}),
                     )]),
                     say("started it"),
                 ],
@@ -93,6 +106,7 @@ async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
     let results = tool_results(&t, &second).await;
     let awaited = results.last().unwrap();
     assert_eq!(awaited["runs"][0]["status"], "succeeded", "{awaited}");
+    assert!(kinds(&t.events(second.id).await).contains(&"run.waiting"), "it parked on the child");
     assert_eq!(done.attempts, 2, "claimed to start and once more when the child ended, never in a loop");
 }
 
@@ -131,6 +145,10 @@ async fn a_crash_after_a_childs_end_loses_neither_the_event_nor_the_wake() {
 /// cancelled, cancels its own child, and wakes its parent.
 #[tokio::test]
 async fn a_cancel_during_a_park_ends_the_run_and_wakes_its_parent() {
+    // Every park is held until the test has made its cancel.
+    let gate = tempfile::tempdir().unwrap();
+    let go = gate.path().join("go");
+    let points = format!("before_park_commit=wait({})", go.display());
     let t = scripted(
         vec![
             ("p-root", vec![calls(vec![call("task", json!({"description": "Middle.", "subagent": "p-mid"}))]), say("root done")]),
@@ -139,15 +157,15 @@ async fn a_cancel_during_a_park_ends_the_run_and_wakes_its_parent() {
                 vec![calls(vec![call("task", json!({"description": "Leaf.\nSCENARIO steps=5 latency_ms=500 run=leaf", "subagent": "general-purpose"}))]), say("mid done")],
             ),
         ],
-        |s| {
+        move |s| {
             s.reap_ms = NO_REAPER_MS;
             s.max_depth = 2;
-            s.failpoints = "before_park_commit=sleep(1500)".into();
+            s.failpoints = points;
         },
     )
     .await;
     let root = start_parent(&t, "p-root").await;
-    // Wait until the middle run has started its leaf: it is then in its 1.5 s before the park.
+    // Wait until the middle run has started its leaf: it is then held before its park.
     let deadline = Instant::now() + Duration::from_secs(20);
     let mid = loop {
         let kids = t.app.store.children(root.id).await.unwrap();
@@ -160,6 +178,7 @@ async fn a_cancel_during_a_park_ends_the_run_and_wakes_its_parent() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert_eq!(t.app.cancel(mid.id).await.unwrap(), CancelOutcome::Requested);
+    std::fs::write(&go, "").unwrap();
     let mid_done = wait_for(&t, mid.id, Duration::from_secs(10)).await;
     assert_eq!(mid_done.status, RunStatus::Cancelled);
     let mid_events = t.events(mid.id).await;
