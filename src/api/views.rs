@@ -2,7 +2,7 @@
 //! the schema can change without breaking clients).
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use serde_json::Value;
 
@@ -23,6 +23,15 @@ pub struct UsageView {
     pub total_tokens: u64,
     /// Model calls.
     pub steps: u32,
+}
+
+/// One item of an agent's plan.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, ToSchema)]
+pub struct TodoView {
+    /// What is to be done.
+    pub content: String,
+    /// `pending`, `in_progress` or `completed`.
+    pub status: String,
 }
 
 /// A run, as DESIGN.md's API section defines it.
@@ -64,6 +73,9 @@ pub struct RunView {
     pub progress: Vec<String>,
     /// Child runs (delegation).
     pub children: Vec<RunId>,
+    /// The agent's latest plan (`todo_write`), when it wrote one.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub todos: Vec<TodoView>,
     /// Caller data.
     #[schema(value_type = Object)]
     pub metadata: Value,
@@ -91,6 +103,14 @@ impl RunView {
             total_tokens: tree.total(),
             steps: tree_steps as u32,
         };
+        // The plan as the agent last wrote it (a run that never planned costs one indexed read).
+        let todos = match store.last_call_arguments(r.id, "todo_write").await? {
+            Some(args) => serde_json::from_str::<Value>(&args)
+                .ok()
+                .and_then(|v| serde_json::from_value::<Vec<TodoView>>(v.get("todos")?.clone()).ok())
+                .unwrap_or_default(),
+            None => vec![],
+        };
         let usage = UsageView {
             prompt_tokens: r.usage.prompt_tokens,
             completion_tokens: r.usage.completion_tokens,
@@ -116,6 +136,7 @@ impl RunView {
             usage,
             progress,
             children,
+            todos,
             metadata: r.metadata,
             last_event_seq: r.event_seq,
             wait_timed_out: None,

@@ -639,6 +639,28 @@ macro_rules! store_impl {
                     .await?)
             }
 
+            async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>> {
+                // The run's assistant messages, newest first; the index on (run_id, id) keeps it
+                // to this run's rows.
+                let pattern = format!("%\"name\":\"{tool}\"%");
+                let rows = sqlx::query(
+                    "SELECT body FROM sa_messages WHERE run_id = $1 AND role = 'assistant' AND body LIKE $2 ORDER BY id DESC LIMIT 1",
+                )
+                .bind(run.to_string())
+                .bind(pattern)
+                .fetch_all(&self.pool)
+                .await?;
+                let Some(row) = rows.first() else { return Ok(None) };
+                let body: String = row.get(0);
+                let message: crate::model::Message = serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?;
+                Ok(match message {
+                    crate::model::Message::Assistant { tool_calls, .. } => {
+                        tool_calls.into_iter().rev().find(|c| c.function.name == tool).map(|c| c.function.arguments)
+                    }
+                    _ => None,
+                })
+            }
+
             async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
                 let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(&self.pool).await?;
                 rows.iter()

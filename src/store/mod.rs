@@ -806,6 +806,10 @@ pub trait Queries: Send + Sync + 'static {
     /// How many queued runs are ahead of this one (0 = next).
     async fn queue_position(&self, run: RunId) -> Result<i64>;
 
+    /// The arguments (raw JSON) of the run's latest call to `tool`, if it made one: the run
+    /// view reads the agent's plan (`todo_write`) this way.
+    async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>>;
+
     /// Number of runs per state, for metrics.
     async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>>;
 

@@ -151,3 +151,25 @@ async fn models_follow_aliases_and_inherit_through_delegation() {
     assert_eq!(models.len(), 3, "{models:?}");
     assert!(models.iter().all(|m| m == "mock-large"), "alias for the parent, inherited by the child: {models:?}");
 }
+
+/// `todo_write`: the plan is a checkpointed tool call, shown in the run view and its progress.
+#[tokio::test]
+async fn the_agents_plan_shows_in_the_run_view() {
+    let planner = "---\nname: planner\ndescription: plans\ntools: Read, TodoWrite\n---\nPlan first. MOCK:planner\n";
+    let t = spawn_app_with(Options { jobs: vec![("planner".into(), planner.into())], ..Default::default() }).await;
+    let todos = |second: &str| json!({"todos": [{"content": "read the spec", "status": "completed"}, {"content": "answer", "status": second}]});
+    t.mock.state.set_script(Script::from([(
+        "planner".to_owned(),
+        vec![calls(vec![call("todo_write", todos("in_progress"))]), calls(vec![call("todo_write", todos("completed"))]), say("done")],
+    )]));
+    let run = t.app.start_run(StartRun { agent: Some("planner".into()), input: "Go.".into(), ..Default::default() }).await.unwrap();
+    let done = t.wait(run.id).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let view = subagents::api::views::RunView::build(t.app.store.as_ref(), done).await.unwrap();
+    let plan: Vec<(&str, &str)> = view.todos.iter().map(|i| (i.content.as_str(), i.status.as_str())).collect();
+    assert_eq!(plan, [("read the spec", "completed"), ("answer", "completed")], "the latest plan");
+    assert_eq!(tool_results(&t, &run).await[0], json!("Plan: 1 of 2 done\n[x] read the spec\n[>] answer"));
+    // A run that never planned has none.
+    let plain = t.run("SCENARIO steps=1 run=noplan").await;
+    assert!(subagents::api::views::RunView::build(t.app.store.as_ref(), plain).await.unwrap().todos.is_empty());
+}
