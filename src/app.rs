@@ -105,6 +105,7 @@ impl App {
             journal: settings.tool_journal.clone(),
             allow_bash: settings.allow_bash,
             fetch: crate::tools::FetchPolicy { allow_hosts: clean(&settings.fetch_allow), deny_hosts: clean(&settings.fetch_deny), ..Default::default() },
+            search_url: settings.search_url.clone(),
         }
     }
 

@@ -126,6 +126,11 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_FETCH_DENY", value_delimiter = ',', global = true)]
     pub fetch_deny: Vec<String>,
 
+    /// The search backend of `web_search`: an endpoint answering SearXNG's JSON format
+    /// (`GET URL?q=…&format=json`); without it, agents do not get `web_search`.
+    #[arg(long, env = "SUBAGENTS_SEARCH_URL", global = true)]
+    pub search_url: Option<String>,
+
     /// Model names agent files use, mapped onto the endpoint's models:
     /// `sonnet=gpt-4.1,haiku=gpt-4.1-mini`. Claude's `sonnet`, `opus` and `haiku` without an
     /// entry use the default model.

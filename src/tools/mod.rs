@@ -8,6 +8,7 @@
 
 pub mod fs;
 pub mod search;
+pub mod search_web;
 pub mod shell;
 pub mod todo;
 pub mod web;
@@ -152,6 +153,8 @@ pub struct ToolSettings {
     pub allow_bash: bool,
     /// Who `web_fetch` may reach.
     pub fetch: FetchPolicy,
+    /// The search backend of `web_search` (a SearXNG-compatible JSON endpoint), if any.
+    pub search_url: Option<String>,
 }
 
 /// The tools this process can offer, by name.
@@ -194,11 +197,11 @@ pub fn lookup(name: &str) -> Named {
         "Grep" | "grep" => Named::Tool("grep"),
         "Bash" | "bash" => Named::Tool("bash"),
         "WebFetch" | "web_fetch" => Named::Tool("web_fetch"),
+        "WebSearch" | "web_search" => Named::Tool("web_search"),
         "echo" => Named::Tool("echo"),
         "TodoWrite" | "todo_write" => Named::Tool("todo_write"),
         "Task" | "Agent" | "task" => Named::Delegation,
         n if n.starts_with("subagent_") => Named::Delegation,
-        "WebSearch" => Named::Unavailable("no web search backend is configured"),
         "TodoRead" => Named::Unavailable("the plan is in the conversation: todo_write's result shows it"),
         "NotebookEdit" | "NotebookRead" => Named::Unavailable("notebooks are not supported"),
         n if n.starts_with("mcp__") => Named::Unavailable("MCP servers are not supported yet"),
@@ -244,6 +247,9 @@ impl ToolRegistry {
         if settings.allow_bash {
             tools.insert("bash".into(), Arc::new(shell::Bash));
         }
+        if let Some(url) = settings.search_url.filter(|u| !u.trim().is_empty()) {
+            tools.insert("web_search".into(), Arc::new(search_web::WebSearch { url, timeout: settings.fetch.timeout }));
+        }
         Self { tools, journal: settings.journal, allow_bash: settings.allow_bash }
     }
 
@@ -269,6 +275,9 @@ impl ToolRegistry {
                 }
                 Named::Tool("bash") if !self.allow_bash => {
                     r.unavailable.push((name.clone(), "bash is off: an operator enables it with SUBAGENTS_ALLOW_BASH=1".into()));
+                }
+                Named::Tool("web_search") => {
+                    r.unavailable.push((name.clone(), "no web search backend is configured: an operator sets SUBAGENTS_SEARCH_URL".into()));
                 }
                 Named::Tool(_) => r.unavailable.push((name.clone(), "not offered by this process".into())),
                 Named::Unavailable(_) if self.tools.contains_key(name.as_str()) => {

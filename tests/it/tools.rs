@@ -24,7 +24,20 @@ async fn site() -> String {
     let app = axum::Router::new()
         .route("/policy", get(|| async { Html(PAGE) }))
         .route("/hop", get(|| async { Redirect::temporary("/policy") }))
-        .route("/sneaky", get(|| async { Redirect::temporary("http://169.254.169.254/latest/meta-data/") }));
+        .route("/sneaky", get(|| async { Redirect::temporary("http://169.254.169.254/latest/meta-data/") }))
+        // A search backend answering SearXNG's JSON format.
+        .route(
+            "/search",
+            get(|q: axum::extract::Query<std::collections::HashMap<String, String>>| async move {
+                let query = q.get("q").cloned().unwrap_or_default();
+                assert_eq!(q.get("format").map(String::as_str), Some("json"));
+                let results: Vec<serde_json::Value> = (1..=30)
+                    .map(|i| json!({"title": format!("Result {i} for {query}"), "url": format!("https://example.org/{i}"), "content": format!("snippet {i}")}))
+                    .collect();
+                axum::Json(json!({"query": query, "results": results}))
+            }),
+        )
+        .route("/broken-search", get(|| async { (axum::http::StatusCode::BAD_GATEWAY, "upstream down") }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -172,4 +185,24 @@ async fn the_agents_plan_shows_in_the_run_view() {
     // A run that never planned has none.
     let plain = t.run("SCENARIO steps=1 run=noplan").await;
     assert!(subagents::api::views::RunView::build(t.app.store.as_ref(), plain).await.unwrap().todos.is_empty());
+}
+
+/// `web_search` against a SearXNG-compatible backend; off (and said so) without one.
+#[tokio::test]
+async fn web_search_uses_the_configured_backend() {
+    let base = site().await;
+    let ctx = subagents::tools::ToolCtx { workspace: "/nonexistent".into(), idempotency_key: "k".into(), output_limit: 16_000 };
+    let with = |url: String| ToolRegistry::with_settings(subagents::tools::ToolSettings { search_url: Some(url), ..Default::default() });
+    let reg = with(format!("{base}/search"));
+    let out = reg.execute("web_search", &json!({"query": "retry policy", "max_results": 2}).to_string(), &ctx).await.unwrap();
+    assert_eq!(out, "1. Result 1 for retry policy\n   https://example.org/1\n   snippet 1\n2. Result 2 for retry policy\n   https://example.org/2\n   snippet 2");
+    let capped = reg.execute("web_search", &json!({"query": "x", "max_results": 500}).to_string(), &ctx).await.unwrap();
+    assert_eq!(capped.lines().filter(|l| !l.starts_with(' ')).count(), 20, "at most 20 results");
+    let down = with(format!("{base}/broken-search")).execute("web_search", r#"{"query":"x"}"#, &ctx).await.unwrap_err();
+    assert_eq!(down.code, "search_failed");
+    // Without a backend, an agent that names WebSearch is told why it does not get it.
+    let agent = subagents::agents::parse_agent(std::path::Path::new("s.md"), "---\nname: s\ndescription: d\ntools: WebSearch\n---\nx").unwrap();
+    let r = ToolRegistry::builtin(None).resolve(&agent);
+    assert!(r.tools.is_empty() && r.unavailable[0].1.contains("SUBAGENTS_SEARCH_URL"), "{r:?}");
+    assert_eq!(reg.resolve(&agent).tools, ["web_search"]);
 }
