@@ -99,7 +99,6 @@ macro_rules! store_impl {
                 error: Option<&RunError>,
                 reach: Reach,
             ) -> Result<()> {
-                let nms = now_ms();
                 if let Some(parent) = parent {
                     let row = sqlx::query(
                         "UPDATE sa_runs SET event_seq = event_seq + 1 \
@@ -119,20 +118,27 @@ macro_rules! store_impl {
                     }
                 }
                 if reach.waits {
-                    sqlx::query(sql!(
-                        "UPDATE sa_runs SET wake_at = $1 WHERE status IN ({}) \
-                         AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
-                        Transition::Wake
-                    ))
-                    .bind(nms)
-                    .bind(run.to_string())
-                    .execute(&mut **tx)
-                    .await?;
-                    sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(run.to_string()).execute(&mut **tx).await?;
+                    Self::end_waits(tx, &run.to_string()).await?;
                 }
                 if reach.children {
                     Self::end_attached_children(tx, run).await?;
                 }
+                Ok(())
+            }
+
+            /// The waits around a run that ended: whoever is parked on it is woken (`wake`), and
+            /// its own waits are dropped.
+            async fn end_waits(tx: &mut sqlx::Transaction<'_, $db>, run: &str) -> Result<()> {
+                sqlx::query(sql!(
+                    "UPDATE sa_runs SET wake_at = $1 WHERE status IN ({}) \
+                     AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
+                    Transition::Wake
+                ))
+                .bind(now_ms())
+                .bind(run)
+                .execute(&mut **tx)
+                .await?;
+                sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(run).execute(&mut **tx).await?;
                 Ok(())
             }
 
@@ -177,16 +183,7 @@ macro_rules! store_impl {
                         let seq: i64 = row.get(1);
                         let data = serde_json::json!({"reason": "parent_ended", "parent_run_id": parent});
                         Self::insert_events(tx, child, seq as u64, &[NewEvent::new(EventKind::RunCancelled, data)]).await?;
-                        sqlx::query(sql!(
-                            "UPDATE sa_runs SET wake_at = $1 WHERE status IN ({}) \
-                             AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
-                            Transition::Wake
-                        ))
-                        .bind(now_ms())
-                        .bind(&id)
-                        .execute(&mut **tx)
-                        .await?;
-                        sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(&id).execute(&mut **tx).await?;
+                        Self::end_waits(tx, &id).await?;
                         stack.push(id);
                     }
                 }
