@@ -36,8 +36,21 @@ pub struct AgentDef {
     pub timeout: Duration,
     /// Subagents this agent may delegate to (empty: any).
     pub subagents: Vec<String>,
+    /// The model's context window in tokens, when the agent file says (`context_window:`);
+    /// otherwise the model table's.
+    pub context_window: Option<u64>,
+    /// Percent of the window at which its runs compact (`compact_at:`).
+    pub compact_at: Option<u8>,
+    /// Its hooks, permission rules (`hooks:`, `permissions:`, `permissionMode:`) and
+    /// `approval_timeout:`.
+    pub policy: crate::policy::Policy,
+    /// MCP servers it declares (`mcpServers:`, the `.mcp.json` shape), as written; the worker
+    /// adds them to the servers it knows.
+    pub mcp_servers: Option<serde_json::Value>,
     /// The system prompt.
     pub system_prompt: String,
+    /// Most of its runs running at once, fleet-wide (`max_concurrency:`); more wait queued.
+    pub max_concurrency: Option<u32>,
     /// Where it came from (`None` for the built-in).
     pub source: Option<PathBuf>,
 }
@@ -53,6 +66,11 @@ impl AgentDef {
             max_steps: DEFAULT_MAX_STEPS,
             timeout: DEFAULT_TIMEOUT,
             subagents: vec![],
+            context_window: None,
+            compact_at: None,
+            policy: Default::default(),
+            mcp_servers: None,
+            max_concurrency: None,
             system_prompt: "You are a capable general-purpose agent working on one delegated task. Use the tools you are given when they help, keep going until the task is done, and finish with a concise final answer that contains everything the caller needs: they will see only that answer, not your intermediate steps.".into(),
             source: None,
         }
@@ -161,10 +179,58 @@ struct FrontMatter {
     tools: Option<ListOrString>,
     model: Option<String>,
     max_steps: Option<i64>,
+    max_concurrency: Option<i64>,
     timeout: Option<TimeoutValue>,
     subagents: Option<ListOrString>,
+    context_window: Option<serde_yaml_ng::Value>,
+    compact_at: Option<serde_yaml_ng::Value>,
+    hooks: Option<serde_yaml_ng::Value>,
+    permissions: Option<serde_yaml_ng::Value>,
+    #[serde(rename = "permissionMode")]
+    permission_mode: Option<String>,
+    #[serde(rename = "mcpServers")]
+    mcp_servers: Option<serde_yaml_ng::Value>,
+    approval_timeout: Option<TimeoutValue>,
     #[serde(flatten)]
     extra: BTreeMap<String, serde_yaml_ng::Value>,
+}
+
+/// Parses a token count: `8000`, `8k`, `200k`, `1m`.
+fn parse_tokens(v: &serde_yaml_ng::Value) -> Result<u64, String> {
+    let text = match v {
+        serde_yaml_ng::Value::Number(n) => n.to_string(),
+        serde_yaml_ng::Value::String(s) => s.trim().to_ascii_lowercase(),
+        _ => return Err("context_window must be a number of tokens, e.g. 8000 or 200k".into()),
+    };
+    let (digits, unit) = match text.strip_suffix('k') {
+        Some(d) => (d, 1_000),
+        None => match text.strip_suffix('m') {
+            Some(d) => (d, 1_000_000),
+            None => (text.as_str(), 1),
+        },
+    };
+    digits
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .filter(|n| (1024..=100_000_000).contains(n))
+        .ok_or_else(|| format!("context_window `{text}` must be 1024 to 100000000 tokens (e.g. 8000 or 200k)"))
+}
+
+/// Parses a share of the window: `85`, `85%` or `0.85`, within 10..=95 percent.
+fn parse_percent(v: &serde_yaml_ng::Value) -> Result<u8, String> {
+    let n = match v {
+        serde_yaml_ng::Value::Number(n) => n.as_f64(),
+        serde_yaml_ng::Value::String(s) => s.trim().trim_end_matches('%').trim().parse::<f64>().ok(),
+        _ => None,
+    }
+    .ok_or_else(|| "compact_at must be a percent (85 or 85%) or a fraction (0.85) of the context window".to_owned())?;
+    let percent = if n <= 1.0 { n * 100.0 } else { n };
+    if !percent.is_finite() || !(10.0..=95.0).contains(&percent.round()) {
+        return Err(format!("compact_at {n} is out of range: use 10% to 95% of the context window"));
+    }
+    Ok(percent.round() as u8)
 }
 
 /// Parses `30m`-style durations.
@@ -286,6 +352,11 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         Some(n) if (1..=10_000).contains(&n) => n as u32,
         Some(n) => return Err(err(line_of("max_steps"), format!("max_steps {n} is out of range 1..=10000"))),
     };
+    let max_concurrency = match fm.max_concurrency {
+        None => None,
+        Some(n) if (1..=100_000).contains(&n) => Some(n as u32),
+        Some(n) => return Err(err(line_of("max_concurrency"), format!("max_concurrency {n} is out of range 1..=100000 (runs of this agent at once, fleet-wide)"))),
+    };
     let timeout = match fm.timeout {
         None => DEFAULT_TIMEOUT,
         Some(TimeoutValue::Secs(s)) => Duration::from_secs(s),
@@ -303,6 +374,37 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
             subagents.extend(named_subagents(t).unwrap_or_default());
         }
     }
+    let context_window = match &fm.context_window {
+        None => None,
+        Some(v) => Some(parse_tokens(v).map_err(|m| err(line_of("context_window"), m))?),
+    };
+    let compact_at = match &fm.compact_at {
+        None => None,
+        Some(v) => Some(parse_percent(v).map_err(|m| err(line_of("compact_at"), m))?),
+    };
+    let json = |v: &serde_yaml_ng::Value| serde_json::to_value(v).map_err(|e| e.to_string());
+    let mut policy = crate::policy::Policy::default();
+    if let Some(h) = &fm.hooks {
+        policy.hooks = json(h).and_then(|v| crate::policy::parse_hooks(&v)).map_err(|m| err(line_of("hooks"), m))?;
+    }
+    if let Some(p) = &fm.permissions {
+        policy.rules = json(p).and_then(|v| crate::policy::parse_permissions(&v)).map_err(|m| err(line_of("permissions"), m))?;
+    }
+    if let Some(m) = &fm.permission_mode {
+        policy.rules.mode = Some(crate::policy::Mode::parse(m).map_err(|m| err(line_of("permissionMode"), m))?);
+    }
+    policy.approval_timeout = match fm.approval_timeout {
+        None => None,
+        Some(TimeoutValue::Secs(s)) => Some(Duration::from_secs(s)),
+        Some(TimeoutValue::Text(t)) => Some(parse_duration(&t).map_err(|m| err(line_of("approval_timeout"), m))?),
+    };
+    let mcp_servers = match &fm.mcp_servers {
+        None => None,
+        Some(v) => match json(v) {
+            Ok(v @ serde_json::Value::Object(_)) => Some(v),
+            _ => return Err(err(line_of("mcpServers"), "mcpServers must be an object of servers by name, as in .mcp.json".into())),
+        },
+    };
     let system_prompt = text[body_at..].trim().to_owned();
     let _ = close_line;
     Ok(AgentDef {
@@ -313,7 +415,12 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         max_steps,
         timeout,
         subagents,
+        context_window,
+        compact_at,
+        policy,
+        mcp_servers,
         system_prompt,
+        max_concurrency,
         source: Some(path.to_owned()),
     })
 }
@@ -498,6 +605,21 @@ mod tests {
         assert_eq!(a.timeout, Duration::from_secs(5400));
         assert_eq!(a.subagents, vec!["a", "b"]);
         assert_eq!(a.model.as_deref(), Some("gpt-4o"));
+        assert_eq!((a.context_window, a.compact_at), (None, None));
+    }
+
+    #[test]
+    fn context_keys_load_and_refuse_nonsense() {
+        for (window, at, want) in [("8000", "85", (8000, 85)), ("200k", "70%", (200_000, 70)), ("1m", "0.5", (1_000_000, 50))] {
+            let a = parse_agent(&p(), &format!("---\ndescription: d\ncontext_window: {window}\ncompact_at: {at}\n---\n")).unwrap();
+            assert_eq!((a.context_window, a.compact_at), (Some(want.0), Some(want.1)));
+        }
+        let e = parse_agent(&p(), "---\ndescription: d\ncontext_window: 12\n---\n").unwrap_err();
+        assert_eq!(e.line, 3);
+        assert!(e.message.contains("1024"), "{e}");
+        let e = parse_agent(&p(), "---\ndescription: d\ncompact_at: 99\n---\n").unwrap_err();
+        assert!(e.message.contains("10% to 95%"), "{e}");
+        assert!(parse_agent(&p(), "---\ndescription: d\ncompact_at: lots\n---\n").is_err());
     }
 
     #[test]

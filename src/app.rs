@@ -23,6 +23,10 @@ use crate::worker::{WorkerSettings, run_workers};
 /// changes wake them at once).
 pub const CROSS_PROCESS_RECHECK: Duration = Duration::from_millis(250);
 
+/// How old a shared read may be for a waiter re-checking on its timer (changes made in other
+/// processes are heard only that way, at most [`CROSS_PROCESS_RECHECK`] late anyway).
+pub const SHARED_READ_AGE: Duration = Duration::from_millis(50);
+
 pub use crate::runs::{LOCAL_OWNER, MAX_TIMEOUT_SECS, StartError, StartRun, start_run};
 
 /// The assembled system.
@@ -41,6 +45,10 @@ pub struct App {
     pub agent_errors: Vec<AgentFileError>,
     /// Redis, when configured.
     pub redis: Option<crate::relay::RedisEvents>,
+    /// Run reads shared by the waiters one commit wakes.
+    run_reads: crate::notify::SharedReads<RunId, Option<Arc<RunRecord>>>,
+    /// Event pages shared by the streams one commit wakes, by run and cursor.
+    event_reads: crate::notify::SharedReads<(RunId, u64, u32), Arc<Vec<crate::store::EventRecord>>>,
 }
 
 /// Start-up failures, with what to do about them.
@@ -96,6 +104,23 @@ impl App {
             retry: RetryPolicy { retries: settings.model_retries, ..RetryPolicy::default() },
             request_timeout: settings.model_timeout(),
         }))
+    }
+
+    /// The MCP servers of `SUBAGENTS_MCP_CONFIG` plus those agent files declare (each visible
+    /// to its agent only). A broken `.mcp.json` stops start-up; a broken `mcpServers:` in an agent
+    /// file is logged and that agent gets none.
+    pub fn mcp_hub(settings: &Settings, agents: &AgentRegistry) -> Result<crate::mcp::Hub, OpenError> {
+        let servers = crate::mcp::load(&settings.mcp_config).map_err(|e| OpenError::Config(format!("SUBAGENTS_MCP_CONFIG: {e}")))?;
+        let mut hub = crate::mcp::Hub::new(servers, Duration::from_secs_f64(settings.mcp_timeout_secs.clamp(0.1, 600.0)));
+        for a in agents.all() {
+            if let Some(v) = &a.mcp_servers {
+                match crate::mcp::parse_servers(v) {
+                    Ok(s) => hub.add_private(&a.name, s),
+                    Err(e) => tracing::warn!(agent = %a.name, error = %e, "the agent's mcpServers cannot be used"),
+                }
+            }
+        }
+        Ok(hub)
     }
 
     /// The built-in tools' settings.
@@ -168,10 +193,32 @@ impl App {
                 lease_ttl: settings.lease_ttl(),
                 max_attempts: settings.max_attempts,
                 tool_timeout: settings.tool_timeout(),
-                tool_output_limit: settings.tool_output_limit,
+                context: crate::engine::ContextSettings {
+                    table: crate::model::tokens::ModelTable::new(
+                        crate::model::tokens::ModelTable::parse_overrides(&settings.context_windows)
+                            .map_err(|e| OpenError::Config(format!("SUBAGENTS_CONTEXT_WINDOWS: {e}")))?,
+                        settings.default_context_window.max(1024),
+                    ),
+                    compact_at: settings.compact_at,
+                    keep: settings.compact_keep,
+                    tool_result_tokens: settings.tool_result_tokens,
+                    calibration: Default::default(),
+                },
+                policy: crate::engine::PolicySettings {
+                    settings: Arc::new(crate::policy::load_settings(&settings.settings_file).map_err(OpenError::Config)?),
+                    approval_timeout: Duration::from_secs(settings.approval_timeout_secs.clamp(1, 30 * 86_400)),
+                    http: reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build().expect("reqwest client with static settings"),
+                },
+                mcp: Arc::new(Self::mcp_hub(&settings, &agents)?),
+                rate_limits: crate::engine::RateLimits {
+                    by_model: settings.model_limit_map().map_err(OpenError::Config)?,
+                    window: Duration::from_millis(settings.rate_window_ms.max(100)),
+                },
+                prices: Arc::new(crate::model::prices::PriceTable::parse(&settings.prices).map_err(|e| OpenError::Config(format!("SUBAGENTS_PRICES: {e}")))?),
                 delegation: crate::delegation::DelegationSettings {
                     max_depth: settings.max_depth,
                     result_limit: settings.child_result_limit,
+                    workspace: Some(settings.workspace.clone()),
                 },
                 max_input_bytes: settings.max_input_bytes,
                 drain_grace: settings.drain_grace(),
@@ -180,8 +227,9 @@ impl App {
             },
             queue: queue.clone(),
             deltas: redis.clone(),
+            budgets: crate::engine::budget::Budgets::new(store.clone(), redis.clone()),
         });
-        Ok(App { settings, store, queue, engine, agents, agent_errors, redis })
+        Ok(App { settings, store, queue, engine, agents, agent_errors, redis, run_reads: Default::default(), event_reads: Default::default() })
     }
 
     /// Validates, records and enqueues a run. Once this returns, the run is durable: if the
@@ -195,31 +243,70 @@ impl App {
         start_run(self.store.as_ref(), &self.queue, &self.agents, self.settings.max_input_bytes, req).await
     }
 
+    /// The concurrency limits this process configures, by the key prefix it owns: the
+    /// default for every owner (`*`) and the agents' `max_concurrency:`. Owners' own limits
+    /// come from the keys file, which only `serve` reads.
+    pub fn concurrency_limits(&self) -> Vec<(&'static str, Vec<(String, u32)>)> {
+        let agents = self.agents.all().filter_map(|a| a.max_concurrency.map(|n| (format!("agent:{}", a.name), n))).collect();
+        vec![("*", vec![("*".to_owned(), self.settings.owner_concurrency)]), ("agent:", agents)]
+    }
+
+    /// Retries a failed or cancelled root run ([`crate::runs::retry`]).
+    pub async fn retry(&self, original: &RunRecord) -> Result<Created, StartError> {
+        crate::runs::retry(self.store.as_ref(), &self.queue, &self.agents, self.settings.max_input_bytes, original).await
+    }
+
     /// Waits until the run is terminal or `timeout` passes; returns its latest state. Sleeps
     /// on the run's notification (no polling loop); a slow re-check covers writers in other
     /// processes.
     pub async fn wait(&self, run: RunId, timeout: Duration) -> Result<Option<RunRecord>, StoreError> {
+        Ok(self.wait_shared(run, timeout).await?.0.map(|r| (*r).clone()))
+    }
+
+    /// [`App::wait`], sharing reads with every other waiter on the run: one commit wakes them
+    /// all, and they share one read made after it. Also returns when the answering read
+    /// started, so what the caller reads next can be shared the same way.
+    pub async fn wait_shared(&self, run: RunId, timeout: Duration) -> Result<(Option<Arc<RunRecord>>, std::time::Instant), StoreError> {
+        use crate::notify::Fresh;
         let deadline = tokio::time::Instant::now() + timeout;
-        let notify = self.store.subscribe(run);
+        let signal = self.store.subscribe(run);
+        // The first read starts after this call: it must see whatever the caller did before.
+        let mut not_before = Some(std::time::Instant::now());
         loop {
-            let changed = notify.notified();
+            let changed = signal.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let r = self.store.get_run(run).await?;
+            // Taken after enabling the wake-up: a commit announced later wakes us again.
+            let fresh = Fresh { generation: signal.generation(), not_before };
+            let (r, started) = self.run_reads.read(run, fresh, || async { Ok::<_, StoreError>(self.store.get_run(run).await?.map(Arc::new)) }).await?;
             match &r {
-                None => return Ok(None),
-                Some(r) if r.status.is_terminal() => return Ok(Some(r.clone())),
+                None => return Ok((None, started)),
+                Some(rec) if rec.status.is_terminal() => return Ok((r, started)),
                 _ => {}
             }
             if tokio::time::Instant::now() >= deadline {
-                return Ok(r);
+                return Ok((r, started));
             }
-            tokio::select! {
-                _ = changed => {}
-                _ = tokio::time::sleep(CROSS_PROCESS_RECHECK) => {}
-                _ = tokio::time::sleep_until(deadline) => {}
-            }
+            not_before = tokio::select! {
+                // Woken by a commit here: any read started after it will do.
+                _ = changed => None,
+                // A writer in another process is not heard: a read from the last moments will do.
+                _ = tokio::time::sleep(CROSS_PROCESS_RECHECK) => std::time::Instant::now().checked_sub(SHARED_READ_AGE),
+                _ = tokio::time::sleep_until(deadline) => Some(std::time::Instant::now()),
+            };
         }
+    }
+
+    /// [`App::events_after`] for a stream, sharing one read with the other streams at the same
+    /// cursor that need no fresher one (see [`crate::notify::Fresh`]).
+    pub async fn events_after_shared(&self, run: RunId, after: u64, limit: u32, fresh: crate::notify::Fresh) -> Result<Arc<Vec<crate::store::EventRecord>>, StoreError> {
+        let (v, _) = self.event_reads.read((run, after, limit), fresh, || async { Ok::<_, StoreError>(Arc::new(self.events_after(run, after, limit).await?)) }).await?;
+        Ok(v)
+    }
+
+    /// Answers a pending approval of `owner` (see [`crate::runs::answer_approval`]).
+    pub async fn answer_approval(&self, id: &str, owner: &str, answer: crate::store::ApprovalAnswer) -> Result<crate::store::Answered, StoreError> {
+        crate::runs::answer_approval(self.store.as_ref(), &self.queue, id, owner, answer).await
     }
 
     /// Cancels a run and its attached descendants; a run that ends here (queued or parked)
@@ -265,7 +352,15 @@ impl App {
         };
         let relay = self.spawn_relay(shutdown.clone());
         let workers = run_workers(self.engine.clone(), self.queue.clone(), settings, shutdown);
+        let limits = self.concurrency_limits();
+        let store = self.store.clone();
         tokio::spawn(async move {
+            // The claims enforce the limits; this process's configuration goes in first.
+            for (prefix, entries) in limits {
+                if let Err(e) = store.set_limits(prefix, &entries).await {
+                    tracing::warn!(error = %e, prefix, "could not record the concurrency limits; claims go on without them");
+                }
+            }
             workers.await;
             if let Some(r) = relay {
                 let _ = r.await;

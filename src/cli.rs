@@ -74,7 +74,8 @@ enum Command {
     },
     /// Execute queued runs until SIGTERM or Ctrl-C (then running runs go back to the queue).
     Worker,
-    /// Serve the HTTP API (with embedded workers unless `--workers 0`).
+    /// Serve the HTTP API and the dashboard (at `/`), with embedded workers unless
+    /// `--workers 0`.
     ///
     /// Without keys (SUBAGENTS_API_KEYS or --keys-file) it binds to 127.0.0.1 only and every
     /// request belongs to the owner `local`.
@@ -115,6 +116,27 @@ enum Command {
     /// Measure the API under many open waits and SSE streams: server memory, and the delay
     /// from a run's end to each client's answer; prints one JSON line.
     BenchApi(crate::bench::ApiBenchArgs),
+    /// Serve durable runs to MCP clients over stdio (`claude mcp add subagents -- subagents mcp`):
+    /// a `run_agent` tool (a task for clients with the Tasks extension), and run_status,
+    /// run_wait, run_events, run_cancel. Runs execute on embedded workers unless `--workers 0`.
+    Mcp {
+        /// Embedded workers (0: only enqueue; `subagents worker` processes execute).
+        #[arg(long)]
+        workers: Option<usize>,
+        /// The owner runs are started as.
+        #[arg(long, default_value = "local")]
+        owner: String,
+        /// Seconds a client without the Tasks extension waits for an answer before it gets the
+        /// run id to follow instead.
+        #[arg(long, default_value_t = 60.0)]
+        wait_s: f64,
+    },
+    /// Measure the context economy of delegation: the same work inline and delegated with
+    /// `task`, in the model's tokens; prints one JSON line.
+    BenchContext(crate::bench::ContextBenchArgs),
+    /// Time the dashboard's first render over a big history: seeds N runs (100,000 by default)
+    /// and measures the page, its assets and /v1/overview, and the runs table; one JSON line.
+    BenchDashboard(crate::bench::DashboardBenchArgs),
     /// Serve a deterministic OpenAI-compatible model for tests, demos and load tests.
     #[command(after_long_help = SCENARIO_HELP)]
     MockLlm {
@@ -130,9 +152,16 @@ enum Command {
         /// Append each answered request to this file as a JSON line.
         #[arg(long)]
         log: Option<PathBuf>,
+        /// Refuse requests over this many tokens with OpenAI's `context_length_exceeded` 400
+        /// (a scenario's window=N overrides it).
+        #[arg(long)]
+        window: Option<u64>,
         /// A JSON file of scripted turns (see SCRIPTS below).
         #[arg(long)]
         script: Option<PathBuf>,
+        /// Answer 429 to requests beyond this many per rolling minute, as a provider does.
+        #[arg(long)]
+        rpm: Option<usize>,
     },
 }
 
@@ -145,13 +174,16 @@ pub fn main() -> ExitCode {
     };
     crate::telemetry::init(default_log);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
-    match rt.block_on(dispatch(cli)) {
+    let code = match rt.block_on(dispatch(cli)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(2)
         }
-    }
+    };
+    // Spans still buffered go out before the process ends.
+    crate::telemetry::shutdown();
+    code
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -237,6 +269,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             let tools = crate::tools::ToolRegistry::with_settings(App::tool_settings(&settings));
             let aliases = settings.model_alias_map().map_err(|e| anyhow::anyhow!(e))?;
             let delegation = crate::delegation::DelegationSettings { max_depth: settings.max_depth, ..Default::default() };
+            let table = crate::model::tokens::ModelTable::new(
+                crate::model::tokens::ModelTable::parse_overrides(&settings.context_windows).map_err(|e| anyhow::anyhow!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))?,
+                settings.default_context_window.max(1024),
+            );
+            let mcp_servers = crate::mcp::load(&settings.mcp_config).map_err(|e| anyhow::anyhow!("SUBAGENTS_MCP_CONFIG: {e}"))?;
             let mut unavailable = 0;
             for a in reg.all() {
                 let r = tools.resolve(a);
@@ -246,12 +283,39 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     got.push(format!("task/subagent_* (to: {})", to.join(", ")));
                 }
                 let (model, note) = crate::agents::resolve_model(a.model.as_deref(), None, &settings.default_model, &aliases);
+                let (known, listed) = table.window(&model);
+                let window = match a.context_window {
+                    Some(w) => format!("{w} tokens (context_window:)"),
+                    None if listed => format!("{} tokens", known.context),
+                    None => format!("{} tokens (unknown model: SUBAGENTS_DEFAULT_CONTEXT_WINDOW)", known.context),
+                };
+                let compact_at = a.compact_at.unwrap_or(settings.compact_at);
                 let model = match note {
                     Some(n) => format!("{model} ({n})"),
                     None => model,
                 };
                 let src = a.source.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in".into());
-                println!("{}\n  {}\n  tools: {}\n  model: {model}  max_steps: {}  timeout: {}s  ({src})", a.name, a.description, if got.is_empty() { "(none)".into() } else { got.join(", ") }, a.max_steps, a.timeout.as_secs());
+                println!(
+                    "{}\n  {}\n  tools: {}\n  model: {model}  max_steps: {}  timeout: {}s  ({src})\n  context: {window}, compacts at {compact_at}%",
+                    a.name,
+                    a.description,
+                    if got.is_empty() { "(none)".into() } else { got.join(", ") },
+                    a.max_steps,
+                    a.timeout.as_secs()
+                );
+                if !r.mcp.is_empty() {
+                    let hub_names: Vec<String> = mcp_servers.keys().cloned().collect();
+                    let shown: Vec<String> = r
+                        .mcp
+                        .iter()
+                        .map(|m| match crate::mcp::split(m) {
+                            Some((server, _)) if hub_names.iter().any(|h| h == server) || a.mcp_servers.as_ref().is_some_and(|s| s.get(server).is_some()) => m.clone(),
+                            _ => format!("{m} (no such server in SUBAGENTS_MCP_CONFIG)"),
+                        })
+                        .collect();
+                    unavailable += shown.iter().filter(|m| m.ends_with("(no such server in SUBAGENTS_MCP_CONFIG)")).count();
+                    println!("  mcp: {}", shown.join(", "));
+                }
                 for (name, why) in &r.unavailable {
                     println!("  warning: `{name}` is not available: {why}");
                     unavailable += 1;
@@ -273,7 +337,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             eprintln!("schema is up to date in {}", crate::app::redact(&settings.database_url));
             Ok(ExitCode::SUCCESS)
         }
-        Command::MockLlm { port, host, latency_ms, log, script } => {
+        Command::MockLlm { port, host, latency_ms, log, script, window, rpm } => {
             let script = match script {
                 Some(p) => {
                     let text = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("cannot read script {}: {e}", p.display()))?;
@@ -282,13 +346,31 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 None => None,
             };
-            let server = MockServer::start(SocketAddr::new(host, port), MockOptions { latency: Duration::from_millis(latency_ms), log_file: log, script }).await?;
+            let server = MockServer::start(SocketAddr::new(host, port), MockOptions { latency: Duration::from_millis(latency_ms), log_file: log, script, window, rate_limit: rpm.map(|n| (n, Duration::from_secs(60))) }).await?;
             println!("mock-llm listening on {} (OPENAI_BASE_URL={})", server.addr, server.base_url());
             shutdown_signal().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo => demo(settings).await,
         Command::BenchApi(args) => Ok(if crate::bench::run_api(args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
+        Command::Mcp { workers, owner, wait_s } => {
+            let mut settings = settings;
+            if let Some(w) = workers {
+                settings.concurrency = w;
+            }
+            let app = Arc::new(App::open(settings).await?);
+            let shutdown = CancellationToken::new();
+            let running = if app.settings.concurrency > 0 { Some(app.spawn_workers(shutdown.clone())) } else { app.spawn_relay(shutdown.clone()) };
+            let served = crate::mcp_server::serve_stdio(app.clone(), owner, Duration::from_secs_f64(wait_s.clamp(0.0, 3600.0))).await;
+            shutdown.cancel();
+            if let Some(w) = running {
+                let _ = w.await;
+            }
+            served?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchContext(args) => Ok(if crate::bench::run_context(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
+        Command::BenchDashboard(args) => Ok(if crate::bench::run_dashboard(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
         Command::Bench(args) => Ok(if crate::bench::run(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
     }
 }

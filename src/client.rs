@@ -1,5 +1,5 @@
-//! CLI clients of a running server (`subagents start|status|events|cancel|wait`), so an
-//! operator needs no curl.
+//! CLI clients of a running server (`subagents start|status|events|cancel|wait`, and
+//! `approvals|approve|deny` for tool calls waiting on a person), so an operator needs no curl.
 
 use std::time::Duration;
 
@@ -57,6 +57,40 @@ pub enum ClientCommand {
     Cancel {
         /// Run id.
         run_id: String,
+    },
+    /// Retry a failed or cancelled run: a new run on its thread with the same agent and input,
+    /// linked by `retry_of`; prints it as JSON. Retrying twice returns the first retry.
+    Retry {
+        /// Run id.
+        run_id: String,
+    },
+    /// List tool calls waiting for a person (newest first), one per line: id, tool, run, why.
+    Approvals {
+        /// `pending` (default), `allowed`, `denied`, `expired` or `all`.
+        #[arg(long, default_value = "pending")]
+        status: String,
+        /// Only this run's.
+        #[arg(long)]
+        run: Option<String>,
+    },
+    /// Allow a tool call that waits for approval; its run resumes.
+    Approve {
+        /// Approval id (`apr_…`).
+        id: String,
+        /// Why (recorded).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Allow this tool for the whole run tree, not just this call.
+        #[arg(long)]
+        run_tree: bool,
+    },
+    /// Deny a tool call that waits for approval; the model is told, with the reason.
+    Deny {
+        /// Approval id (`apr_…`).
+        id: String,
+        /// Why (the model sees it).
+        #[arg(long)]
+        reason: Option<String>,
     },
     /// Wait for a run to end; prints the final snapshot. Exit 0 succeeded, 1 otherwise.
     Wait {
@@ -130,6 +164,43 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
+        ClientCommand::Approvals { status, run } => {
+            let mut path = "/v1/approvals?limit=200".to_owned();
+            if status != "all" {
+                path.push_str(&format!("&status={status}"));
+            }
+            if let Some(r) = run {
+                path.push_str(&format!("&run_id={r}"));
+            }
+            let v = c.send(c.req(reqwest::Method::GET, &path)).await?;
+            let list = v["approvals"].as_array().cloned().unwrap_or_default();
+            if list.is_empty() {
+                eprintln!("no {} approvals", if status == "all" { "" } else { status.as_str() });
+            }
+            for a in list {
+                println!(
+                    "{}\t{}\t{}\trun {}\t{}\t{}",
+                    a["id"].as_str().unwrap_or(""),
+                    a["status"].as_str().unwrap_or(""),
+                    a["tool"].as_str().unwrap_or(""),
+                    a["run_id"].as_str().unwrap_or(""),
+                    a["reason"].as_str().unwrap_or(""),
+                    a["input"]
+                );
+            }
+            Ok(0)
+        }
+        ClientCommand::Approve { id, reason, run_tree } => {
+            let body = json!({"decision": "allow", "reason": reason, "scope": if run_tree { "run_tree" } else { "once" }});
+            let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/approvals/{id}")).json(&body)).await?;
+            println!("{}", serde_json::to_string_pretty(&v).unwrap());
+            Ok(0)
+        }
+        ClientCommand::Deny { id, reason } => {
+            let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/approvals/{id}")).json(&json!({"decision": "deny", "reason": reason}))).await?;
+            println!("{}", serde_json::to_string_pretty(&v).unwrap());
+            Ok(0)
+        }
         ClientCommand::Status { run_id } => {
             let v = c.send(c.req(reqwest::Method::GET, &format!("/v1/runs/{run_id}"))).await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
@@ -137,6 +208,11 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
         }
         ClientCommand::Cancel { run_id } => {
             let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel"))).await?;
+            println!("{}", serde_json::to_string_pretty(&v).unwrap());
+            Ok(0)
+        }
+        ClientCommand::Retry { run_id } => {
+            let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/runs/{run_id}/retry"))).await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }

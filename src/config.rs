@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use clap::Args;
 
+/// Model rate limits by model: (calls, prompt tokens) per window, either may be unset.
+pub type ModelLimits = std::collections::BTreeMap<String, (Option<u64>, Option<u64>)>;
+
 /// Settings shared by every subcommand.
 #[derive(Args, Clone)]
 pub struct Settings {
@@ -70,9 +73,74 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_TOOL_TIMEOUT", default_value_t = 60.0, global = true)]
     pub tool_timeout_secs: f64,
 
-    /// Bytes of tool output kept; the rest is cut with a marker.
-    #[arg(long, env = "SUBAGENTS_TOOL_OUTPUT_LIMIT", default_value_t = 16 * 1024, global = true)]
-    pub tool_output_limit: usize,
+    /// Tokens of one tool result the model sees. A longer result is written whole to the
+    /// owner's workspace (`.results/<run>/<call>.txt`) and the model gets its head, its size and
+    /// that path, which `read_file` pages through; `read_file` itself stops here and says
+    /// where to read on. Never more than a quarter of the model's context window.
+    #[arg(long, env = "SUBAGENTS_TOOL_RESULT_TOKENS", default_value_t = 20_000, global = true)]
+    pub tool_result_tokens: usize,
+
+    /// MCP servers in Claude Code's `.mcp.json` format (`{"mcpServers": {name: {command, args,
+    /// env} | {type: "http", url, headers}}}`, `${VAR}` expanded); their tools are
+    /// `mcp__<server>__<tool>`. A missing file declares none.
+    #[arg(long, env = "SUBAGENTS_MCP_CONFIG", default_value = ".mcp.json", global = true)]
+    pub mcp_config: std::path::PathBuf,
+
+    /// Seconds an MCP server may take to start and list its tools (a server that does not is
+    /// left alone for 15 s, and its tools give the model an error meanwhile).
+    #[arg(long, env = "SUBAGENTS_MCP_TIMEOUT", default_value_t = 30.0, global = true)]
+    pub mcp_timeout_secs: f64,
+
+    /// The settings file: `hooks` and `permissions` in Claude Code's settings.json shape, and
+    /// `approvalTimeout` (seconds). A missing file means no hooks and no rules.
+    #[arg(long, env = "SUBAGENTS_SETTINGS", default_value = "subagents.json", global = true)]
+    pub settings_file: std::path::PathBuf,
+
+    /// Seconds an approval waits for an answer before it counts as denied (the settings file's
+    /// `approvalTimeout` and an agent's `approval_timeout:` override it).
+    #[arg(long, env = "SUBAGENTS_APPROVAL_TIMEOUT", default_value_t = 86_400, global = true)]
+    pub approval_timeout_secs: u64,
+
+    /// Model rate limits shared by every worker on the database: `model:rpm=N:tpm=M`,
+    /// comma-separated (either part may be left out). Over budget, a run parks until it frees
+    /// up instead of provoking the provider's 429s.
+    #[arg(long, env = "SUBAGENTS_MODEL_LIMITS", default_value = "", global = true)]
+    pub model_limits: String,
+
+    /// The rate-limit window in ms (a minute; tests shorten it).
+    #[arg(long, env = "SUBAGENTS_RATE_WINDOW_MS", default_value_t = 60_000, global = true, hide = true)]
+    pub rate_window_ms: u64,
+
+    /// Most runs of one owner running at once, fleet-wide (0: no limit); the keys file sets it
+    /// per owner (`owner <hash> concurrency=N`). More wait queued; owners with work queued
+    /// take turns for the workers in any case.
+    #[arg(long, env = "SUBAGENTS_OWNER_CONCURRENCY", default_value_t = 0, global = true)]
+    pub owner_concurrency: u32,
+
+    /// Model prices in dollars per million tokens, `model=INPUT:OUTPUT`, comma-separated; a
+    /// name also matches as a prefix (`gpt-4.1=2:8,my-llama=0:0`). Common models have built-in
+    /// list prices; a model with no price costs 0.
+    #[arg(long, env = "SUBAGENTS_PRICES", default_value = "", global = true)]
+    pub prices: String,
+
+    /// Context windows of models the built-in table does not know, or overrides of it:
+    /// `name=WINDOW[:MAX_OUTPUT]`, comma-separated; a name also matches as a prefix
+    /// (`my-llama=32768:4096`).
+    #[arg(long, env = "SUBAGENTS_CONTEXT_WINDOWS", default_value = "", global = true)]
+    pub context_windows: String,
+
+    /// Context window assumed for a model nobody knows (tokens).
+    #[arg(long, env = "SUBAGENTS_DEFAULT_CONTEXT_WINDOW", default_value_t = 128_000, global = true)]
+    pub default_context_window: u64,
+
+    /// Percent of the context window at which a run compacts its context before the next
+    /// model call (agents set `compact_at:`, runs `limits.compact_at`).
+    #[arg(long, env = "SUBAGENTS_COMPACT_AT", default_value_t = 85, value_parser = clap::value_parser!(u8).range(10..=95), global = true)]
+    pub compact_at: u8,
+
+    /// Percent of the context window a compaction keeps verbatim (the newest messages).
+    #[arg(long, env = "SUBAGENTS_COMPACT_KEEP", default_value_t = 10, value_parser = clap::value_parser!(u8).range(1..=50), global = true)]
+    pub compact_keep: u8,
 
     /// Retries of a model call on 429, 5xx or a broken connection.
     #[arg(long, env = "SUBAGENTS_MODEL_RETRIES", default_value_t = 5, global = true)]
@@ -95,7 +163,9 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_MAX_DEPTH", default_value_t = 1, global = true)]
     pub max_depth: u32,
 
-    /// Bytes of a child's final text handed to its parent (then a truncation marker).
+    /// Bytes of a child's final text handed to its parent; a longer text is written whole to
+    /// `.results/<child run>/result.txt` in the workspace and the parent gets its head and the
+    /// path.
     #[arg(long, env = "SUBAGENTS_CHILD_RESULT_LIMIT", default_value_t = 4000, global = true)]
     pub child_result_limit: usize,
 
@@ -179,6 +249,33 @@ impl Settings {
         Duration::from_secs_f64(self.lease_ttl_secs.max(0.2))
     }
 
+    /// `SUBAGENTS_MODEL_LIMITS` parsed: model → (requests, tokens) per window.
+    pub fn model_limit_map(&self) -> Result<ModelLimits, String> {
+        let mut map = std::collections::BTreeMap::new();
+        for item in self.model_limits.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let mut parts = item.split(':');
+            let model = parts.next().unwrap_or("").trim();
+            if model.is_empty() {
+                return Err(format!("SUBAGENTS_MODEL_LIMITS: `{item}` does not start with a model name (e.g. gpt-4.1:rpm=500:tpm=200000)"));
+            }
+            let (mut rpm, mut tpm) = (None, None);
+            for p in parts {
+                let (k, v) = p.split_once('=').ok_or_else(|| format!("SUBAGENTS_MODEL_LIMITS: `{p}` in `{item}` is not rpm=N or tpm=N"))?;
+                let n: u64 = v.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| format!("SUBAGENTS_MODEL_LIMITS: `{p}` needs a whole number above 0"))?;
+                match k.trim() {
+                    "rpm" => rpm = Some(n),
+                    "tpm" => tpm = Some(n),
+                    other => return Err(format!("SUBAGENTS_MODEL_LIMITS: `{other}` is not rpm or tpm")),
+                }
+            }
+            if rpm.is_none() && tpm.is_none() {
+                return Err(format!("SUBAGENTS_MODEL_LIMITS: `{item}` sets neither rpm nor tpm"));
+            }
+            map.insert(model.to_owned(), (rpm, tpm));
+        }
+        Ok(map)
+    }
+
     /// The model alias map (`SUBAGENTS_MODEL_ALIASES`), or what is wrong with it.
     pub fn model_alias_map(&self) -> Result<std::collections::BTreeMap<String, String>, String> {
         let mut map = std::collections::BTreeMap::new();
@@ -205,5 +302,24 @@ impl Settings {
     /// Model attempt time limit.
     pub fn model_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.model_timeout_secs.max(0.001))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_limits_parse_and_refuse_nonsense() {
+        let mut s = Settings::defaults("sqlite://x.db");
+        s.model_limits = "gpt-4.1:rpm=500:tpm=200000, mock-model:rpm=8, big:tpm=1000000".into();
+        let m = s.model_limit_map().unwrap();
+        assert_eq!(m["gpt-4.1"], (Some(500), Some(200_000)));
+        assert_eq!(m["mock-model"], (Some(8), None));
+        assert_eq!(m["big"], (None, Some(1_000_000)));
+        for bad in ["gpt:rpm=0", "gpt:rps=3", ":rpm=3", "gpt", "gpt:rpm"] {
+            s.model_limits = bad.into();
+            assert!(s.model_limit_map().is_err(), "{bad}");
+        }
     }
 }

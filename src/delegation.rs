@@ -37,6 +37,10 @@ pub struct Wait {
     pub on: Vec<RunId>,
     /// Wake at this time (Unix ms) at the latest.
     pub wake_at: Option<i64>,
+    /// Wake when any of these approvals is answered (a tool call asked a person).
+    pub approvals: Vec<String>,
+    /// The model's rate limit is used up until `wake_at`.
+    pub rate_limited: bool,
 }
 
 impl Wait {
@@ -45,6 +49,11 @@ impl Wait {
         for r in other.on {
             if !self.on.contains(&r) {
                 self.on.push(r);
+            }
+        }
+        for a in other.approvals {
+            if !self.approvals.contains(&a) {
+                self.approvals.push(a);
             }
         }
         self.wake_at = match (self.wake_at, other.wake_at) {
@@ -64,13 +73,16 @@ pub const TOOL_NAMES: [&str; 6] =
 pub struct DelegationSettings {
     /// Runs at this depth get no delegation tools (1: only roots delegate).
     pub max_depth: u32,
-    /// A child's final text handed to the parent is cut to this many bytes, with a marker.
+    /// A child's final text longer than this many bytes is written whole to the owner's
+    /// workspace (`.results/<child run>/result.txt`); the parent gets its head and the path.
     pub result_limit: usize,
+    /// Root of the owners' workspaces; without one, a long text is cut with a marker instead.
+    pub workspace: Option<std::path::PathBuf>,
 }
 
 impl Default for DelegationSettings {
     fn default() -> Self {
-        Self { max_depth: 1, result_limit: 4000 }
+        Self { max_depth: 1, result_limit: 4000, workspace: None }
     }
 }
 
@@ -133,14 +145,16 @@ fn spec(name: &str, description: String, parameters: Value) -> ToolSpec {
 pub fn specs(agent: &AgentDef, agents: &AgentRegistry) -> Vec<ToolSpec> {
     let allowed = allowed(agent, agents);
     let names: Vec<&str> = allowed.iter().map(|a| a.name.as_str()).collect();
-    let menu: String = allowed.iter().map(|a| format!("\n- {}: {}", a.name, a.description)).collect();
+    // The menu goes in `task` only (`subagent_start` points to it), each entry cut short: it
+    // is sent with every request of the run.
+    let menu: String = allowed.iter().map(|a| format!("\n- {}: {}", a.name, menu_entry(&a.description))).collect();
     let start_params = |extra: Value| {
         let mut p = json!({
             "type": "object",
             "properties": {
                 "description": {"type": "string", "description": "The complete task for the subagent: it sees nothing else of your conversation."},
                 "subagent": {"type": "string", "enum": names},
-                "thread_id": {"type": "string", "description": "Continue an earlier subagent's thread (its thread_id) instead of starting fresh."}
+                "thread_id": {"type": "string", "description": "Continue an earlier subagent's thread (the thread_id a task or subagent_start gave you) instead of starting fresh."}
             },
             "required": ["description", "subagent"]
         });
@@ -154,7 +168,7 @@ pub fn specs(agent: &AgentDef, agents: &AgentRegistry) -> Vec<ToolSpec> {
     let run_id = json!({"type": "object", "properties": {"run_id": {"type": "string"}}, "required": ["run_id"]});
     vec![
         spec("task", format!("Delegate a task to a subagent and wait for its final answer. The subagent works in a fresh context; you get back only its final text and its thread_id. Subagents:{menu}"), start_params(json!({}))),
-        spec("subagent_start", format!("Start a subagent in the background; returns its run_id and thread_id at once. Use subagent_await to collect results. Subagents:{menu}"), start_params(json!({"detached": {"type": "boolean", "description": "Keep running after you finish (default false: it is cancelled when you end)."}}))),
+        spec("subagent_start", "Start a subagent in the background; returns its run_id and thread_id at once. Use subagent_await to collect results. The subagents are listed under `task`.".into(), start_params(json!({"detached": {"type": "boolean", "description": "Keep running after you finish (default false: it is cancelled when you end)."}}))),
         spec("subagent_status", "State of one of your subagents: status, its last 3 progress lines, and its result once finished.".into(), run_id.clone()),
         spec("subagent_events", "Progress lines of one of your subagents after a cursor.".into(), json!({"type": "object", "properties": {"run_id": {"type": "string"}, "after_seq": {"type": "integer", "minimum": 0}, "limit": {"type": "integer", "minimum": 1, "maximum": 50}}, "required": ["run_id"]})),
         spec("subagent_cancel", "Cancel one of your subagents (and its own subagents).".into(), run_id),
@@ -162,12 +176,51 @@ pub fn specs(agent: &AgentDef, agents: &AgentRegistry) -> Vec<ToolSpec> {
     ]
 }
 
+/// A description cut to about 200 characters at a word boundary.
+fn menu_entry(description: &str) -> String {
+    let one_line = description.split_whitespace().collect::<Vec<_>>().join(" ");
+    if one_line.chars().count() <= MENU_ENTRY_CHARS {
+        return one_line;
+    }
+    let mut cut: String = one_line.chars().take(MENU_ENTRY_CHARS).collect();
+    if let Some(sp) = cut.rfind(' ').filter(|sp| *sp > MENU_ENTRY_CHARS / 2) {
+        cut.truncate(sp);
+    }
+    cut.push('…');
+    cut
+}
+
+/// Characters of an agent's description in the delegation menu.
+const MENU_ENTRY_CHARS: usize = 200;
+
 fn err(code: &str, message: impl std::fmt::Display) -> Call {
     Call::Done(Answer { text: format!("error[{code}]: {message}"), ok: false })
 }
 
-fn cut(text: &str, limit: usize) -> String {
-    crate::tools::truncate_output(text.to_owned(), limit)
+/// A child's final text as its parent sees it: whole when short; otherwise its head and the
+/// path of the whole text, which `read_file` pages through (never silently cut).
+async fn child_text(settings: &DelegationSettings, child: &RunRecord, text: &str) -> String {
+    if text.len() <= settings.result_limit {
+        return text.to_owned();
+    }
+    let mut head = settings.result_limit.min(text.len());
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    if let Some(nl) = text[..head].rfind('\n').filter(|nl| *nl + 1 >= head.saturating_sub(400) && *nl > 0) {
+        head = nl + 1;
+    }
+    let Some(root) = &settings.workspace else { return crate::tools::truncate_output(text.to_owned(), settings.result_limit) };
+    let workspace = crate::tools::owner_workspace(root, &child.owner);
+    let rel = format!(".results/{}/result.txt", child.id);
+    let tokens = text.len() / 4;
+    match crate::tools::offload(&workspace, rel, text.to_owned(), head, tokens, settings.result_limit / 4).await {
+        Ok(o) => o.notice,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not save a long child result; cutting it instead");
+            crate::tools::truncate_output(text.to_owned(), settings.result_limit)
+        }
+    }
 }
 
 /// The child thread a call names: `<parent_thread>_sub_<agent>_<8 hex>`.
@@ -188,14 +241,14 @@ pub fn child_thread(parent_thread: &ThreadId, parent_run: RunId, call_id: &str, 
 }
 
 /// A snapshot fit for a model's context: status, 3 progress lines, the (cut) result or error.
-pub async fn snapshot(store: &dyn RunLog, r: &RunRecord, limit: usize) -> Result<Value, StoreError> {
+pub async fn snapshot(store: &dyn RunLog, r: &RunRecord, settings: &DelegationSettings) -> Result<Value, StoreError> {
     let recent = store.events_after(r.id, r.event_seq.saturating_sub(12), 12).await?;
     let mut progress: Vec<String> = recent.iter().filter_map(progress_line).map(|l| l.trim().to_owned()).collect();
     let n = progress.len();
     progress.drain(..n.saturating_sub(3));
     let mut v = json!({"run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "status": r.status, "progress": progress});
     if let Some(res) = &r.result {
-        v["result"] = json!(cut(res, limit));
+        v["result"] = json!(child_text(settings, r, res).await);
     }
     if let Some(e) = &r.error {
         v["error"] = json!(format!("[{}] {}", e.kind.as_str(), e.message));
@@ -215,7 +268,7 @@ impl Ctx<'_> {
             "subagent_start" => self.start(&args, call_id).await,
             "subagent_status" => {
                 let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
-                Ok(Call::done(snapshot(self.store, &run, self.settings.result_limit).await?.to_string()))
+                Ok(Call::done(snapshot(self.store, &run, self.settings).await?.to_string()))
             }
             "subagent_events" => {
                 let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
@@ -278,20 +331,25 @@ impl Ctx<'_> {
             return Ok(Err(err("unknown_subagent", format!("`{subagent}` is not available; choose one of: {}", names.join(", ")))));
         }
         let thread = match args["thread_id"].as_str() {
-            Some(t) => match t.parse::<ThreadId>() {
+            // `task` hands back the short form (`sub_…`, within this parent's thread).
+            Some(t) => match (if t.starts_with("sub_") { format!("{}_{t}", self.parent.thread_id) } else { t.to_owned() }).parse::<ThreadId>() {
                 Ok(t) if t.as_str().starts_with(&format!("{}_sub_", self.parent.thread_id)) => t,
                 _ => return Ok(Err(err("no_such_thread", format!("there is no subagent thread {t} of yours")))),
             },
             None => child_thread(&self.parent.thread_id, self.parent.id, call_id, subagent),
         };
+        // With traces on, the child's spans continue this tool call's trace.
+        let metadata = crate::telemetry::traceparent(&tracing::Span::current()).map(|tp| serde_json::json!({ "traceparent": tp }));
         let req = StartRun {
             agent: Some(subagent.to_owned()),
             input: description.to_owned(),
+            metadata,
             thread_id: Some(thread),
             owner: Some(self.parent.owner.clone()),
             if_busy: IfBusy::Reject,
             idempotency_key: Some(format!("child:{}:{}", self.parent.id, call_id)),
             parent_run_id: Some(self.parent.id),
+            priority: Some(self.parent.priority),
             max_total_tokens: self.parent.limits.max_total_tokens,
             max_total_steps: self.parent.limits.max_total_steps,
             tree: TreePosition {
@@ -328,12 +386,17 @@ impl Ctx<'_> {
             Err(answer) => return Ok(answer),
         };
         if !child.status.is_terminal() {
-            return Ok(Call::Park(Wait { on: vec![child.id], wake_at: None }));
+            return Ok(Call::Park(Wait { on: vec![child.id], ..Default::default() }));
         }
-        let mut v = json!({"run_id": child.id, "thread_id": child.thread_id, "status": child.status});
+        // A success is its text and the thread to continue, nothing more: this result stays in
+        // the parent's context for the rest of its run.
+        let short = child.thread_id.as_str().strip_prefix(&format!("{}_", self.parent.thread_id)).unwrap_or(child.thread_id.as_str());
+        let mut v = json!({"thread_id": short});
         match child.status {
-            RunStatus::Succeeded => v["result"] = json!(cut(child.result.as_deref().unwrap_or(""), self.settings.result_limit)),
+            RunStatus::Succeeded => v["result"] = json!(child_text(self.settings, &child, child.result.as_deref().unwrap_or("")).await),
             _ => {
+                v["run_id"] = json!(child.id);
+                v["status"] = json!(child.status);
                 if let Some(e) = &child.error {
                     v["error"] = json!(format!("[{}] {}", e.kind.as_str(), e.message));
                 }
@@ -380,12 +443,37 @@ impl Ctx<'_> {
         if !ready && !timed_out {
             // Wait on the ones still going: the end of any of them replays this call.
             let on = runs.iter().filter(|r| !done(r)).map(|r| r.id).collect();
-            return Ok(Call::Park(Wait { on, wake_at: deadline }));
+            return Ok(Call::Park(Wait { on, wake_at: deadline, ..Default::default() }));
         }
         let mut snaps = vec![];
         for r in &runs {
-            snaps.push(snapshot(self.store, r, self.settings.result_limit).await?);
+            snaps.push(snapshot(self.store, r, self.settings).await?);
         }
         Ok(Call::done(json!({"runs": snaps, "wait_timed_out": !ready}).to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_menu_is_sent_once_and_each_entry_is_short() {
+        let mut agents = AgentRegistry::builtin();
+        let long = AgentDef {
+            name: "researcher".into(),
+            description: "Finds things. ".repeat(60),
+            ..AgentDef::general_purpose()
+        };
+        agents.insert(long.clone());
+        let specs = specs(&AgentDef::general_purpose(), &agents);
+        let task = &specs.iter().find(|s| s.function.name == "task").unwrap().function.description;
+        let start = &specs.iter().find(|s| s.function.name == "subagent_start").unwrap().function.description;
+        assert!(task.contains("\n- researcher: Finds things."), "{task}");
+        assert!(!start.contains("researcher"), "{start}");
+        let entry = task.lines().find(|l| l.starts_with("- researcher")).unwrap();
+        assert!(entry.chars().count() <= "- researcher: ".len() + 201, "{entry}");
+        assert!(entry.ends_with('…'));
+        assert_eq!(menu_entry("short\n  and   spaced"), "short and spaced");
     }
 }

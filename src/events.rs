@@ -33,6 +33,12 @@ pub fn progress_line(e: &EventRecord) -> Option<String> {
         "run.succeeded" => format!("succeeded{}", if d["forced"] == true { " (answer forced by a limit)" } else { "" }),
         "run.failed" => format!("failed [{}]: {}", d["error"]["kind"].as_str().unwrap_or("?"), d["error"]["message"].as_str().unwrap_or("")),
         "run.cancelled" => "cancelled".to_owned(),
+        "run.waiting" if d["waiting_on"] == "approval" => "waiting for approval".to_owned(),
+        "approval.requested" => format!("  {} needs approval ({}): {}", d["tool"].as_str().unwrap_or("?"), d["approval_id"].as_str().unwrap_or("?"), d["reason"].as_str().unwrap_or("")),
+        "approval.resolved" => format!("  approval {} {}", d["approval_id"].as_str().unwrap_or("?"), d["decision"].as_str().unwrap_or("?")),
+        "tool.denied" => format!("  {} denied: {}", d["tool"].as_str().unwrap_or("?"), d["reason"].as_str().unwrap_or("")),
+        "hook.blocked" => format!("  {} blocked by a hook: {}", d["tool"].as_str().unwrap_or("?"), d["reason"].as_str().unwrap_or("")),
+        "context.compacted" => format!("context compacted: {} -> {} tokens", d["tokens_before"], d["tokens_after"]),
         _ => return None,
     })
 }

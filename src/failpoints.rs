@@ -13,6 +13,8 @@
 //! | `before_park_commit` | a run decided to park; the park is not yet committed |
 //! | `after_park_commit` | the park is committed; nothing else done yet |
 //! | `after_terminal_commit` | a run's terminal state is committed; the thread's next run and its waiters are not yet pushed |
+//! | `before_compaction_commit` | a compaction's summary arrived; it is not yet committed |
+//! | `after_compaction_commit` | the compaction is committed; the context is not yet rebuilt |
 //!
 //! Actions: `sleep(MS)` pauses the task there; `wait(PATH)` pauses it until the file `PATH`
 //! exists (at most a minute), so a test can hold a run at a point until the world is as it

@@ -20,6 +20,15 @@ impl RunId {
     }
 }
 
+impl RunId {
+    /// The smallest id a run created at `at` can have: ids are time-ordered, so a time range
+    /// of runs is an id range (and uses the primary key).
+    pub fn lower_bound(at: chrono::DateTime<chrono::Utc>) -> Self {
+        let ms = at.timestamp_millis().max(0) as u64;
+        Self(uuid::Builder::from_unix_timestamp_millis(ms, &[0u8; 10]).into_uuid())
+    }
+}
+
 impl Default for RunId {
     fn default() -> Self {
         Self::new()

@@ -1,29 +1,72 @@
 //! In-process wake-ups: "something about run X changed". Waiters (`wait` endpoints, SSE streams,
-//! a run's heartbeat watching for cancel) sleep on a per-run [`Notify`] instead of polling; the
+//! a run's heartbeat watching for cancel) sleep on a per-run [`Signal`] instead of polling; the
 //! store fires it after every commit that touches the run. Writers in other processes are not
 //! heard here, so waiters keep a slow fallback re-check (cross-process notifications over Redis
 //! or LISTEN/NOTIFY are the scale-out backends' job).
+//!
+//! Each signal also carries a generation that moves on before every wake-up, so a thousand
+//! waiters woken by one commit can share one read made after it ([`SharedReads`]) instead of
+//! sending a thousand identical reads to the database.
 
 use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OnceCell};
 
 use crate::ids::RunId;
 
 /// The key under which "any run changed" waiters wait.
 const ANY: RunId = RunId(uuid::Uuid::nil());
 
+/// Generations of every signal come from one counter, so a run's generation only grows, even
+/// when its signal is dropped (nobody waiting) and made again later.
+static GENERATIONS: AtomicU64 = AtomicU64::new(1);
+
+/// One run's wake-up: a [`Notify`] (it derefs to one) and the generation of the last change
+/// announced through it.
+#[derive(Debug)]
+pub struct Signal {
+    notify: Notify,
+    generation: AtomicU64,
+}
+
+impl Signal {
+    fn new() -> Self {
+        Signal { notify: Notify::new(), generation: AtomicU64::new(GENERATIONS.load(Ordering::SeqCst)) }
+    }
+
+    /// The generation now. A read started after this was taken sees every change announced up
+    /// to it (a change moves the generation on only after it committed).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    fn fire(&self) {
+        self.generation.store(GENERATIONS.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+}
+
+impl std::ops::Deref for Signal {
+    type Target = Notify;
+    fn deref(&self) -> &Notify {
+        &self.notify
+    }
+}
+
 /// Per-run wake-up registry.
 #[derive(Debug, Default)]
 pub struct Notifier {
-    runs: Mutex<HashMap<RunId, Weak<Notify>>>,
+    runs: Mutex<HashMap<RunId, Weak<Signal>>>,
 }
 
 impl Notifier {
-    /// The run's `Notify`; keep the `Arc` while waiting. Create the `notified()` future (and
+    /// The run's signal; keep the `Arc` while waiting. Create the `notified()` future (and
     /// `enable()` it) *before* reading the state it guards, so no wake-up falls in between.
-    pub fn subscribe(&self, run: RunId) -> Arc<Notify> {
+    pub fn subscribe(&self, run: RunId) -> Arc<Signal> {
         let mut map = self.runs.lock().unwrap();
         if let Some(n) = map.get(&run).and_then(Weak::upgrade) {
             return n;
@@ -31,7 +74,7 @@ impl Notifier {
         if map.len() >= 1024 {
             map.retain(|_, w| w.strong_count() > 0);
         }
-        let n = Arc::new(Notify::new());
+        let n = Arc::new(Signal::new());
         map.insert(run, Arc::downgrade(&n));
         n
     }
@@ -43,15 +86,129 @@ impl Notifier {
             (map.get(&run).and_then(Weak::upgrade), map.get(&ANY).and_then(Weak::upgrade))
         };
         if let Some(n) = n {
-            n.notify_waiters();
+            n.fire();
         }
         if let Some(all) = all {
-            all.notify_waiters();
+            all.fire();
         }
     }
 
     /// Wakes on a change to any run (the relay uses it to publish promptly).
-    pub fn subscribe_all(&self) -> Arc<Notify> {
+    pub fn subscribe_all(&self) -> Arc<Signal> {
         self.subscribe(ANY)
+    }
+}
+
+/// What a caller of [`SharedReads::read`] needs of a read to share it.
+#[derive(Clone, Copy, Debug)]
+pub struct Fresh {
+    /// The read must have started at or after this generation of the run's signal (a caller
+    /// woken by a commit passes the generation it saw on waking).
+    pub generation: u64,
+    /// And at or after this instant (a caller with no wake-up to go by, such as a timed
+    /// re-check for writers in other processes, passes when it decided to look again).
+    pub not_before: Option<Instant>,
+}
+
+struct Slot<V> {
+    generation: u64,
+    started: Instant,
+    cell: Arc<OnceCell<V>>,
+}
+
+/// Single-flight reads: callers that need the same thing, fresh enough, share one read and its
+/// result. This is what lets a run's end reach a thousand open waits and streams with a
+/// handful of database reads instead of a thousand. A failed read is not shared: each caller
+/// then tries on its own.
+pub struct SharedReads<K, V> {
+    slots: Mutex<HashMap<K, Slot<V>>>,
+}
+
+impl<K, V> Default for SharedReads<K, V> {
+    fn default() -> Self {
+        SharedReads { slots: Mutex::new(HashMap::new()) }
+    }
+}
+
+/// Completed reads kept for later callers, at most; beyond it the oldest half goes.
+const KEEP: usize = 4096;
+
+impl<K: Eq + Hash + Clone, V: Clone> SharedReads<K, V> {
+    /// The value of `key`, from a read that satisfies `fresh` (joining one in flight or done),
+    /// or from a new read by `f`. Also returns when the read that answered started.
+    pub async fn read<F, Fut, E>(&self, key: K, fresh: Fresh, f: F) -> Result<(V, Instant), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<V, E>>,
+    {
+        let (cell, started) = {
+            let mut slots = self.slots.lock().unwrap();
+            match slots.get(&key) {
+                Some(s) if s.generation >= fresh.generation && fresh.not_before.is_none_or(|nb| s.started >= nb) => (s.cell.clone(), s.started),
+                _ => {
+                    if slots.len() >= KEEP {
+                        let mut ages: Vec<Instant> = slots.values().map(|s| s.started).collect();
+                        ages.sort();
+                        let cut = ages[ages.len() / 2];
+                        slots.retain(|_, s| s.started > cut);
+                    }
+                    let slot = Slot { generation: fresh.generation, started: Instant::now(), cell: Arc::new(OnceCell::new()) };
+                    let out = (slot.cell.clone(), slot.started);
+                    slots.insert(key, slot);
+                    out
+                }
+            }
+        };
+        let v = cell.get_or_try_init(f).await?;
+        Ok((v.clone(), started))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[tokio::test]
+    async fn callers_of_one_generation_share_a_read_and_a_newer_one_reads_again() {
+        let reads: SharedReads<u32, u32> = SharedReads::default();
+        let n = Notifier::default();
+        let run = RunId(uuid::Uuid::now_v7());
+        let sig = n.subscribe(run);
+        let count = AtomicUsize::new(0);
+        let read = || async {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::task::yield_now().await;
+            Ok::<_, ()>(7)
+        };
+        let g = sig.generation();
+        let fresh = Fresh { generation: g, not_before: None };
+        let all = futures::future::join_all((0..100).map(|_| reads.read(1, fresh, read))).await;
+        assert!(all.iter().all(|r| r.as_ref().unwrap().0 == 7));
+        assert_eq!(count.load(Ordering::SeqCst), 1, "a hundred callers, one read");
+        // A commit moves the generation on: the next caller does not get the old read.
+        n.notify(run);
+        assert!(sig.generation() > g);
+        reads.read(1, Fresh { generation: sig.generation(), not_before: None }, read).await.unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 2);
+        // Nor does a caller that needs a read started after now.
+        reads.read(1, Fresh { generation: 0, not_before: Some(Instant::now()) }, read).await.unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 3);
+        // A failed read is not shared.
+        let failing = || async { Err::<u32, &str>("down") };
+        let g = sig.generation() + 1_000_000;
+        assert!(reads.read(2, Fresh { generation: g, not_before: None }, failing).await.is_err());
+        assert_eq!(reads.read(2, Fresh { generation: g, not_before: None }, || async { Ok::<_, &str>(9) }).await.unwrap().0, 9);
+    }
+
+    #[test]
+    fn a_signal_made_again_keeps_a_later_generation() {
+        let n = Notifier::default();
+        let run = RunId(uuid::Uuid::now_v7());
+        let first = n.subscribe(run);
+        n.notify(run);
+        let g = first.generation();
+        drop(first);
+        assert!(n.subscribe(run).generation() >= g);
     }
 }

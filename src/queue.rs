@@ -70,7 +70,7 @@ pub fn new_job_id() -> String {
 impl Queue {
     /// A queue on the given SQLite pool (the store's), with apalis's worker heartbeat.
     pub fn sqlite(pool: &SqlitePool, heartbeat: Duration) -> Self {
-        let storage = Storage::Sqlite(SqliteStorage::new(pool).with_config(Self::sqlite_config(heartbeat)));
+        let storage = Storage::Sqlite(SqliteStorage::new(pool).with_config(Self::sqlite_config(heartbeat, 4)));
         Self { storage, heartbeat }
     }
 
@@ -80,8 +80,11 @@ impl Queue {
         Self { storage, heartbeat }
     }
 
-    pub(crate) fn sqlite_config(heartbeat: Duration) -> SqliteQueueConfig {
-        SqliteQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(4)
+    /// `concurrency`: runs the worker executes at once. It fetches no more jobs than that (at
+    /// most 4): a fetched batch runs in whatever order the database returns it, so a worker
+    /// that can run one job at a time must fetch one at a time for ranks and priorities to hold.
+    pub(crate) fn sqlite_config(heartbeat: Duration, concurrency: usize) -> SqliteQueueConfig {
+        SqliteQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(concurrency.clamp(1, 4))
     }
 
     /// `batch`: jobs fetched per query. As many as the worker can run at once: fewer costs
@@ -92,9 +95,21 @@ impl Queue {
     }
 
     /// Pushes the job for `run` under `job_id` (already recorded on the run).
-    pub async fn push(&self, run: RunId, job_id: &str) -> Result<(), QueueError> {
+    ///
+    /// `rank` is the run's place among its owner's queued runs (0 = next) and `priority` its
+    /// priority (1–5): jobs are fetched by rank first, so owners with work queued take turns
+    /// however long one owner's queue is (the k-th run of every owner before the (k+1)-th of
+    /// any); the priority breaks ties within a rank. `delay` holds the job back.
+    pub async fn push(&self, run: RunId, job_id: &str, (rank, priority): (u32, u8), delay: std::time::Duration) -> Result<(), QueueError> {
         let id: ulid::Ulid = job_id.parse().map_err(|e| QueueError::Push { run, message: format!("bad job id: {e}") })?;
-        let task = TaskBuilder::new(RunJob { run_id: run }).task_id(TaskId::from_string(id.to_string())).max_attempts(JOB_MAX_ATTEMPTS).build();
+        let mut task = TaskBuilder::new(RunJob { run_id: run })
+            .task_id(TaskId::from_string(id.to_string()))
+            .max_attempts(JOB_MAX_ATTEMPTS)
+            .priority(job_priority(rank, priority));
+        if !delay.is_zero() {
+            task = task.run_after(delay);
+        }
+        let task = task.build();
         match self.storage.clone() {
             Storage::Sqlite(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() }),
             Storage::Postgres(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() }),
@@ -102,3 +117,25 @@ impl Queue {
     }
 }
 
+/// Job priorities start here and go down with the rank (apalis fetches the highest first;
+/// PostgreSQL keeps it in an `int4`).
+const TOP_PRIORITY: u64 = 1_000_000_000;
+/// Ranks beyond this share the lowest priority.
+const MAX_RANK: u64 = 100_000_000;
+
+/// A job's priority: its run's rank in its owner's queue, then the run's own priority (1–5).
+pub fn job_priority(rank: u32, priority: u8) -> usize {
+    (TOP_PRIORITY - u64::from(rank).min(MAX_RANK) * 8 + u64::from(priority.min(7))) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::job_priority;
+
+    #[test]
+    fn rank_comes_first_and_priority_breaks_ties() {
+        assert!(job_priority(0, 1) > job_priority(1, 5), "rank dominates");
+        assert!(job_priority(0, 5) > job_priority(0, 3), "then the priority");
+        assert!(job_priority(u32::MAX, 5) > 0 && job_priority(0, 5) <= i32::MAX as usize, "fits PostgreSQL's int4");
+    }
+}

@@ -11,9 +11,12 @@ use serde_json::Value;
 use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
 use crate::ids::{RunId, ThreadId};
 use crate::queue::{Queue, QueueError, new_job_id};
-use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, RunLog, StoreError, TreePosition};
+use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, RunLog, RunRecord, RunStatus, StoreError, TreePosition};
 
 pub use crate::agents::MAX_TIMEOUT_SECS;
+
+/// A run's priority when the start names none.
+pub const DEFAULT_PRIORITY: u8 = 3;
 
 /// Owner of runs started without authentication (the CLI, the embedded default).
 pub const LOCAL_OWNER: &str = "local";
@@ -37,6 +40,8 @@ pub struct StartRun {
     pub max_total_tokens: Option<u64>,
     /// Step budget for the run and its descendants.
     pub max_total_steps: Option<u64>,
+    /// Percent of the context window at which the run compacts (10..=95).
+    pub compact_at: Option<u8>,
     /// Caller data kept with the run.
     pub metadata: Option<Value>,
     /// Busy thread: refuse (default) or queue behind the active run.
@@ -47,6 +52,10 @@ pub struct StartRun {
     pub parent_run_id: Option<RunId>,
     /// Place in the delegation tree (children only).
     pub tree: TreePosition,
+    /// The failed or cancelled run this one retries ([`retry`]).
+    pub retry_of: Option<RunId>,
+    /// 1 (lowest) to 5; 3 when absent.
+    pub priority: Option<u8>,
 }
 
 /// Why a run could not be started. Each has a stable code for APIs and scripts.
@@ -74,6 +83,9 @@ pub enum StartError {
     /// A limit override out of range.
     #[error("{0}")]
     BadLimit(String),
+    /// A retry of a run that cannot be retried (still going, succeeded, or a child).
+    #[error("{0}")]
+    NotRetryable(String),
     /// Storage refused or failed (busy thread included).
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -87,6 +99,7 @@ impl StartError {
             StartError::EmptyInput => "empty_input",
             StartError::InputTooLarge { .. } => "input_too_large",
             StartError::BadLimit(_) => "bad_limit",
+            StartError::NotRetryable(_) => "not_retryable",
             StartError::Store(StoreError::Busy { .. }) => "thread_busy",
             StartError::Store(StoreError::ThreadOwnedElsewhere(_)) => "thread_not_found",
             StartError::Store(_) => "storage_unavailable",
@@ -120,10 +133,19 @@ pub async fn start_run(
     if !(1..=MAX_TIMEOUT_SECS).contains(&timeout_secs) {
         return Err(StartError::BadLimit(format!("timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)")));
     }
+    if let Some(p) = req.compact_at
+        && !(10..=95).contains(&p)
+    {
+        return Err(StartError::BadLimit(format!("compact_at {p}% is out of range 10..=95 (percent of the context window)")));
+    }
     if let Some(k) = &req.idempotency_key {
         if k.is_empty() || k.len() > 200 {
             return Err(StartError::BadLimit("idempotency_key must be 1 to 200 characters".into()));
         }
+    }
+    let priority = req.priority.unwrap_or(DEFAULT_PRIORITY);
+    if !(1..=5).contains(&priority) {
+        return Err(StartError::BadLimit(format!("priority {priority} is out of range 1..=5 (5 runs first)")));
     }
     let job_id = new_job_id();
     let created = store
@@ -134,16 +156,19 @@ pub async fn start_run(
             agent: agent_name,
             input: req.input,
             metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
-            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens, max_total_steps: req.max_total_steps },
+            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens, max_total_steps: req.max_total_steps, compact_at: req.compact_at },
             parent_run_id: req.parent_run_id,
             tree: req.tree,
             job_id: job_id.clone(),
             if_busy: req.if_busy,
             idempotency_key: req.idempotency_key,
+            retry_of: req.retry_of,
+            priority,
         })
         .await?;
     if !created.existing {
-        if let Err(e) = queue.push(created.run.id, &job_id).await {
+        let rank = store.queue_rank(created.run.id).await.unwrap_or((0, priority));
+        if let Err(e) = queue.push(created.run.id, &job_id, rank, std::time::Duration::ZERO).await {
             let QueueError::Push { message, .. } = &e;
             tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
         }
@@ -151,6 +176,58 @@ pub async fn start_run(
     Ok(created)
 }
 
+/// Retries a failed or cancelled root run: a new run on the same thread with the same agent,
+/// input, limits and metadata, linked by `retry_of`, queued behind whatever the thread runs now.
+/// Idempotent per original (its key is `retry:<id>`): a double click or a repeated bulk retry
+/// returns the first retry; to try once more, retry the retry.
+pub async fn retry(
+    store: &dyn RunLog,
+    queue: &Queue,
+    agents: &AgentRegistry,
+    max_input_bytes: usize,
+    original: &RunRecord,
+) -> Result<Created, StartError> {
+    if !matches!(original.status, RunStatus::Failed | RunStatus::Cancelled) {
+        return Err(StartError::NotRetryable(format!(
+            "run {} is {}; only a failed or cancelled run can be retried",
+            original.id,
+            original.status.as_str()
+        )));
+    }
+    if original.parent_run_id.is_some() {
+        return Err(StartError::NotRetryable(format!(
+            "run {} is a sub-agent run; retry its root run {} (its parent decides what its children do)",
+            original.id,
+            original.tree.root_run_id.or(original.parent_run_id).map(|r| r.to_string()).unwrap_or_default()
+        )));
+    }
+    let l = &original.limits;
+    start_run(
+        store,
+        queue,
+        agents,
+        max_input_bytes,
+        StartRun {
+            agent: Some(original.agent.clone()),
+            input: original.input.clone(),
+            thread_id: Some(original.thread_id.clone()),
+            owner: Some(original.owner.clone()),
+            max_steps: Some(l.max_steps),
+            timeout_secs: Some(l.timeout_secs),
+            max_total_tokens: l.max_total_tokens,
+            max_total_steps: l.max_total_steps,
+            compact_at: l.compact_at,
+            metadata: Some(original.metadata.clone()),
+            if_busy: IfBusy::Enqueue,
+            idempotency_key: Some(format!("retry:{}", original.id)),
+            parent_run_id: None,
+            tree: TreePosition::default(),
+            retry_of: Some(original.id),
+            priority: Some(original.priority),
+        },
+    )
+    .await
+}
 
 /// Cancels a run and, below it, every attached (non-detached) descendant still going; a run
 /// that ends here (queued or parked) frees its thread and wakes its waiters at once. The
@@ -215,12 +292,30 @@ pub async fn after_end_of(store: &dyn RunLog, queue: &Queue, run: RunId) -> Resu
     after_end(store, queue, &Ended { run_id: r.id, thread_id: r.thread_id, is_child: r.parent_run_id.is_some() }).await
 }
 
+/// Answers an approval and, when its run is parked on it, pushes the run's job (a run still on
+/// its way to the park finds the answer there and is due at once).
+pub async fn answer_approval(store: &dyn crate::store::Store, queue: &Queue, id: &str, owner: &str, answer: crate::store::ApprovalAnswer) -> Result<crate::store::Answered, StoreError> {
+    let outcome = store.answer_approval(id, owner, answer).await?;
+    if let crate::store::Answered::Done { run_id } = &outcome {
+        if store.get_run(*run_id).await?.is_some_and(|r| r.status == crate::store::RunStatus::Waiting) {
+            push(store, queue, *run_id).await?;
+        }
+    }
+    Ok(outcome)
+}
+
 /// Pushes a fresh job for a run that can go on now (a due parked run, a queued run whose thread
 /// just became free, a released run). A failed push is logged: the reaper repairs it.
 pub async fn push(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+    push_after(store, queue, run, std::time::Duration::ZERO).await
+}
+
+/// [`push`], the job due after `delay` (a run its owner's concurrency limit held back).
+pub async fn push_after(store: &dyn RunLog, queue: &Queue, run: RunId, delay: std::time::Duration) -> Result<(), StoreError> {
     let job = new_job_id();
     store.set_job(run, &job).await?;
-    if let Err(e) = queue.push(run, &job).await {
+    let rank = store.queue_rank(run).await?;
+    if let Err(e) = queue.push(run, &job, rank, delay).await {
         tracing::warn!(run_id = %run, error = %e, "could not push the run's job; the reaper will");
     }
     Ok(())

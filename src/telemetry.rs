@@ -1,17 +1,97 @@
-//! Logging: `tracing` to stderr, filtered by `RUST_LOG` (default per command), as text or, with
-//! `SUBAGENTS_LOG_FORMAT=json`, as JSON lines for log shippers.
+//! Logging and traces. Logs: `tracing` to stderr, filtered by `RUST_LOG` (default per
+//! command), as text or, with `SUBAGENTS_LOG_FORMAT=json`, as JSON lines for log shippers.
+//! Traces: with `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) set,
+//! the run, step, model-call and tool-call spans go to that OTLP/HTTP endpoint
+//! (`OTEL_EXPORTER_OTLP_PROTOCOL` = `http/protobuf`, the default, or `http/json`), named and
+//! attributed per the OpenTelemetry GenAI conventions. Off when unset: no exporter, no cost.
 
-use tracing_subscriber::EnvFilter;
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::filter::{LevelFilter, Targets};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
+
+static TRACES: OnceLock<SdkTracerProvider> = OnceLock::new();
+
+type BoxedLayer = Box<dyn Layer<Registry> + Send + Sync>;
 
 /// Installs the global subscriber. `default` applies when `RUST_LOG` is unset.
 pub fn init(default: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let json = std::env::var("SUBAGENTS_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
-    let _ = if json { builder.json().try_init() } else { builder.try_init() };
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false);
+    let logs: BoxedLayer = if json { fmt.json().with_filter(filter).boxed() } else { fmt.with_filter(filter).boxed() };
+    let mut layers = vec![logs];
+    match otlp_layer() {
+        Ok(Some(l)) => layers.push(l),
+        Ok(None) => {}
+        Err(e) => eprintln!("OTLP traces are off: {e}"),
+    }
+    let _ = tracing_subscriber::registry().with(layers).try_init();
 }
 
-use std::sync::OnceLock;
+/// The OTLP layer, when an endpoint is configured: only this program's spans (not the HTTP
+/// client's or the database driver's), batched and sent by the SDK's own thread.
+fn otlp_layer() -> Result<Option<BoxedLayer>, String> {
+    let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.trim().is_empty());
+    if !set("OTEL_EXPORTER_OTLP_ENDPOINT") && !set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
+        return Ok(None);
+    }
+    let exporter = opentelemetry_otlp::SpanExporter::builder().with_http().build().map_err(|e| e.to_string())?;
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    if !set("OTEL_SERVICE_NAME") {
+        resource = resource.with_service_name("subagents");
+    }
+    let provider = SdkTracerProvider::builder().with_resource(resource.build()).with_batch_exporter(exporter).build();
+    let tracer = provider.tracer("subagents");
+    let _ = TRACES.set(provider);
+    let only_ours = Targets::new().with_target("subagents", LevelFilter::INFO);
+    let layer = tracing_opentelemetry::layer().with_tracer(tracer).with_tracked_inactivity(false).with_location(false).with_threads(false);
+    Ok(Some(layer.with_filter(only_ours).boxed()))
+}
+
+/// Sends the spans still buffered (call before the process exits).
+pub fn shutdown() {
+    if let Some(p) = TRACES.get() {
+        let _ = p.force_flush();
+        let _ = p.shutdown();
+    }
+}
+
+/// The W3C `traceparent` of `span`, when traces are on: what a child run carries so its spans
+/// join its parent's trace, even in another process and hours later.
+pub fn traceparent(span: &tracing::Span) -> Option<String> {
+    TRACES.get()?;
+    let cx = span.context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+    carrier.remove("traceparent")
+}
+
+/// Makes `span` a child of the span `traceparent` names (a parent run's tool call, or a
+/// caller's own trace passed in a run's metadata). A malformed value is ignored.
+pub fn adopt(span: &tracing::Span, traceparent: &str) {
+    if TRACES.get().is_none() {
+        return;
+    }
+    let carrier = HashMap::from([("traceparent".to_owned(), traceparent.to_owned())]);
+    let cx = TraceContextPropagator::new().extract(&carrier);
+    if cx.span().span_context().is_valid() {
+        let _ = span.set_parent(cx);
+    }
+}
+
+
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 

@@ -19,7 +19,6 @@ use apalis_postgres::PostgresStorage;
 use apalis_sqlite::SqliteStorage;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::Instrument;
 
 use crate::engine::{Engine, Executed};
 use crate::queue::{QUEUE_NAME, Queue, RunJob, Storage};
@@ -39,35 +38,70 @@ pub struct WorkerContext {
     pub in_flight: TaskTracker,
 }
 
+/// How long a run held back by a concurrency limit waits before it is looked at again
+/// (apalis schedules in whole seconds).
+const LIMIT_RETRY: Duration = Duration::from_secs(1);
+
 async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDynError> {
     let ctx: Arc<WorkerContext> = (*ctx).clone();
     let run_id = job.run_id;
     // Spawned so runs use every core (apalis polls one worker's jobs in one task), and tracked
-    // so a shutdown waits for the drain even if apalis stops waiting for us.
+    // so a shutdown waits for the drain even if apalis stops waiting for us. The task is
+    // tracked before it looks at the shutdown token: either the drain's wait sees it, or the
+    // task sees the shutdown and starts nothing.
     let tracker = ctx.in_flight.clone();
+    let ctx_shutdown = ctx.shutdown.clone();
     let task = tracker.spawn(
         async move {
-            let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
             let store = ctx.engine.store.as_ref();
+            // A draining worker starts nothing new: apalis may still hand it a job it fetched
+            // (even the job of a run this worker just released), and claiming it would take
+            // the run back from the queue. The run gets a fresh job instead, for a worker that
+            // is not stopping.
+            if ctx.shutdown.is_cancelled() {
+                tracing::info!(%run_id, "draining: not starting this run; handing it back to the queue");
+                if store.get_run(run_id).await?.is_some_and(|r| r.status == crate::store::RunStatus::Queued) {
+                    crate::runs::push(store, &ctx.queue, run_id).await?;
+                }
+                return Ok(Executed::Skipped);
+            }
+            let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
             match &executed {
                 Executed::Finished(ended) => {
                     ctx.engine.settings.failpoints.hit("after_terminal_commit").await;
                     if let Err(e) = crate::runs::after_end(store, &ctx.queue, ended).await {
-                        tracing::warn!(error = %e, "could not start the thread's next run or wake its waiters; the reaper will");
+                        tracing::warn!(%run_id, error = %e, "could not start the thread's next run or wake its waiters; the reaper will");
                     }
                 }
-                Executed::Parked { due: true } => crate::runs::push(store, &ctx.queue, run_id).await?,
+                Executed::Parked { due: true, .. } => crate::runs::push(store, &ctx.queue, run_id).await?,
+                // A timed park (a rate limit, a wait's timeout, the run's deadline): a job due
+                // then, so it wakes on time; whatever wakes it earlier pushes its own, and the
+                // late one finds nothing to claim.
+                Executed::Parked { due: false, wake_at: Some(at) } => {
+                    let delay = Duration::from_millis(at.saturating_sub(crate::store::now_ms()).max(0) as u64);
+                    crate::runs::push_after(store, &ctx.queue, run_id, delay).await?
+                }
+                // Held back by a concurrency limit: looked at again shortly, by rank as ever.
+                Executed::Deferred => crate::runs::push_after(store, &ctx.queue, run_id, LIMIT_RETRY).await?,
                 // A released run's job was pushed with the release.
-                Executed::Released | Executed::Parked { due: false } | Executed::Skipped | Executed::LeaseLost => {}
+                Executed::Released | Executed::Parked { due: false, wake_at: None } | Executed::Skipped | Executed::LeaseLost => {}
             }
             Ok::<_, crate::store::StoreError>(executed)
         }
-        .instrument(tracing::info_span!("job", %run_id)),
     );
-    match task.await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(Box::new(e)),
-        Err(join) => Err(Box::new(join)),
+    // On shutdown apalis stops polling its backend (possibly between a statement of one of its
+    // own SQLite transactions and the commit, the write lock held) and waits for the handlers
+    // before it finishes that transaction. A handler that waited here for its run to drain would
+    // wait on that lock (seen: the drain's commits stuck for the 30 s busy timeout). So on
+    // shutdown the handler returns at once; the run drains on in `in_flight`, which
+    // `run_workers` waits for, and its lease (not the job) says who owns it.
+    tokio::select! {
+        r = task => match r {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(Box::new(e)),
+            Err(join) => Err(Box::new(join)),
+        },
+        _ = ctx_shutdown.cancelled() => Ok(()),
     }
 }
 
@@ -89,6 +123,10 @@ pub struct WorkerSettings {
 /// Runs a worker (restarted on failure) and the reaper until `shutdown`, then drains: the runs
 /// in flight finish their current step (within `drain_grace`) and go back to the queue.
 pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutdown: CancellationToken) {
+    // The tokenizers load once per process (tens of ms, more in debug builds): before the first
+    // claim, off the async threads, so no run's heartbeat waits on it.
+    let model = engine.settings.default_model.clone();
+    let _ = tokio::task::spawn_blocking(move || crate::model::tokens::Counter::warm(&model)).await;
     let reaper = tokio::spawn(reap(engine.clone(), queue.clone(), settings.clone(), shutdown.clone()));
     let in_flight = TaskTracker::new();
     let mut restarts = 0u32;
@@ -122,7 +160,7 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
         let res = match &queue.storage {
             // SQLite has no notifications: an idle worker polls.
             Storage::Sqlite(s) => run_worker!(SqliteStorage::<RunJob>::new(s.pool())
-                .with_config(Queue::sqlite_config(queue.heartbeat))
+                .with_config(Queue::sqlite_config(queue.heartbeat, settings.concurrency))
                 .poll_with_interval(settings.poll_interval)),
             // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
             // notification that was missed (seen: a job waiting for the 5 s heartbeat).
@@ -171,6 +209,8 @@ async fn reap(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutd
             _ = tokio::time::sleep(settings.reap_every) => {}
             _ = shutdown.cancelled() => return,
         }
+        // Limits another process set count for this one's claims from now on.
+        let _ = store.refresh_limits().await;
         match store.expire_leases(engine.settings.max_attempts).await {
             Ok(expired) => {
                 for e in expired {

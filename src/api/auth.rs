@@ -18,6 +18,12 @@ use crate::app::LOCAL_OWNER;
 #[derive(Clone, Debug, Default)]
 pub struct Keys {
     by_hash: HashMap<[u8; 32], String>,
+    /// Owners' own concurrency limits from the keys file (`concurrency=N`).
+    limits: std::collections::BTreeMap<String, u32>,
+    /// Owners' own model budgets from the keys file (`rpm=N`, `tpm=N`).
+    budgets: std::collections::BTreeMap<String, crate::store::OwnerBudget>,
+    /// Owners marked `admin` in the keys file: operators who may look at every owner's runs.
+    admins: std::collections::BTreeSet<String>,
 }
 
 fn hash(key: &str) -> [u8; 32] {
@@ -42,7 +48,24 @@ impl Keys {
         Ok(())
     }
 
-    /// Adds entries from a keys file: one `owner sha256-hex-of-key` per line, `#` comments.
+    /// The owners' concurrency limits the keys file sets, as `owner:<name>` limit keys.
+    pub fn owner_limits(&self) -> Vec<(String, u32)> {
+        self.limits.iter().map(|(o, n)| (format!("owner:{o}"), *n)).collect()
+    }
+
+    /// Whether `owner` is an operator (`admin` on its line of the keys file): it may list and
+    /// open every owner's runs and threads; approvals stay their owner's.
+    pub fn is_admin(&self, owner: &str) -> bool {
+        self.admins.contains(owner)
+    }
+
+    /// The owners' model budgets the keys file sets.
+    pub fn owner_budgets(&self) -> Vec<(String, crate::store::OwnerBudget)> {
+        self.budgets.iter().map(|(o, b)| (o.clone(), *b)).collect()
+    }
+
+    /// Adds entries from a keys file: one `owner sha256-hex-of-key [concurrency=N] [rpm=N]
+    /// [tpm=N] [admin]` per line, `#` comments.
     pub fn add_file(&mut self, path: &Path) -> Result<(), String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read keys file {}: {e}", path.display()))?;
         for (i, line) in text.lines().enumerate() {
@@ -50,9 +73,32 @@ impl Keys {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let bad = || format!("{}:{}: expected `owner <sha256 hex of the key>`", path.display(), i + 1);
-            let (owner, hex) = line.split_once(char::is_whitespace).ok_or_else(bad)?;
-            let hex = hex.trim();
+            let bad = || format!("{}:{}: expected `owner <sha256 hex of the key> [concurrency=N] [rpm=N] [tpm=N] [admin]`", path.display(), i + 1);
+            let mut words = line.split_whitespace();
+            let (Some(owner), Some(hex)) = (words.next(), words.next()) else { return Err(bad()) };
+            for extra in words {
+                let (name, value) = extra.split_once('=').unwrap_or((extra, ""));
+                let refuse = |range: &str| Err(format!("{}:{}: `{extra}` is not `{name}=N` (N from {range})", path.display(), i + 1));
+                match name {
+                    "admin" if value.is_empty() => {
+                        self.admins.insert(owner.to_owned());
+                    }
+                    "concurrency" => match value.parse::<u32>().ok().filter(|n| (1..=100_000).contains(n)) {
+                        Some(n) => {
+                            self.limits.insert(owner.to_owned(), n);
+                        }
+                        None => return refuse("1 to 100000"),
+                    },
+                    "rpm" | "tpm" => match value.parse::<u64>().ok().filter(|n| *n > 0) {
+                        Some(n) => {
+                            let b = self.budgets.entry(owner.to_owned()).or_default();
+                            if name == "rpm" { b.rpm = Some(n) } else { b.tpm = Some(n) }
+                        }
+                        None => return refuse("1 up"),
+                    },
+                    _ => return Err(format!("{}:{}: `{extra}` is not one of concurrency=N, rpm=N, tpm=N, admin", path.display(), i + 1)),
+                }
+            }
             if hex.len() != 64 {
                 return Err(bad());
             }
@@ -90,5 +136,34 @@ impl FromRequestParts<ApiState> for Owner {
         let value = header.to_str().map_err(|_| unauthorized("the Authorization header is not text"))?;
         let key = value.strip_prefix("Bearer ").ok_or_else(|| unauthorized("use the Bearer scheme: Authorization: Bearer <key>"))?;
         state.keys.owner_of(key.trim()).map(|o| Owner(o.to_owned())).ok_or_else(|| unauthorized("unknown key"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_files_carry_limits_and_budgets_and_refuse_nonsense() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        let hex = "ab".repeat(32);
+        std::fs::write(&path, format!("# owners\nacme {hex} concurrency=4 rpm=500 tpm=200000\nsolo {hex}2 admin\n").replace(&format!("{hex}2"), &"cd".repeat(32))).unwrap();
+        let mut keys = Keys::default();
+        keys.add_file(&path).unwrap();
+        assert_eq!(keys.owner_limits(), [("owner:acme".to_owned(), 4)]);
+        assert_eq!(keys.owner_budgets(), [("acme".to_owned(), crate::store::OwnerBudget { rpm: Some(500), tpm: Some(200_000) })]);
+        assert!(keys.is_admin("solo") && !keys.is_admin("acme"));
+        for (line, says) in [
+            (format!("acme {hex} rpm=0"), "`rpm=0` is not `rpm=N` (N from 1 up)"),
+            (format!("acme {hex} tpm=lots"), "`tpm=lots` is not `tpm=N`"),
+            (format!("acme {hex} concurrency=0"), "N from 1 to 100000"),
+            (format!("acme {hex} burst=3"), "is not one of concurrency=N, rpm=N, tpm=N, admin"),
+            (format!("acme {hex} admin=yes"), "is not one of"),
+        ] {
+            std::fs::write(&path, &line).unwrap();
+            let err = Keys::default().add_file(&path).unwrap_err();
+            assert!(err.contains(says) && err.contains(":1:"), "{line}: {err}");
+        }
     }
 }

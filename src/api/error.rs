@@ -79,6 +79,7 @@ impl From<StartError> for ApiError {
             StartError::Store(s) => s.into(),
             StartError::UnknownAgent { .. } => ApiError::new(StatusCode::NOT_FOUND, code, e.to_string()),
             StartError::InputTooLarge { .. } => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, code, e.to_string()),
+            StartError::NotRetryable(_) => ApiError::new(StatusCode::CONFLICT, code, e.to_string()),
             _ => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string()),
         }
     }

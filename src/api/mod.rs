@@ -1,10 +1,13 @@
 //! The HTTP API (`/v1`, JSON): what dashboards, background services and other agents call.
 //! Thin by design: every handler validates, calls [`crate::app::App`], and renders a view.
 
+pub mod approvals;
 pub mod auth;
 mod error;
+pub mod overview;
 pub mod runs;
 pub mod system;
+pub mod ui;
 pub mod views;
 
 use std::net::SocketAddr;
@@ -33,6 +36,8 @@ pub struct ApiState {
     pub app: Arc<App>,
     /// Key hashes to owners.
     pub keys: Arc<Keys>,
+    /// Run views built once for every wait one commit answers, by run and whether it ended.
+    pub views: Arc<crate::notify::SharedReads<(crate::ids::RunId, bool), axum::body::Bytes>>,
 }
 
 /// `Json` whose rejections become [`ApiError`]s with stable codes.
@@ -64,7 +69,13 @@ fn documented_routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(runs::get))
         .routes(routes!(runs::events))
         .routes(routes!(runs::cancel))
+        .routes(routes!(runs::retry))
+        .routes(routes!(overview::bulk))
+        .routes(routes!(overview::get))
+        .routes(routes!(overview::stream))
         .routes(routes!(runs::wait))
+        .routes(routes!(approvals::list))
+        .routes(routes!(approvals::get, approvals::answer))
         .routes(routes!(system::thread))
         .routes(routes!(system::agents))
         .routes(routes!(system::healthz))
@@ -100,9 +111,15 @@ pub fn router(state: ApiState) -> Router {
     let body_limit = state.app.settings.max_input_bytes + 64 * 1024;
     let (router, spec) = documented_routes().split_for_parts();
     let spec = Arc::new(spec);
+    // MCP clients (streamable HTTP) behind the same keys and owners as the rest of the API.
+    let mcp = Router::new()
+        .nest_service("/mcp", crate::mcp_server::http_service(state.app.clone(), std::time::Duration::from_secs(60)))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), mcp_owner));
     router
+        .merge(mcp)
+        .merge(ui::routes())
         .route("/openapi.json", get(move || async move { axum::Json(spec.as_ref().clone()) }))
-        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "no_route", "no such endpoint; see /v1/runs, /v1/threads, /v1/agents") })
+        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "no_route", "no such endpoint; see /v1/runs, /v1/threads, /v1/approvals, /v1/agents") })
         .method_not_allowed_fallback(|| async { ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this endpoint does not take that method") })
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(PropagateRequestIdLayer::x_request_id())
@@ -112,6 +129,12 @@ pub fn router(state: ApiState) -> Router {
         }))
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)
+}
+
+/// Authenticates an `/mcp` request like any other and hands its owner to the MCP handler.
+async fn mcp_owner(owner: auth::Owner, mut req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    req.extensions_mut().insert(crate::mcp_server::McpOwner(owner.0));
+    next.run(req).await
 }
 
 /// A bound server, serving in the background.
@@ -126,7 +149,15 @@ impl Server {
     pub async fn start(app: Arc<App>, keys: Keys, bind: SocketAddr, shutdown: tokio_util::sync::CancellationToken) -> std::io::Result<Server> {
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
-        let router = router(ApiState { app, keys: Arc::new(keys) });
+        // The owners' concurrency limits from the keys file, for every worker's claims.
+        if let Err(e) = app.store.set_limits("owner:", &keys.owner_limits()).await {
+            tracing::warn!(error = %e, "could not record the owners' concurrency limits");
+        }
+        // And their model budgets, for every worker's model calls.
+        if let Err(e) = app.store.set_owner_budgets(&keys.owner_budgets()).await {
+            tracing::warn!(error = %e, "could not record the owners' model budgets");
+        }
+        let router = router(ApiState { app, keys: Arc::new(keys), views: Default::default() });
         let task = tokio::spawn(async move {
             axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
         });

@@ -49,6 +49,10 @@ pub struct LimitsBody {
     #[serde(default, deserialize_with = "whole_number")]
     #[schema(minimum = 1, maximum = 9007199254740991_i64)]
     max_total_steps: Option<u64>,
+    /// When to compact the context: a fraction of the model's window (0.1..=0.95) or a
+    /// percent (10..=95). Default: the agent's `compact_at:`, then `SUBAGENTS_COMPACT_AT` (85).
+    #[serde(default)]
+    compact_at: Option<f64>,
 }
 
 /// JSON Schema counts `9999.0` as an integer; accept any number with no fraction.
@@ -105,6 +109,11 @@ macro_rules! start_body {
             #[serde(default)]
             #[schema(min_length = 1, max_length = 200)]
             idempotency_key: Option<String>,
+            /// 1 (lowest) to 5 (default 3): the order of this owner's queued runs. Owners share
+            /// the workers round robin whatever their priorities.
+            #[serde(default)]
+            #[schema(minimum = 1, maximum = 5)]
+            priority: Option<u8>,
             $($extra)*
         }
     };
@@ -135,6 +144,7 @@ impl From<WaitStartBody> for StartBody {
             limits: w.limits,
             if_busy: w.if_busy,
             idempotency_key: w.idempotency_key,
+            priority: w.priority,
         }
     }
 }
@@ -154,7 +164,8 @@ fn wait_duration(t: Option<f64>) -> Result<Duration, ApiError> {
 /// Reads a run, answering 404 for other owners' runs exactly as for missing ones.
 pub async fn owned_run(state: &ApiState, owner: &Owner, id: RunId) -> Result<RunRecord, ApiError> {
     match state.app.store.get_run(id).await? {
-        Some(r) if r.owner == owner.0 => Ok(r),
+        // An admin (an operator) may open any owner's run.
+        Some(r) if r.owner == owner.0 || state.keys.is_admin(&owner.0) => Ok(r),
         _ => Err(ApiError::not_found("run")),
     }
 }
@@ -174,6 +185,16 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
     if limits.max_total_tokens.is_some_and(|t| t == 0 || t > MAX_SEQ) || limits.max_total_steps.is_some_and(|t| t == 0 || t > MAX_SEQ) {
         return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_limit", "max_total_tokens and max_total_steps must be 1 to 9007199254740991"));
     }
+    let compact_at = match limits.compact_at {
+        None => None,
+        Some(f) => {
+            let percent = if f <= 1.0 { f * 100.0 } else { f };
+            if !percent.is_finite() || !(10.0..=95.0).contains(&percent.round()) {
+                return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_limit", "compact_at must be a fraction 0.1 to 0.95 or a percent 10 to 95 of the context window"));
+            }
+            Some(percent.round() as u8)
+        }
+    };
     let created = state
         .app
         .start(StartRun {
@@ -185,9 +206,11 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
             timeout_secs: limits.timeout_s,
             max_total_tokens: limits.max_total_tokens,
             max_total_steps: limits.max_total_steps,
+            compact_at,
             metadata: body.metadata,
             if_busy: body.if_busy,
             idempotency_key: body.idempotency_key,
+            priority: body.priority,
             ..Default::default()
         })
         .await?;
@@ -213,11 +236,20 @@ pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson
 }
 
 async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Response, ApiError> {
-    let r = state.app.wait(id, timeout).await?.ok_or_else(|| ApiError::not_found("run"))?;
+    let (r, started) = state.app.wait_shared(id, timeout).await?;
+    let r = r.ok_or_else(|| ApiError::not_found("run"))?;
     let done = r.status.is_terminal();
-    let mut view = RunView::build(state.app.store.as_ref(), r).await?;
-    view.wait_timed_out = Some(!done);
-    Ok(Json(view).into_response())
+    // Every waiter the same read answered gets the view built once, from reads made after it.
+    let fresh = crate::notify::Fresh { generation: 0, not_before: Some(started) };
+    let (body, _) = state
+        .views
+        .read((id, done), fresh, || async {
+            let mut view = RunView::build(state.app.store.as_ref(), (*r).clone()).await?;
+            view.wait_timed_out = Some(!done);
+            Ok::<_, ApiError>(axum::body::Bytes::from(serde_json::to_vec(&view).expect("a view serializes")))
+        })
+        .await?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 /// Query of `GET /v1/runs/{id}/wait`.
@@ -249,7 +281,7 @@ pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<Str
 }
 
 /// Query of `GET /v1/runs`.
-#[derive(Deserialize, IntoParams)]
+#[derive(Deserialize, IntoParams, Default)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
@@ -264,6 +296,21 @@ pub struct ListQuery {
     /// Parent run id.
     #[param(value_type = Option<String>, format = Uuid)]
     parent_run_id: Option<String>,
+    /// Text the input or the result contains (case-insensitive, at most 200 characters).
+    #[param(max_length = 200)]
+    q: Option<String>,
+    /// Only runs created at or after this time (RFC 3339).
+    #[param(value_type = Option<String>, format = DateTime)]
+    since: Option<String>,
+    /// Only runs created before this time (RFC 3339).
+    #[param(value_type = Option<String>, format = DateTime)]
+    until: Option<String>,
+    /// `newest` (default) or `oldest` first.
+    #[param(pattern = "^(newest|oldest)$")]
+    order: Option<String>,
+    /// Another owner's runs: admins only (`admin` in the keys file); anyone may name itself.
+    #[param(max_length = 200)]
+    owner: Option<String>,
     /// `next_cursor` of the previous page.
     #[param(value_type = Option<String>, format = Uuid)]
     cursor: Option<String>,
@@ -272,30 +319,78 @@ pub struct ListQuery {
     limit: Option<u32>,
 }
 
+impl ListQuery {
+    /// The owner it names, if any.
+    pub fn owner(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+
+    /// The store filter this query asks for, or the 400 that says what is wrong with it.
+    pub fn filter(self) -> Result<RunFilter, ApiError> {
+        if self.status.as_deref().is_some_and(|s| s.trim().is_empty()) {
+            return Err(ApiError::bad_request("invalid_status", "status must name at least one state"));
+        }
+        let mut status = vec![];
+        for s in self.status.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
+            status.push(RunStatus::parse(s).ok_or_else(|| {
+                ApiError::bad_request("invalid_status", format!("unknown status `{s}`; use queued, running, waiting, succeeded, failed or cancelled"))
+            })?);
+        }
+        let time = |name: &str, v: Option<String>| -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {
+            v.map(|t| {
+                chrono::DateTime::parse_from_rfc3339(&t)
+                    .map(|d| d.with_timezone(&chrono::Utc))
+                    .map_err(|_| ApiError::bad_request("invalid_time", format!("{name} must be an RFC 3339 time such as 2026-12-01T09:30:00Z, not `{t}`")))
+            })
+            .transpose()
+        };
+        let text = self.q.map(|q| q.trim().to_owned()).filter(|q| !q.is_empty());
+        if text.as_ref().is_some_and(|t| t.chars().count() > 200) {
+            return Err(ApiError::bad_request("invalid_query", "q must be at most 200 characters"));
+        }
+        let oldest_first = match self.order.as_deref() {
+            None | Some("newest") => false,
+            Some("oldest") => true,
+            Some(o) => return Err(ApiError::bad_request("invalid_order", format!("order must be newest or oldest, not `{o}`"))),
+        };
+        Ok(RunFilter {
+            status,
+            agent: self.agent,
+            thread_id: self.thread_id.map(|t| t.parse()).transpose().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?,
+            parent_run_id: self.parent_run_id.as_deref().map(parse_run_id).transpose()?,
+            text,
+            created_after: time("since", self.since)?,
+            created_before: time("until", self.until)?,
+            oldest_first,
+            before: self
+                .cursor
+                .as_deref()
+                .map(|c| c.parse().map_err(|_| ApiError::bad_request("invalid_cursor", "cursor must be a next_cursor from an earlier page")))
+                .transpose()?,
+        })
+    }
+}
+
 /// `GET /v1/runs`: newest first; `next_cursor` pages on.
-#[utoipa::path(get, path = "/v1/runs", tag = "runs", params(ListQuery), responses((status = 200, body = RunsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQuery<ListQuery>) -> Result<Json<RunsPage>, ApiError> {
+#[utoipa::path(get, path = "/v1/runs", tag = "runs", params(ListQuery), responses((status = 200, body = RunsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, description = "forbidden: another owner's runs, asked by a key that is not an admin's", body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(mut q): ApiQuery<ListQuery>) -> Result<Json<RunsPage>, ApiError> {
     let limit = q.limit.unwrap_or(20);
     if !(1..=100).contains(&limit) {
         return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 100"));
     }
-    if q.status.as_deref().is_some_and(|s| s.trim().is_empty()) {
-        return Err(ApiError::bad_request("invalid_status", "status must name at least one state"));
-    }
-    let mut status = vec![];
-    for s in q.status.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
-        status.push(RunStatus::parse(s).ok_or_else(|| {
-            ApiError::bad_request("invalid_status", format!("unknown status `{s}`; use queued, running, waiting, succeeded, failed or cancelled"))
-        })?);
-    }
-    let filter = RunFilter {
-        status,
-        agent: q.agent,
-        thread_id: q.thread_id.map(|t| t.parse()).transpose().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?,
-        parent_run_id: q.parent_run_id.as_deref().map(parse_run_id).transpose()?,
-        before: q.cursor.as_deref().map(|c| c.parse().map_err(|_| ApiError::bad_request("invalid_cursor", "cursor must be a next_cursor from an earlier page"))).transpose()?,
+    let whose = match q.owner.take() {
+        Some(o) if o != owner.0 && !state.keys.is_admin(&owner.0) => {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "only an admin (`admin` on its line of the keys file) may list another owner's runs",
+            ));
+        }
+        Some(o) => o,
+        None => owner.0.clone(),
     };
-    let runs = state.app.store.list_runs(&owner.0, &filter, limit).await?;
+    let filter = q.filter()?;
+    let runs = state.app.store.list_runs(&whose, &filter, limit).await?;
     let next_cursor = (runs.len() == limit as usize).then(|| runs.last().map(|r| r.id)).flatten();
     let mut views = Vec::with_capacity(runs.len());
     for r in runs {
@@ -366,8 +461,11 @@ fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futur
         cursor: u64,
         done: bool,
         buf: VecDeque<Event>,
+        /// What the next read must be fresher than, besides the run's generation.
+        not_before: Option<std::time::Instant>,
     }
-    let init = St { app, cursor, done: false, buf: VecDeque::new() };
+    // The first read starts after the request came in.
+    let init = St { app, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()) };
     futures::stream::unfold(init, move |mut st| async move {
         loop {
             if let Some(e) = st.buf.pop_front() {
@@ -376,11 +474,13 @@ fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futur
             if st.done {
                 return None;
             }
-            let notify = st.app.store.subscribe(id);
-            let changed = notify.notified();
+            let signal = st.app.store.subscribe(id);
+            let changed = signal.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let events = match st.app.events_after(id, st.cursor, 200).await {
+            // Streams woken by the same commit at the same cursor share one read.
+            let fresh = crate::notify::Fresh { generation: signal.generation(), not_before: st.not_before };
+            let events = match st.app.events_after_shared(id, st.cursor, 200, fresh).await {
                 Ok(e) => e,
                 Err(err) => {
                     tracing::warn!(error = %err, "SSE read failed; retrying");
@@ -388,17 +488,22 @@ fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futur
                     continue;
                 }
             };
-            for e in events {
+            for e in events.iter() {
                 st.cursor = e.seq;
                 st.done |= is_terminal(&e.kind);
                 let data = serde_json::to_string(&e).unwrap_or_default();
                 st.buf.push_back(Event::default().id(e.seq.to_string()).event(e.kind.clone()).data(data));
             }
             if st.buf.is_empty() {
-                tokio::select! {
-                    _ = changed => {}
-                    _ = tokio::time::sleep(CROSS_PROCESS_RECHECK * 4) => {}
-                }
+                st.not_before = tokio::select! {
+                    _ = changed => None,
+                    // Writers in other processes are heard only here: a read from the last
+                    // moments will do.
+                    _ = tokio::time::sleep(CROSS_PROCESS_RECHECK * 4) => std::time::Instant::now().checked_sub(crate::app::SHARED_READ_AGE),
+                };
+            } else {
+                // The generation taken before the next read covers what this one missed.
+                st.not_before = None;
             }
         }
     })
@@ -424,4 +529,17 @@ pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<
         }),
         CancelOutcome::NotFound => Err(ApiError::not_found("run")),
     }
+}
+
+/// `POST /v1/runs/{id}/retry`: a new run on the same thread with the same agent, input, limits
+/// and metadata, linked by `retry_of` (201; 200 with the same run when this run was retried
+/// before). Only a failed or cancelled root run: otherwise 409 `not_retryable`.
+#[utoipa::path(post, path = "/v1/runs/{id}/retry", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")),
+    responses((status = 201, body = RunView), (status = 200, description = "retried before: the first retry", body = RunView), (status = 409, description = "not_retryable", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn retry(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = parse_run_id(&id)?;
+    let run = owned_run(&state, &owner, id).await?;
+    let created = state.app.retry(&run).await?;
+    let status = if created.existing { StatusCode::OK } else { StatusCode::CREATED };
+    Ok((status, Json(RunView::build(state.app.store.as_ref(), created.run).await?)).into_response())
 }

@@ -41,23 +41,25 @@ pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<
     }
     let store = state.app.store.as_ref();
     let t = match store.get_thread(&id).await? {
-        Some(t) if t.owner == owner.0 => t,
+        // An admin may open any owner's thread, as any run.
+        Some(t) if t.owner == owner.0 || state.keys.is_admin(&owner.0) => t,
         _ => return Err(ApiError::not_found("thread")),
     };
-    let runs = store.list_runs(&owner.0, &RunFilter { thread_id: Some(id.clone()), ..Default::default() }, 50).await?;
+    let runs = store.list_runs(&t.owner, &RunFilter { thread_id: Some(id.clone()), ..Default::default() }, 50).await?;
     let mut run_views = vec![];
     for r in runs {
         run_views.push(RunView::build(store, r).await?);
     }
     let messages: Vec<MessageView> = store.messages_page(&id, after, limit).await?.into_iter().map(Into::into).collect();
     let next_after = messages.last().map(|m| m.id).unwrap_or(after);
-    Ok(Json(ThreadView { id: t.id, created_at: t.created_at, updated_at: t.updated_at, runs: run_views, messages, next_after }))
+    let compactions = store.compactions(&id).await?;
+    Ok(Json(ThreadView { id: t.id, created_at: t.created_at, updated_at: t.updated_at, runs: run_views, messages, next_after, compactions }))
 }
 
 /// `GET /v1/agents`
 #[utoipa::path(get, path = "/v1/agents", tag = "agents", responses((status = 200, body = AgentsList), (status = 401, body = ErrorBody)))]
 pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<AgentsList> {
-    Json(AgentsList { agents: state.app.agents.all().map(Into::into).collect() })
+    Json(AgentsList { agents: state.app.agents.all().map(|a| super::views::AgentView::build(a, &state.app.engine)).collect() })
 }
 
 /// `GET /healthz`: the process is up.

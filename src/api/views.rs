@@ -23,6 +23,9 @@ pub struct UsageView {
     pub total_tokens: u64,
     /// Model calls.
     pub steps: u32,
+    /// What the model calls cost in US dollars, from the price table at the time of each call
+    /// (`SUBAGENTS_PRICES`; a model without a price adds 0).
+    pub cost_usd: f64,
 }
 
 /// One item of an agent's plan.
@@ -47,8 +50,15 @@ pub struct RunView {
     pub status: RunStatus,
     /// Delegating run.
     pub parent_run_id: Option<RunId>,
+    /// The failed or cancelled run this one retries.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_of: Option<RunId>,
     /// Model calls committed.
     pub step: u32,
+    /// Times a worker claimed it (more than 1 after a crash, a drain or a park).
+    pub attempts: u32,
+    /// 1 (lowest) to 5: the order of its owner's queued runs.
+    pub priority: u8,
     /// Created.
     pub created_at: DateTime<Utc>,
     /// First claimed.
@@ -59,6 +69,9 @@ pub struct RunView {
     pub last_heartbeat_at: Option<DateTime<Utc>>,
     /// Queued runs ahead of it, while queued.
     pub queue_position: Option<i64>,
+    /// The start of the input (up to 500 characters; the whole input is the thread's first
+    /// message of the run).
+    pub input_preview: String,
     /// Final text.
     pub result: Option<String>,
     /// Why it failed.
@@ -76,6 +89,9 @@ pub struct RunView {
     /// The agent's latest plan (`todo_write`), when it wrote one.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub todos: Vec<TodoView>,
+    /// Tool calls this run waits on a person for (`POST /v1/approvals/{id}` answers them).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub approvals: Vec<crate::store::Approval>,
     /// Caller data.
     #[schema(value_type = Object)]
     pub metadata: Value,
@@ -95,13 +111,17 @@ impl RunView {
         progress.drain(..n.saturating_sub(3));
         let queue_position = if r.status == RunStatus::Queued { Some(store.queue_position(r.id).await?) } else { None };
         let children: Vec<RunId> = store.children(r.id).await?.into_iter().map(|c| c.id).collect();
-        let (tree, tree_steps) =
-            if children.is_empty() { (r.usage, u64::from(r.step)) } else { store.tree_usage(r.id).await? };
+        let tree = if children.is_empty() {
+            crate::store::TreeTotals { usage: r.usage, steps: u64::from(r.step), cost_nanos: r.cost_nanos }
+        } else {
+            store.tree_totals(r.id).await?
+        };
         let usage_tree = UsageView {
-            prompt_tokens: tree.prompt_tokens,
-            completion_tokens: tree.completion_tokens,
-            total_tokens: tree.total(),
-            steps: tree_steps as u32,
+            prompt_tokens: tree.usage.prompt_tokens,
+            completion_tokens: tree.usage.completion_tokens,
+            total_tokens: tree.usage.total(),
+            steps: tree.steps as u32,
+            cost_usd: crate::model::prices::dollars(tree.cost_nanos),
         };
         // The plan as the agent last wrote it (a run that never planned costs one indexed read).
         let todos = match store.last_call_arguments(r.id, "todo_write").await? {
@@ -111,11 +131,18 @@ impl RunView {
                 .unwrap_or_default(),
             None => vec![],
         };
+        // Only a parked run can be waiting for a person.
+        let approvals = if r.status == RunStatus::Waiting {
+            store.list_approvals(&r.owner, Some(crate::store::ApprovalStatus::Pending), Some(r.id), None, 50).await?
+        } else {
+            vec![]
+        };
         let usage = UsageView {
             prompt_tokens: r.usage.prompt_tokens,
             completion_tokens: r.usage.completion_tokens,
             total_tokens: r.usage.total(),
             steps: r.step,
+            cost_usd: crate::model::prices::dollars(r.cost_nanos),
         };
         Ok(RunView {
             id: r.id,
@@ -123,12 +150,16 @@ impl RunView {
             agent: r.agent,
             status: r.status,
             parent_run_id: r.parent_run_id,
+            retry_of: r.retry_of,
             step: r.step,
+            attempts: r.attempts,
+            priority: r.priority,
             created_at: r.created_at,
             started_at: r.started_at,
             finished_at: r.finished_at,
             last_heartbeat_at: r.heartbeat_at,
             queue_position,
+            input_preview: r.input.chars().take(500).collect(),
             result: r.result,
             error: r.error,
             forced: r.forced,
@@ -137,6 +168,7 @@ impl RunView {
             progress,
             children,
             todos,
+            approvals,
             metadata: r.metadata,
             last_event_seq: r.event_seq,
             wait_timed_out: None,
@@ -192,10 +224,21 @@ pub struct AgentView {
     pub timeout_s: u64,
     /// Who it may delegate to.
     pub subagents: Vec<String>,
+    /// The tools it really gets on this server (built-ins it may have, MCP tools it names, and
+    /// the delegation tools when it may delegate).
+    pub effective_tools: Vec<String>,
+    /// The model its runs call (after aliases and the server default).
+    pub effective_model: String,
 }
 
-impl From<&AgentDef> for AgentView {
-    fn from(a: &AgentDef) -> Self {
+impl AgentView {
+    /// The definition with what the engine really gives it.
+    pub fn build(a: &AgentDef, engine: &crate::engine::Engine) -> Self {
+        let mut effective_tools = engine.tools.allowed_for(a);
+        if crate::delegation::offered(a, 0, &engine.settings.delegation) {
+            effective_tools.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
+        }
+        let (effective_model, _) = crate::agents::resolve_model(a.model.as_deref(), None, &engine.settings.default_model, &engine.settings.model_aliases);
         Self {
             name: a.name.clone(),
             description: a.description.clone(),
@@ -204,6 +247,8 @@ impl From<&AgentDef> for AgentView {
             max_steps: a.max_steps,
             timeout_s: a.timeout.as_secs(),
             subagents: a.subagents.clone(),
+            effective_tools,
+            effective_model,
         }
     }
 }
@@ -232,6 +277,9 @@ pub struct ThreadView {
     pub messages: Vec<MessageView>,
     /// Pass as `after` for the next page.
     pub next_after: i64,
+    /// Every compaction of the thread, oldest first: which messages each summary stands for
+    /// when a context is rebuilt (the messages themselves are all still here).
+    pub compactions: Vec<crate::store::Compaction>,
 }
 
 /// The agent definitions.

@@ -14,6 +14,9 @@
 //! cancel, a timeout, or a lost lease. Limits (steps, tokens, wall time, tool time, tool
 //! output) all end in a defined outcome.
 
+pub mod budget;
+pub mod compaction;
+mod gate;
 pub mod plan;
 
 use std::collections::{HashMap, HashSet};
@@ -35,8 +38,15 @@ use crate::store::{
     Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, Park, Parked, RunError, RunLog, RunRecord,
     StoreError, StoredMessage,
 };
-use crate::tools::{ToolCtx, ToolRegistry, truncate_output};
+use crate::tools::{ToolCtx, ToolRegistry};
+pub use compaction::{Budget, ContextSettings};
+use compaction::{Compacted, Reason};
+use gate::Gate;
+pub use gate::PolicySettings;
 pub use plan::{Next, plan};
+
+/// Compactions that may fail in a row before the run fails with `kind=context`.
+const MAX_COMPACTION_FAILURES: u32 = 3;
 
 /// The text a refused repeated call gets; the marker is stable so models (and the mock) can
 /// recognise it.
@@ -60,8 +70,16 @@ pub struct EngineSettings {
     pub max_attempts: u32,
     /// Limit on one tool call.
     pub tool_timeout: Duration,
-    /// Tool output beyond this many bytes is cut, with a marker.
-    pub tool_output_limit: usize,
+    /// Context windows, compaction and the tool-result budget.
+    pub context: ContextSettings,
+    /// Hooks, permission rules and approvals.
+    pub policy: PolicySettings,
+    /// MCP servers (their tools are `mcp__<server>__<tool>`).
+    pub mcp: Arc<crate::mcp::Hub>,
+    /// Model calls allowed per window, by model, shared by the fleet through the database.
+    pub rate_limits: RateLimits,
+    /// Prices per model: each call's cost commits with it.
+    pub prices: Arc<crate::model::prices::PriceTable>,
     /// Delegation limits.
     pub delegation: DelegationSettings,
     /// Largest input a child run may be given.
@@ -74,6 +92,15 @@ pub struct EngineSettings {
     pub failpoints: Arc<Failpoints>,
 }
 
+/// Model rate limits: by model, at most `requests` calls and `tokens` prompt tokens per `window`.
+#[derive(Clone, Debug, Default)]
+pub struct RateLimits {
+    /// Limits by model name.
+    pub by_model: crate::config::ModelLimits,
+    /// The window (a minute; tests shorten it).
+    pub window: Duration,
+}
+
 /// What one execution attempt ended with (the run's own outcome is in the store).
 #[derive(Debug, PartialEq, Eq)]
 pub enum Executed {
@@ -81,6 +108,9 @@ pub enum Executed {
     Finished(crate::runs::Ended),
     /// Nothing to do: finished already, or another worker holds it.
     Skipped,
+    /// Queued (or woken), but its owner or its agent is at its concurrency limit: it waits for
+    /// a slot (its job is pushed again, due a little later).
+    Deferred,
     /// Another worker took the run over (our lease expired); we stopped.
     LeaseLost,
     /// We were draining and gave the run back to the queue (its job is pushed).
@@ -90,6 +120,9 @@ pub enum Executed {
     Parked {
         /// Push a job for it now.
         due: bool,
+        /// When it wakes by itself (ms since the epoch), if it does: its job is pushed for
+        /// then, so the wake is on time (the reaper only backs this up).
+        wake_at: Option<i64>,
     },
 }
 
@@ -107,6 +140,8 @@ pub struct Engine {
     pub queue: Queue,
     /// Where token deltas go (Redis only), if configured.
     pub deltas: Option<crate::relay::RedisEvents>,
+    /// The fleet's shared model budgets (per model and per owner).
+    pub budgets: budget::Budgets,
     /// Settings.
     pub settings: EngineSettings,
 }
@@ -162,11 +197,33 @@ impl Engine {
         let (lease, run) = match self.store.claim_run(run_id, worker, self.settings.lease_ttl).await? {
             Claim::Acquired(lease, run) => (lease, *run),
             Claim::NotClaimable(status) => {
+                if matches!(status, Some(crate::store::RunStatus::Queued | crate::store::RunStatus::Waiting)) && self.store.at_limit(run_id).await? {
+                    tracing::debug!(%run_id, "the run's owner or agent is at its concurrency limit; it waits for a slot");
+                    metrics::counter!("subagents_runs_deferred_total").increment(1);
+                    return Ok(Executed::Deferred);
+                }
                 tracing::debug!(%run_id, ?status, "run not claimable; skipping job");
                 return Ok(Executed::Skipped);
             }
         };
-        let span = info_span!("run", run_id = %run.id, agent = %run.agent, thread_id = %run.thread_id, attempt = run.attempts);
+        // Span names and gen_ai.* attributes follow the OpenTelemetry GenAI conventions
+        // (invoke_agent / chat / execute_tool); run_id and thread_id are on every span.
+        let span = info_span!(
+            "run",
+            otel.name = format!("invoke_agent {}", run.agent),
+            gen_ai.operation.name = "invoke_agent",
+            gen_ai.agent.name = %run.agent,
+            gen_ai.conversation.id = %run.thread_id,
+            run_id = %run.id,
+            agent = %run.agent,
+            thread_id = %run.thread_id,
+            attempt = run.attempts,
+            parent_run_id = run.parent_run_id.map(|p| p.to_string()),
+        );
+        // A child (or a run whose caller passed its own trace) continues that trace.
+        if let Some(tp) = run.metadata.get("traceparent").and_then(|v| v.as_str()) {
+            crate::telemetry::adopt(&span, tp);
+        }
         self.execute_claimed(lease, run, shutdown).instrument(span).await
     }
 
@@ -284,16 +341,24 @@ impl Engine {
             wait.wake_at = Some(wait.wake_at.map_or(deadline, |w| w.min(deadline)));
         }
         fp.hit("before_park_commit").await;
-        let event = NewEvent::new(
-            EventKind::RunWaiting,
-            json!({"step": run.step.max(1), "waiting_on": "children", "run_ids": wait.on, "wake_at": wait.wake_at}),
-        );
-        let park = Park { events: vec![event], wake_at: wait.wake_at, waits_on: wait.on.clone() };
+        let waiting_on = if wait.rate_limited {
+            "rate_limit"
+        } else if wait.on.is_empty() && !wait.approvals.is_empty() {
+            "approval"
+        } else {
+            "children"
+        };
+        let mut data = json!({"step": run.step.max(1), "waiting_on": waiting_on, "run_ids": wait.on, "wake_at": wait.wake_at});
+        if !wait.approvals.is_empty() {
+            data["approval_ids"] = json!(wait.approvals);
+        }
+        let event = NewEvent::new(EventKind::RunWaiting, data);
+        let park = Park { events: vec![event], wake_at: wait.wake_at, waits_on: wait.on.clone(), approvals: wait.approvals.clone() };
         match self.store.park(lease, park).await {
             Ok(Parked::Parked { due }) => {
                 fp.hit("after_park_commit").await;
                 tracing::info!(waits_on = ?wait.on, wake_at = ?wait.wake_at, due, "parked: waiting for children");
-                Ok(Executed::Parked { due })
+                Ok(Executed::Parked { due, wake_at: wait.wake_at })
             }
             Ok(Parked::CancelPending) => {
                 tracing::info!("a cancel arrived before the park: finishing as cancelled");
@@ -314,7 +379,8 @@ impl Engine {
             return Ok(Executed::LeaseLost);
         }
         tracing::info!(why, "run released to the queue");
-        if let Err(e) = self.queue.push(lease.run_id, &job).await {
+        let rank = self.store.queue_rank(lease.run_id).await.unwrap_or((0, crate::runs::DEFAULT_PRIORITY));
+        if let Err(e) = self.queue.push(lease.run_id, &job, rank, Duration::ZERO).await {
             tracing::warn!(error = %e, "could not push the released run; the reaper will");
         }
         Ok(Executed::Released)
@@ -389,6 +455,67 @@ impl Engine {
         Ok(resolved.unwrap_or_else(|| self.settings.default_model.clone()))
     }
 
+    /// The tools of the MCP servers the agent may use: all it can see when its file names no
+    /// tools, else the servers and tools it names (`mcp__server`, `mcp__server__tool`). A server
+    /// that cannot be reached offers nothing this time; a tool named explicitly is still offered,
+    /// so a call of it tells the model what is wrong.
+    async fn add_mcp_tools(&self, agent: &AgentDef, names: &mut Vec<String>, specs: &mut Vec<crate::model::ToolSpec>) {
+        let hub = &self.settings.mcp;
+        let visible = hub.visible(&agent.name);
+        let wanted: Vec<(String, Option<String>)> = match &agent.tools {
+            None => visible.into_iter().map(|s| (s, None)).collect(),
+            Some(list) => list
+                .iter()
+                .filter_map(|t| crate::mcp::split(t.trim()))
+                .map(|(s, t)| (s.to_owned(), t.map(str::to_owned)))
+                .collect(),
+        };
+        for (server, only) in wanted {
+            match hub.specs(&server, only.as_deref()).await {
+                Ok(found) => {
+                    for s in found {
+                        if !names.contains(&s.function.name) {
+                            names.push(s.function.name.clone());
+                            specs.push(s);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(server = %server, error = %e, "MCP server unavailable for this run");
+                    if let Some(tool) = only {
+                        let name = format!("mcp__{server}__{tool}");
+                        names.push(name.clone());
+                        specs.push(crate::model::ToolSpec {
+                            kind: "function".into(),
+                            function: crate::model::FunctionSpec {
+                                name,
+                                description: format!("(The MCP server `{server}` is not available right now: {e})"),
+                                parameters: json!({"type": "object"}),
+                            },
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs a built-in tool or an MCP server's.
+    async fn execute_tool(&self, name: &str, arguments: &str, ctx: &ToolCtx) -> Result<String, crate::tools::ToolError> {
+        let Some((server, Some(tool))) = crate::mcp::split(name) else {
+            return self.tools.execute(name, arguments, ctx).await;
+        };
+        let args: serde_json::Value = if arguments.trim().is_empty() {
+            json!({})
+        } else {
+            serde_json::from_str(arguments).map_err(|e| crate::tools::ToolError::new("bad_arguments", format!("arguments are not valid JSON ({e}); send a JSON object")))?
+        };
+        match self.settings.mcp.call(server, tool, args).await {
+            Ok((text, true)) => Ok(text),
+            Ok((text, false)) => Err(crate::tools::ToolError::new("mcp_tool_error", text)),
+            Err(e) => Err(crate::tools::ToolError::new("mcp_unavailable", e.to_string())),
+        }
+    }
+
     fn delegation_ctx<'a>(&'a self, run: &'a RunRecord, agent: &'a AgentDef) -> crate::delegation::Ctx<'a> {
         crate::delegation::Ctx {
             store: self.store.as_ref(),
@@ -415,30 +542,35 @@ impl Engine {
             tool_specs.extend(crate::delegation::specs(&agent, &self.agents));
             tool_names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
+        self.add_mcp_tools(&agent, &mut tool_names, &mut tool_specs).await;
         let model = self.model_for(run, &agent).await?;
+        let mut budget = Budget::resolve(&self.settings.context, &agent, run.limits.compact_at, &model);
         let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
 
-        // One bounded read of the thread per claim; after that the local copy is extended with
-        // exactly what this loop commits.
-        let mut history = self.store.thread_messages(&run.thread_id, self.settings.context_messages.max(1)).await?;
-        // A long thread's oldest messages fall outside the window; this run's own task never
-        // does (until compaction summarises what is cut).
+        // One bounded read of the thread per claim, from its latest compaction on; after that
+        // the local copy is extended with exactly what this loop commits (and re-read after a
+        // compaction).
+        let mut ctx = self.load_context(run).await?;
         let input_key = format!("{}:input", run.id);
-        if run.step > 0 && !history.iter().any(|m| m.key == input_key) {
-            let input = StoredMessage { id: 0, run_id: run.id, step: 0, key: input_key.clone(), message: Message::User { content: run.input.clone() } };
-            history.insert(0, input);
-        }
         let mut steps_done = run.step;
         // `step.started` of the next step rides on the commit that ends the previous one (or on
         // the input's), saving a commit per step; after a replay it is written on its own.
         let mut prestarted: Option<u32> = None;
-        if run.step == 0 && !history.iter().any(|m| m.key == input_key) {
+        if run.step == 0 && !ctx.history.iter().any(|m| m.key == input_key) {
             let msg = NewMessage { step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
             let events = self.next_step_event(run, 0).into_iter().collect::<Vec<_>>();
             prestarted = (!events.is_empty()).then_some(1);
             self.store.checkpoint(lease, Checkpoint { messages: vec![msg.clone()], events, ..Default::default() }).await?;
-            history.push(StoredMessage { id: i64::MAX, run_id: run.id, step: 0, key: msg.key, message: msg.message });
+            ctx.history.push(StoredMessage { id: i64::MAX, run_id: run.id, step: 0, key: msg.key, message: msg.message });
+            let event = if run.parent_run_id.is_some() { crate::policy::HookEvent::SubagentStart } else { crate::policy::HookEvent::RunStart };
+            self.lifecycle_hooks(run, &agent, event, json!({"input": run.input, "parent_run_id": run.parent_run_id})).await;
         }
+        // Compactions that failed in a row (or did not stop the provider refusing the request).
+        let mut compaction_failures: u32 = 0;
+        // The provider refused the last request as too long: compact before retrying it.
+        let mut refused_too_long = false;
+        // A step whose context could not be compacted further (it is all task and tail).
+        let mut incompressible_step: Option<u32> = None;
         let mut usage = run.usage;
         // The step whose tool.started events went out with its assistant message.
         let mut announced_step: Option<u32> = None;
@@ -447,7 +579,7 @@ impl Engine {
             if shutdown.is_cancelled() {
                 return Ok(LoopEnd::Drained);
             }
-            let mine: Vec<&StoredMessage> = history.iter().filter(|m| m.run_id == run.id).collect();
+            let mine: Vec<&StoredMessage> = ctx.history.iter().filter(|m| m.run_id == run.id).collect();
             let step = match plan(&mine, steps_done) {
                 Next::Finish { result } => return Ok(LoopEnd::Finish(Finish::Succeeded { result, forced: run.forced })),
                 Next::RunTools { step, calls, pending } => {
@@ -455,12 +587,12 @@ impl Engine {
                     let announced = announced_step == Some(step);
                     let next = self.next_step_event(run, step);
                     let had_next = next.is_some();
-                    let out = self.run_tools(lease, run, &agent, &workspace, step, &calls, &pending, &prior, &tool_names, announced, next).await?;
+                    let out = self.run_tools(lease, run, &agent, &budget, &workspace, step, &calls, &pending, &prior, &tool_names, announced, next).await?;
                     if let Some(wait) = out.wait {
                         return Ok(LoopEnd::Park(wait));
                     }
                     prestarted = had_next.then_some(step + 1);
-                    history.extend(out.committed.into_iter().map(|m| StoredMessage {
+                    ctx.history.extend(out.committed.into_iter().map(|m| StoredMessage {
                         id: i64::MAX,
                         run_id: run.id,
                         step: m.step,
@@ -476,22 +608,122 @@ impl Engine {
             let step_t0 = std::time::Instant::now();
             let over_budget = self.over_tree_budget(run, usage, steps_done).await?;
             let forced = steps_done >= run.limits.max_steps || over_budget;
-            let span = info_span!("step", step, forced, gen_ai.request.model = %model);
+            let span = info_span!("step", otel.name = format!("step {step}"), step, forced, gen_ai.request.model = %model, run_id = %run.id, thread_id = %run.thread_id);
+            // The fleet's budgets for this model and for this owner: over either, park until
+            // it frees up (no slot held).
+            let model_limit = self.settings.rate_limits.by_model.get(&model).copied();
+            let owner_limit = self.budgets.owner(&run.owner).await?;
+            if model_limit.is_some() || owner_limit.is_some() {
+                // A call counts from when it is taken here, the provider counts it from when it
+                // arrives: a margin keeps the two windows from disagreeing at the edges.
+                let window = self.settings.rate_limits.window.as_millis().min(i64::MAX as u128 / 2) as i64;
+                let window = window + window / 10 + 100;
+                let estimate = budget.estimate(&ctx.messages(&agent.system_prompt, run.id), if forced { &[] } else { &tool_specs }).0 as u64;
+                // The owner's first: a call the owner may not make takes nothing from the model.
+                let mut wake_at = None;
+                if let Some(o) = owner_limit {
+                    wake_at = self.budgets.take(&format!("owner:{}", run.owner), window, o.rpm, o.tpm, estimate).await?;
+                }
+                if wake_at.is_none()
+                    && let Some((requests, tokens)) = model_limit
+                {
+                    wake_at = self.budgets.take(&format!("model:{model}"), window, requests, tokens, estimate).await?;
+                }
+                if let Some(at) = wake_at {
+                    metrics::counter!("subagents_rate_limited_total").increment(1);
+                    tracing::info!(model = %model, owner = %run.owner, wake_at = at, "a rate limit is used up; parking until it frees up");
+                    return Ok(LoopEnd::Park(Wait { wake_at: Some(at), rate_limited: true, ..Default::default() }));
+                }
+            }
+            // A model with no configured limit takes from no budget, but the provider's word
+            // (its rate-limit headers, a 429) still holds the whole fleet back.
+            if model_limit.is_none()
+                && let Some(until) = self.budgets.blocked(&format!("model:{model}")).await?
+            {
+                // Spread the wake-ups over a little while after the reset (a quarter of the
+                // wait, at most a second), so the parked runs do not all call at once.
+                let spread = ((until - crate::store::now_ms()) / 4).clamp(1, 1000) as u128;
+                let at = until + (uuid::Uuid::new_v4().as_u128() % spread) as i64;
+                metrics::counter!("subagents_rate_limited_total").increment(1);
+                tracing::info!(model = %model, wake_at = at, "the provider said the model's rate limit is used up; parking until it resets");
+                return Ok(LoopEnd::Park(Wait { wake_at: Some(at), rate_limited: true, ..Default::default() }));
+            }
+            if prestarted != Some(step) {
+                self.store
+                    .checkpoint(lease, Checkpoint { events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": step, "forced": forced}))], ..Default::default() })
+                    .instrument(span.clone())
+                    .await?;
+                prestarted = Some(step);
+            }
+            let tools_now: &[crate::model::ToolSpec] = if forced { &[] } else { &tool_specs };
+            let mut messages = ctx.messages(&agent.system_prompt, run.id);
+            if forced {
+                messages.push(Message::System { content: FORCE_MESSAGE.into() });
+            }
+            let (raw_estimate, estimate) = budget.estimate(&messages, tools_now);
+
+            // Compact first when the request would not fit, or a new run starts on a long thread.
+            let first_call = !mine.iter().any(|m| matches!(m.message, Message::Assistant { .. }));
+            let carried = ctx.compaction.is_some() || ctx.history.iter().any(|m| m.run_id != run.id);
+            let reason = if refused_too_long {
+                Some(Reason::ContextLength)
+            } else if incompressible_step == Some(step) {
+                None
+            } else if estimate as u64 > budget.compact_at {
+                Some(Reason::Threshold)
+            } else if first_call && carried && estimate as u64 > budget.compact_at / 2 {
+                Some(Reason::NewRun)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                refused_too_long = false;
+                // Compaction works on committed ids: read the context back first.
+                ctx = self.load_context(run).await?;
+                let outcome = self
+                    .compact(lease, run, &agent, &budget, &ctx, tools_now, reason, step, compaction_failures)
+                    .instrument(span.clone())
+                    .await?;
+                match outcome {
+                    Compacted::Done => {
+                        ctx = self.load_context(run).await?;
+                        continue;
+                    }
+                    Compacted::Nothing if reason == Reason::ContextLength || estimate as u64 > budget.window => {
+                        return Err(Stop::Fail(RunError {
+                            kind: ErrorKind::Context,
+                            message: format!(
+                                "the next request needs about {estimate} tokens and model `{model}` holds {}; nothing more can be compacted (the system prompt, the task and the newest messages alone are too large). Give the agent a model with a larger window or set its context_window:, or shorten the task",
+                                budget.window
+                            ),
+                        }));
+                    }
+                    Compacted::Nothing => {
+                        tracing::debug!(estimate, "nothing to compact yet; calling the model as is");
+                        incompressible_step = Some(step);
+                        ctx = self.load_context(run).await?;
+                        continue;
+                    }
+                    Compacted::Failed(why) => {
+                        compaction_failures += 1;
+                        tracing::warn!(failures = compaction_failures, %why, "compaction failed");
+                        if compaction_failures >= MAX_COMPACTION_FAILURES {
+                            return Err(Stop::Fail(RunError {
+                                kind: ErrorKind::Context,
+                                message: format!("the context could not be compacted: {MAX_COMPACTION_FAILURES} compactions in a row failed; the last one: {why}"),
+                            }));
+                        }
+                        ctx = self.load_context(run).await?;
+                        continue;
+                    }
+                }
+            }
+
             let resp = async {
-                if prestarted != Some(step) {
-                    self.store
-                        .checkpoint(lease, Checkpoint { events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": step, "forced": forced}))], ..Default::default() })
-                        .await?;
-                }
-                let mut messages = vec![Message::System { content: agent.system_prompt.clone() }];
-                messages.extend(context(&history, run.id));
-                if forced {
-                    messages.push(Message::System { content: FORCE_MESSAGE.into() });
-                }
                 let req = ChatRequest {
                     model: model.clone(),
                     messages,
-                    tools: if forced { vec![] } else { tool_specs.clone() },
+                    tools: tools_now.to_vec(),
                     step_key: format!("{}:{}", run.id, step),
                 };
                 let t0 = std::time::Instant::now();
@@ -505,27 +737,97 @@ impl Engine {
                         d.send(t);
                     }
                 };
-                let resp = self.model.complete(&req, &on_delta).await;
+                let chat = info_span!(
+                    "chat",
+                    otel.name = format!("chat {}", req.model),
+                    otel.kind = "client",
+                    otel.status_code = tracing::field::Empty,
+                    gen_ai.operation.name = "chat",
+                    gen_ai.provider.name = "openai",
+                    gen_ai.request.model = %req.model,
+                    gen_ai.usage.input_tokens = tracing::field::Empty,
+                    gen_ai.usage.output_tokens = tracing::field::Empty,
+                    gen_ai.response.finish_reasons = tracing::field::Empty,
+                    error.r#type = tracing::field::Empty,
+                    run_id = %run.id,
+                    thread_id = %run.thread_id,
+                    step,
+                );
+                let resp = self.model.complete(&req, &on_delta).instrument(chat.clone()).await;
+                match &resp {
+                    Ok(r) => {
+                        chat.record("gen_ai.usage.input_tokens", r.usage.prompt_tokens);
+                        chat.record("gen_ai.usage.output_tokens", r.usage.completion_tokens);
+                        if let Some(f) = &r.finish_reason {
+                            chat.record("gen_ai.response.finish_reasons", f.as_str());
+                        }
+                    }
+                    Err(e) => {
+                        chat.record("otel.status_code", "ERROR");
+                        chat.record("error.type", e.kind());
+                    }
+                }
                 if let Some(d) = deltas {
                     d.finish().await;
                 }
-                let resp = resp.map_err(|e| {
-                    Stop::Fail(RunError { kind: ErrorKind::Model, message: model_error_message(&e) })
-                })?;
+                let resp = match resp {
+                    Ok(r) => r,
+                    Err(e) => return Ok::<_, Stop>(Err(e)),
+                };
                 metrics::histogram!("subagents_model_call_seconds").record(t0.elapsed().as_secs_f64());
                 metrics::counter!("subagents_tokens_total", "kind" => "prompt").increment(resp.usage.prompt_tokens);
                 metrics::counter!("subagents_tokens_total", "kind" => "completion").increment(resp.usage.completion_tokens);
                 tracing::info!(
                     ms = t0.elapsed().as_millis() as u64,
                     tool_calls = resp.tool_calls.len(),
+                    estimated_tokens = estimate,
                     gen_ai.usage.input_tokens = resp.usage.prompt_tokens,
                     gen_ai.usage.output_tokens = resp.usage.completion_tokens,
                     "model responded"
                 );
-                Ok::<_, Stop>(resp)
+                Ok(Ok((resp, t0.elapsed().as_millis() as u64)))
             }
             .instrument(span.clone())
             .await?;
+            let (resp, model_ms) = match resp {
+                Ok(r) => r,
+                Err(crate::model::ModelError::ContextLength { status, body }) => {
+                    // The model holds less than we thought: learn its window, compact, retry.
+                    budget.too_long(raw_estimate, &body);
+                    compaction_failures += 1;
+                    tracing::warn!(status, estimate, window = budget.window, failures = compaction_failures, "the provider refused the request as too long; compacting");
+                    if compaction_failures >= MAX_COMPACTION_FAILURES {
+                        return Err(Stop::Fail(RunError {
+                            kind: ErrorKind::Context,
+                            message: format!(
+                                "model `{model}` refused the request as longer than its context window {MAX_COMPACTION_FAILURES} times in a row, compacting in between; set the agent's context_window: to the model's real window"
+                            ),
+                        }));
+                    }
+                    refused_too_long = true;
+                    continue;
+                }
+                Err(crate::model::ModelError::RateLimited { retry_after, last }) => {
+                    // The provider's limit, not our request: wait for it (no slot held), and
+                    // tell the fleet when the model's budget is shared.
+                    let at = crate::store::now_ms() + retry_after.as_millis().min(i64::MAX as u128 / 2) as i64;
+                    self.budgets.block(&format!("model:{model}"), at).await?;
+                    metrics::counter!("subagents_rate_limited_total").increment(1);
+                    tracing::warn!(model = %model, ?retry_after, error = %last, "the provider rate-limited every attempt; parking until it allows again");
+                    return Ok(LoopEnd::Park(Wait { wake_at: Some(at), rate_limited: true, ..Default::default() }));
+                }
+                Err(e) => return Err(Stop::Fail(RunError { kind: ErrorKind::Model, message: model_error_message(&e) })),
+            };
+            // The provider says this call used up the model's budget: the fleet waits for the
+            // reset instead of provoking 429s.
+            if let Some(reset) = resp.budget_resets_in {
+                let at = crate::store::now_ms() + reset.as_millis().min(i64::MAX as u128 / 2) as i64;
+                if let Err(e) = self.budgets.block(&format!("model:{model}"), at).await {
+                    tracing::warn!(error = %e, "could not record the provider's rate-limit reset");
+                }
+            }
+            budget.observe(raw_estimate, resp.usage.prompt_tokens);
+            compaction_failures = 0;
             self.settings.failpoints.hit("after_model_response").await;
             usage.prompt_tokens += resp.usage.prompt_tokens;
             usage.completion_tokens += resp.usage.completion_tokens;
@@ -533,16 +835,22 @@ impl Engine {
             let calls = if forced { vec![] } else { unique_call_ids(resp.tool_calls, step) };
             let message = Message::Assistant { content: resp.content.clone(), tool_calls: calls.clone() };
             let key = format!("{}:{}:assistant", run.id, step);
+            let cost = self.settings.prices.cost_nanos(&model, &resp.usage);
+            if let Some(c) = cost {
+                metrics::counter!("subagents_cost_nanodollars_total", "model" => model.clone()).increment(c);
+            }
             let model_event = NewEvent::new(
                 EventKind::ModelCompleted,
                 json!({"step": step, "tool_calls": calls.iter().map(|c| &c.function.name).collect::<Vec<_>>(),
-                       "usage": resp.usage, "finish_reason": resp.finish_reason}),
+                       "usage": resp.usage, "finish_reason": resp.finish_reason, "model": model, "ms": model_ms,
+                       "cost_usd": cost.map(crate::model::prices::dollars)}),
             );
             let mut cp = Checkpoint {
                 messages: vec![NewMessage { step, key, message }],
                 events: vec![model_event],
                 step: Some(step),
                 usage: resp.usage,
+                cost_nanos: cost.unwrap_or(0),
                 ..Default::default()
             };
             if calls.is_empty() {
@@ -550,10 +858,12 @@ impl Engine {
                 let result = resp.content.unwrap_or_default();
                 cp.events.push(NewEvent::new(EventKind::StepCompleted, json!({"step": step})));
                 cp.events.push(NewEvent::new(EventKind::RunSucceeded, json!({"result": result, "forced": forced})));
-                cp.finish = Some(Finish::Succeeded { result, forced });
+                cp.finish = Some(Finish::Succeeded { result: result.clone(), forced });
                 self.store.checkpoint(lease, cp).instrument(span).await?;
                 metrics::counter!("subagents_runs_finished_total", "status" => "succeeded").increment(1);
                 tracing::info!(forced, steps = step, "run succeeded");
+                let event = if run.parent_run_id.is_some() { crate::policy::HookEvent::SubagentStop } else { crate::policy::HookEvent::Stop };
+                self.lifecycle_hooks(run, &agent, event, json!({"result": result, "steps": step})).await;
                 return Ok(LoopEnd::Committed);
             }
             // Announce the calls that will run as ordinary tools in the same commit.
@@ -562,7 +872,7 @@ impl Engine {
                 let name = c.function.name.as_str();
                 let plain = tool_names.iter().any(|t| t == name) && !crate::delegation::TOOL_NAMES.contains(&name);
                 if plain && !refused.get(&c.id).copied().unwrap_or(false) {
-                    cp.events.push(NewEvent::new(EventKind::ToolStarted, json!({"step": step, "call_id": c.id, "tool": name})));
+                    cp.events.push(NewEvent::new(EventKind::ToolStarted, tool_started(step, c)));
                 }
             }
             let committed = cp.messages[0].clone();
@@ -570,7 +880,7 @@ impl Engine {
             steps_done = step;
             announced_step = Some(step);
             // The store holds exactly what we just wrote: extend the local copy, no re-read.
-            history.push(StoredMessage { id: i64::MAX, run_id: run.id, step, key: committed.key, message: committed.message });
+            ctx.history.push(StoredMessage { id: i64::MAX, run_id: run.id, step, key: committed.key, message: committed.message });
             metrics::histogram!("subagents_step_seconds").record(step_t0.elapsed().as_secs_f64());
         }
     }
@@ -584,6 +894,7 @@ impl Engine {
         lease: &Lease,
         run: &RunRecord,
         agent: &AgentDef,
+        budget: &Budget,
         workspace: &std::path::Path,
         step: u32,
         all_calls: &[ToolCall],
@@ -599,18 +910,36 @@ impl Engine {
         let futs = pending.iter().map(|call| {
             let remaining = &remaining;
             let refused = refused.get(&call.id).copied().unwrap_or(false);
-            let span = info_span!("tool", tool = %call.function.name, call_id = %call.id, step);
+            let span = info_span!(
+                "tool",
+                otel.name = format!("execute_tool {}", call.function.name),
+                gen_ai.operation.name = "execute_tool",
+                gen_ai.tool.name = %call.function.name,
+                gen_ai.tool.call.id = %call.id,
+                tool = %call.function.name,
+                call_id = %call.id,
+                step,
+                run_id = %run.id,
+                thread_id = %run.thread_id,
+                error.r#type = tracing::field::Empty,
+                otel.status_code = tracing::field::Empty,
+            );
             async move {
                 let key = format!("{}:{}:{}", run.id, step, call.id);
                 let delegation = crate::delegation::TOOL_NAMES.contains(&call.function.name.as_str())
                     && allowed.iter().any(|a| a == &call.function.name);
+                let call_t0 = std::time::Instant::now();
                 let (text, ok, truncated) = if refused {
                     tracing::warn!("identical call repeated 3 times; not executed");
                     (LOOP_MESSAGE.to_owned(), false, false)
                 } else if delegation {
-                    match self.delegation_ctx(run, agent).call(&call.function.name, &call.function.arguments, &call.id).await? {
-                        crate::delegation::Call::Park(wait) => return Ok::<_, Stop>((Some(wait), None)),
-                        crate::delegation::Call::Done(Answer { text, ok }) => (text, ok, false),
+                    match self.gate(lease, run, agent, step, call, &key, workspace).await? {
+                        Gate::Park(wait) => return Ok::<_, Stop>((Some(wait), None)),
+                        Gate::Refuse(text) => (text, false, false),
+                        Gate::Run { arguments, .. } => match self.delegation_ctx(run, agent).call(&call.function.name, &arguments, &call.id).await? {
+                            crate::delegation::Call::Park(wait) => return Ok::<_, Stop>((Some(wait), None)),
+                            crate::delegation::Call::Done(Answer { text, ok }) => (text, ok, false),
+                        },
                     }
                 } else if !allowed.iter().any(|a| a == &call.function.name) {
                     (format!("error[unknown_tool]: `{}` is not available to agent `{}`; use one of: {}", call.function.name, agent.name, allowed.join(", ")), false, false)
@@ -620,30 +949,44 @@ impl Engine {
                     if !announced {
                         self.store
                             .checkpoint(lease, Checkpoint {
-                                events: vec![NewEvent::new(EventKind::ToolStarted, json!({"step": step, "call_id": call.id, "tool": call.function.name}))],
+                                events: vec![NewEvent::new(EventKind::ToolStarted, tool_started(step, call))],
                                 ..Default::default()
                             })
                             .await?;
                     }
-                    let ctx = ToolCtx { workspace: workspace.to_owned(), idempotency_key: key.clone(), output_limit: self.settings.tool_output_limit };
-                    let t0 = std::time::Instant::now();
-                    let out = tokio::time::timeout(self.settings.tool_timeout, self.tools.execute(&call.function.name, &call.function.arguments, &ctx)).await;
-                    let (text, ok) = match out {
-                        Ok(Ok(t)) => (t, true),
-                        Ok(Err(e)) => (e.to_string(), false),
-                        Err(_) => (format!("error[tool_timeout]: the tool did not finish within {}s and was stopped", self.settings.tool_timeout.as_secs_f64()), false),
-                    };
-                    tracing::info!(ok, ms = t0.elapsed().as_millis() as u64, bytes = text.len(), "tool finished");
-                    let len = text.len();
-                    let text = truncate_output(text, self.settings.tool_output_limit);
-                    let truncated = text.len() != len;
-                    (text, ok, truncated)
+                    match self.gate(lease, run, agent, step, call, &key, workspace).await? {
+                        Gate::Park(wait) => return Ok::<_, Stop>((Some(wait), None)),
+                        Gate::Refuse(text) => (text, false, false),
+                        Gate::Run { arguments, context } => {
+                            let ctx = ToolCtx { workspace: workspace.to_owned(), idempotency_key: key.clone(), output_limit: budget.page_bytes() };
+                            let t0 = std::time::Instant::now();
+                            let out = tokio::time::timeout(self.settings.tool_timeout, self.execute_tool(&call.function.name, &arguments, &ctx)).await;
+                            let (text, ok) = match out {
+                                Ok(Ok(t)) => (t, true),
+                                Ok(Err(e)) => (e.to_string(), false),
+                                Err(_) => (format!("error[tool_timeout]: the tool did not finish within {}s and was stopped", self.settings.tool_timeout.as_secs_f64()), false),
+                            };
+                            tracing::info!(ok, ms = t0.elapsed().as_millis() as u64, bytes = text.len(), "tool finished");
+                            let mut text = self.after_tool(run, agent, call, &arguments, text, ok, workspace).await;
+                            for c in context {
+                                text.push_str(&format!("\n[hook context] {c}"));
+                            }
+                            let (text, offloaded) = self.fit_result(budget, workspace, run.id, &call.id, text).await;
+                            (text, ok, offloaded)
+                        }
+                    }
                 };
                 self.settings.failpoints.hit("before_tool_commit").await;
+                if !ok {
+                    let span = tracing::Span::current();
+                    span.record("otel.status_code", "ERROR");
+                    span.record("error.type", if refused { "loop_refused" } else { "tool_error" });
+                }
                 let preview: String = text.chars().take(200).collect();
                 let mut events = vec![NewEvent::new(
                     EventKind::ToolCompleted,
-                    json!({"step": step, "call_id": call.id, "tool": call.function.name, "ok": ok, "truncated": truncated, "refused": refused, "preview": preview}),
+                    json!({"step": step, "call_id": call.id, "tool": call.function.name, "ok": ok, "truncated": truncated, "offloaded": truncated, "refused": refused, "preview": preview,
+                           "ms": call_t0.elapsed().as_millis() as u64}),
                 )];
                 // Serialize the commits of this step so exactly the last one closes the step.
                 let mut left = remaining.lock().await;
@@ -823,4 +1166,22 @@ fn model_error_message(e: &ModelError) -> String {
         ModelError::Rejected { status: 404, .. } => format!("{e} (check OPENAI_BASE_URL and the model name)"),
         _ => e.to_string(),
     }
+}
+
+/// Bytes of a call's arguments a `tool.started` event carries (the full call is in the thread).
+const EVENT_ARGUMENTS_BYTES: usize = 2000;
+
+/// `tool.started`: which call, and its arguments (cut), so a timeline shows what was asked.
+fn tool_started(step: u32, call: &crate::model::ToolCall) -> serde_json::Value {
+    let args = &call.function.arguments;
+    let cut = if args.len() > EVENT_ARGUMENTS_BYTES {
+        let mut end = EVENT_ARGUMENTS_BYTES;
+        while !args.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!("{}…", &args[..end])
+    } else {
+        args.clone()
+    };
+    json!({"step": step, "call_id": call.id, "tool": call.function.name, "arguments": cut})
 }

@@ -21,7 +21,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::{Message, ToolSpec};
+use super::{Message, ToolSpec, compact};
 
 /// The scenario grammar, shown by `subagents mock-llm --help`.
 pub const SCENARIO_HELP: &str = "\
@@ -42,6 +42,22 @@ SCENARIO GRAMMAR
   retry_after=S   send `Retry-After: S` with failures
   latency_ms=L    wait L ms before answering (default: the server's --latency-ms)
   run=ID          any text that keeps scenarios apart (counters are per scenario line)
+  window=N        refuse a request over N tokens (counted with the model's tiktoken encoding,
+                  as the client counts) with OpenAI's 400 `context_length_exceeded`
+                  (default: the server's --window)
+  pad=B           make each call's text about B bytes long (realistic tool outputs)
+  pad_max=B2      vary that length between pad and pad_max, deterministically per call
+  read=PATH       call read_file on PATH (read=tool:NAME: call tool NAME first), then page
+                  on wherever a result says
+                  `read_file with path=`P` offset=N reads on`, and answer `READ DONE` with the
+                  last line read
+
+SUMMARIES
+  A request whose system prompt holds [subagents:compaction] is a compaction: the mock
+  answers `MOCK SUMMARY steps=K tool_results=R`, counting the transcript's assistant turns
+  and tool results after its last user turn (plus an earlier summary's). A context that holds
+  such a summary after its latest user message continues the count, so a compacted scenario
+  ends at the same step as an uncompacted one.
 
 SCRIPTS (--script FILE)
   A JSON object of named turn lists, for scripting any tool call (parents and children apart):
@@ -73,6 +89,10 @@ pub struct Scenario {
     fail_status: u16,
     retry_after: Option<u32>,
     latency_ms: Option<u64>,
+    window: Option<u64>,
+    pad: usize,
+    pad_max: usize,
+    read: Option<String>,
 }
 
 impl Scenario {
@@ -90,6 +110,10 @@ impl Scenario {
             fail_status: 500,
             retry_after: None,
             latency_ms: None,
+            window: None,
+            pad: 0,
+            pad_max: 0,
+            read: None,
         };
         for pair in rest.split_whitespace() {
             let Some((k, v)) = pair.split_once('=') else {
@@ -106,8 +130,12 @@ impl Scenario {
                     "fail_status" => s.fail_status = num(v)?.clamp(100, 599) as u16,
                     "retry_after" => s.retry_after = Some(num(v)? as u32),
                     "latency_ms" => s.latency_ms = Some(num(v)?),
+                    "window" => s.window = Some(num(v)?.max(1)),
+                    "pad" => s.pad = num(v)?.min(1 << 20) as usize,
+                    "pad_max" => s.pad_max = num(v)?.min(1 << 20) as usize,
+                    "read" => s.read = Some(v.to_owned()),
                     "run" => {}
-                    _ => return Err(format!("unknown scenario key `{k}`; known: steps tool parallel loop fail_every fail_status retry_after latency_ms run")),
+                    _ => return Err(format!("unknown scenario key `{k}`; known: steps tool parallel loop fail_every fail_status retry_after latency_ms window pad pad_max read run")),
                 }
                 Ok(())
             })();
@@ -140,6 +168,12 @@ pub struct LogEntry {
     /// The model the request named.
     #[serde(default)]
     pub model: String,
+    /// Prompt tokens of the request, counted with the model's encoding (what the usage says).
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// Whether it was a compaction (summarisation) request.
+    #[serde(default)]
+    pub summary: bool,
 }
 
 /// One scripted turn: text, tool calls, or both.
@@ -175,6 +209,11 @@ pub struct MockOptions {
     pub log_file: Option<PathBuf>,
     /// Scripted turns, chosen by a `MOCK:<name>` marker in the system prompt.
     pub script: Option<Arc<Script>>,
+    /// Refuse requests over this many tokens, as a provider does (`context_length_exceeded`).
+    pub window: Option<u64>,
+    /// Answer 429 (with `Retry-After`) to a request beyond this many in any rolling window, as
+    /// a provider's rate limit does.
+    pub rate_limit: Option<(usize, Duration)>,
 }
 
 /// Shared state of a running mock.
@@ -184,6 +223,7 @@ pub struct MockState {
     script: Mutex<Option<Arc<Script>>>,
     counters: Mutex<HashMap<String, u64>>,
     log: Mutex<Vec<LogEntry>>,
+    accepted: Mutex<std::collections::VecDeque<std::time::Instant>>,
 }
 
 impl MockState {
@@ -220,6 +260,8 @@ pub struct MockServer {
 impl MockServer {
     /// Binds (port 0 picks a free port) and serves in a background task.
     pub async fn start(bind: SocketAddr, options: MockOptions) -> std::io::Result<MockServer> {
+        // Requests are counted with the tokenizer: load it before the first one.
+        let _ = tokio::task::spawn_blocking(|| super::tokens::Counter::warm("gpt-4o")).await;
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
         let script = Mutex::new(options.script.clone());
@@ -258,7 +300,8 @@ pub fn router(state: Arc<MockState>) -> Router {
 async fn stats(State(state): State<Arc<MockState>>) -> Json<Value> {
     let log = state.log.lock().unwrap();
     let ok = log.iter().filter(|e| e.status == 200).count();
-    Json(json!({"requests": log.len(), "ok": ok}))
+    let refused = log.iter().filter(|e| e.status == 429).count();
+    Json(json!({"requests": log.len(), "ok": ok, "refused_429": refused}))
 }
 
 #[derive(Deserialize)]
@@ -272,6 +315,95 @@ struct CompletionRequest {
     stream: bool,
 }
 
+fn context_length_error(window: u64, tokens: u64) -> Response {
+    let message = format!(
+        "This model's maximum context length is {window} tokens. However, your messages resulted in {tokens} tokens. Please reduce the length of the messages."
+    );
+    (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": message, "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}))).into_response()
+}
+
+/// Where a conversation stands: assistant turns and tool results since the latest caller
+/// message, a compaction summary's counts included.
+fn progress(messages: &[Message]) -> (usize, u32, usize) {
+    let last_user = messages.iter().rposition(|m| matches!(m, Message::User { content } if !compact::is_summary(content)));
+    let from = last_user.map(|i| i + 1).unwrap_or(0);
+    let (mut steps, mut results) = (0u32, 0usize);
+    for m in &messages[from..] {
+        match m {
+            Message::Assistant { .. } => steps += 1,
+            Message::Tool { .. } => results += 1,
+            Message::User { content } => {
+                let (s, r) = summary_counts(content);
+                steps += s;
+                results += r;
+            }
+            Message::System { .. } => {}
+        }
+    }
+    (from, steps, results)
+}
+
+/// `steps=K tool_results=R` out of a mock summary (zeros when absent).
+fn summary_counts(text: &str) -> (u32, usize) {
+    let field = |name: &str| {
+        text.find(&format!("{name}="))
+            .map(|i| text[i + name.len() + 1..].chars().take_while(|c| c.is_ascii_digit()).collect::<String>())
+            .and_then(|d| d.parse::<usize>().ok())
+            .unwrap_or(0)
+    };
+    (field("steps") as u32, field("tool_results"))
+}
+
+/// The deterministic answer to a compaction request: counts of the transcript's turns since
+/// its last user turn (an earlier summary before any user turn counts too).
+fn summarise(transcript: &str) -> String {
+    let (mut steps, mut results) = (0u32, 0usize);
+    for section in transcript.split("
+
+").map(str::trim_start) {
+        if section.starts_with(compact::USER) || section.starts_with(compact::TASK) {
+            (steps, results) = (0, 0);
+        } else if section.starts_with(compact::ASSISTANT) {
+            steps += 1;
+        } else if section.starts_with(compact::TOOL_RESULT) {
+            results += 1;
+        } else if let Some(rest) = section.strip_prefix(compact::EARLIER_SUMMARY) {
+            let (s, r) = summary_counts(rest);
+            steps += s;
+            results += r;
+        }
+    }
+    format!("MOCK SUMMARY steps={steps} tool_results={results}")
+}
+
+/// Deterministic filler of about `bytes` bytes, varied enough to tokenize like prose.
+fn filler(bytes: usize, seed: u32) -> String {
+    const WORDS: &[&str] = &[
+        "alpha", "river", "stone", "quiet", "market", "signal", "orbit", "lantern", "copper", "meadow", "vector", "harbor", "pixel",
+        "summit", "ember", "glacier", "the", "of", "and", "report", "found", "42", "config", "server", "latency", "percent", "user",
+        "error", "returns", "file", "module", "2024", "value", "request", "index", "table", "which", "shows", "that", "between",
+    ];
+    let mut out = String::with_capacity(bytes + 8);
+    let mut x = u64::from(seed).wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    while out.len() < bytes {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let r = (x >> 33) as usize;
+        out.push_str(WORDS[r % WORDS.len()]);
+        out.push_str(if r.is_multiple_of(13) { ". " } else if r.is_multiple_of(17) { ", " } else { " " });
+    }
+    out
+}
+
+/// The next `read=` call: page on where the latest result says to, or `None` when done.
+fn next_read(first: &str, results: &[&str]) -> Option<(String, u64)> {
+    let Some(last) = results.last() else { return Some((first.to_owned(), 1)) };
+    let at = last.rfind("read_file with path=`")?;
+    let rest = &last[at + "read_file with path=`".len()..];
+    let (path, rest) = rest.split_once('`')?;
+    let offset = rest.trim_start().strip_prefix("offset=")?.chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().ok()?;
+    Some((path.to_owned(), offset))
+}
+
 fn oai_error(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({"error": {"message": message, "type": "invalid_request_error", "code": null}}))).into_response()
 }
@@ -283,15 +415,36 @@ enum Reply {
 }
 
 async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    let mut resp = completions_inner(state.clone(), headers, body).await;
+    // A rate-limited mock reports its budget on every answer, as OpenAI does.
+    if let Some((max, per)) = state.options.rate_limit
+        && resp.status().is_success()
+    {
+        let now = std::time::Instant::now();
+        let (remaining, reset) = {
+            let q = state.accepted.lock().unwrap();
+            let live: Vec<_> = q.iter().filter(|t| now.duration_since(**t) < per).collect();
+            let reset = live.first().map(|t| per.saturating_sub(now.duration_since(**t))).unwrap_or_default();
+            (max.saturating_sub(live.len()), reset)
+        };
+        let h = resp.headers_mut();
+        h.insert("x-ratelimit-limit-requests", max.to_string().parse().unwrap());
+        h.insert("x-ratelimit-remaining-requests", remaining.to_string().parse().unwrap());
+        h.insert("x-ratelimit-reset-requests", format!("{}ms", reset.as_millis()).parse().unwrap());
+    }
+    resp
+}
+
+async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
     let step_key = headers.get("x-subagents-step").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
     let req: CompletionRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return oai_error(StatusCode::BAD_REQUEST, &format!("bad request body: {e}")),
     };
-    let last_user = req.messages.iter().rposition(|m| matches!(m, Message::User { .. }));
-    let after_user = last_user.map(|i| &req.messages[i + 1..]).unwrap_or(&req.messages[..]);
-    let done_steps = after_user.iter().filter(|m| matches!(m, Message::Assistant { .. })).count() as u32;
-    let tool_results = after_user.iter().filter(|m| matches!(m, Message::Tool { .. })).count();
+    let (from, done_steps, tool_results) = progress(&req.messages);
+    let after_user = &req.messages[from..];
+    let prompt_tokens = super::tokens::Counter::for_model(&req.model).request(&req.messages, &req.tools) as u64;
+    let is_summary = req.messages.iter().any(|m| matches!(m, Message::System { content } if content.contains(compact::REQUEST_MARKER)));
     let scenario = req
         .messages
         .iter()
@@ -304,7 +457,7 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
     let scenario = match scenario {
         Some(Err(e)) => {
             let (messages, offered_tools) = (req.messages.len(), !req.tools.is_empty());
-            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools, prompt_chars: 0, model: req.model.clone() });
+            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools, prompt_chars: 0, model: req.model.clone(), prompt_tokens, summary: is_summary });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
         Some(Ok(s)) => Some(s),
@@ -315,6 +468,38 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         .and_then(|s| s.latency_ms)
         .map(Duration::from_millis)
         .unwrap_or(state.options.latency);
+    if let Some((max, per)) = state.options.rate_limit {
+        let now = std::time::Instant::now();
+        let retry = {
+            let mut q = state.accepted.lock().unwrap();
+            while q.front().is_some_and(|t| now.duration_since(*t) >= per) {
+                q.pop_front();
+            }
+            if q.len() >= max {
+                Some(per.saturating_sub(now.duration_since(*q.front().unwrap())))
+            } else {
+                q.push_back(now);
+                None
+            }
+        };
+        if let Some(after) = retry {
+            state.record(LogEntry {
+                step_key: step_key.clone(),
+                scenario: scenario.as_ref().map(|s| s.key.clone()).unwrap_or_default(),
+                step: done_steps + 1,
+                status: 429,
+                messages: req.messages.len(),
+                offered_tools: !req.tools.is_empty(),
+                prompt_chars: 0,
+                model: req.model.clone(),
+                prompt_tokens,
+                summary: is_summary,
+            });
+            let mut resp = oai_error(StatusCode::TOO_MANY_REQUESTS, &format!("Rate limit reached: {max} requests per {}s", per.as_secs_f64()));
+            resp.headers_mut().insert("retry-after", format!("{}", after.as_secs_f64().ceil().max(1.0)).parse().unwrap());
+            return resp;
+        }
+    }
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
     }
@@ -327,7 +512,15 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         offered_tools: !req.tools.is_empty(),
         prompt_chars: req.messages.iter().map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0)).sum(),
         model: req.model.clone(),
+        prompt_tokens,
+        summary: is_summary,
     };
+    if let Some(window) = scenario.as_ref().and_then(|s| s.window).or(state.options.window)
+        && prompt_tokens > window
+    {
+        state.record(log(400));
+        return context_length_error(window, prompt_tokens);
+    }
     if let Some(s) = &scenario {
         if s.fail_every > 0 {
             let n = {
@@ -349,9 +542,17 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
     }
     let script = state.script.lock().unwrap().clone();
     let scripted = script.as_ref().and_then(|s| scripted(s, &req, after_user, done_steps as usize));
-    let reply = match scripted {
-        Some(r) if !req.tools.is_empty() => r,
-        _ => decide(scenario.as_ref(), &req, after_user, done_steps, tool_results),
+    let reply = if is_summary {
+        let transcript = req.messages.iter().rev().find_map(|m| match m {
+            Message::User { content } => Some(content.as_str()),
+            _ => None,
+        });
+        Reply::Text(summarise(transcript.unwrap_or("")))
+    } else {
+        match scripted {
+            Some(r) if !req.tools.is_empty() => r,
+            _ => decide(scenario.as_ref(), &req, after_user, done_steps, tool_results),
+        }
     };
     state.record(log(200));
     let prompt_chars: usize = req.messages.iter().map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0)).sum();
@@ -359,10 +560,11 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         Reply::Text(t) => t.len(),
         Reply::Calls(c) => c.iter().map(|(_, n, a)| n.len() + a.len()).sum(),
     };
+    let _ = prompt_chars;
     let usage = json!({
-        "prompt_tokens": prompt_chars / 4 + 1,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_chars / 4 + 1,
-        "total_tokens": prompt_chars / 4 + completion_chars / 4 + 2,
+        "total_tokens": prompt_tokens + completion_chars as u64 / 4 + 1,
     });
     let model = if req.model.is_empty() { "mock-model".to_owned() } else { req.model.clone() };
     if req.stream { stream_reply(model, reply, usage) } else { plain_reply(model, reply, usage) }
@@ -417,6 +619,7 @@ fn fill(v: &Value, results: &[Value]) -> Value {
 }
 
 fn decide(s: Option<&Scenario>, req: &CompletionRequest, after_user: &[Message], done: u32, tool_results: usize) -> Reply {
+    // `done` and `tool_results` include what a compaction summary reports.
     let Some(s) = s else {
         let last = after_user
             .iter()
@@ -442,12 +645,46 @@ fn decide(s: Option<&Scenario>, req: &CompletionRequest, after_user: &[Message],
         };
     }
     let step = done + 1;
+    if let Some(first) = &s.read {
+        let results: Vec<&str> = after_user
+            .iter()
+            .filter_map(|m| match m {
+                Message::Tool { content, .. } => Some(content.as_str()),
+                _ => None,
+            })
+            .collect();
+        if results.is_empty()
+            && let Some(tool) = first.strip_prefix("tool:")
+        {
+            return Reply::Calls(vec![(format!("call_{step}_1"), tool.to_owned(), json!({}).to_string())]);
+        }
+        return match next_read(first, &results) {
+            Some((path, offset)) => Reply::Calls(vec![(format!("call_{step}_1"), "read_file".into(), json!({"path": path, "offset": offset}).to_string())]),
+            None => {
+                let last_line = results.last().and_then(|r| r.lines().rev().find(|l| l.contains('\t'))).unwrap_or("").trim().to_owned();
+                Reply::Text(format!("READ DONE after {} reads; last line: {last_line}", results.len()))
+            }
+        };
+    }
     if step >= s.steps {
-        return Reply::Text(format!("DONE after {} steps", s.steps));
+        return Reply::Text(if s.pad > 0 {
+            format!("DONE after {} steps; saw {tool_results} tool results", s.steps)
+        } else {
+            format!("DONE after {} steps", s.steps)
+        });
     }
     Reply::Calls(
         (1..=s.parallel)
-            .map(|j| (format!("call_{step}_{j}"), s.tool.clone(), json!({"text": format!("step {step} call {j}")}).to_string()))
+            .map(|j| {
+                let mut text = format!("step {step} call {j}");
+                if s.pad > 0 {
+                    let spread = s.pad_max.saturating_sub(s.pad) + 1;
+                    let len = s.pad + (step as usize * 7919 + j as usize * 104_729) % spread;
+                    text.push_str(": ");
+                    text.push_str(&filler(len, step * 64 + j));
+                }
+                (format!("call_{step}_{j}"), s.tool.clone(), json!({"text": text}).to_string())
+            })
             .collect(),
     )
 }
@@ -521,5 +758,27 @@ mod tests {
         let e = Scenario::find("SCENARIO stepz=5").unwrap().unwrap_err();
         assert!(e.contains("unknown scenario key `stepz`"), "{e}");
         assert!(Scenario::find("SCENARIO steps=x").unwrap().is_err());
+        let s = Scenario::find("SCENARIO window=8000 pad=1500 read=big.txt").unwrap().unwrap();
+        assert_eq!((s.window, s.pad, s.read.as_deref()), (Some(8000), 1500, Some("big.txt")));
+    }
+
+    #[test]
+    fn summaries_carry_the_count_across_a_compaction() {
+        let t = format!("{}\nMOCK SUMMARY steps=4 tool_results=4\n\n{}\n\n{}\nx\n\n{} (c)\ny\n\n", compact::EARLIER_SUMMARY, compact::USER, compact::ASSISTANT, compact::TOOL_RESULT);
+        assert_eq!(summarise(&t), "MOCK SUMMARY steps=1 tool_results=1");
+        let t = format!("{}\nMOCK SUMMARY steps=4 tool_results=4\n\n{}\nx\n\n", compact::EARLIER_SUMMARY, compact::ASSISTANT);
+        assert_eq!(summarise(&t), "MOCK SUMMARY steps=5 tool_results=4");
+        let task = Message::User { content: "SCENARIO steps=9".into() };
+        let summary = compact::summary_message("MOCK SUMMARY steps=5 tool_results=5", 2, 20, &[]);
+        let a = Message::Assistant { content: None, tool_calls: vec![] };
+        assert_eq!(progress(&[task, summary, a]), (1, 6, 5));
+    }
+
+    #[test]
+    fn reads_page_on_where_the_result_says() {
+        assert_eq!(next_read("big.txt", &[]), Some(("big.txt".into(), 1)));
+        let r = "     1\tx\n[output limit reached at line 900 of `big.txt` (1048576 bytes): read_file with path=`big.txt` offset=900 reads on]";
+        assert_eq!(next_read("big.txt", &[r]), Some(("big.txt".into(), 900)));
+        assert_eq!(next_read("big.txt", &["  1\tend"]), None);
     }
 }

@@ -2,8 +2,11 @@
 //! provider-agnostic [`ChatModel`] trait the engine calls, the OpenAI-compatible streaming client,
 //! and the scripted mock server used by tests, demos and benchmarks.
 
+pub mod compact;
 pub mod mock;
 pub mod openai;
+pub mod prices;
+pub mod tokens;
 
 use std::time::Duration;
 
@@ -131,6 +134,7 @@ pub struct ChatRequest {
     pub step_key: String,
 }
 
+
 /// The model's complete answer to one request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatResponse {
@@ -142,6 +146,9 @@ pub struct ChatResponse {
     pub usage: Usage,
     /// Why the model stopped (`stop`, `tool_calls`, `length`, …).
     pub finish_reason: Option<String>,
+    /// The provider said this call used up its request or token budget
+    /// (`x-ratelimit-remaining-*: 0`): how long until it resets.
+    pub budget_resets_in: Option<std::time::Duration>,
 }
 
 /// How a model call failed, classified once so the engine knows what to do.
@@ -163,9 +170,66 @@ pub enum ModelError {
         /// The last failure.
         last: String,
     },
+    /// The request is longer than the model's context window (OpenAI's
+    /// `context_length_exceeded`, a 413, or the 400 other compatible servers send). The engine
+    /// compacts and retries instead of failing the run.
+    #[error("the request is longer than the model's context window (HTTP {status}): {body}")]
+    ContextLength {
+        /// HTTP status.
+        status: u16,
+        /// Start of the response body.
+        body: String,
+    },
     /// The response could not be understood.
     #[error("model response could not be parsed: {0}")]
     Malformed(String),
+    /// The provider kept answering 429 through every retry: its rate limit, not our request.
+    /// The engine parks the run until `retry_after` instead of failing it.
+    #[error("model endpoint rate-limited every attempt; retry after {retry_after:?}: {last}")]
+    RateLimited {
+        /// How long the provider asked to wait (its `Retry-After`, else our backoff).
+        retry_after: std::time::Duration,
+        /// The last refusal.
+        last: String,
+    },
+}
+
+impl ModelError {
+    /// A short stable name of the failure (`error.type` on traces).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ModelError::Rejected { .. } => "rejected",
+            ModelError::Exhausted { .. } => "exhausted",
+            ModelError::ContextLength { .. } => "context_length_exceeded",
+            ModelError::Malformed(_) => "malformed_response",
+            ModelError::RateLimited { .. } => "rate_limited",
+        }
+    }
+}
+
+/// Whether a refusal says the request was too long for the model (the shapes OpenAI, vLLM,
+/// llama.cpp, Ollama, LiteLLM and Anthropic-compatible proxies send).
+pub fn is_context_length_error(status: u16, body: &str) -> bool {
+    if status == 413 {
+        return true;
+    }
+    if status != 400 && status != 422 {
+        return false;
+    }
+    let b = body.to_ascii_lowercase();
+    [
+        "context_length_exceeded",
+        "maximum context length",
+        "context length",
+        "context window",
+        "prompt is too long",
+        "too many tokens",
+        "input is too long",
+        "reduce the length",
+        "exceeds the context",
+    ]
+    .iter()
+    .any(|p| b.contains(p))
 }
 
 /// Called with each text fragment as it streams in (ephemeral; never checkpointed).
@@ -237,5 +301,15 @@ mod tests {
         assert_eq!(p.delay(1, Some(Duration::from_secs(2))), Duration::from_secs(2));
         assert_eq!(p.delay(1, Some(Duration::from_secs(999))), p.max);
         assert!(p.delay(3, None) >= Duration::from_millis(800));
+    }
+
+    #[test]
+    fn context_length_refusals_are_recognised() {
+        let openai = r#"{"error":{"message":"This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#;
+        assert!(is_context_length_error(400, openai));
+        assert!(is_context_length_error(413, "Payload Too Large"));
+        assert!(is_context_length_error(400, r#"{"error":"the prompt is too long: 300000 tokens > 200000 maximum"}"#));
+        assert!(!is_context_length_error(400, r#"{"error":{"message":"invalid tool schema"}}"#));
+        assert!(!is_context_length_error(500, openai));
     }
 }

@@ -46,7 +46,8 @@ pub struct OpenAiClient {
 
 /// One failed attempt: either worth retrying (with an optional server-given delay) or final.
 enum Attempt {
-    Retry { why: String, after: Option<Duration> },
+    /// `throttled`: the provider answered 429 (its rate limit).
+    Retry { why: String, after: Option<Duration>, throttled: bool },
     Fatal(ModelError),
 }
 
@@ -78,7 +79,7 @@ impl OpenAiClient {
         if !self.config.api_key.is_empty() {
             builder = builder.bearer_auth(&self.config.api_key);
         }
-        let resp = builder.send().await.map_err(|e| Attempt::Retry { why: format!("connection: {e}"), after: None })?;
+        let resp = builder.send().await.map_err(|e| Attempt::Retry { why: format!("connection: {e}"), after: None, throttled: false })?;
         let status = resp.status();
         if !status.is_success() {
             let after = resp
@@ -91,11 +92,14 @@ impl OpenAiClient {
             let body: String = text.chars().take(500).collect();
             let code = status.as_u16();
             return Err(if code == 429 || code == 408 || code == 409 || status.is_server_error() {
-                Attempt::Retry { why: format!("HTTP {code}: {body}"), after }
+                Attempt::Retry { why: format!("HTTP {code}: {body}"), after, throttled: code == 429 }
+            } else if super::is_context_length_error(code, &body) {
+                Attempt::Fatal(ModelError::ContextLength { status: code, body })
             } else {
                 Attempt::Fatal(ModelError::Rejected { status: code, body })
             });
         }
+        let budget_resets_in = budget_reset(resp.headers());
         let is_sse = resp
             .headers()
             .get(reqwest::header::CONTENT_TYPE)
@@ -104,15 +108,15 @@ impl OpenAiClient {
         if !is_sse {
             // Some compatible servers ignore `stream`; accept a plain completion too.
             let v: serde_json::Value =
-                resp.json().await.map_err(|e| Attempt::Retry { why: format!("reading body: {e}"), after: None })?;
-            return parse_plain(&v).map_err(Attempt::Fatal);
+                resp.json().await.map_err(|e| Attempt::Retry { why: format!("reading body: {e}"), after: None, throttled: false })?;
+            return parse_plain(&v).map(|r| ChatResponse { budget_resets_in, ..r }).map_err(Attempt::Fatal);
         }
         let mut acc = Accumulator::default();
         let mut events = resp.bytes_stream().eventsource();
         while let Some(ev) = events.next().await {
-            let ev = ev.map_err(|e| Attempt::Retry { why: format!("stream broke: {e}"), after: None })?;
+            let ev = ev.map_err(|e| Attempt::Retry { why: format!("stream broke: {e}"), after: None, throttled: false })?;
             if ev.data.trim() == "[DONE]" {
-                return Ok(acc.finish());
+                return Ok(ChatResponse { budget_resets_in, ..acc.finish() });
             }
             let chunk: Chunk = serde_json::from_str(&ev.data)
                 .map_err(|e| Attempt::Fatal(ModelError::Malformed(format!("{e} in chunk {}", ev.data))))?;
@@ -121,9 +125,9 @@ impl OpenAiClient {
         // Some servers end the stream without `[DONE]`; what arrived is complete only if a
         // finish reason came with it.
         if acc.finish_reason.is_some() {
-            Ok(acc.finish())
+            Ok(ChatResponse { budget_resets_in, ..acc.finish() })
         } else {
-            Err(Attempt::Retry { why: "stream ended before the response was complete".into(), after: None })
+            Err(Attempt::Retry { why: "stream ended before the response was complete".into(), after: None, throttled: false })
         }
     }
 }
@@ -140,13 +144,17 @@ impl ChatModel for OpenAiClient {
                 Err(_) => Err(Attempt::Retry {
                     why: format!("no complete response within {:?}", self.config.request_timeout),
                     after: None,
+                    throttled: false,
                 }),
             };
             match outcome {
                 Ok(r) => return Ok(r),
                 Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Retry { why, after }) => {
+                Err(Attempt::Retry { why, after, throttled }) => {
                     if attempt_no > policy.retries {
+                        if throttled {
+                            return Err(ModelError::RateLimited { retry_after: policy.delay(attempt_no, after), last: why });
+                        }
                         return Err(ModelError::Exhausted { attempts: attempt_no, last: why });
                     }
                     let delay = policy.delay(attempt_no, after);
@@ -155,6 +163,66 @@ impl ChatModel for OpenAiClient {
                 }
             }
         }
+    }
+}
+
+/// When a response's rate-limit headers (OpenAI's `x-ratelimit-remaining-requests` /
+/// `-tokens` with their `x-ratelimit-reset-*`) say a budget is used up: how long until it resets.
+fn budget_reset(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let get = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::trim);
+    ["requests", "tokens"]
+        .iter()
+        .filter(|kind| get(&format!("x-ratelimit-remaining-{kind}")).and_then(|v| v.parse::<f64>().ok()) == Some(0.0))
+        .filter_map(|kind| get(&format!("x-ratelimit-reset-{kind}")).and_then(parse_reset))
+        .max()
+}
+
+/// OpenAI's reset durations: `1s`, `6m0s`, `20ms`, `1h2m3.5s`, or plain seconds.
+fn parse_reset(s: &str) -> Option<Duration> {
+    if let Ok(secs) = s.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(86_400.0)));
+    }
+    let mut total = 0.0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let n_end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+        let n: f64 = rest[..n_end].parse().ok()?;
+        rest = &rest[n_end..];
+        let (unit, len) = if rest.starts_with("ms") {
+            (0.001, 2)
+        } else if rest.starts_with('h') {
+            (3600.0, 1)
+        } else if rest.starts_with('m') {
+            (60.0, 1)
+        } else if rest.starts_with('s') {
+            (1.0, 1)
+        } else {
+            return None;
+        };
+        total += n * unit;
+        rest = &rest[len..];
+    }
+    Some(Duration::from_secs_f64(total.min(86_400.0)))
+}
+
+#[cfg(test)]
+mod reset_tests {
+    use super::*;
+
+    #[test]
+    fn openai_reset_durations_parse() {
+        assert_eq!(parse_reset("1s"), Some(Duration::from_secs(1)));
+        assert_eq!(parse_reset("6m0s"), Some(Duration::from_secs(360)));
+        assert_eq!(parse_reset("20ms"), Some(Duration::from_millis(20)));
+        assert_eq!(parse_reset("1h2m3.5s"), Some(Duration::from_secs_f64(3723.5)));
+        assert_eq!(parse_reset("2.5"), Some(Duration::from_secs_f64(2.5)));
+        assert_eq!(parse_reset("soon"), None);
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert("x-ratelimit-remaining-requests", "0".parse().unwrap());
+        h.insert("x-ratelimit-reset-requests", "1500ms".parse().unwrap());
+        assert_eq!(budget_reset(&h), Some(Duration::from_millis(1500)));
+        h.insert("x-ratelimit-remaining-requests", "3".parse().unwrap());
+        assert_eq!(budget_reset(&h), None, "budget left: nothing to wait for");
     }
 }
 
@@ -258,6 +326,7 @@ impl Accumulator {
             tool_calls,
             usage: self.usage,
             finish_reason: self.finish_reason,
+            budget_resets_in: None,
         }
     }
 }
@@ -279,5 +348,6 @@ fn parse_plain(v: &serde_json::Value) -> Result<ChatResponse, ModelError> {
         tool_calls,
         usage,
         finish_reason: v["choices"][0]["finish_reason"].as_str().map(str::to_owned),
+        budget_resets_in: None,
     })
 }

@@ -42,13 +42,26 @@ macro_rules! bind_fence {
     };
 }
 
+/// The claim's concurrency guard (a `WHERE` fragment on `sa_runs`): the run's owner below its
+/// limit (its own, else the default `*`), and its agent below its own. Nothing to check when
+/// `sa_limits` is empty, which the first probe of each `NOT EXISTS` finds at once.
+macro_rules! limits_guard {
+    () => {
+        " AND NOT EXISTS (SELECT 1 FROM sa_limits l WHERE \
+           (l.key = 'owner:' || sa_runs.owner OR (l.key = '*' AND NOT EXISTS (SELECT 1 FROM sa_limits lo WHERE lo.key = 'owner:' || sa_runs.owner))) \
+           AND l.concurrency <= (SELECT COUNT(*) FROM sa_runs o WHERE o.owner = sa_runs.owner AND o.status = 'running')) \
+         AND NOT EXISTS (SELECT 1 FROM sa_limits l WHERE l.key = 'agent:' || sa_runs.agent \
+           AND l.concurrency <= (SELECT COUNT(*) FROM sa_runs g WHERE g.agent = sa_runs.agent AND g.status = 'running'))"
+    };
+}
+
 /// The columns of a run, in the order `run_from_row` reads them.
 macro_rules! run_columns {
     () => {
         "id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, root_run_id, depth, detached, \
     wake_at, claimed_from, step, forced, \
     result, error_kind, error_message, prompt_tokens, completion_tokens, attempts, crashes, lease_epoch, cancel_requested, \
-    job_id, event_seq, created_at, started_at, finished_at, heartbeat_at"
+    job_id, event_seq, created_at, started_at, finished_at, heartbeat_at, cost_nanos, retry_of, priority"
     };
 }
 
@@ -58,7 +71,7 @@ macro_rules! run_columns {
 /// park orders its reads and its fence is the one locking difference between the backends
 /// (`park_reads_first`, and `share`: the lock clause of those reads).
 macro_rules! store_impl {
-    ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, run_log = { $($run_log:tt)* }, queries = { $($queries:tt)* }) => {
+    ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, owner_unindexed = $owner_unindexed:literal, run_log = { $($run_log:tt)* }, queries = { $($queries:tt)* }) => {
         impl $store {
             /// Inserts a commit's events in one statement (one round trip, whatever their number).
             async fn insert_events(
@@ -193,6 +206,41 @@ macro_rules! store_impl {
 
         impl $store {
             /// Whether any of `targets` has ended (or is missing): a park on them is due at once.
+            /// Opens a write made under a lease besides a checkpoint (a compaction, a tool
+            /// decision): `statement` proves the epoch ([`Transition::Heartbeat`]), renews the
+            /// lease and reserves `events` seqs; its row (`RETURNING event_seq, …`) comes back.
+            async fn fence(
+                tx: &mut sqlx::Transaction<'_, $db>,
+                lease: &Lease,
+                events: usize,
+                now: DateTime<Utc>,
+                statement: &'static str,
+            ) -> Result<<$db as sqlx::Database>::Row> {
+                let row = sqlx::query(sqlx::AssertSqlSafe(statement))
+                    .bind(events as i64)
+                    .bind(now_ms() + lease.ttl.as_millis() as i64)
+                    .bind(now)
+                    .bind(lease.run_id.to_string())
+                    .bind(lease.epoch)
+                    .fetch_optional(&mut **tx)
+                    .await?;
+                row.ok_or(StoreError::LeaseLost(lease.run_id))
+            }
+
+            /// Whether an approval a park waits on is no longer pending (read with the same lock
+            /// as the runs in [`Self::any_ended`]).
+            async fn answered(tx: &mut sqlx::Transaction<'_, $db>, approvals: &[String]) -> Result<bool> {
+                let mut answered = false;
+                for id in approvals {
+                    let status: Option<String> = sqlx::query_scalar(concat!("SELECT status FROM sa_approvals WHERE id = $1", $share))
+                        .bind(id)
+                        .fetch_optional(&mut **tx)
+                        .await?;
+                    answered |= status.as_deref() != Some("pending");
+                }
+                Ok(answered)
+            }
+
             async fn any_ended(tx: &mut sqlx::Transaction<'_, $db>, targets: &[RunId]) -> Result<bool> {
                 let mut ended = false;
                 for target in targets {
@@ -211,12 +259,12 @@ macro_rules! store_impl {
             $($run_log)*
 
             async fn park(&self, lease: &Lease, park: Park) -> Result<Parked> {
-                debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty(), "a park needs something to wake it");
+                debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty() || !park.approvals.is_empty(), "a park needs something to wake it");
                 let now = Utc::now();
                 let mut tx = self.pool.begin().await?;
                 // Either order leaves no window: a child that ends now either commits first (and
                 // is seen ended here) or after this park (and then finds it parked and wakes it).
-                let mut due = $reads_first && Self::any_ended(&mut tx, &park.waits_on).await?;
+                let mut due = $reads_first && (Self::any_ended(&mut tx, &park.waits_on).await? || Self::answered(&mut tx, &park.approvals).await?);
                 let row = sqlx::query(sql!(
                     "UPDATE sa_runs SET heartbeat_at = $1 WHERE id = $2 AND lease_epoch = $3 AND status IN ({}) RETURNING cancel_requested",
                     Transition::Park
@@ -232,7 +280,7 @@ macro_rules! store_impl {
                     return Ok(Parked::CancelPending);
                 }
                 if !$reads_first {
-                    due = Self::any_ended(&mut tx, &park.waits_on).await?;
+                    due = Self::any_ended(&mut tx, &park.waits_on).await? || Self::answered(&mut tx, &park.approvals).await?;
                 }
                 sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(lease.run_id.to_string()).execute(&mut *tx).await?;
                 for target in &park.waits_on {
@@ -392,16 +440,215 @@ macro_rules! store_impl {
                     .collect()
             }
 
-            async fn thread_messages(&self, thread: &ThreadId, limit: u32) -> Result<Vec<StoredMessage>> {
+            async fn messages_after(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>> {
                 let rows = sqlx::query(
                     "SELECT id, run_id, step, key, body FROM (SELECT id, run_id, step, key, body FROM sa_messages \
-                     WHERE thread_id = $1 ORDER BY id DESC LIMIT $2) t ORDER BY id",
+                     WHERE thread_id = $1 AND id > $2 ORDER BY id DESC LIMIT $3) t ORDER BY id",
                 )
                 .bind(thread.as_str())
+                .bind(after)
                 .bind(limit as i64)
                 .fetch_all(&self.pool)
                 .await?;
                 rows.iter().map(message_from_row).collect()
+            }
+
+            async fn tool_decision(&self, key: &str) -> Result<Option<Value>> {
+                let d: Option<String> = sqlx::query_scalar("SELECT decision FROM sa_tool_decisions WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
+                d.map(|d| serde_json::from_str(&d).map_err(|e| corrupt("tool decision", e))).transpose()
+            }
+
+            async fn commit_decision(&self, lease: &Lease, key: &str, decision: Value, approval: Option<NewApproval>, events: Vec<NewEvent>) -> Result<()> {
+                let now = Utc::now();
+                let mut tx = self.pool.begin().await?;
+                let row = Self::fence(&mut tx, lease, events.len(), now, sql!(
+                    "UPDATE sa_runs SET event_seq = event_seq + $1, lease_expires_at = $2, heartbeat_at = $3, updated_at = $3 \
+                     WHERE id = $4 AND lease_epoch = $5 AND status IN ({}) RETURNING event_seq, COALESCE(root_run_id, id), owner",
+                    Transition::Heartbeat
+                )).await?;
+                let last: i64 = row.get(0);
+                let root: String = row.get(1);
+                let owner: String = row.get(2);
+                let inserted = sqlx::query("INSERT INTO sa_tool_decisions (key, run_id, decision, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT(key) DO NOTHING")
+                    .bind(key)
+                    .bind(lease.run_id.to_string())
+                    .bind(decision.to_string())
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if inserted == 1 {
+                    if let Some(a) = approval {
+                        sqlx::query(
+                            "INSERT INTO sa_approvals (id, run_id, root_run_id, owner, call_key, tool, input, reason, status, created_at, expires_at) \
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9, $10) ON CONFLICT(call_key) DO NOTHING",
+                        )
+                        .bind(&a.id)
+                        .bind(lease.run_id.to_string())
+                        .bind(&root)
+                        .bind(&owner)
+                        .bind(key)
+                        .bind(&a.tool)
+                        .bind(a.input.to_string())
+                        .bind(&a.reason)
+                        .bind(now)
+                        .bind(a.expires_at)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                }
+                Self::insert_events(&mut tx, lease.run_id, (last - events.len() as i64 + 1) as u64, &events).await?;
+                tx.commit().await?;
+                self.notifier.notify(lease.run_id);
+                Ok(())
+            }
+
+            async fn take_budget(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>> {
+                let now = now_ms();
+                let mut tx = self.pool.begin().await?;
+                // The key's row is the lock: takers of one key go one at a time, on both backends.
+                let (blocked_until, next_wake): (i64, i64) = sqlx::query_as(
+                    "INSERT INTO sa_rate_keys (key, touched) VALUES ($1, $2) ON CONFLICT(key) DO UPDATE SET touched = $2 RETURNING blocked_until, next_wake",
+                )
+                .bind(key)
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await?;
+                // The provider said the budget is used up: nobody takes from it until then.
+                if blocked_until > now {
+                    tx.commit().await?;
+                    return Ok(Some(blocked_until));
+                }
+                sqlx::query("DELETE FROM sa_rate_log WHERE key = $1 AND at <= $2").bind(key).bind(now - window_ms).execute(&mut *tx).await?;
+                let row = sqlx::query(
+                    "SELECT count(*), CAST(COALESCE(SUM(tokens), 0) AS BIGINT), CAST(COALESCE(MIN(at), 0) AS BIGINT) FROM sa_rate_log WHERE key = $1",
+                )
+                .bind(key)
+                .fetch_one(&mut *tx)
+                .await?;
+                let (used, spent, oldest): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+                let over = max_requests.is_some_and(|m| used as u64 + 1 > m) || max_tokens.is_some_and(|m| used > 0 && spent as u64 + tokens > m);
+                if over {
+                    // Each refused taker gets its own slot: the first when the oldest call
+                    // leaves the window, each next one a slot's share of the window later.
+                    let at = super::next_wake(oldest + window_ms + 1, next_wake, window_ms, max_requests);
+                    sqlx::query("UPDATE sa_rate_keys SET next_wake = $1 WHERE key = $2").bind(at).bind(key).execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    return Ok(Some(at));
+                }
+                sqlx::query("INSERT INTO sa_rate_log (key, at, tokens) VALUES ($1, $2, $3)")
+                    .bind(key)
+                    .bind(now)
+                    .bind(tokens.min(i64::MAX as u64) as i64)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(None)
+            }
+
+            async fn block_budget(&self, key: &str, until_ms: i64) -> Result<()> {
+                sqlx::query(
+                    "INSERT INTO sa_rate_keys (key, touched, blocked_until) VALUES ($1, $2, $3) ON CONFLICT(key) DO UPDATE SET \
+                     blocked_until = CASE WHEN sa_rate_keys.blocked_until > EXCLUDED.blocked_until THEN sa_rate_keys.blocked_until ELSE EXCLUDED.blocked_until END",
+                )
+                .bind(key)
+                .bind(now_ms())
+                .bind(until_ms)
+                .execute(&self.pool)
+                .await?;
+                Ok(())
+            }
+
+            async fn budget_blocked_until(&self, key: &str) -> Result<i64> {
+                let until: Option<i64> = sqlx::query_scalar("SELECT blocked_until FROM sa_rate_keys WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
+                Ok(until.unwrap_or(0))
+            }
+
+            async fn approval(&self, id: &str) -> Result<Option<Approval>> {
+                let row = sqlx::query("SELECT * FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
+                row.as_ref().map(approval_from_row).transpose()
+            }
+
+            async fn expire_approval(&self, id: &str) -> Result<bool> {
+                let done = sqlx::query(
+                    "UPDATE sa_approvals SET status = 'expired', answer_reason = 'nobody answered before the approval timeout', resolved_by = 'timeout', resolved_at = $1 \
+                     WHERE id = $2 AND status = 'pending' AND expires_at <= $3",
+                )
+                .bind(Utc::now())
+                .bind(id)
+                .bind(now_ms())
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+                Ok(done == 1)
+            }
+
+            async fn has_grant(&self, root: RunId, tool: &str) -> Result<bool> {
+                let n: i64 = sqlx::query_scalar("SELECT count(*) FROM sa_grants WHERE root_run_id = $1 AND tool = $2")
+                    .bind(root.to_string())
+                    .bind(tool)
+                    .fetch_one(&self.pool)
+                    .await?;
+                Ok(n > 0)
+            }
+
+            async fn latest_compaction(&self, thread: &ThreadId) -> Result<Option<Compaction>> {
+                let row = sqlx::query(
+                    "SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+                     tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id DESC LIMIT 1",
+                )
+                .bind(thread.as_str())
+                .fetch_optional(&self.pool)
+                .await?;
+                row.as_ref().map(compaction_from_row).transpose()
+            }
+
+            async fn commit_compaction(&self, lease: &Lease, c: CompactionBody, spent: (Usage, u64), events: Vec<NewEvent>) -> Result<()> {
+                let now = Utc::now();
+                let mut tx = self.pool.begin().await?;
+                // The fence first, as in a checkpoint: it proves the epoch and reserves the seqs.
+                let row = Self::fence(&mut tx, lease, events.len(), now, sql!(
+                    "UPDATE sa_runs SET event_seq = event_seq + $1, lease_expires_at = $2, heartbeat_at = $3, updated_at = $3 \
+                     WHERE id = $4 AND lease_epoch = $5 AND status IN ({}) RETURNING event_seq, thread_id",
+                    Transition::Heartbeat
+                )).await?;
+                let last: i64 = row.get(0);
+                let thread: String = row.get(1);
+                // The summary call is a model call: its tokens and cost count in the run's usage.
+                let (usage, cost) = spent;
+                if usage.total() > 0 || cost > 0 {
+                    sqlx::query(
+                        "UPDATE sa_runs SET prompt_tokens = prompt_tokens + $1, completion_tokens = completion_tokens + $2, cost_nanos = cost_nanos + $3 WHERE id = $4",
+                    )
+                    .bind(usage.prompt_tokens as i64)
+                    .bind(usage.completion_tokens as i64)
+                    .bind(cost.min(i64::MAX as u64) as i64)
+                    .bind(lease.run_id.to_string())
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                sqlx::query(
+                    "INSERT INTO sa_compactions (thread_id, run_id, key, first_message_id, last_message_id, messages, \
+                     summary, tokens_before, tokens_after, reason, created_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT(key) DO NOTHING",
+                )
+                .bind(&thread)
+                .bind(lease.run_id.to_string())
+                .bind(format!("{}:compact:{}-{}", lease.run_id, c.first_message_id, c.last_message_id))
+                .bind(c.first_message_id)
+                .bind(c.last_message_id)
+                .bind(c.messages)
+                .bind(&c.summary)
+                .bind(c.tokens_before)
+                .bind(c.tokens_after)
+                .bind(&c.reason)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                Self::insert_events(&mut tx, lease.run_id, (last - events.len() as i64 + 1) as u64, &events).await?;
+                tx.commit().await?;
+                self.notifier.notify(lease.run_id);
+                Ok(())
             }
 
             async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>> {
@@ -501,6 +748,72 @@ macro_rules! store_impl {
                     .collect()
             }
 
+            async fn queue_rank(&self, run: RunId) -> Result<(u32, u8)> {
+                let row = sqlx::query(
+                    "SELECT (SELECT COUNT(*) FROM sa_runs q WHERE q.owner = r.owner AND q.status = 'queued' \
+                       AND (q.priority > r.priority OR (q.priority = r.priority AND q.id < r.id))), r.priority \
+                     FROM sa_runs r WHERE r.id = $1",
+                )
+                .bind(run.to_string())
+                .fetch_optional(&self.pool)
+                .await?;
+                Ok(row.map(|r| (r.get::<i64, _>(0).clamp(0, i64::from(u32::MAX)) as u32, r.get::<i64, _>(1).clamp(1, 5) as u8)).unwrap_or((0, 3)))
+            }
+
+            async fn at_limit(&self, run: RunId) -> Result<bool> {
+                let held: Option<i64> = sqlx::query_scalar(concat!(
+                    "SELECT CAST(1 AS BIGINT) FROM sa_runs WHERE id = $1 AND status IN ('queued', 'waiting') AND NOT (1 = 1 ",
+                    limits_guard!(),
+                    ")"
+                ))
+                .bind(run.to_string())
+                .fetch_optional(&self.pool)
+                .await?;
+                Ok(held.is_some())
+            }
+
+            async fn set_limits(&self, prefix: &str, entries: &[(String, u32)]) -> Result<()> {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query("DELETE FROM sa_limits WHERE key LIKE $1").bind(format!("{prefix}%")).execute(&mut *tx).await?;
+                for (key, n) in entries.iter().filter(|(k, n)| *n > 0 && k.starts_with(prefix)) {
+                    sqlx::query("INSERT INTO sa_limits (key, concurrency) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET concurrency = EXCLUDED.concurrency")
+                        .bind(key)
+                        .bind(i64::from(*n))
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+                self.refresh_limits().await?;
+                Ok(())
+            }
+
+            async fn refresh_limits(&self) -> Result<bool> {
+                let any: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM sa_limits)").fetch_one(&self.pool).await?;
+                self.limits_seen.store(any, std::sync::atomic::Ordering::Relaxed);
+                Ok(any)
+            }
+
+            async fn set_owner_budgets(&self, entries: &[(String, OwnerBudget)]) -> Result<()> {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query("DELETE FROM sa_owner_budgets").execute(&mut *tx).await?;
+                for (owner, b) in entries.iter().filter(|(_, b)| b.rpm.is_some() || b.tpm.is_some()) {
+                    sqlx::query("INSERT INTO sa_owner_budgets (owner, rpm, tpm) VALUES ($1, $2, $3)")
+                        .bind(owner)
+                        .bind(b.rpm.map(|n| n.min(i64::MAX as u64) as i64))
+                        .bind(b.tpm.map(|n| n.min(i64::MAX as u64) as i64))
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>> {
+                let row: Option<(Option<i64>, Option<i64>)> =
+                    sqlx::query_as("SELECT rpm, tpm FROM sa_owner_budgets WHERE owner = $1").bind(owner).fetch_optional(&self.pool).await?;
+                Ok(row.map(|(rpm, tpm)| OwnerBudget { rpm: rpm.map(|n| n.max(0) as u64), tpm: tpm.map(|n| n.max(0) as u64) }))
+            }
+
             async fn set_job(&self, run: RunId, job_id: &str) -> Result<()> {
                 sqlx::query("UPDATE sa_runs SET job_id = $1, enqueued_at = $2 WHERE id = $3")
                     .bind(job_id)
@@ -520,11 +833,11 @@ macro_rules! store_impl {
                 id.map(|i| i.parse().map_err(|e| corrupt("run id", e))).transpose()
             }
 
-            fn subscribe(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify> {
+            fn subscribe(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal> {
                 self.notifier.subscribe(run)
             }
 
-            fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify> {
+            fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal> {
                 self.cancels.subscribe(run)
             }
 
@@ -554,20 +867,22 @@ macro_rules! store_impl {
                 rows.iter().map(run_from_row).collect()
             }
 
-            async fn tree_usage(&self, run: RunId) -> Result<(Usage, u64)> {
+            async fn tree_totals(&self, run: RunId) -> Result<TreeTotals> {
                 let row = sqlx::query(
                     "WITH RECURSIVE tree(id) AS (SELECT CAST($1 AS TEXT) UNION ALL \
                        SELECT r.id FROM sa_runs r JOIN tree t ON r.parent_run_id = t.id) \
                      SELECT CAST(COALESCE(SUM(prompt_tokens), 0) AS BIGINT), CAST(COALESCE(SUM(completion_tokens), 0) AS BIGINT), \
-                       CAST(COALESCE(SUM(step), 0) AS BIGINT) FROM sa_runs WHERE id IN (SELECT id FROM tree)",
+                       CAST(COALESCE(SUM(step), 0) AS BIGINT), CAST(COALESCE(SUM(cost_nanos), 0) AS BIGINT) \
+                     FROM sa_runs WHERE id IN (SELECT id FROM tree)",
                 )
                 .bind(run.to_string())
                 .fetch_one(&self.pool)
                 .await?;
-                Ok((
-                    Usage { prompt_tokens: row.get::<i64, _>(0) as u64, completion_tokens: row.get::<i64, _>(1) as u64 },
-                    row.get::<i64, _>(2) as u64,
-                ))
+                Ok(TreeTotals {
+                    usage: Usage { prompt_tokens: row.get::<i64, _>(0) as u64, completion_tokens: row.get::<i64, _>(1) as u64 },
+                    steps: row.get::<i64, _>(2) as u64,
+                    cost_nanos: row.get::<i64, _>(3).max(0) as u64,
+                })
             }
 
             async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64> {
@@ -585,9 +900,184 @@ macro_rules! store_impl {
         impl Queries for $store {
             $($queries)*
 
+            async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()> {
+                const BATCH: u32 = 500;
+                let mut done = 0;
+                while done < count {
+                    let n = BATCH.min(count - done);
+                    let rows = super::seed_rows(done, n, now);
+                    let mut tx = self.pool.begin().await?;
+                    let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_threads (id, owner, created_at, updated_at) ");
+                    q.push_values(&rows, |mut b, r| {
+                        b.push_bind(r.1.clone()).push_bind(owner.to_owned()).push_bind(r.2).push_bind(r.2);
+                    });
+                    q.build().execute(&mut *tx).await?;
+                    let mut q = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, step, result, error_kind, error_message, \
+                         prompt_tokens, completion_tokens, cost_nanos, attempts, event_seq, job_id, enqueued_at, created_at, started_at, finished_at, updated_at) ",
+                    );
+                    q.push_values(&rows, |mut b, r| {
+                        let ok = r.4 == "succeeded";
+                        b.push_bind(r.0.clone())
+                            .push_bind(r.1.clone())
+                            .push_bind(owner.to_owned())
+                            .push_bind("general-purpose")
+                            .push_bind(r.4)
+                            .push_bind(format!("Seeded task {} for the dashboard benchmark", r.0))
+                            .push_bind("{}")
+                            .push_bind(r#"{"max_steps":25,"timeout_secs":600}"#)
+                            .push_bind(if r.3.is_some() { 3i64 } else { 0 })
+                            .push_bind(ok.then(|| "seeded result".to_owned()))
+                            .push_bind(r.5)
+                            .push_bind(r.5.map(|k| format!("seeded {k} failure")))
+                            .push_bind(if r.3.is_some() { 5400i64 } else { 0 })
+                            .push_bind(if r.3.is_some() { 300i64 } else { 0 })
+                            .push_bind(if r.3.is_some() { 13_200_000i64 } else { 0 })
+                            .push_bind(if r.3.is_some() { 1i64 } else { 0 })
+                            .push_bind(if r.6 && r.3.is_some() { 5i64 } else { 1 })
+                            .push_bind(format!("seed-{}", r.0))
+                            .push_bind(r.2.timestamp_millis())
+                            .push_bind(r.2)
+                            .push_bind(r.3.map(|_| r.2))
+                            .push_bind(r.3)
+                            .push_bind(r.3.unwrap_or(r.2));
+                    });
+                    q.build().execute(&mut *tx).await?;
+                    // The last hour's runs get the events the overview's charts read.
+                    let mut events = vec![];
+                    for r in rows.iter().filter(|r| r.6) {
+                        let Some(fin) = r.3 else {
+                            events.push((r.0.clone(), 1i64, "run.queued", "{}".to_owned(), r.2));
+                            continue;
+                        };
+                        events.push((r.0.clone(), 1, "run.queued", "{}".to_owned(), r.2));
+                        let span = (fin - r.2) / 4;
+                        for k in 1..=3i64 {
+                            let data = serde_json::json!({"step": k, "model": "gpt-4.1-mini", "ms": 400 + 50 * k, "usage": {"prompt_tokens": 1800, "completion_tokens": 100}, "cost_usd": 0.00088, "tool_calls": []});
+                            events.push((r.0.clone(), k + 1, "model.completed", data.to_string(), r.2 + span * k as i32));
+                        }
+                        let end = match r.4 { "succeeded" => "run.succeeded", "failed" => "run.failed", _ => "run.cancelled" };
+                        events.push((r.0.clone(), 5, end, "{}".to_owned(), fin));
+                    }
+                    if !events.is_empty() {
+                        let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ");
+                        q.push_values(&events, |mut b, e| {
+                            b.push_bind(e.0.clone()).push_bind(e.1).push_bind(e.2).push_bind(e.3.clone()).push_bind(e.4).push_bind(1i64);
+                        });
+                        q.build().execute(&mut *tx).await?;
+                    }
+                    tx.commit().await?;
+                    done += n;
+                }
+                Ok(())
+            }
+
+            async fn overview(&self, owner: &str, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData> {
+                let mut out = OverviewData::default();
+                for row in sqlx::query("SELECT status, COUNT(*) FROM sa_runs WHERE owner = $1 GROUP BY status").bind(owner).fetch_all(&self.pool).await? {
+                    let s: String = row.get(0);
+                    let status = RunStatus::parse(&s).ok_or_else(|| corrupt("status", &s))?;
+                    out.by_status.push((status, row.get::<i64, _>(1) as u64));
+                }
+                out.oldest_queued_ms = sqlx::query_scalar("SELECT MIN(enqueued_at) FROM sa_runs WHERE owner = $1 AND status = 'queued'")
+                    .bind(owner)
+                    .fetch_one(&self.pool)
+                    .await?;
+                // Events of the runs that were active in the last hour (finished in it, or not
+                // finished): the runs come from indexes, their events from the primary key.
+                // On SQLite `+owner` keeps the planner on the finished_at index (without
+                // statistics it takes the owner index and walks every run the owner ever had);
+                // PostgreSQL's planner needs no hint, and misjudges the hinted form.
+                let rows = sqlx::query(concat!(
+                    "SELECT e.run_id, e.type, e.data, e.created_at FROM sa_events e \
+                     WHERE e.run_id IN (SELECT id FROM sa_runs WHERE finished_at >= $2 AND ", $owner_unindexed, " = $1 \
+                                        UNION SELECT id FROM sa_runs WHERE owner = $1 AND status IN ('running', 'waiting')) \
+                       AND e.type IN ('model.completed', 'run.succeeded', 'run.failed', 'run.cancelled') AND e.created_at >= $2 \
+                     ORDER BY e.created_at DESC LIMIT $3",
+                ))
+                .bind(owner)
+                .bind(hour)
+                .bind(i64::from(cap) + 1)
+                .fetch_all(&self.pool)
+                .await?;
+                out.events_capped = rows.len() > cap as usize;
+                for row in rows.iter().take(cap as usize) {
+                    let run: String = row.get(0);
+                    let data: String = row.get(2);
+                    out.events.push((
+                        run.parse().map_err(|e| corrupt("event run id", e))?,
+                        row.get(1),
+                        serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
+                        row.get(3),
+                    ));
+                }
+                for row in sqlx::query(
+                    "SELECT COALESCE(error_kind, 'unknown'), COUNT(*) FROM sa_runs \
+                     WHERE owner = $1 AND finished_at >= $2 AND status = 'failed' GROUP BY error_kind",
+                )
+                .bind(owner)
+                .bind(day)
+                .fetch_all(&self.pool)
+                .await?
+                {
+                    out.failures.push((row.get(0), row.get::<i64, _>(1) as u64));
+                }
+                // No ORDER BY: sorting by id would walk the (owner, id) index over every run.
+                for row in sqlx::query("SELECT id, lease_owner, heartbeat_at FROM sa_runs WHERE owner = $1 AND status = 'running' LIMIT 500")
+                    .bind(owner)
+                    .fetch_all(&self.pool)
+                    .await?
+                {
+                    let id: String = row.get(0);
+                    out.running.push((id.parse().map_err(|e| corrupt("run id", e))?, row.get(1), row.get(2)));
+                }
+                out.workers = self.workers().await?;
+                Ok(out)
+            }
+
+            async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
+                let mut q = sqlx::QueryBuilder::<$db>::new(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE owner = "));
+                q.push_bind(owner.to_owned());
+                if !f.status.is_empty() {
+                    q.push(" AND status IN (");
+                    let mut list = q.separated(", ");
+                    for s in &f.status {
+                        list.push_bind(s.as_str());
+                    }
+                    list.push_unseparated(")");
+                }
+                if let Some(a) = &f.agent {
+                    q.push(" AND agent = ").push_bind(a.clone());
+                }
+                if let Some(t) = &f.thread_id {
+                    q.push(" AND thread_id = ").push_bind(t.as_str().to_owned());
+                }
+                if let Some(p) = f.parent_run_id {
+                    q.push(" AND parent_run_id = ").push_bind(p.to_string());
+                }
+                if let Some(text) = &f.text {
+                    // LIKE's wildcards in the text are matched literally.
+                    let pattern = format!("%{}%", text.to_lowercase().replace('\\', "\\\\").replace('%', "\\%").replace('_', "\\_"));
+                    q.push(" AND (LOWER(input) LIKE ").push_bind(pattern.clone()).push(" ESCAPE '\\' OR LOWER(COALESCE(result, '')) LIKE ").push_bind(pattern).push(" ESCAPE '\\')");
+                }
+                // Ids are time-ordered: a time range is an id range, served by the primary key.
+                if let Some(t) = f.created_after {
+                    q.push(" AND id >= ").push_bind(RunId::lower_bound(t).to_string());
+                }
+                if let Some(t) = f.created_before {
+                    q.push(" AND id < ").push_bind(RunId::lower_bound(t).to_string());
+                }
+                if let Some(c) = f.before {
+                    q.push(if f.oldest_first { " AND id > " } else { " AND id < " }).push_bind(c.to_string());
+                }
+                q.push(if f.oldest_first { " ORDER BY id ASC LIMIT " } else { " ORDER BY id DESC LIMIT " }).push_bind(i64::from(limit));
+                let rows = q.build().fetch_all(&self.pool).await?;
+                rows.iter().map(run_from_row).collect()
+            }
+
             async fn wipe(&self) -> Result<()> {
                 let mut tx = self.pool.begin().await?;
-                for t in ["sa_events", "sa_messages", "sa_run_waits", "sa_runs", "sa_threads", "sa_waits"] {
+                for t in ["sa_events", "sa_compactions", "sa_tool_decisions", "sa_approvals", "sa_grants", "sa_messages", "sa_run_waits", "sa_runs", "sa_threads", "sa_waits"] {
                     sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
                 }
                 sqlx::query(concat!("DELETE FROM ", $jobs, " WHERE job_type = $1"))
@@ -617,6 +1107,99 @@ macro_rules! store_impl {
                 }))
             }
 
+            async fn list_approvals(&self, owner: &str, status: Option<ApprovalStatus>, run: Option<RunId>, before: Option<&str>, limit: u32) -> Result<Vec<Approval>> {
+                // A pending approval whose run ended (cancelled, timed out) is closed, not pending.
+                let rows = sqlx::query(
+                    "SELECT a.* FROM sa_approvals a JOIN sa_runs r ON r.id = a.run_id WHERE a.owner = $1 \
+                     AND ($2 IS NULL OR a.status = $2) AND ($3 IS NULL OR a.run_id = $3) AND ($4 IS NULL OR a.id < $4) \
+                     AND ($2 IS NULL OR $2 <> 'pending' OR r.status = 'waiting' OR r.status = 'running' OR r.status = 'queued') \
+                     ORDER BY a.id DESC LIMIT $5",
+                )
+                .bind(owner)
+                .bind(status.map(ApprovalStatus::as_str))
+                .bind(run.map(|r| r.to_string()))
+                .bind(before)
+                .bind(limit as i64)
+                .fetch_all(&self.pool)
+                .await?;
+                rows.iter().map(approval_from_row).collect()
+            }
+
+            async fn answer_approval(&self, id: &str, owner: &str, answer: ApprovalAnswer) -> Result<Answered> {
+                let now = Utc::now();
+                let mut tx = self.pool.begin().await?;
+                let status = if answer.allow { "allowed" } else { "denied" };
+                let scope = if answer.run_tree { "run_tree" } else { "once" };
+                let row = sqlx::query(
+                    "UPDATE sa_approvals SET status = $1, answer_reason = $2, updated_input = $3, scope = $4, resolved_at = $5, resolved_by = $9 \
+                     WHERE id = $6 AND owner = $7 AND status = 'pending' AND expires_at > $8 \
+                     AND run_id IN (SELECT id FROM sa_runs WHERE status IN ('waiting', 'running', 'queued')) \
+                     RETURNING run_id, root_run_id, tool",
+                )
+                .bind(status)
+                .bind(&answer.reason)
+                .bind(answer.updated_input.as_ref().map(|v| v.to_string()))
+                .bind(scope)
+                .bind(now)
+                .bind(id)
+                .bind(owner)
+                .bind(now_ms())
+                .bind(&answer.by)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let Some(row) = row else {
+                    tx.rollback().await?;
+                    let existing: Option<(String, String)> = sqlx::query_as("SELECT status, owner FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
+                    return Ok(match existing {
+                        Some((st, o)) if o == owner => {
+                            let st = ApprovalStatus::parse(&st).ok_or_else(|| corrupt("approval status", &st))?;
+                            // Pending but past its time, or its run ended: closed either way.
+                            Answered::Closed(if st == ApprovalStatus::Pending { ApprovalStatus::Expired } else { st })
+                        }
+                        _ => Answered::NotFound,
+                    });
+                };
+                let run: String = row.get(0);
+                let root: String = row.get(1);
+                let tool: String = row.get(2);
+                if answer.allow && answer.run_tree {
+                    sqlx::query("INSERT INTO sa_grants (root_run_id, tool, approval_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+                        .bind(&root)
+                        .bind(&tool)
+                        .bind(id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                // Wake the run (it may still be running towards its park: the park then finds
+                // the approval answered and is due at once) and tell its stream.
+                let row = sqlx::query(sql!(
+                    "UPDATE sa_runs SET event_seq = event_seq + 1, wake_at = CASE WHEN status IN ({}) THEN $1 ELSE wake_at END WHERE id = $2 RETURNING event_seq",
+                    Transition::Wake
+                ))
+                    .bind(now_ms())
+                    .bind(&run)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let seq: i64 = row.get(0);
+                let run_id: RunId = run.parse().map_err(|e| corrupt("approval run id", e))?;
+                let data = serde_json::json!({"approval_id": id, "tool": tool, "decision": status, "reason": answer.reason, "scope": scope});
+                Self::insert_events(&mut tx, run_id, seq as u64, &[NewEvent::new(EventKind::ApprovalResolved, data)]).await?;
+                tx.commit().await?;
+                self.notifier.notify(run_id);
+                Ok(Answered::Done { run_id })
+            }
+
+            async fn compactions(&self, thread: &ThreadId) -> Result<Vec<Compaction>> {
+                let rows = sqlx::query(
+                    "SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+                     tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id",
+                )
+                .bind(thread.as_str())
+                .fetch_all(&self.pool)
+                .await?;
+                rows.iter().map(compaction_from_row).collect()
+            }
+
             async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>> {
                 let rows = sqlx::query(
                     "SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = $1 AND id > $2 ORDER BY id LIMIT $3",
@@ -630,10 +1213,21 @@ macro_rules! store_impl {
             }
 
             async fn queue_position(&self, run: RunId) -> Result<i64> {
-                Ok(sqlx::query_scalar("SELECT count(*) FROM sa_runs WHERE status = 'queued' AND id < $1")
-                    .bind(run.to_string())
-                    .fetch_one(&self.pool)
-                    .await?)
+                // Jobs go by rank in their owner's queue: ahead of a run of rank r are the r
+                // runs ahead in its own owner's queue and, from every other owner, its first
+                // r + 1 queued runs (at most). One statement: a runs page asks for each run.
+                let n: Option<i64> = sqlx::query_scalar(
+                    "WITH me AS (SELECT owner, priority, id FROM sa_runs WHERE id = $1), \
+                     rk AS (SELECT COUNT(*) AS r FROM sa_runs q, me WHERE q.owner = me.owner AND q.status = 'queued' \
+                       AND (q.priority > me.priority OR (q.priority = me.priority AND q.id < me.id))), \
+                     per_owner AS (SELECT COUNT(*) AS n FROM sa_runs o, me WHERE o.status = 'queued' AND o.owner <> me.owner GROUP BY o.owner) \
+                     SELECT CAST(rk.r + COALESCE((SELECT SUM(CASE WHEN n < rk.r + 1 THEN n ELSE rk.r + 1 END) FROM per_owner), 0) AS BIGINT) \
+                     FROM rk, me",
+                )
+                .bind(run.to_string())
+                .fetch_optional(&self.pool)
+                .await?;
+                Ok(n.unwrap_or(0))
             }
 
             async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>> {
@@ -668,7 +1262,7 @@ macro_rules! store_impl {
                     .collect()
             }
 
-            fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify> {
+            fn subscribe_all(&self) -> std::sync::Arc<crate::notify::Signal> {
                 self.notifier.subscribe_all()
             }
         }

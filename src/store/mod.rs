@@ -67,6 +67,13 @@ macro_rules! row_mappers {
                 started_at: r.get("started_at"),
                 finished_at: r.get("finished_at"),
                 heartbeat_at: r.get("heartbeat_at"),
+                cost_nanos: r.get::<i64, _>("cost_nanos").max(0) as u64,
+                priority: r.get::<i64, _>("priority").clamp(1, 5) as u8,
+                retry_of: r
+                    .get::<Option<String>, _>("retry_of")
+                    .map(|p| p.parse())
+                    .transpose()
+                    .map_err(|e| corrupt("retry_of id", e))?,
             })
         }
 
@@ -79,6 +86,48 @@ macro_rules! row_mappers {
                 step: r.get::<i64, _>("step") as u32,
                 key: r.get("key"),
                 message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
+            })
+        }
+
+        fn approval_from_row(r: &$row) -> Result<Approval> {
+            let run: String = r.get("run_id");
+            let root: String = r.get("root_run_id");
+            let status: String = r.get("status");
+            let input: String = r.get("input");
+            let updated: Option<String> = r.get("updated_input");
+            Ok(Approval {
+                id: r.get("id"),
+                run_id: run.parse().map_err(|e| corrupt("approval run id", e))?,
+                root_run_id: root.parse().map_err(|e| corrupt("approval root id", e))?,
+                tool: r.get("tool"),
+                input: serde_json::from_str(&input).map_err(|e| corrupt("approval input", e))?,
+                reason: r.get("reason"),
+                status: ApprovalStatus::parse(&status).ok_or_else(|| corrupt("approval status", &status))?,
+                answer_reason: r.get("answer_reason"),
+                resolved_by: r.get("resolved_by"),
+                updated_input: updated.map(|u| serde_json::from_str(&u)).transpose().map_err(|e| corrupt("approval updated input", e))?,
+                scope: r.get("scope"),
+                created_at: r.get("created_at"),
+                expires_at: r.get("expires_at"),
+                resolved_at: r.get("resolved_at"),
+            })
+        }
+
+        fn compaction_from_row(r: &$row) -> Result<Compaction> {
+            let run: String = r.get("run_id");
+            Ok(Compaction {
+                id: r.get("id"),
+                run_id: run.parse().map_err(|e| corrupt("compaction run id", e))?,
+                body: CompactionBody {
+                    first_message_id: r.get("first_message_id"),
+                    last_message_id: r.get("last_message_id"),
+                    messages: r.get("messages"),
+                    summary: r.get("summary"),
+                    tokens_before: r.get("tokens_before"),
+                    tokens_after: r.get("tokens_after"),
+                    reason: r.get("reason"),
+                },
+                created_at: r.get("created_at"),
             })
         }
 
@@ -99,6 +148,7 @@ macro_rules! row_mappers {
 
 #[macro_use]
 mod common;
+mod group;
 pub mod postgres;
 pub mod sqlite;
 
@@ -139,6 +189,9 @@ pub enum ErrorKind {
     Internal,
     /// Workers kept dying on this run; retries exhausted.
     Lost,
+    /// The context could not be brought inside the model's window (compaction failed three
+    /// times in a row, or the system prompt and task alone do not fit).
+    Context,
 }
 
 impl ErrorKind {
@@ -150,6 +203,7 @@ impl ErrorKind {
             ErrorKind::Timeout => "timeout",
             ErrorKind::Internal => "internal",
             ErrorKind::Lost => "lost",
+            ErrorKind::Context => "context",
         }
     }
 
@@ -161,6 +215,7 @@ impl ErrorKind {
             "timeout" => ErrorKind::Timeout,
             "internal" => ErrorKind::Internal,
             "lost" => ErrorKind::Lost,
+            "context" => ErrorKind::Context,
             _ => return None,
         })
     }
@@ -191,6 +246,10 @@ pub struct RunLimits {
     /// `max_total_tokens`.
     #[serde(default)]
     pub max_total_steps: Option<u64>,
+    /// Percent of the context window at which this run compacts, when the caller set it
+    /// (otherwise the agent's `compact_at:`, then `SUBAGENTS_COMPACT_AT`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compact_at: Option<u8>,
 }
 
 /// What the caller asks for when starting a run.
@@ -220,6 +279,10 @@ pub struct NewRun {
     pub if_busy: IfBusy,
     /// A repeated start with the same key (per owner) returns the first run.
     pub idempotency_key: Option<String>,
+    /// The run this one retries.
+    pub retry_of: Option<RunId>,
+    /// 1 (lowest) to 5.
+    pub priority: u8,
 }
 
 /// A run's place in its delegation tree.
@@ -264,8 +327,36 @@ pub struct RunFilter {
     pub thread_id: Option<ThreadId>,
     /// Only children of this run.
     pub parent_run_id: Option<RunId>,
-    /// Only runs older than this one (the cursor; ids are time-ordered).
+    /// Only runs whose input or result contains this text (case-insensitive).
+    pub text: Option<String>,
+    /// Only runs created at or after this time.
+    pub created_after: Option<DateTime<Utc>>,
+    /// Only runs created before this time.
+    pub created_before: Option<DateTime<Utc>>,
+    /// Oldest first instead of newest first.
+    pub oldest_first: bool,
+    /// The cursor: only runs past this one in the page order (ids are time-ordered).
     pub before: Option<RunId>,
+}
+
+/// What the dashboard's overview shows, read in one pass: counts now, the last hour's
+/// activity, and the fleet.
+#[derive(Clone, Debug, Default)]
+pub struct OverviewData {
+    /// Runs per state.
+    pub by_status: Vec<(RunStatus, u64)>,
+    /// When the oldest queued run was enqueued (ms since the epoch).
+    pub oldest_queued_ms: Option<i64>,
+    /// Recent events that carry figures (`model.completed`, run ends), newest first.
+    pub events: Vec<(RunId, String, Value, DateTime<Utc>)>,
+    /// Whether `events` hit its cap (then per-minute figures are a sample).
+    pub events_capped: bool,
+    /// Failed runs per `error.kind` since the day mark.
+    pub failures: Vec<(String, u64)>,
+    /// Worker processes with their last heartbeat.
+    pub workers: Vec<(String, DateTime<Utc>)>,
+    /// The owner's running runs: id, worker, last heartbeat.
+    pub running: Vec<(RunId, Option<String>, Option<DateTime<Utc>>)>,
 }
 
 /// A thread as stored.
@@ -339,6 +430,12 @@ pub struct RunRecord {
     pub finished_at: Option<DateTime<Utc>>,
     /// Last lease renewal or checkpoint.
     pub heartbeat_at: Option<DateTime<Utc>>,
+    /// What its model calls cost, in nano-dollars (the price table at the time of each call).
+    pub cost_nanos: u64,
+    /// The run this one retries (`POST /v1/runs/{id}/retry`).
+    pub retry_of: Option<RunId>,
+    /// 1 (lowest) to 5: the order of an owner's queued runs.
+    pub priority: u8,
 }
 
 /// A checkpointed message.
@@ -365,6 +462,52 @@ pub struct NewMessage {
     pub key: String,
     /// The message.
     pub message: Message,
+}
+
+/// A committed compaction: its [`CompactionBody`] (reachable through `Deref`: `c.summary`) says
+/// which of the thread's messages the summary stands for when a context is rebuilt (all but the
+/// compacting run's own task, which is always kept verbatim). Nothing is deleted: the thread
+/// view still pages through every message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Compaction {
+    /// Position among the thread's compactions (increasing).
+    pub id: i64,
+    /// The run whose step compacted.
+    #[schema(value_type = String)]
+    pub run_id: RunId,
+    /// What was compacted, and into what.
+    #[serde(flatten)]
+    pub body: CompactionBody,
+    /// When it was committed.
+    pub created_at: DateTime<Utc>,
+}
+
+impl std::ops::Deref for Compaction {
+    type Target = CompactionBody;
+    fn deref(&self) -> &CompactionBody {
+        &self.body
+    }
+}
+
+/// What a compaction commits (see [`RunLog::commit_compaction`]); the range is its identity, so
+/// committing the same range twice adds nothing.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CompactionBody {
+    /// First message replaced.
+    pub first_message_id: i64,
+    /// Last message replaced; a rebuilt context holds only messages after it.
+    pub last_message_id: i64,
+    /// How many messages it replaced.
+    pub messages: i64,
+    /// The summary text the model wrote (plus the still-pending delegations).
+    pub summary: String,
+    /// Estimated tokens of the request before and after.
+    pub tokens_before: i64,
+    /// See `tokens_before`.
+    pub tokens_after: i64,
+    /// `threshold` (the next request would pass `compact_at`), `context_length` (the provider
+    /// refused the request as too long) or `new_run` (a new run on a long thread).
+    pub reason: String,
 }
 
 /// Durable event types (DESIGN.md "Events").
@@ -412,6 +555,24 @@ pub enum EventKind {
     /// `child.finished`
     #[serde(rename = "child.finished")]
     ChildFinished,
+    /// `context.compacting`: a compaction step began (tokens before, the range it will replace).
+    #[serde(rename = "context.compacting")]
+    ContextCompacting,
+    /// `context.compacted`: its summary is committed (tokens before and after, the range).
+    #[serde(rename = "context.compacted")]
+    ContextCompacted,
+    /// `approval.requested`: a tool call waits for a person (the run parks).
+    #[serde(rename = "approval.requested")]
+    ApprovalRequested,
+    /// `approval.resolved`: the answer (allowed, denied, expired).
+    #[serde(rename = "approval.resolved")]
+    ApprovalResolved,
+    /// `tool.denied`: a permission rule or mode (or a hook's deny) refused a call.
+    #[serde(rename = "tool.denied")]
+    ToolDenied,
+    /// `hook.blocked`: a hook blocked a call (exit 2 or `decision: block`).
+    #[serde(rename = "hook.blocked")]
+    HookBlocked,
 }
 
 impl EventKind {
@@ -432,6 +593,12 @@ impl EventKind {
             EventKind::RunResumed => "run.resumed",
             EventKind::ChildStarted => "child.started",
             EventKind::ChildFinished => "child.finished",
+            EventKind::ContextCompacting => "context.compacting",
+            EventKind::ContextCompacted => "context.compacted",
+            EventKind::ApprovalRequested => "approval.requested",
+            EventKind::ApprovalResolved => "approval.resolved",
+            EventKind::ToolDenied => "tool.denied",
+            EventKind::HookBlocked => "hook.blocked",
         }
     }
 }
@@ -501,6 +668,127 @@ pub struct Park {
     /// The runs whose end wakes it. Any that already ended when the park commits make it due at
     /// once, so an end that raced the park is never missed.
     pub waits_on: Vec<RunId>,
+    /// The approvals whose answer wakes it; one already answered when the park commits makes it
+    /// due at once (an answer that raced the park is never missed).
+    pub approvals: Vec<String>,
+}
+
+/// Where an approval stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ApprovalStatus {
+    /// Waiting for an answer.
+    Pending,
+    /// Allowed: the call runs.
+    Allowed,
+    /// Denied: the model is told.
+    Denied,
+    /// Nobody answered within the approval timeout: denied.
+    Expired,
+}
+
+impl ApprovalStatus {
+    /// Stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApprovalStatus::Pending => "pending",
+            ApprovalStatus::Allowed => "allowed",
+            ApprovalStatus::Denied => "denied",
+            ApprovalStatus::Expired => "expired",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(s: &str) -> Option<ApprovalStatus> {
+        Some(match s {
+            "pending" => ApprovalStatus::Pending,
+            "allowed" => ApprovalStatus::Allowed,
+            "denied" => ApprovalStatus::Denied,
+            "expired" => ApprovalStatus::Expired,
+            _ => return None,
+        })
+    }
+}
+
+/// A tool call a run waits on a person for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Approval {
+    /// `apr_…`, time-ordered.
+    pub id: String,
+    /// The run that asked.
+    #[schema(value_type = String)]
+    pub run_id: RunId,
+    /// Its root (a child's approval shows with its root run).
+    #[schema(value_type = String)]
+    pub root_run_id: RunId,
+    /// The tool.
+    pub tool: String,
+    /// The call's arguments.
+    #[schema(value_type = Object)]
+    pub input: Value,
+    /// Why it was asked: the rule or hook that asked.
+    pub reason: String,
+    /// Where it stands.
+    pub status: ApprovalStatus,
+    /// The answer's reason (or why it expired).
+    pub answer_reason: Option<String>,
+    /// Who answered (the owner's key), or `timeout`.
+    pub resolved_by: Option<String>,
+    /// Arguments the approver replaced the call's with.
+    #[schema(value_type = Option<Object>)]
+    pub updated_input: Option<Value>,
+    /// `once` or `run_tree` (the tool is then allowed for the whole run tree).
+    pub scope: Option<String>,
+    /// Asked at.
+    pub created_at: DateTime<Utc>,
+    /// Counts as denied after this (Unix ms).
+    pub expires_at: i64,
+    /// Answered (or expired) at.
+    pub resolved_at: Option<DateTime<Utc>>,
+}
+
+/// An approval to open with a call's decision.
+#[derive(Clone, Debug)]
+pub struct NewApproval {
+    /// Its id.
+    pub id: String,
+    /// The tool.
+    pub tool: String,
+    /// The call's arguments.
+    pub input: Value,
+    /// Why it is asked: the rule or hook that asked.
+    pub reason: String,
+    /// Unix ms after which it counts as denied.
+    pub expires_at: i64,
+}
+
+/// An answer to an approval.
+#[derive(Clone, Debug)]
+pub struct ApprovalAnswer {
+    /// Allow or deny.
+    pub allow: bool,
+    /// Why (the model sees it on a deny).
+    pub reason: Option<String>,
+    /// Replacement arguments (allow only).
+    pub updated_input: Option<Value>,
+    /// Allow the tool for the whole run tree, not just this call.
+    pub run_tree: bool,
+    /// Who answers (recorded as `resolved_by`).
+    pub by: String,
+}
+
+/// What answering an approval did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answered {
+    /// Recorded; the run was woken (push a job for it).
+    Done {
+        /// The run to push.
+        run_id: RunId,
+    },
+    /// No such approval for this owner.
+    NotFound,
+    /// It was answered (or expired, or its run ended) already.
+    Closed(ApprovalStatus),
 }
 
 /// The answer to [`Store::park`].
@@ -541,6 +829,65 @@ pub enum Finish {
     Cancelled,
 }
 
+/// One seeded run: id, thread, created, finished, status, error kind, within the last hour.
+pub(crate) type SeedRow = (String, String, DateTime<Utc>, Option<DateTime<Utc>>, &'static str, Option<&'static str>, bool);
+
+/// Rows for [`Queries::seed_history`]: runs `first..first + n`, one in a hundred recent.
+pub(crate) fn seed_rows(first: u32, n: u32, now: DateTime<Utc>) -> Vec<SeedRow> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    let mut rows = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let recent = (first + i).is_multiple_of(100);
+        let age_ms: i64 = if recent { rng.random_range(0..3_600_000) } else { rng.random_range(3_600_000..30 * 86_400_000) };
+        let created = now - chrono::Duration::milliseconds(age_ms);
+        let mut random = [0u8; 10];
+        rng.fill(&mut random);
+        let id = uuid::Builder::from_unix_timestamp_millis(created.timestamp_millis() as u64, &random).into_uuid().to_string();
+        let roll: u32 = rng.random_range(0..100);
+        let (status, kind) = match roll {
+            0 => ("queued", None),
+            1..=2 => ("cancelled", None),
+            3..=8 => ("failed", Some(["model", "timeout", "tool", "context"][roll as usize % 4])),
+            _ => ("succeeded", None),
+        };
+        let finished = (status != "queued").then(|| created + chrono::Duration::milliseconds(rng.random_range(500..120_000)));
+        rows.push((id, format!("seed-{}", uuid::Uuid::new_v4().simple()), created, finished, status, kind, recent));
+    }
+    rows
+}
+
+/// What a run and its descendants used together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TreeTotals {
+    /// Tokens.
+    pub usage: Usage,
+    /// Model calls.
+    pub steps: u64,
+    /// Cost in nano-dollars.
+    pub cost_nanos: u64,
+}
+
+/// When a taker refused by a budget should try again: when the oldest call leaves the window
+/// (`free_at`), or a slot's share of the window (`window / max_requests`, a hundredth without
+/// a request limit) after the time the last refused taker was given, whichever is later. Runs
+/// over budget so wake one by one as it frees, instead of all at once with all but one parking
+/// again.
+pub fn next_wake(free_at: i64, last_given: i64, window_ms: i64, max_requests: Option<u64>) -> i64 {
+    let slot = (window_ms / max_requests.unwrap_or(100).clamp(1, i64::MAX as u64) as i64).max(1);
+    free_at.max(last_given.saturating_add(slot))
+}
+
+/// An owner's own model budget per window (a minute): calls and prompt tokens, either may be
+/// unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OwnerBudget {
+    /// Model calls.
+    pub rpm: Option<u64>,
+    /// Prompt tokens.
+    pub tpm: Option<u64>,
+}
+
 /// One atomic, fenced write of a run's progress.
 #[derive(Clone, Debug, Default)]
 pub struct Checkpoint {
@@ -552,6 +899,8 @@ pub struct Checkpoint {
     pub step: Option<u32>,
     /// Tokens to add.
     pub usage: Usage,
+    /// Cost to add, in nano-dollars.
+    pub cost_nanos: u64,
     /// Terminal transition, if this write ends the run. The parent's `child.finished` event and
     /// the wake-up of every run waiting on this one commit with it.
     pub finish: Option<Finish>,
@@ -742,8 +1091,50 @@ pub trait RunLog: Send + Sync + 'static {
     /// Parked runs that are due and wait on `run`: who to push a job for after `run` ended.
     async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>>;
 
-    /// The newest `limit` messages of a thread, in order (the context a run rebuilds).
-    async fn thread_messages(&self, thread: &ThreadId, limit: u32) -> Result<Vec<StoredMessage>>;
+    /// The newest `limit` messages of a thread, in order.
+    async fn thread_messages(&self, thread: &ThreadId, limit: u32) -> Result<Vec<StoredMessage>> {
+        self.messages_after(thread, 0, limit).await
+    }
+
+    /// The newest `limit` messages of a thread with an id above `after`, in order (the context
+    /// a run rebuilds starts after the thread's latest compaction).
+    async fn messages_after(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>>;
+
+    /// The thread's newest compaction, where a rebuilt context starts.
+    async fn latest_compaction(&self, thread: &ThreadId) -> Result<Option<Compaction>>;
+
+    /// The decision committed for a tool call (its key `{run}:{step}:{call}`), if any.
+    async fn tool_decision(&self, key: &str) -> Result<Option<Value>>;
+
+    /// Commits the decision for a tool call before it runs (and the approval it opens, if it
+    /// asks), with its events, fenced by the lease. Idempotent by key.
+    async fn commit_decision(&self, lease: &Lease, key: &str, decision: Value, approval: Option<NewApproval>, events: Vec<NewEvent>) -> Result<()>;
+
+    /// Takes one model call of `tokens` from the budget of `key` over the last `window_ms`
+    /// (at most `max_requests` calls and `max_tokens` tokens), shared by every process on this
+    /// database. `None`: taken. `Some(at)`: over budget until `at` (Unix ms); nothing taken.
+    async fn take_budget(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>>;
+
+    /// Blocks `key`'s budget until `until_ms` (the provider said it is used up); a later block
+    /// wins, an earlier one changes nothing.
+    async fn block_budget(&self, key: &str, until_ms: i64) -> Result<()>;
+
+    /// Until when `key`'s budget is blocked (Unix ms; 0 or past: it is not).
+    async fn budget_blocked_until(&self, key: &str) -> Result<i64>;
+
+    /// Reads an approval.
+    async fn approval(&self, id: &str) -> Result<Option<Approval>>;
+
+    /// Marks a pending approval past its time as expired; true if this call did.
+    async fn expire_approval(&self, id: &str) -> Result<bool>;
+
+    /// Whether the run tree of `root` was allowed `tool` by an approval with `scope: run_tree`.
+    async fn has_grant(&self, root: RunId, tool: &str) -> Result<bool>;
+
+    /// Commits a compaction with its events, fenced by the lease ([`Transition::Heartbeat`]).
+    /// Idempotent by key: a replay of the same compaction adds nothing.
+    /// The summary call's tokens and cost (`spent`) count in the run's usage like any call's.
+    async fn commit_compaction(&self, lease: &Lease, compaction: CompactionBody, spent: (Usage, u64), events: Vec<NewEvent>) -> Result<()>;
 
     /// Events of a run with `seq > after`, at most `limit`.
     async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>>;
@@ -759,14 +1150,36 @@ pub trait RunLog: Send + Sync + 'static {
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
 
+    /// The run's place among its owner's queued runs (0 = next): how many of them go first
+    /// (a higher priority, or the same and older); and its priority.
+    async fn queue_rank(&self, run: RunId) -> Result<(u32, u8)>;
+
+    /// Whether the queued (or woken) run is held back by a concurrency limit (its owner's or
+    /// its agent's running runs are at the limit).
+    async fn at_limit(&self, run: RunId) -> Result<bool>;
+
+    /// Replaces the concurrency limits whose keys start with `prefix` (`owner:`, `agent:`, or
+    /// `*` for every owner's default) with `entries`; 0 means no limit.
+    async fn set_limits(&self, prefix: &str, entries: &[(String, u32)]) -> Result<()>;
+
+    /// Whether any concurrency limit is set (another process may have set it); remembered for
+    /// the claims of this process.
+    async fn refresh_limits(&self) -> Result<bool>;
+
+    /// Replaces every owner's model budget (the keys file's `rpm=`/`tpm=`) with `entries`.
+    async fn set_owner_budgets(&self, entries: &[(String, OwnerBudget)]) -> Result<()>;
+
+    /// The owner's model budget, if the keys file sets one.
+    async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>>;
+
     /// The oldest queued run of a thread: the one to start when the thread frees up.
     async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
 
     /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).
-    fn subscribe(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify>;
+    fn subscribe(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal>;
 
     /// Wake-ups for cancel requests of `run` made through this store.
-    fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<tokio::sync::Notify>;
+    fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal>;
 
     /// Appends events to a run's stream without holding its lease (a parent announcing a
     /// child it started). The seq stays gap-free: it is reserved under the run row's write
@@ -778,7 +1191,13 @@ pub trait RunLog: Send + Sync + 'static {
     async fn children(&self, run: RunId) -> Result<Vec<RunRecord>>;
 
     /// Usage of the run and all its descendants: (prompt tokens, completion tokens, steps).
-    async fn tree_usage(&self, run: RunId) -> Result<(Usage, u64)>;
+    async fn tree_usage(&self, run: RunId) -> Result<(Usage, u64)> {
+        let t = self.tree_totals(run).await?;
+        Ok((t.usage, t.steps))
+    }
+
+    /// Usage, steps and cost of a run and all its descendants.
+    async fn tree_totals(&self, run: RunId) -> Result<TreeTotals>;
 
     /// The deadline recorded under `key`, recording `proposed` if there is none yet.
     async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64>;
@@ -787,6 +1206,15 @@ pub trait RunLog: Send + Sync + 'static {
 /// What the API, metrics and benchmarks read (and wipe) beyond a single run.
 #[async_trait]
 pub trait Queries: Send + Sync + 'static {
+    /// Writes `count` finished-looking runs of `owner` (each on its own thread) spread over the
+    /// 30 days before `now`, one in a hundred within the last hour with its events. For the
+    /// dashboard benchmark, which needs a big history fast; the server never calls it.
+    async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()>;
+
+    /// The overview of an owner's runs: counts now, events since `hour` (at most `cap`),
+    /// failures since `day`, and the workers.
+    async fn overview(&self, owner: &str, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData>;
+
     /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
     /// must start from empty tables; the server never calls it.
     async fn wipe(&self) -> Result<()>;
@@ -799,6 +1227,17 @@ pub trait Queries: Send + Sync + 'static {
 
     /// A thread, if it exists.
     async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>>;
+
+    /// The owner's approvals, newest first: `status` and `run` filter, `before` is the cursor
+    /// (an approval id). Pending ones whose run ended are not listed as pending.
+    async fn list_approvals(&self, owner: &str, status: Option<ApprovalStatus>, run: Option<RunId>, before: Option<&str>, limit: u32) -> Result<Vec<Approval>>;
+
+    /// Answers a pending approval of `owner`: records the answer (and a run-tree grant), appends
+    /// `approval.resolved` to the run and wakes it, in one transaction.
+    async fn answer_approval(&self, id: &str, owner: &str, answer: ApprovalAnswer) -> Result<Answered>;
+
+    /// Every compaction of a thread, oldest first (what was summarised, and when).
+    async fn compactions(&self, thread: &ThreadId) -> Result<Vec<Compaction>>;
 
     /// A page of a thread's messages with `id > after`, oldest first.
     async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>>;
@@ -814,7 +1253,7 @@ pub trait Queries: Send + Sync + 'static {
     async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>>;
 
     /// Wake-ups on a change to any run made through this store.
-    fn subscribe_all(&self) -> std::sync::Arc<tokio::sync::Notify>;
+    fn subscribe_all(&self) -> std::sync::Arc<crate::notify::Signal>;
 }
 
 /// What the relay needs: outbox rows not yet in Redis, and local wake-ups for changes heard
@@ -841,4 +1280,23 @@ impl<T: RunLog + Queries + Outbox> Store for T {}
 /// compares them the same way.
 pub fn now_ms() -> i64 {
     Utc::now().timestamp_millis()
+}
+
+#[cfg(test)]
+mod wake_tests {
+    #[test]
+    fn refused_takers_get_one_slot_each() {
+        // 40 calls per 5 s: a slot is 125 ms. The first refused taker comes back when the
+        // oldest call leaves; the next ones a slot apart.
+        let first = super::next_wake(10_000, 0, 5_000, Some(40));
+        assert_eq!(first, 10_000);
+        let second = super::next_wake(10_000, first, 5_000, Some(40));
+        assert_eq!(second, 10_125);
+        assert_eq!(super::next_wake(10_000, second, 5_000, Some(40)), 10_250);
+        // Once the schedule is behind, the oldest call's leaving is what counts again.
+        assert_eq!(super::next_wake(20_000, second, 5_000, Some(40)), 20_000);
+        // Tokens only: a hundredth of the window.
+        assert_eq!(super::next_wake(0, 1_000, 5_000, None), 1_050);
+        assert!(super::next_wake(0, i64::MAX, 5_000, Some(0)) == i64::MAX);
+    }
 }

@@ -20,6 +20,35 @@ pub struct PgStore {
     pool: PgPool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
     cancels: std::sync::Arc<crate::notify::Notifier>,
+    /// This process configured concurrency limits (claims then serialise per owner).
+    limits_seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Progress checkpoints of all runs, committed in groups.
+    group: std::sync::Arc<group::GroupCommit>,
+}
+
+/// The connection options of `url`. TLS is turned off for a server on this machine (a
+/// loopback address or a socket) unless the URL asks for it with `sslmode=`: encrypting bytes
+/// that never leave the machine cost a third of the worker's CPU per step in a profile, and
+/// protects nothing. Any other host keeps sqlx's default (`prefer`).
+pub fn connect_options(url: &str) -> std::result::Result<sqlx::postgres::PgConnectOptions, sqlx::Error> {
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(url)?;
+    let host = options.get_host();
+    let local = options.get_socket().is_some()
+        || host.starts_with('/')
+        || host == "localhost"
+        || host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if local && !url.contains("sslmode=") {
+        return Ok(options.ssl_mode(sqlx::postgres::PgSslMode::Disable));
+    }
+    Ok(options)
+}
+
+/// What the group committer needs of the store: the pool and the wake-ups.
+#[derive(Clone)]
+struct Commits {
+    pool: PgPool,
+    notifier: std::sync::Arc<crate::notify::Notifier>,
 }
 
 impl PgStore {
@@ -27,17 +56,15 @@ impl PgStore {
     pub async fn connect(url: &str) -> Result<PgStore> {
         // One direct connection first: a wrong URL or a server that is down fails here at once
         // with its real cause, instead of after the pool's acquire timeout.
-        use sqlx::Connection;
-        let probe = tokio::time::timeout(Duration::from_secs(10), sqlx::PgConnection::connect(url))
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)??;
-        probe.close().await?;
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect(url)
-            .await?;
-        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default() };
+        use sqlx::ConnectOptions;
+        let options = connect_options(url)?;
+        let probe = tokio::time::timeout(Duration::from_secs(10), options.connect()).await.map_err(|_| sqlx::Error::PoolTimedOut)??;
+        sqlx::Connection::close(probe).await?;
+        let pool = PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(30)).connect_with(options).await?;
+        // Checkpoints of many runs commit together; a few transactions at once keep the
+        // database busy without queueing every step behind one.
+        let group = std::sync::Arc::new(group::GroupCommit::new(4));
+        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group };
         store.migrate().await?;
         Ok(store)
     }
@@ -63,12 +90,12 @@ impl PgStore {
 
 // PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
 // a child's terminal commit takes (its own row, then its parent's and waiters').
-store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", run_log = {
+store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", owner_unindexed = "owner", run_log = {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
         // One round trip for the checks and inserts (`sa_create_run`, migrations/postgres/0002),
         // one to read the run back.
         let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id});
-        let row = sqlx::query("SELECT outcome, rid FROM sa_create_run($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)")
+        let row = sqlx::query("SELECT outcome, rid FROM sa_create_run($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
             .bind(&new.owner)
@@ -86,6 +113,8 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
             .bind(new.tree.detached as i64)
             .bind(new.if_busy == IfBusy::Reject)
             .bind(event.to_string())
+            .bind(new.retry_of.map(|r| r.to_string()))
+            .bind(i64::from(new.priority.clamp(1, 5)))
             .fetch_one(&self.pool)
             .await?;
         let outcome: String = row.get(0);
@@ -114,8 +143,9 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
                  heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
                  WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
                    NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = sa_runs.thread_id AND a.status IN ('running','waiting')) \
-                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id))) \
-                 RETURNING *), \
+                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id))) ",
+                limits_guard!(),
+                " RETURNING *), \
                  e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at) \
                    SELECT c.id, c.event_seq, CASE WHEN c.claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
                      json_build_object('attempt', c.attempts, 'crashes', c.crashes, 'worker', $1::text, 'from', c.claimed_from)::text, $3 FROM c) \
@@ -128,9 +158,26 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         .bind(owner)
         .bind(nms + ttl.as_millis() as i64)
         .bind(now)
-        .bind(id.to_string())
-        .fetch_optional(&self.pool)
-        .await;
+        .bind(id.to_string());
+        // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
+        // COMMITTED two concurrent claims would both count the same running runs and both
+        // pass. The locks go with the transaction.
+        let row = if self.limits_seen.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut tx = self.pool.begin().await?;
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock(hashtext('owner:' || owner)), pg_advisory_xact_lock(hashtext('agent:' || agent)) FROM sa_runs WHERE id = $1",
+            )
+            .bind(id.to_string())
+            .fetch_optional(&mut *tx)
+            .await?;
+            let r = row.fetch_optional(&mut *tx).await;
+            if r.is_ok() {
+                tx.commit().await?;
+            }
+            r
+        } else {
+            row.fetch_optional(&self.pool).await
+        };
         // Two workers claiming two queued runs of one thread at once: the unique index on
         // active runs lets one win; the other simply finds nothing to claim.
         let row = match row {
@@ -150,57 +197,83 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
     }
 
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        // One statement, so one round trip and one implicit transaction: the fenced UPDATE of
-        // the run row (which also locks it and reserves the event seqs), the messages and the
-        // events, as data-modifying CTEs that all see the fence's RETURNING row. If the fence
-        // matches nothing, nothing is inserted and no row comes back: the lease is lost. A
-        // terminal checkpoint adds its effects on the parent and the waiters in the same
-        // transaction.
+        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
+        self.group.commit(&commits, lease, cp).await
+    }
+
+}, queries = {
+
+});
+
+row_mappers!(PgRow);
+
+impl PgStore {
+    /// apalis's worker registry (heartbeats every few seconds), newest first.
+    async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
+        let rows = sqlx::query("SELECT id, last_seen FROM apalis.workers ORDER BY last_seen DESC LIMIT 200").fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(|r| (r.get::<String, _>(0), r.get::<DateTime<Utc>, _>(1))).collect())
+    }
+}
+
+/// One checkpoint as one statement (so one round trip, and alone one implicit transaction):
+/// the fenced UPDATE of the run row (which also locks it and reserves the event seqs), the
+/// messages and the events, as data-modifying CTEs that all see the fence's RETURNING row. If
+/// the fence matches nothing, nothing is inserted and no row comes back: the lease is lost.
+fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let (guard, reach_columns) = (ff.guard, ff.reach_columns);
+    let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
+    let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
+    let m_key: Vec<String> = cp.messages.iter().map(|m| m.key.clone()).collect();
+    let m_body: Vec<String> = cp.messages.iter().map(|m| serde_json::to_string(&m.message).expect("message serializes")).collect();
+    let e_type: Vec<String> = cp.events.iter().map(|e| e.kind.as_str().to_owned()).collect();
+    let e_data: Vec<String> = cp.events.iter().map(|e| e.data.to_string()).collect();
+    let sql = format!(
+        "WITH f AS ( \
+           UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
+           prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, cost_nanos = cost_nanos + $21, \
+           lease_expires_at = CASE WHEN $5::text IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
+           status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
+           error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
+           finished_at = COALESCE($12, finished_at), \
+           cancel_requested = CASE WHEN $5::text IS NULL THEN cancel_requested ELSE 0 END \
+           WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns} \
+         ), m AS ( \
+           INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
+           SELECT f.thread_id, $13, x.step, x.role, x.key, x.body, $7 \
+           FROM f, unnest($15::bigint[], $16::text[], $17::text[], $18::text[]) AS x(step, role, key, body) \
+           ON CONFLICT (key) DO NOTHING \
+         ), e AS ( \
+           INSERT INTO sa_events (run_id, seq, type, data, created_at) \
+           SELECT $13, f.event_seq - $1 + x.ord, x.type, x.data, $7 \
+           FROM f, unnest($19::text[], $20::text[]) WITH ORDINALITY AS x(type, data, ord) \
+         ) SELECT * FROM f"
+    );
+    bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
+        .bind(m_step)
+        .bind(m_role)
+        .bind(m_key)
+        .bind(m_body)
+        .bind(e_type)
+        .bind(e_data)
+        .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+}
+
+impl group::Progress for Commits {
+    async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
         let now = Utc::now();
         let ff = cp.fence_fields(now);
-        let (status, guard, reach_columns) = (ff.status, ff.guard, ff.reach_columns);
-        let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
-        let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
-        let m_key: Vec<String> = cp.messages.iter().map(|m| m.key.clone()).collect();
-        let m_body: Vec<String> = cp.messages.iter().map(|m| serde_json::to_string(&m.message).expect("message serializes")).collect();
-        let e_type: Vec<String> = cp.events.iter().map(|e| e.kind.as_str().to_owned()).collect();
-        let e_data: Vec<String> = cp.events.iter().map(|e| e.data.to_string()).collect();
-        let sql = format!(
-            "WITH f AS ( \
-               UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
-               prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, \
-               lease_expires_at = CASE WHEN $5::text IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
-               status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
-               error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
-               finished_at = COALESCE($12, finished_at), \
-               cancel_requested = CASE WHEN $5::text IS NULL THEN cancel_requested ELSE 0 END \
-               WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns} \
-             ), m AS ( \
-               INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
-               SELECT f.thread_id, $13, x.step, x.role, x.key, x.body, $7 \
-               FROM f, unnest($15::bigint[], $16::text[], $17::text[], $18::text[]) AS x(step, role, key, body) \
-               ON CONFLICT (key) DO NOTHING \
-             ), e AS ( \
-               INSERT INTO sa_events (run_id, seq, type, data, created_at) \
-               SELECT $13, f.event_seq - $1 + x.ord, x.type, x.data, $7 \
-               FROM f, unnest($19::text[], $20::text[]) WITH ORDINALITY AS x(type, data, ord) \
-             ) SELECT * FROM f"
-        );
-        let query = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
-            .bind(m_step)
-            .bind(m_role)
-            .bind(m_key)
-            .bind(m_body)
-            .bind(e_type)
-            .bind(e_data);
+        let status = ff.status;
+        let query = checkpoint_query(&lease, &cp, ff, now);
         match status {
+            // A terminal checkpoint adds its effects on the parent and the waiters in the same
+            // transaction.
             Some(status) => {
                 let mut tx = self.pool.begin().await?;
                 let Some(row) = query.fetch_optional(&mut *tx).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
                 let thread: String = row.get(1);
                 let parent: Option<String> = row.get(2);
                 let reach = Reach { waits: row.get(3), children: row.get(4) };
-                Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
+                PgStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
                 tx.commit().await?;
             }
             None => {
@@ -213,31 +286,117 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         Ok(())
     }
 
-}, queries = {
-    async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
-        let RunFilter { status, agent, thread_id, parent_run_id, before } = f;
-        let statuses: Vec<&str> = status.iter().map(|s| s.as_str()).collect();
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            run_columns!(),
-            " FROM sa_runs WHERE owner = $1 \
-             AND ($2::text[] IS NULL OR status = ANY($2)) \
-             AND ($3 IS NULL OR agent = $3) AND ($4 IS NULL OR thread_id = $4) \
-             AND ($5 IS NULL OR parent_run_id = $5) AND ($6 IS NULL OR id < $6) \
-             ORDER BY id DESC LIMIT $7"
-        ))
-        .bind(owner)
-        .bind((!statuses.is_empty()).then(|| statuses.iter().map(|s| s.to_string()).collect::<Vec<String>>()))
-        .bind(agent)
-        .bind(thread_id.as_ref().map(|t| t.as_str().to_owned()))
-        .bind(parent_run_id.map(|p| p.to_string()))
-        .bind(before.map(|b| b.to_string()))
-        .bind(limit as i64)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(run_from_row).collect()
+    async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<bool>> {
+        // One statement for the whole group (one round trip, one implicit transaction): the
+        // fenced UPDATE of every run row at once, then the messages and events of the rows it
+        // matched. A run appears at most once (a run has one checkpoint in flight); if not, the
+        // group goes one by one.
+        let ids: Vec<String> = items.iter().map(|(l, _)| l.run_id.to_string()).collect();
+        if ids.iter().collect::<std::collections::HashSet<_>>().len() != ids.len() {
+            return Err(StoreError::Corrupt("one run twice in a group commit".into()));
+        }
+        let now = Utc::now();
+        let now_ms = now_ms();
+        let mut r = BatchColumns::default();
+        for (lease, cp) in items {
+            let run = lease.run_id.to_string();
+            r.epoch.push(lease.epoch);
+            r.events.push(cp.events.len() as i64);
+            r.step.push(cp.step.map(i64::from));
+            r.prompt.push(cp.usage.prompt_tokens as i64);
+            r.completion.push(cp.usage.completion_tokens as i64);
+            r.cost.push(cp.cost_nanos.min(i64::MAX as u64) as i64);
+            r.lease_until.push(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64);
+            for m in &cp.messages {
+                r.m_run.push(run.clone());
+                r.m_step.push(m.step as i64);
+                r.m_role.push(m.message.role().to_owned());
+                r.m_key.push(m.key.clone());
+                r.m_body.push(serde_json::to_string(&m.message).expect("message serializes"));
+            }
+            for (i, e) in cp.events.iter().enumerate() {
+                r.e_run.push(run.clone());
+                r.e_ord.push(i as i64 + 1);
+                r.e_type.push(e.kind.as_str().to_owned());
+                r.e_data.push(e.data.to_string());
+            }
+        }
+        let applied: Vec<String> = sqlx::query_scalar(group_sql())
+            .bind(&ids)
+            .bind(r.epoch)
+            .bind(r.events)
+            .bind(r.step)
+            .bind(r.prompt)
+            .bind(r.completion)
+            .bind(r.cost)
+            .bind(r.lease_until)
+            .bind(now)
+            .bind(r.m_run)
+            .bind(r.m_step)
+            .bind(r.m_role)
+            .bind(r.m_key)
+            .bind(r.m_body)
+            .bind(r.e_run)
+            .bind(r.e_ord)
+            .bind(r.e_type)
+            .bind(r.e_data)
+            .fetch_all(&self.pool)
+            .await?;
+        let applied: std::collections::HashSet<String> = applied.into_iter().collect();
+        Ok(ids.iter().map(|id| applied.contains(id)).collect())
     }
 
-});
+    fn announce(&self, run: RunId) {
+        self.notifier.notify(run);
+    }
+}
 
-row_mappers!(PgRow);
+/// The columns of a group commit, one array per column (bound as PostgreSQL arrays).
+#[derive(Default)]
+struct BatchColumns {
+    epoch: Vec<i64>,
+    events: Vec<i64>,
+    step: Vec<Option<i64>>,
+    prompt: Vec<i64>,
+    completion: Vec<i64>,
+    cost: Vec<i64>,
+    lease_until: Vec<i64>,
+    m_run: Vec<String>,
+    m_step: Vec<i64>,
+    m_role: Vec<String>,
+    m_key: Vec<String>,
+    m_body: Vec<String>,
+    e_run: Vec<String>,
+    e_ord: Vec<i64>,
+    e_type: Vec<String>,
+    e_data: Vec<String>,
+}
+
+/// A group of progress checkpoints as one statement: what [`checkpoint_query`] does for one
+/// run, for every run of the group, returning the ids whose fence matched.
+fn group_sql() -> &'static str {
+    sql!(
+        "WITH i AS ( \
+           SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[]) \
+             AS i(id, epoch, n, step, pt, ct, cost, lease_until) \
+         ), f AS ( \
+           UPDATE sa_runs r SET event_seq = r.event_seq + i.n, step = COALESCE(i.step, r.step), \
+             prompt_tokens = r.prompt_tokens + i.pt, completion_tokens = r.completion_tokens + i.ct, cost_nanos = r.cost_nanos + i.cost, \
+             lease_expires_at = i.lease_until, heartbeat_at = $9, updated_at = $9 \
+           FROM i WHERE r.id = i.id AND r.lease_epoch = i.epoch AND r.status IN ({}) \
+           RETURNING r.id, r.event_seq, r.thread_id, i.n \
+         ), m AS ( \
+           INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
+           SELECT f.thread_id, f.id, x.step, x.role, x.key, x.body, $9 \
+           FROM unnest($10::text[], $11::bigint[], $12::text[], $13::text[], $14::text[]) AS x(run_id, step, role, key, body) \
+           JOIN f ON f.id = x.run_id \
+           ON CONFLICT (key) DO NOTHING \
+         ), e AS ( \
+           INSERT INTO sa_events (run_id, seq, type, data, created_at) \
+           SELECT f.id, f.event_seq - f.n + x.ord, x.type, x.data, $9 \
+           FROM unnest($15::text[], $16::bigint[], $17::text[], $18::text[]) AS x(run_id, ord, type, data) \
+           JOIN f ON f.id = x.run_id \
+         ) SELECT id FROM f",
+        crate::lifecycle::Transition::Heartbeat
+    )
+}

@@ -21,6 +21,18 @@ pub struct SqliteStore {
     pool: SqlitePool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
     cancels: std::sync::Arc<crate::notify::Notifier>,
+    /// This process configured concurrency limits (claims then serialise per owner).
+    limits_seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Progress checkpoints of all runs, committed in groups by one writer.
+    group: std::sync::Arc<group::GroupCommit>,
+}
+
+/// What the group committer needs of the store: the pool and the wake-ups (not the store
+/// itself, which owns the committer's queue).
+#[derive(Clone)]
+struct Commits {
+    pool: SqlitePool,
+    notifier: std::sync::Arc<crate::notify::Notifier>,
 }
 
 impl SqliteStore {
@@ -38,7 +50,8 @@ impl SqliteStore {
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(opts)
             .await?;
-        let store = SqliteStore { pool, notifier: Default::default(), cancels: Default::default() };
+        // SQLite has one writer: one committer, so checkpoints never queue on its lock.
+        let store = SqliteStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group: std::sync::Arc::new(group::GroupCommit::new(1)) };
         store.migrate().await?;
         Ok(store)
     }
@@ -65,7 +78,7 @@ impl SqliteStore {
 
 // SQLite serializes writers: the park's fence (a write) must come first, so the reads after it
 // see the latest state (a read first would pin a snapshot that the write could not upgrade).
-store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share = "", run_log = {
+store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share = "", owner_unindexed = "+owner", run_log = {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
         let now = Utc::now();
         let mut tx = self.pool.begin().await?;
@@ -112,8 +125,8 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         }
         let inserted = sqlx::query(concat!(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
-             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached) \
-             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15) RETURNING ",
+             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority) \
+             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17) RETURNING ",
             run_columns!()
         ))
         .bind(new.id.to_string())
@@ -131,6 +144,8 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         .bind(new.tree.root_run_id.map(|r| r.to_string()))
         .bind(new.tree.depth as i64)
         .bind(new.tree.detached as i64)
+        .bind(new.retry_of.map(|r| r.to_string()))
+        .bind(i64::from(new.priority.clamp(1, 5)))
         .fetch_one(&mut *tx)
         .await?;
         let run = run_from_row(&inserted)?;
@@ -161,8 +176,9 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
                  heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
                  WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
                    NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = sa_runs.thread_id AND a.status IN ('running','waiting')) \
-                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id))) \
-                 RETURNING ",
+                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id))) ",
+                limits_guard!(),
+                " RETURNING ",
                 run_columns!()
             ),
             Transition::Claim
@@ -198,79 +214,99 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
     }
 
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        let now = Utc::now();
-        let n = cp.events.len() as i64;
-        let ff = cp.fence_fields(now);
-        let (status, guard, reach_columns) = (ff.status, ff.guard, ff.reach_columns);
-        let mut tx = self.pool.begin().await?;
-        // The fence opens the transaction: it proves the epoch, takes SQLite's write lock (so
-        // the seqs it reserves stay gap-free) and applies the counters and any terminal state.
-        let row = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
-             prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, \
-             lease_expires_at = CASE WHEN $5 IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
-             status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
-             error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
-             finished_at = COALESCE($12, finished_at), \
-             cancel_requested = CASE WHEN $5 IS NULL THEN cancel_requested ELSE 0 END \
-             WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns}"
-        ))), cp, ff, lease, now)
-        .fetch_optional(&mut *tx)
+        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
+        self.group.commit(&commits, lease, cp).await
+    }
+
+}, queries = {
+
+});
+
+row_mappers!(SqliteRow);
+
+impl SqliteStore {
+    /// apalis's worker registry (heartbeats every few seconds), newest first.
+    async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
+        let rows = sqlx::query("SELECT id, last_seen FROM Workers ORDER BY last_seen DESC LIMIT 200").fetch_all(&self.pool).await?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<String, _>(0), DateTime::from_timestamp(r.get::<i64, _>(1), 0).unwrap_or_default()))
+            .collect())
+    }
+}
+
+/// The fence, the messages and the events of one checkpoint, inside `tx`; `None` when the
+/// lease is gone (nothing was written). The fence opens the item: it proves the epoch, takes
+/// SQLite's write lock (so the seqs it reserves stay gap-free) and applies the counters and
+/// any terminal state.
+async fn apply(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>) -> Result<Option<SqliteRow>> {
+    let (guard, reach_columns) = (ff.guard, ff.reach_columns);
+    let n = cp.events.len() as i64;
+    let row = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
+         prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, cost_nanos = cost_nanos + $15, \
+         lease_expires_at = CASE WHEN $5 IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
+         status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
+         error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
+         finished_at = COALESCE($12, finished_at), \
+         cancel_requested = CASE WHEN $5 IS NULL THEN cancel_requested ELSE 0 END \
+         WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns}"
+    ))), cp, ff, lease, now)
+    .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let last: i64 = row.get(0);
+    let thread: String = row.get(1);
+    for m in &cp.messages {
+        sqlx::query(
+            "INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(key) DO NOTHING",
+        )
+        .bind(&thread)
+        .bind(lease.run_id.to_string())
+        .bind(m.step as i64)
+        .bind(m.message.role())
+        .bind(&m.key)
+        .bind(serde_json::to_string(&m.message).expect("message serializes"))
+        .bind(now)
+        .execute(&mut **tx)
         .await?;
-        let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
-        let last: i64 = row.get(0);
-        let thread: String = row.get(1);
-        let parent: Option<String> = row.get(2);
-        for m in &cp.messages {
-            sqlx::query(
-                "INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(key) DO NOTHING",
-            )
-            .bind(&thread)
-            .bind(lease.run_id.to_string())
-            .bind(m.step as i64)
-            .bind(m.message.role())
-            .bind(&m.key)
-            .bind(serde_json::to_string(&m.message).expect("message serializes"))
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
-        Self::insert_events(&mut tx, lease.run_id, (last - n + 1) as u64, &cp.events).await?;
+    }
+    SqliteStore::insert_events(tx, lease.run_id, (last - n + 1) as u64, &cp.events).await?;
+    Ok(Some(row))
+}
+
+impl group::Progress for Commits {
+    async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+        let now = Utc::now();
+        let ff = cp.fence_fields(now);
+        let status = ff.status;
+        let mut tx = self.pool.begin().await?;
+        let Some(row) = apply(&mut tx, &lease, &cp, ff, now).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
         if let Some(status) = status {
+            let thread: String = row.get(1);
+            let parent: Option<String> = row.get(2);
             let reach = Reach { waits: row.get(3), children: row.get(4) };
-            Self::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
+            SqliteStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
         }
         tx.commit().await?;
         self.notifier.notify(lease.run_id);
         Ok(())
     }
 
-}, queries = {
-    async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
-        let RunFilter { status, agent, thread_id, parent_run_id, before } = f;
-        let statuses: Vec<&str> = status.iter().map(|s| s.as_str()).collect();
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            run_columns!(),
-            " FROM sa_runs WHERE owner = $1 \
-             AND ($2 IS NULL OR status IN (SELECT value FROM json_each($2))) \
-             AND ($3 IS NULL OR agent = $3) AND ($4 IS NULL OR thread_id = $4) \
-             AND ($5 IS NULL OR parent_run_id = $5) AND ($6 IS NULL OR id < $6) \
-             ORDER BY id DESC LIMIT $7"
-        ))
-        .bind(owner)
-        .bind((!statuses.is_empty()).then(|| serde_json::to_string(&statuses).unwrap()))
-        .bind(agent)
-        .bind(thread_id.as_ref().map(|t| t.as_str().to_owned()))
-        .bind(parent_run_id.map(|p| p.to_string()))
-        .bind(before.map(|b| b.to_string()))
-        .bind(limit as i64)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(run_from_row).collect()
+    async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<bool>> {
+        let now = Utc::now();
+        let mut tx = self.pool.begin().await?;
+        let mut applied = Vec::with_capacity(items.len());
+        for (lease, cp) in items {
+            applied.push(apply(&mut tx, lease, cp, cp.fence_fields(now), now).await?.is_some());
+        }
+        tx.commit().await?;
+        Ok(applied)
     }
 
-});
-
-row_mappers!(SqliteRow);
+    fn announce(&self, run: RunId) {
+        self.notifier.notify(run);
+    }
+}

@@ -50,7 +50,8 @@ impl Tool for ReadFile {
         blocking(move || {
             let dir = workspace_dir(&workspace)?;
             let file = dir.open(relative(&rel)?).map_err(|e| io_error(&rel, e))?;
-            if file.metadata().map_err(|e| io_error(&rel, e))?.is_dir() {
+            let meta = file.metadata().map_err(|e| io_error(&rel, e))?;
+            if meta.is_dir() {
                 return Err(ToolError::new("is_directory", format!("`{rel}` is a directory; list_dir lists it")));
             }
             let mut reader = BufReader::with_capacity(64 * 1024, file.into_std());
@@ -58,14 +59,14 @@ impl Tool for ReadFile {
             if head[..head.len().min(SNIFF_BYTES)].contains(&0) {
                 return Err(ToolError::new("not_text", format!("`{rel}` is a binary file; read_file reads text only")));
             }
-            numbered_lines(&mut reader, &rel, offset, limit, budget)
+            numbered_lines(&mut reader, &rel, meta.len(), offset, limit, budget)
         })
         .await
     }
 }
 
 /// Reads lines `offset..offset+limit` as `{n:>6}\t{line}`, within `budget` bytes of output.
-fn numbered_lines(reader: &mut impl BufRead, rel: &str, offset: u64, limit: u64, budget: usize) -> Result<String, ToolError> {
+fn numbered_lines(reader: &mut impl BufRead, rel: &str, size: u64, offset: u64, limit: u64, budget: usize) -> Result<String, ToolError> {
     let mut out = String::new();
     let mut n: u64 = 0;
     let mut line = Vec::new();
@@ -86,7 +87,7 @@ fn numbered_lines(reader: &mut impl BufRead, rel: &str, offset: u64, limit: u64,
             continue;
         }
         if n >= offset + limit {
-            out.push_str(&format!("[more lines follow: read_file with offset={n} reads on]"));
+            out.push_str(&format!("[more lines follow: read_file with path=`{rel}` offset={n} reads on]"));
             return Ok(out);
         }
         let text = match std::str::from_utf8(&line) {
@@ -100,7 +101,7 @@ fn numbered_lines(reader: &mut impl BufRead, rel: &str, offset: u64, limit: u64,
         let cut = if shown.len() < text.len() { " [line cut]" } else { "" };
         let entry = format!("{n:>6}\t{shown}{cut}\n");
         if out.len() + entry.len() > budget {
-            out.push_str(&format!("[output limit reached: read_file with offset={n} reads on]"));
+            out.push_str(&format!("[output limit reached at line {n} of `{rel}` ({size} bytes): read_file with path=`{rel}` offset={n} reads on]"));
             return Ok(out);
         }
         out.push_str(&entry);
@@ -379,7 +380,7 @@ mod tests {
         let text: String = (1..=50).map(|i| format!("line {i}\n")).collect();
         std::fs::write(dir.path().join("f.txt"), &text).unwrap();
         let page = run(&reg, &c, "read_file", json!({"path": "f.txt", "offset": 10, "limit": 3})).await.unwrap();
-        assert_eq!(page, "    10\tline 10\n    11\tline 11\n    12\tline 12\n[more lines follow: read_file with offset=13 reads on]");
+        assert_eq!(page, "    10\tline 10\n    11\tline 11\n    12\tline 12\n[more lines follow: read_file with path=`f.txt` offset=13 reads on]");
         let past = run(&reg, &c, "read_file", json!({"path": "f.txt", "offset": 99})).await.unwrap();
         assert_eq!(past, "(the file has 50 lines; offset 99 is past its end)");
         std::fs::write(dir.path().join("b.bin"), [0x7f, b'E', b'L', b'F', 0, 1, 2]).unwrap();

@@ -35,8 +35,50 @@ pub struct ToolCtx {
     pub workspace: PathBuf,
     /// `{run_id}:{step}:{call_id}`.
     pub idempotency_key: String,
-    /// Bytes of output the run keeps; tools that read should not read (much) more.
+    /// Bytes a paging tool (`read_file`, `grep`) shows per call before it says where to read on;
+    /// derived from the result's token budget. Other tools return everything (up to
+    /// [`MAX_OUTPUT_BYTES`]) and the engine offloads a long result to a file.
     pub output_limit: usize,
+}
+
+/// Most output a tool keeps in memory; past it, output is dropped with a marker.
+pub const MAX_OUTPUT_BYTES: usize = 16 * 1024 * 1024;
+
+/// What the model gets instead of a result too long for its context: the head, what was
+/// left out, and where the whole result is, in the form `read_file` pages on from.
+pub struct Offloaded {
+    /// The text for the context.
+    pub notice: String,
+    /// Where the whole result was written, relative to the workspace.
+    pub path: String,
+}
+
+/// Writes `text` whole to `rel` in the workspace (replacing any earlier copy: a replay writes
+/// the same bytes) and builds the notice the model sees, from `head` (a prefix of `text`).
+pub async fn offload(workspace: &Path, rel: String, text: String, head_len: usize, tokens: usize, limit: usize) -> Result<Offloaded, ToolError> {
+    let workspace = workspace.to_owned();
+    blocking(move || {
+        let dir = workspace_dir(&workspace)?;
+        let path = relative(&rel)?;
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            dir.create_dir_all(parent).map_err(|e| io_error(&rel, e))?;
+        }
+        dir.write(path, text.as_bytes()).map_err(|e| io_error(&rel, e))?;
+        let head = &text[..head_len];
+        let shown_lines = head.matches('\n').count();
+        let lines = text.lines().count();
+        let mut notice = head.to_owned();
+        if !notice.is_empty() && !notice.ends_with('\n') {
+            notice.push('\n');
+        }
+        notice.push_str(&format!(
+            "[result offloaded: it is {} bytes ({tokens} tokens, {lines} lines), more than the {limit} tokens a result may take here; above are its first {shown_lines} lines. The whole result is saved at `{rel}`: read_file with path=`{rel}` offset={} reads on]",
+            text.len(),
+            shown_lines + 1
+        ));
+        Ok(Offloaded { notice, path: rel })
+    })
+    .await
 }
 
 /// A tool failure the model should see (it is sent back as the tool result, not raised).
@@ -179,6 +221,8 @@ pub enum Named {
     Tool(&'static str),
     /// `Task`/`Agent`: turns delegation on (see [`crate::delegation::offered`]).
     Delegation,
+    /// `mcp__<server>` or `mcp__<server>__<tool>`: an MCP server's tools (see [`crate::mcp`]).
+    Mcp,
     /// Not available, with the reason for people.
     Unavailable(&'static str),
 }
@@ -204,7 +248,7 @@ pub fn lookup(name: &str) -> Named {
         n if n.starts_with("subagent_") => Named::Delegation,
         "TodoRead" => Named::Unavailable("the plan is in the conversation: todo_write's result shows it"),
         "NotebookEdit" | "NotebookRead" => Named::Unavailable("notebooks are not supported"),
-        n if n.starts_with("mcp__") => Named::Unavailable("MCP servers are not supported yet"),
+        n if n.starts_with("mcp__") => Named::Mcp,
         _ => Named::Unavailable("no such tool"),
     }
 }
@@ -216,6 +260,9 @@ pub struct Resolution {
     pub tools: Vec<String>,
     /// Names it cannot have, each with the reason.
     pub unavailable: Vec<(String, String)>,
+    /// MCP servers and tools it names (`mcp__…`), resolved at run time from the configured
+    /// servers.
+    pub mcp: Vec<String>,
 }
 
 impl ToolRegistry {
@@ -262,12 +309,14 @@ impl ToolRegistry {
     /// asked for by name).
     pub fn resolve(&self, agent: &AgentDef) -> Resolution {
         let Some(list) = &agent.tools else {
-            return Resolution { tools: self.tools.keys().filter(|n| *n != "bash").cloned().collect(), unavailable: vec![] };
+            return Resolution { tools: self.tools.keys().filter(|n| *n != "bash").cloned().collect(), ..Default::default() };
         };
         let mut r = Resolution::default();
         for name in list {
             match lookup(name) {
                 Named::Delegation => {}
+                // MCP tools come from the configured servers at run time (`crate::mcp`).
+                Named::Mcp => r.mcp.push(name.trim().to_owned()),
                 Named::Tool(t) if self.tools.contains_key(t) => {
                     if !r.tools.iter().any(|o| o == t) {
                         r.tools.push(t.to_owned());

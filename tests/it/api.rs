@@ -9,26 +9,26 @@ use serde_json::{Value, json};
 
 use crate::support::*;
 
-const KEYS: &str = "alice:alice-secret-key,bob:bob-secret-key";
+pub(crate) const KEYS: &str = "alice:alice-secret-key,bob:bob-secret-key";
 
-struct Api {
-    base: String,
-    http: Client,
-    key: Option<&'static str>,
+pub(crate) struct Api {
+    pub(crate) base: String,
+    pub(crate) http: Client,
+    pub(crate) key: Option<&'static str>,
 }
 
 impl Api {
-    fn as_(&self, key: Option<&'static str>) -> Api {
+    pub(crate) fn as_(&self, key: Option<&'static str>) -> Api {
         Api { base: self.base.clone(), http: self.http.clone(), key }
     }
-    fn req(&self, m: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+    pub(crate) fn req(&self, m: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let b = self.http.request(m, format!("{}{path}", self.base));
         match self.key {
             Some(k) => b.bearer_auth(k),
             None => b,
         }
     }
-    async fn call(&self, m: reqwest::Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+    pub(crate) async fn call(&self, m: reqwest::Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
         let mut b = self.req(m, path);
         if let Some(body) = body {
             b = b.json(&body);
@@ -37,10 +37,10 @@ impl Api {
         let s = r.status();
         (s, r.json().await.unwrap_or(Value::Null))
     }
-    async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
+    pub(crate) async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
         self.call(reqwest::Method::POST, path, Some(body)).await
     }
-    async fn get(&self, path: &str) -> (StatusCode, Value) {
+    pub(crate) async fn get(&self, path: &str) -> (StatusCode, Value) {
         self.call(reqwest::Method::GET, path, None).await
     }
 }
@@ -52,7 +52,7 @@ async fn setup(keys: &str, latency_ms: u64) -> (TestApp, Api) {
     (t, api)
 }
 
-fn code(v: &Value) -> &str {
+pub(crate) fn code(v: &Value) -> &str {
     v["error"]["code"].as_str().unwrap_or("<none>")
 }
 
@@ -96,6 +96,7 @@ async fn start_get_wait_events_and_thread() {
     assert_eq!(th["runs"].as_array().unwrap().len(), 1);
     assert_eq!(th["messages"].as_array().unwrap().len(), 4);
     assert_eq!(th["messages"][0]["message"]["role"], "user");
+    assert_eq!(th["compactions"], json!([]), "a short thread was never compacted");
     let after = th["next_after"].as_i64().unwrap();
     let (_, th2) = api.get(&format!("/v1/threads/{thread}?after={after}")).await;
     assert_eq!(th2["messages"].as_array().unwrap().len(), 2, "6 messages in all");
@@ -119,6 +120,54 @@ async fn start_and_wait_in_one_call_and_time_out() {
     assert_eq!(v["wait_timed_out"], true);
     let (_, v) = api.get(&format!("/v1/runs/{id}/wait?timeout_s=30")).await;
     assert_eq!(v["status"], "succeeded");
+}
+
+/// An admin (`admin` in the keys file) may list another owner's runs (`?owner=`) and open
+/// them and their threads; nobody else may, and a bulk action stays with its caller's runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_may_look_at_every_owners_runs_and_nobody_else_may() {
+    let t = spawn_app_with(Options::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hash = |k: &str| sha2::Sha256::digest(k.as_bytes()).iter().map(|b| format!("{b:02x}")).collect::<String>();
+    use sha2::Digest;
+    let file = dir.path().join("keys");
+    std::fs::write(&file, format!("alice {}\nbob {}\nops {} admin\n", hash("alice-secret-key"), hash("bob-secret-key"), hash("ops-secret-key"))).unwrap();
+    let mut keys = subagents::api::auth::Keys::default();
+    keys.add_file(&file).unwrap();
+    let base = t.serve_keys(keys).await;
+    let alice = Api { base, http: Client::new(), key: Some("alice-secret-key") };
+    let (bob, ops) = (alice.as_(Some("bob-secret-key")), alice.as_(Some("ops-secret-key")));
+    let (_, run) = alice.post("/v1/runs/wait", json!({"input": "SCENARIO steps=1", "timeout_s": 30})).await;
+    let id = run["id"].as_str().unwrap();
+    let thread = run["thread_id"].as_str().unwrap();
+
+    // The admin lists Alice's runs and opens them, their events and their thread.
+    let (s, list) = ops.get("/v1/runs?owner=alice").await;
+    assert_eq!(s, StatusCode::OK, "{list}");
+    assert_eq!(list["runs"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect::<Vec<_>>(), [id]);
+    for path in [format!("/v1/runs/{id}"), format!("/v1/runs/{id}/events"), format!("/v1/threads/{thread}")] {
+        let (s, v) = ops.get(&path).await;
+        assert_eq!(s, StatusCode::OK, "{path}: {v}");
+    }
+    let (_, own) = ops.get("/v1/runs").await;
+    assert_eq!(own["runs"].as_array().unwrap().len(), 0, "without owner=, an admin's own runs");
+    let (_, ov) = ops.get("/v1/overview").await;
+    assert_eq!(ov["viewer"], json!({"owner": "ops", "admin": true}));
+    let (_, ov) = bob.get("/v1/overview").await;
+    assert_eq!(ov["viewer"], json!({"owner": "bob", "admin": false}));
+
+    // Bob is no admin: refused with a reason, and Alice's run stays invisible to him.
+    let (s, v) = bob.get("/v1/runs?owner=alice").await;
+    assert_eq!((s, code(&v)), (StatusCode::FORBIDDEN, "forbidden"), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("admin"), "{v}");
+    let (s, _) = bob.get(&format!("/v1/runs/{id}")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    // Naming oneself is fine for anyone.
+    let (s, _) = bob.get("/v1/runs?owner=bob").await;
+    assert_eq!(s, StatusCode::OK);
+    // Bulk actions work on the caller's own runs only.
+    let (s, v) = ops.post("/v1/runs/bulk", json!({"action": "cancel", "filter": {"owner": "alice"}})).await;
+    assert_eq!((s, code(&v)), (StatusCode::BAD_REQUEST, "invalid_filter"), "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -272,7 +321,7 @@ async fn cancel_in_each_state() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_a_4xx_with_a_stable_code() {
-    let (_t, api) = setup(KEYS, 0).await;
+    let (t, api) = setup(KEYS, 0).await;
     let raw = |body: &'static str, ct: Option<&'static str>| {
         let mut b = api.req(reqwest::Method::POST, "/v1/runs").body(body);
         if let Some(ct) = ct {
@@ -297,6 +346,9 @@ async fn bad_input_gets_a_4xx_with_a_stable_code() {
         (raw("{\"input\":\"x\",\"limits\":{\"timeout_s\":9223372036854775808}}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "bad_limit"),
         (raw("{\"input\":\"x\",\"limits\":{\"max_steps\":2.5}}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
         (raw("{\"input\":\"x\",\"limits\":[null,null]}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
+        (raw("{\"input\":\"x\",\"limits\":{\"compact_at\":0.99}}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "bad_limit"),
+        (raw("{\"input\":\"x\",\"limits\":{\"compact_at\":5}}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "bad_limit"),
+        (raw("{\"input\":\"x\",\"limits\":{\"compact_at\":\"most\"}}", Some("application/json")), StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
     ];
     for (req, status, c) in cases {
         let r = req.send().await.unwrap();
@@ -306,9 +358,11 @@ async fn bad_input_gets_a_4xx_with_a_stable_code() {
         assert!(!v["error"]["message"].as_str().unwrap().is_empty());
     }
     // A whole number written as a float is a whole number (JSON Schema agrees).
-    let (s, v) = api.post("/v1/runs", json!({"input": "SCENARIO steps=1", "limits": {"max_steps": 3.0}, "thread_id": "float-limits"})).await;
+    let (s, v) = api.post("/v1/runs", json!({"input": "SCENARIO steps=1", "limits": {"max_steps": 3.0, "compact_at": 0.7}, "thread_id": "float-limits"})).await;
     assert_eq!(s, StatusCode::ACCEPTED, "{v}");
     let id = v["id"].as_str().unwrap().to_owned();
+    let stored = t.app.store.get_run(id.parse().unwrap()).await.unwrap().unwrap();
+    assert_eq!(stored.limits.compact_at, Some(70), "a fraction is kept as a percent");
     let (s, v) = api.get(&format!("/v1/runs/{id}/events?after=9223372036854775808")).await;
     assert_eq!((s, code(&v)), (StatusCode::BAD_REQUEST, "invalid_cursor"));
     api.get(&format!("/v1/runs/{id}/wait?timeout_s=30")).await;

@@ -97,6 +97,13 @@ fn agents_warns_about_tools_it_cannot_honour_and_strict_fails() {
     assert!(o.contains("haiku: no alias in SUBAGENTS_MODEL_ALIASES"), "{o}");
     let strict = subagents(dir.path(), None, &["agents", "--strict"]);
     assert_eq!(strict.status.code(), Some(1), "--strict makes an unknown tool an error");
+    // An MCP name counts as unknown only when its server is not configured.
+    std::fs::write(jobs.join("planner.md"), "---\nname: planner\ndescription: plans\ntools: Read, mcp__github, mcp__files__read_text_file\n---\nprompt").unwrap();
+    std::fs::write(dir.path().join(".mcp.json"), r#"{"mcpServers": {"files": {"command": "true"}}}"#).unwrap();
+    let out = subagents(dir.path(), None, &["agents", "--strict"]);
+    let o = text(&out.stdout);
+    assert!(o.contains("mcp: mcp__github (no such server in SUBAGENTS_MCP_CONFIG), mcp__files__read_text_file\n"), "{o}");
+    assert_eq!(out.status.code(), Some(1), "{o}");
 }
 
 #[test]

@@ -52,6 +52,28 @@ pub(crate) async fn tool_results(t: &TestApp, run: &RunRecord) -> Vec<Value> {
 }
 
 #[tokio::test]
+async fn a_task_continues_a_childs_thread_by_the_short_id_it_returned() {
+    let t = app_with(
+        "p-cont",
+        vec![
+            calls(vec![call("task", json!({"description": "First part.\nSCENARIO steps=2 run=part1", "subagent": "general-purpose"}))]),
+            calls(vec![call("task", json!({"description": "Second part.\nSCENARIO steps=2 run=part2", "subagent": "general-purpose", "thread_id": "{{last:thread_id}}"}))]),
+            say("both parts done"),
+        ],
+        Box::new(|_| {}),
+    )
+    .await;
+    let parent = start_parent(&t, "p-cont").await;
+    assert_eq!(t.wait(parent.id).await.status, RunStatus::Succeeded);
+    let kids = t.app.store.children(parent.id).await.unwrap();
+    assert_eq!(kids.len(), 2);
+    assert_eq!(kids[0].thread_id, kids[1].thread_id, "the second task continued the first one's thread");
+    let results = tool_results(&t, &parent).await;
+    assert!(results[0]["thread_id"].as_str().unwrap().starts_with("sub_general-purpose_"), "{}", results[0]);
+    assert_eq!(results[1]["result"], "DONE after 2 steps");
+}
+
+#[tokio::test]
 async fn task_runs_a_child_and_returns_only_its_final_text() {
     let t = app_with(
         "p-task",
@@ -77,7 +99,8 @@ async fn task_runs_a_child_and_returns_only_its_final_text() {
     let results = tool_results(&t, &parent).await;
     assert_eq!(results.len(), 1);
     assert_eq!(results[0]["result"], "DONE after 3 steps");
-    assert_eq!(results[0]["thread_id"], child.thread_id.as_str());
+    // The short form, within the parent's thread (task accepts it back to continue it).
+    assert_eq!(format!("{}_{}", parent.thread_id, results[0]["thread_id"].as_str().unwrap()), child.thread_id.as_str());
     // The parent parked while the child ran, and heard about it.
     let events = t.events(parent.id).await;
     assert_gap_free(&events, RunStatus::Succeeded);
@@ -249,7 +272,13 @@ async fn depth_limit_bad_subagents_and_result_cut() {
     assert!(r[1].as_str().unwrap().starts_with("error[bad_arguments]"), "{}", r[1]);
     assert!(r[2].as_str().unwrap().starts_with("error[no_such_thread]"), "{}", r[2]);
     let cut = r[3]["result"].as_str().unwrap();
-    assert!(cut.starts_with("DONE after") && cut.contains("[output truncated: 10 of 18 bytes shown]"), "{cut}");
+    // Longer than the limit: the head, and the whole text in the workspace.
+    assert!(cut.starts_with("DONE after") && cut.contains("[result offloaded: it is 18 bytes"), "{cut}");
+    let child = t.app.store.children(parent.id).await.unwrap().into_iter().find(|c| c.status == RunStatus::Succeeded).unwrap().id;
+    let path = format!(".results/{child}/result.txt");
+    assert!(cut.contains(&format!("read_file with path=`{path}`")), "{cut}");
+    let ws = subagents::tools::owner_workspace(&t.app.settings.workspace, &parent.owner);
+    assert!(std::fs::read_to_string(ws.join(&path)).unwrap().starts_with("DONE after"));
     // Children (depth 1) are offered no delegation tools.
     let gp = t.app.agents.get("general-purpose").unwrap();
     assert!(!subagents::delegation::offered(gp, 1, &subagents::delegation::DelegationSettings::default()));

@@ -5,17 +5,19 @@ use std::collections::HashMap;
 
 /// Bottom layer first; a module may use only modules of lower layers.
 const LAYERS: &[&[&str]] = &[
-    &["ids", "lifecycle", "failpoints", "config", "telemetry", "client"],
+    &["ids", "lifecycle", "failpoints", "config", "telemetry", "client", "policy", "procs"],
     &["model", "notify", "agents"],
-    &["tools", "store"],
-    &["events"],
+    &["tools", "store", "mcp"],
+    &["events", "hooks", "permissions"],
     &["relay", "queue"],
     &["runs"],
     &["delegation"],
     &["engine"],
     &["worker"],
     &["app"],
-    &["api", "bench"],
+    &["mcp_server"],
+    &["api"],
+    &["bench"],
     &["cli"],
 ];
 

@@ -2,12 +2,18 @@
 //! worker processes killed with SIGKILL.
 
 mod api;
+mod browser;
 mod cli;
+mod context;
+mod dashboard;
 mod delegation;
 mod fleet;
 mod kill;
 mod layers;
 mod lifecycle;
+mod mcp;
+mod mcp_server;
+mod policy;
 mod redis;
 mod runs;
 mod store;

@@ -141,3 +141,30 @@ async fn token_deltas_follow_their_durable_event_in_the_run_stream() {
     assert_eq!(t.app.events_after(r.id, 0, 1000).await.unwrap(), outbox);
     assert_streams_match_outbox(&t, &redis, std::slice::from_ref(&r)).await;
 }
+
+/// Budgets live in Redis while it is up; during an outage the database counts them and runs
+/// go on (nothing fails for want of Redis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_moves_the_budgets_to_the_database() {
+    let mut redis = RedisServer::start();
+    let t = with_redis(&redis, 0).await;
+    let owner = subagents::app::LOCAL_OWNER;
+    t.app.store.set_owner_budgets(&[(owner.to_owned(), subagents::store::OwnerBudget { rpm: Some(1000), tpm: None })]).await.unwrap();
+    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url).await.unwrap();
+    let counted = |db: sqlx::SqlitePool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM sa_rate_log WHERE key = 'owner:' || $1").bind(owner).fetch_one(&db).await.unwrap()
+    };
+    let first = t.start("SCENARIO steps=2 run=before").await;
+    assert_eq!(t.wait(first.id).await.status, RunStatus::Succeeded);
+    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let in_redis: i64 = redis::cmd("ZCARD").arg(format!("subagents:budget:owner:{owner}")).query_async(&mut c).await.unwrap();
+    assert_eq!(in_redis, 2, "both calls counted in Redis");
+    assert_eq!(counted(db.clone()).await, 0, "none in the database");
+    redis.kill();
+    let t0 = Instant::now();
+    let second = t.start("SCENARIO steps=2 run=during").await;
+    assert_eq!(t.wait(second.id).await.status, RunStatus::Succeeded);
+    assert_eq!(counted(db.clone()).await, 2, "the database counted the calls made during the outage");
+    // One failed attempt at most, not one per call.
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}

@@ -225,19 +225,27 @@ async fn bad_inputs_are_refused_with_stable_codes() {
 }
 
 #[tokio::test]
-async fn tool_output_is_truncated_with_a_marker() {
+async fn a_long_tool_result_is_offloaded_to_the_workspace_not_cut() {
     let t = spawn_app_with(Options {
         tools: Some(tools_with(vec![Arc::new(Big(50_000))])),
-        tweak: Box::new(|s| s.tool_output_limit = 1000),
+        tweak: Box::new(|s| s.tool_result_tokens = 1000),
         ..Default::default()
     })
     .await;
     let r = t.run("SCENARIO steps=2 tool=big").await;
     assert_eq!(r.status, RunStatus::Succeeded);
     let msgs = t.app.store.thread_messages(&r.thread_id, 100_000).await.unwrap();
-    let Message::Tool { content, .. } = &msgs[2].message else { panic!("{msgs:?}") };
-    assert!(content.starts_with(&"x".repeat(1000)));
-    assert!(content.ends_with("[output truncated: 1000 of 50000 bytes shown]"), "{}", &content[1000..]);
+    let Message::Tool { content, tool_call_id } = &msgs[2].message else { panic!("{msgs:?}") };
+    let path = format!(".results/{}/{}.txt", r.id, tool_call_id);
+    assert!(content.starts_with("xxxx"), "{content}");
+    assert!(content.contains(&format!("[result offloaded: it is 50000 bytes")), "{content}");
+    assert!(content.contains(&format!("read_file with path=`{path}` offset=")), "{content}");
+    assert!(content.len() < 8_000, "the model sees a head, not the result: {} bytes", content.len());
+    let saved = std::fs::read_to_string(subagents::tools::owner_workspace(&t.app.settings.workspace, &r.owner).join(&path)).unwrap();
+    assert_eq!(saved, "x".repeat(50_000), "the whole result is kept");
+    let events = t.app.store.events_after(r.id, 0, 1000).await.unwrap();
+    let done = events.iter().find(|e| e.kind == "tool.completed").unwrap();
+    assert_eq!(done.data["offloaded"], true);
 }
 
 #[tokio::test]
@@ -315,7 +323,9 @@ async fn a_run_enqueued_without_workers_runs_when_a_worker_starts() {
 
 #[tokio::test]
 async fn graceful_shutdown_releases_the_run_and_another_worker_resumes_it() {
-    let mut t = spawn_app_with(Options { latency: Duration::from_millis(150), ..Default::default() }).await;
+    // A long lease: on a loaded machine a 1.5 s lease can expire mid-step, and this test is about
+    // the drain, not about expiry (tested elsewhere).
+    let mut t = spawn_app_with(Options { latency: Duration::from_millis(150), tweak: Box::new(|s| s.lease_ttl_secs = 10.0), ..Default::default() }).await;
     let r = t.start("SCENARIO steps=8").await;
     let deadline = Instant::now() + Duration::from_secs(20);
     while t.app.store.get_run(r.id).await.unwrap().unwrap().step < 2 {
@@ -335,6 +345,38 @@ async fn graceful_shutdown_releases_the_run_and_another_worker_resumes_it() {
     // The drain let the step in flight finish: no step was asked for twice.
     for (k, n) in t.served() {
         assert_eq!(n, 1, "step {k} served {n} times");
+    }
+    stop.cancel();
+    w.await.unwrap();
+}
+
+/// Priorities order an owner's queued runs: a priority-5 run enqueued behind five of priority
+/// 3 is next (its queue position says so) and is claimed first; out-of-range priorities are
+/// refused.
+#[tokio::test]
+async fn a_higher_priority_run_goes_first_within_its_owner() {
+    let t = spawn_app_with(Options { workers: false, tweak: Box::new(|s| s.concurrency = 1), ..Default::default() }).await;
+    let start = |input: String, priority: Option<u8>| subagents::app::StartRun { input, priority, ..Default::default() };
+    let mut normal = vec![];
+    for i in 0..5 {
+        normal.push(t.app.start_run(start(format!("SCENARIO steps=1 run=n{i}"), None)).await.unwrap());
+    }
+    let urgent = t.app.start_run(start("SCENARIO steps=1 run=urgent".into(), Some(5))).await.unwrap();
+    assert_eq!(urgent.priority, 5);
+    assert_eq!(t.app.store.queue_position(urgent.id).await.unwrap(), 0, "the urgent run is next");
+    assert_eq!(t.app.store.queue_position(normal[0].id).await.unwrap(), 1);
+    assert_eq!(t.app.store.queue_position(normal[4].id).await.unwrap(), 5);
+    for bad in [0u8, 6] {
+        let e = t.app.start_run(start("x".into(), Some(bad))).await.unwrap_err();
+        assert_eq!(e.code(), "bad_limit", "{e}");
+    }
+    let stop = tokio_util::sync::CancellationToken::new();
+    let w = t.app.spawn_workers(stop.clone());
+    let urgent = t.wait(urgent.id).await;
+    let first = t.wait(normal[0].id).await;
+    assert!(urgent.started_at.unwrap() <= first.started_at.unwrap(), "urgent {:?} vs first normal {:?}", urgent.started_at, first.started_at);
+    for r in &normal {
+        assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
     }
     stop.cancel();
     w.await.unwrap();

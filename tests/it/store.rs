@@ -48,7 +48,10 @@ macro_rules! conformance {
 }
 
 conformance!(
+    approvals_park_wake_and_answer_once,
+    compactions_are_fenced_idempotent_and_where_contexts_start,
     a_stale_epoch_cannot_write,
+    checkpoints_committed_together_are_each_fenced_by_their_own_lease,
     appends_are_idempotent_and_sequences_gap_free,
     terminal_states_never_change,
     the_database_enforces_one_active_run_per_thread,
@@ -75,12 +78,14 @@ fn new_run(thread: &ThreadId) -> NewRun {
         agent: "general-purpose".into(),
         input: "hi".into(),
         metadata: json!({}),
-        limits: RunLimits { max_steps: 5, timeout_secs: 60, max_total_tokens: None, max_total_steps: None },
+        limits: RunLimits { max_steps: 5, timeout_secs: 60, max_total_tokens: None, max_total_steps: None, compact_at: None },
         parent_run_id: None,
         tree: TreePosition::default(),
         job_id: new_job_id(),
         if_busy: IfBusy::Reject,
         idempotency_key: None,
+        retry_of: None,
+        priority: 3,
     }
 }
 
@@ -106,6 +111,148 @@ async fn a_stale_epoch_cannot_write(s: Backend) {
     assert!(s.thread_messages(&t, 100_000).await.unwrap().is_empty());
     s.checkpoint(&new, Checkpoint { messages: vec![msg(run.id, "a")], ..Default::default() }).await.unwrap();
     assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 1);
+}
+
+/// Many runs' checkpoints at once go to the database in groups: each item is still fenced by
+/// its own lease (a lost one writes nothing and says so, the others commit), seqs stay gap-free
+/// and every caller hears back only once its item is durable.
+async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Backend) {
+    let mut leases = vec![];
+    for _ in 0..40 {
+        let t = ThreadId::generate();
+        let run = s.create_run(new_run(&t)).await.unwrap().run;
+        let Claim::Acquired(lease, _) = s.claim_run(run.id, "w1", Duration::from_secs(30)).await.unwrap() else { panic!() };
+        leases.push((t, lease));
+    }
+    // Every fifth lease is stale: an epoch older than the run's.
+    let stale: Vec<bool> = (0..leases.len()).map(|i| i % 5 == 0).collect();
+    let mut used = vec![];
+    for ((t, lease), stale) in leases.iter().zip(&stale) {
+        if *stale {
+            let mut old = lease.clone();
+            old.epoch -= 1;
+            used.push((t.clone(), old));
+        } else {
+            used.push((t.clone(), lease.clone()));
+        }
+    }
+    for round in 0..3 {
+        let writes = used.iter().map(|(_, lease)| {
+            let cp = Checkpoint {
+                messages: vec![msg(lease.run_id, &format!("m{round}"))],
+                events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": round})), NewEvent::new(EventKind::StepCompleted, json!({"step": round}))],
+                step: Some(round + 1),
+                ..Default::default()
+            };
+            s.checkpoint(lease, cp)
+        });
+        let results = futures::future::join_all(writes).await;
+        for (r, stale) in results.iter().zip(&stale) {
+            match (r, stale) {
+                (Ok(()), false) => {}
+                (Err(StoreError::LeaseLost(_)), true) => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+    }
+    for ((t, lease), stale) in used.iter().zip(&stale) {
+        let msgs = s.thread_messages(t, 100).await.unwrap();
+        let events = s.events_after(lease.run_id, 0, 100).await.unwrap();
+        let run = s.get_run(lease.run_id).await.unwrap().unwrap();
+        if *stale {
+            assert!(msgs.is_empty(), "a stale lease wrote messages");
+            assert_eq!(events.len(), 2, "only run.queued and run.started: {events:?}");
+            assert_eq!(run.step, 0);
+        } else {
+            assert_eq!(msgs.iter().map(|m| m.key.rsplit(':').next().unwrap().to_owned()).collect::<Vec<_>>(), ["m0", "m1", "m2"]);
+            let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+            assert_eq!(seqs, (1..=8).collect::<Vec<u64>>(), "gap-free seqs");
+            assert_eq!(run.step, 3);
+        }
+    }
+}
+
+async fn approvals_park_wake_and_answer_once(s: Backend) {
+    let t = ThreadId::generate();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let future = chrono::Utc::now().timestamp_millis() + 60_000;
+    let approval = |id: &str, expires_at| NewApproval { id: id.into(), tool: "bash".into(), input: json!({"command": "ls"}), reason: "the rule `Bash` asks".into(), expires_at };
+    let decision = json!({"verdict": "ask", "approval_id": "apr_1"});
+    s.commit_decision(&lease, "k1", decision.clone(), Some(approval("apr_1", future)), vec![NewEvent::new(EventKind::ApprovalRequested, json!({}))]).await.unwrap();
+    // Idempotent by key: the same call decided again adds nothing.
+    s.commit_decision(&lease, "k1", json!({"verdict": "allow"}), Some(approval("apr_other", future)), vec![]).await.unwrap();
+    assert_eq!(s.tool_decision("k1").await.unwrap(), Some(decision));
+    assert!(s.approval("apr_other").await.unwrap().is_none());
+    let a = s.approval("apr_1").await.unwrap().unwrap();
+    assert_eq!((a.status, a.root_run_id, a.input["command"].as_str()), (ApprovalStatus::Pending, run.id, Some("ls")));
+    let listed = s.list_approvals("o", Some(ApprovalStatus::Pending), Some(run.id), None, 10).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert!(s.list_approvals("someone-else", None, None, None, 10).await.unwrap().is_empty());
+    // Parked on it: not due while pending.
+    let park = Park { events: vec![], wake_at: Some(future), waits_on: vec![], approvals: vec!["apr_1".into()] };
+    assert_eq!(s.park(&lease, park).await.unwrap(), Parked::Parked { due: false });
+    let answer = |allow, run_tree| ApprovalAnswer { allow, reason: Some("ok".into()), updated_input: None, run_tree, by: "o".into() };
+    assert_eq!(s.answer_approval("apr_1", "someone-else", answer(true, true)).await.unwrap(), Answered::NotFound);
+    assert_eq!(s.answer_approval("apr_1", "o", answer(true, true)).await.unwrap(), Answered::Done { run_id: run.id });
+    assert_eq!(s.answer_approval("apr_1", "o", answer(false, false)).await.unwrap(), Answered::Closed(ApprovalStatus::Allowed));
+    let woken = s.get_run(run.id).await.unwrap().unwrap();
+    assert!(woken.wake_at.unwrap() <= chrono::Utc::now().timestamp_millis(), "answering wakes the parked run");
+    assert!(s.has_grant(run.id, "bash").await.unwrap() && !s.has_grant(run.id, "edit_file").await.unwrap());
+    let kinds: Vec<String> = s.events_after(run.id, 0, 100).await.unwrap().into_iter().map(|e| e.kind).collect();
+    assert!(kinds.contains(&"approval.resolved".to_owned()), "{kinds:?}");
+    // An answer that raced the park: the park finds it answered and is due at once.
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    s.commit_decision(&lease, "k2", json!({"verdict": "ask"}), Some(approval("apr_2", future)), vec![]).await.unwrap();
+    assert!(matches!(s.answer_approval("apr_2", "o", answer(false, false)).await.unwrap(), Answered::Done { .. }));
+    let park = Park { events: vec![], wake_at: Some(future), waits_on: vec![], approvals: vec!["apr_2".into()] };
+    assert_eq!(s.park(&lease, park).await.unwrap(), Parked::Parked { due: true });
+    // Past its time it cannot be answered, and expires.
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    s.commit_decision(&lease, "k3", json!({"verdict": "ask"}), Some(approval("apr_3", 1)), vec![]).await.unwrap();
+    assert_eq!(s.answer_approval("apr_3", "o", answer(true, false)).await.unwrap(), Answered::Closed(ApprovalStatus::Expired));
+    assert!(s.expire_approval("apr_3").await.unwrap());
+    assert!(!s.expire_approval("apr_3").await.unwrap());
+    assert_eq!(s.approval("apr_3").await.unwrap().unwrap().status, ApprovalStatus::Expired);
+}
+
+async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) {
+    let t = ThreadId::generate();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let keys = ["a", "b", "c", "d"];
+    s.checkpoint(&lease, Checkpoint { messages: keys.iter().map(|k| msg(run.id, k)).collect(), ..Default::default() }).await.unwrap();
+    let all = s.thread_messages(&t, 100).await.unwrap();
+    assert_eq!(s.latest_compaction(&t).await.unwrap(), None);
+    let c = CompactionBody {
+        first_message_id: all[0].id,
+        last_message_id: all[1].id,
+        messages: 2,
+        summary: "a and b".into(),
+        tokens_before: 900,
+        tokens_after: 300,
+        reason: "threshold".into(),
+    };
+    let event = || vec![NewEvent::new(EventKind::ContextCompacted, json!({"range": [1, 2]}))];
+    s.commit_compaction(&lease, c.clone(), Default::default(), event()).await.unwrap();
+    // A replay of the same compaction adds no second row (its event is a new one).
+    s.commit_compaction(&lease, c.clone(), Default::default(), event()).await.unwrap();
+    let list = s.compactions(&t).await.unwrap();
+    assert_eq!(list.len(), 1);
+    let latest = s.latest_compaction(&t).await.unwrap().unwrap();
+    assert_eq!((latest.run_id, latest.last_message_id, latest.summary.as_str(), latest.tokens_after), (run.id, all[1].id, "a and b", 300));
+    // A context rebuilt from it reads only what came after it; the thread keeps everything.
+    let after: Vec<String> = s.messages_after(&t, latest.last_message_id, 100).await.unwrap().into_iter().map(|m| m.key).collect();
+    assert_eq!(after, [format!("{}:c", run.id), format!("{}:d", run.id)]);
+    assert_eq!(s.messages_after(&t, latest.last_message_id, 1).await.unwrap()[0].key, format!("{}:d", run.id), "the newest, when bounded");
+    assert_eq!(s.thread_messages(&t, 100).await.unwrap().len(), 4);
+    // A stale lease cannot compact.
+    let stale = Lease { epoch: lease.epoch - 1, ..lease.clone() };
+    let other = CompactionBody { first_message_id: all[2].id, last_message_id: all[2].id, ..c };
+    assert!(matches!(s.commit_compaction(&stale, other, Default::default(), event()).await.unwrap_err(), StoreError::LeaseLost(_)));
+    assert_eq!(s.compactions(&t).await.unwrap().len(), 1);
+    let kinds: Vec<String> = s.events_after(run.id, 0, 100).await.unwrap().into_iter().map(|e| e.kind).collect();
+    assert_eq!(kinds.iter().filter(|k| *k == "context.compacted").count(), 2);
 }
 
 async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {

@@ -44,6 +44,9 @@ pub fn test_settings(dir: &std::path::Path, mock: &MockServer) -> Settings {
     s
 }
 
+/// Replaces the model client with one wrapping it.
+pub type WrapModel = fn(Arc<dyn subagents::model::ChatModel>) -> Arc<dyn subagents::model::ChatModel>;
+
 pub struct Options {
     pub workers: bool,
     pub latency: Duration,
@@ -51,11 +54,13 @@ pub struct Options {
     pub tweak: Box<dyn FnOnce(&mut Settings)>,
     /// Agent files to write into jobs/: (file stem, content).
     pub jobs: Vec<(String, String)>,
+    /// Wraps the model client (a test's stand-in for a provider that misbehaves).
+    pub wrap_model: Option<WrapModel>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { workers: true, latency: Duration::ZERO, tools: None, tweak: Box::new(|_| {}), jobs: vec![] }
+        Self { workers: true, latency: Duration::ZERO, tools: None, tweak: Box::new(|_| {}), jobs: vec![], wrap_model: None }
     }
 }
 
@@ -74,7 +79,10 @@ pub async fn spawn_app_with(opts: Options) -> TestApp {
         .unwrap();
     let mut settings = test_settings(dir.path(), &mock);
     (opts.tweak)(&mut settings);
-    let model = App::model_client(&settings);
+    let mut model = App::model_client(&settings);
+    if let Some(wrap) = opts.wrap_model {
+        model = wrap(model);
+    }
     let tools = opts.tools.unwrap_or_else(|| ToolRegistry::with_settings(App::tool_settings(&settings)));
     let app = Arc::new(App::open_custom(settings, model, tools).await.unwrap());
     let shutdown = CancellationToken::new();
@@ -111,6 +119,11 @@ impl TestApp {
     pub async fn serve(&self, keys: &str) -> String {
         let mut k = subagents::api::auth::Keys::default();
         k.add_pairs(keys).unwrap();
+        self.serve_keys(k).await
+    }
+
+    /// Serves the API with keys built by the caller (a keys file, say).
+    pub async fn serve_keys(&self, k: subagents::api::auth::Keys) -> String {
         let server = subagents::api::Server::start(self.app.clone(), k, ([127, 0, 0, 1], 0).into(), self.shutdown.clone()).await.unwrap();
         format!("http://{}", server.addr)
     }
@@ -298,4 +311,16 @@ pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, St
         c.env(k, v);
     }
     c.spawn().expect("spawn worker")
+}
+
+/// The tool results of a run, as the model saw them (text).
+pub async fn tool_texts(t: &TestApp, r: &RunRecord) -> Vec<String> {
+    let msgs = t.app.store.thread_messages(&r.thread_id, 10_000).await.unwrap();
+    subagents::engine::context(&msgs, r.id)
+        .into_iter()
+        .filter_map(|m| match m {
+            subagents::model::Message::Tool { content, .. } => Some(content),
+            _ => None,
+        })
+        .collect()
 }

@@ -1,0 +1,140 @@
+//! The fleet's shared model budgets: per model (`SUBAGENTS_MODEL_LIMITS`) and per owner (the
+//! keys file's `rpm=`/`tpm=`), each a sliding window of calls and prompt tokens. They live in
+//! Redis when it is configured (one atomic script per call, no database transaction), else in
+//! the database. When Redis fails (or does not answer within half a second), the database
+//! keeps the count for the next few seconds, then Redis is tried again: for that time the two
+//! halves of the fleet may each spend a full window, which is the price of not stopping (or
+//! slowing) every model call during an outage.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::relay::RedisEvents;
+use crate::store::{OwnerBudget, RunLog, StoreError};
+
+/// How long an owner's budget, as the keys file set it, is trusted before it is read again.
+const OWNER_TTL: Duration = Duration::from_secs(5);
+
+/// How long a model's shared block (the provider's word) is trusted before it is read again,
+/// for models without a configured limit (they take nothing from a budget, so nothing else
+/// reads the block for them).
+const BLOCK_TTL: Duration = Duration::from_millis(200);
+
+/// Longest a budget call waits for Redis before the database counts instead.
+const REDIS_WAIT: Duration = Duration::from_millis(500);
+
+/// After Redis failed, how long the database keeps the count before Redis is tried again (so
+/// an outage does not slow every model call by a failed attempt).
+const REDIS_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Where budgets are taken from.
+pub struct Budgets {
+    store: Arc<dyn RunLog>,
+    redis: Option<RedisEvents>,
+    owners: Mutex<HashMap<String, (Instant, Option<OwnerBudget>)>>,
+    /// Until when Redis is left alone after a failure.
+    redis_down_until: Mutex<Option<Instant>>,
+    /// Blocks read (or set) lately, by key: when read, and until when.
+    blocks: Mutex<HashMap<String, (Instant, i64)>>,
+}
+
+impl Budgets {
+    /// Budgets in Redis when `redis` is given, else in `store`.
+    pub fn new(store: Arc<dyn RunLog>, redis: Option<RedisEvents>) -> Self {
+        Budgets { store, redis, owners: Mutex::new(HashMap::new()), redis_down_until: Mutex::new(None), blocks: Mutex::new(HashMap::new()) }
+    }
+
+    /// Redis, unless it failed a moment ago.
+    fn redis(&self) -> Option<&RedisEvents> {
+        let down = self.redis_down_until.lock().unwrap().is_some_and(|t| Instant::now() < t);
+        if down { None } else { self.redis.as_ref() }
+    }
+
+    fn redis_failed(&self, key: &str, error: &dyn std::fmt::Display) {
+        tracing::warn!(%error, key, "Redis holds no budget now; the database counts for the next {}s", REDIS_BACKOFF.as_secs());
+        *self.redis_down_until.lock().unwrap() = Some(Instant::now() + REDIS_BACKOFF);
+    }
+
+    /// `op` on Redis, unless it failed a moment ago; `None` (and Redis left alone for a while)
+    /// when it fails or does not answer in time: the caller then asks the database.
+    async fn in_redis<T, Fut>(&self, key: &str, op: impl FnOnce(RedisEvents) -> Fut) -> Option<T>
+    where
+        Fut: Future<Output = Result<T, crate::relay::RelayError>>,
+    {
+        let r = self.redis()?.clone();
+        match tokio::time::timeout(REDIS_WAIT, op(r)).await {
+            Ok(Ok(v)) => Some(v),
+            Ok(Err(e)) => {
+                self.redis_failed(key, &e);
+                None
+            }
+            Err(_) => {
+                self.redis_failed(key, &"no answer in time");
+                None
+            }
+        }
+    }
+
+    /// Takes one call of `tokens` prompt tokens from the budget `key`: `None` when taken, else
+    /// when to try again (ms since the epoch).
+    pub async fn take(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>, StoreError> {
+        if let Some(at) = self.in_redis(key, |r| async move { r.take_budget(key, window_ms, max_requests, max_tokens, tokens).await }).await {
+            return Ok(at);
+        }
+        self.store.take_budget(key, window_ms, max_requests, max_tokens, tokens).await
+    }
+
+    /// Until when `key` is blocked, if it is now (the provider said so, here or in another
+    /// process; read at most every 200 ms per key).
+    pub async fn blocked(&self, key: &str) -> Result<Option<i64>, StoreError> {
+        let now = crate::store::now_ms();
+        let cached = self.blocks.lock().unwrap().get(key).filter(|(at, _)| at.elapsed() < BLOCK_TTL).map(|(_, until)| *until);
+        let until = match cached {
+            Some(u) => u,
+            None => {
+                let u = match self.in_redis(key, |r| async move { r.budget_blocked_until(key).await }).await {
+                    Some(v) => v,
+                    None => self.store.budget_blocked_until(key).await?,
+                };
+                let mut blocks = self.blocks.lock().unwrap();
+                if blocks.len() > 10_000 {
+                    blocks.clear();
+                }
+                blocks.insert(key.to_owned(), (Instant::now(), u));
+                u
+            }
+        };
+        Ok((until > now).then_some(until))
+    }
+
+    /// Nobody takes from `key` until `until_ms` (the provider said its budget is used up).
+    pub async fn block(&self, key: &str, until_ms: i64) -> Result<(), StoreError> {
+        {
+            let mut blocks = self.blocks.lock().unwrap();
+            let e = blocks.entry(key.to_owned()).or_insert((Instant::now(), 0));
+            *e = (Instant::now(), e.1.max(until_ms));
+        }
+        if self.in_redis(key, |r| async move { r.block_budget(key, until_ms).await }).await.is_some() {
+            return Ok(());
+        }
+        self.store.block_budget(key, until_ms).await
+    }
+
+    /// The owner's own budget from the keys file, if it sets one (read at most every
+    /// few seconds).
+    pub async fn owner(&self, owner: &str) -> Result<Option<OwnerBudget>, StoreError> {
+        if let Some((at, b)) = self.owners.lock().unwrap().get(owner)
+            && at.elapsed() < OWNER_TTL
+        {
+            return Ok(*b);
+        }
+        let b = self.store.owner_budget(owner).await?;
+        let mut owners = self.owners.lock().unwrap();
+        if owners.len() > 10_000 {
+            owners.clear();
+        }
+        owners.insert(owner.to_owned(), (Instant::now(), b));
+        Ok(b)
+    }
+}

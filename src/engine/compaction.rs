@@ -1,0 +1,602 @@
+//! Keeping a run inside its model's context window.
+//!
+//! Before every model call the executor estimates the request ([`Budget::estimate`]). When it
+//! would pass `compact_at` (default 85 % of the window), or a new run starts on a thread whose
+//! carried-over context already fills half of that, the run takes a **compaction step**: one
+//! model call without tools summarises the oldest part of the context, and the summary commits
+//! with the range of messages it stands for ([`crate::store::Compaction`]). Nothing is deleted;
+//! the context is rebuilt as system prompt, task, summary, kept tail. A committed compaction is
+//! never redone: the rebuilt context starts after it. When the provider refuses a request as
+//! too long anyway, the same step runs and the call is retried; three failed compactions in a
+//! row fail the run with `kind=context`.
+//!
+//! What is kept verbatim: the system prompt, the run's task, the newest messages (default the
+//! newest 10 % of the window, never a tool call without its result), and the ids of sub-agent
+//! runs still running (listed under the summary from the store, not left to the model).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::json;
+
+use super::{Engine, Stop, context};
+use crate::agents::AgentDef;
+use crate::ids::RunId;
+use crate::model::compact::{self, Entry};
+use crate::model::tokens::{Calibration, Counter, ModelTable};
+use crate::model::{ChatRequest, Message, ToolSpec};
+use crate::store::{Compaction, CompactionBody, EventKind, Lease, NewEvent, RunRecord, StoredMessage};
+
+/// Context settings that do not vary per run.
+#[derive(Clone, Debug)]
+pub struct ContextSettings {
+    /// Context windows by model.
+    pub table: ModelTable,
+    /// Percent of the window at which a run compacts.
+    pub compact_at: u8,
+    /// Percent of the window a compaction keeps verbatim.
+    pub keep: u8,
+    /// Tokens of one tool result the model sees (then it is offloaded to a file).
+    pub tool_result_tokens: usize,
+    /// Provider-reported vs estimated prompt tokens, per model, shared by the process.
+    pub calibration: Arc<Calibration>,
+}
+
+impl Default for ContextSettings {
+    fn default() -> Self {
+        Self { table: ModelTable::default(), compact_at: 85, keep: 10, tool_result_tokens: 20_000, calibration: Arc::default() }
+    }
+}
+
+/// A run's context limits, resolved once per claim.
+#[derive(Clone, Debug)]
+pub struct Budget {
+    /// The model the run calls.
+    pub model: String,
+    /// Its tokenizer.
+    pub counter: Counter,
+    /// Its window.
+    pub window: u64,
+    /// Compact when an estimated request passes this many tokens.
+    pub compact_at: u64,
+    /// Tokens of newest messages a compaction keeps.
+    pub keep: u64,
+    /// Tokens of one tool result before it is offloaded.
+    pub result_tokens: usize,
+    compact_percent: u64,
+    keep_percent: u64,
+    calibration: Arc<Calibration>,
+    memo: Arc<std::sync::Mutex<Memo>>,
+}
+
+/// Token counts already made in this run: per message (by content hash) and per tool list (by
+/// length: a run offers all its tools or, forced, none).
+#[derive(Debug, Default)]
+struct Memo {
+    messages: HashMap<u64, usize>,
+    tools: HashMap<usize, usize>,
+}
+
+fn message_key(m: &Message) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    m.role().hash(&mut h);
+    match m {
+        Message::System { content } | Message::User { content } => content.hash(&mut h),
+        Message::Assistant { content, tool_calls } => {
+            content.hash(&mut h);
+            for c in tool_calls {
+                (&c.id, &c.function.name, &c.function.arguments).hash(&mut h);
+            }
+        }
+        Message::Tool { tool_call_id, content } => (tool_call_id, content).hash(&mut h),
+    }
+    h.finish()
+}
+
+impl Budget {
+    /// The limits for `run` on `agent` calling `model`: the run's `compact_at`, then the
+    /// agent's, then the process's; the agent's `context_window:`, then the model table.
+    pub fn resolve(settings: &ContextSettings, agent: &AgentDef, run_compact_at: Option<u8>, model: &str) -> Budget {
+        let (known, _) = settings.table.window(model);
+        let mut window = agent.context_window.unwrap_or(known.context);
+        // A provider that refused a request as too long taught us a smaller window.
+        if let Some(learned) = settings.calibration.learned_window(model) {
+            window = window.min(learned);
+        }
+        let percent = run_compact_at.or(agent.compact_at).unwrap_or(settings.compact_at).clamp(10, 95) as u64;
+        let mut b = Budget {
+            model: model.to_owned(),
+            counter: Counter::for_model(model),
+            window: 0,
+            compact_at: 0,
+            keep: 0,
+            result_tokens: 0,
+            compact_percent: percent,
+            keep_percent: settings.keep.clamp(1, 50) as u64,
+            calibration: settings.calibration.clone(),
+            memo: Arc::default(),
+        };
+        b.set_window(window, settings.tool_result_tokens);
+        b
+    }
+
+    fn set_window(&mut self, window: u64, tool_result_tokens: usize) {
+        self.window = window;
+        self.compact_at = window * self.compact_percent / 100;
+        self.keep = window * self.keep_percent / 100;
+        // A result may take a quarter of a small window at most.
+        self.result_tokens = tool_result_tokens.clamp(256, (window / 4).max(256) as usize);
+    }
+
+    /// The provider's likely count of a request: ours, corrected by what it reported before.
+    /// Returns (ours, corrected). Messages already counted in this run are looked up, not
+    /// tokenized again: a long context costs a hash per message per step.
+    pub fn estimate(&self, messages: &[Message], tools: &[ToolSpec]) -> (usize, usize) {
+        let mut memo = self.memo.lock().unwrap();
+        let mut raw = crate::model::tokens::REPLY_PRIMING;
+        for m in messages {
+            let key = message_key(m);
+            raw += *memo.messages.entry(key).or_insert_with(|| self.counter.message(m));
+        }
+        raw += *memo.tools.entry(tools.len()).or_insert_with(|| self.counter.tools(tools));
+        (raw, self.calibration.scale(&self.model, raw))
+    }
+
+    /// Records the provider's count of a request we estimated at `raw`.
+    pub fn observe(&self, raw: usize, reported: u64) {
+        self.calibration.observe(&self.model, raw, reported);
+    }
+
+    /// The provider refused a request we estimated at `raw` as too long; `body` is its error,
+    /// which often names the real window ("maximum context length is 8192 tokens"). The
+    /// window shrinks to that (or to 90 % of the refused request) for this run and, remembered
+    /// per model, for the runs after it.
+    pub fn too_long(&mut self, raw: usize, body: &str) {
+        let scaled = self.calibration.scale(&self.model, raw) as u64;
+        let stated = stated_window(body).filter(|w| *w >= 256 && *w < self.window);
+        let window = stated.unwrap_or(scaled * 9 / 10).clamp(256, self.window.max(256));
+        if window < self.window {
+            tracing::warn!(model = %self.model, from = self.window, to = window, "the provider's window is smaller than configured; using it");
+            self.calibration.learn_window(&self.model, window);
+            let result_tokens = self.result_tokens;
+            self.set_window(window, result_tokens);
+        }
+    }
+
+    /// Bytes a paging tool shows per call, so its page stays under the result budget.
+    pub fn page_bytes(&self) -> usize {
+        self.result_tokens.saturating_mul(3)
+    }
+}
+
+/// The window a provider's context-length error states, if it does.
+fn stated_window(body: &str) -> Option<u64> {
+    let lower = body.to_ascii_lowercase();
+    for marker in ["maximum context length is ", "context window is ", "context length is ", "maximum context length of "] {
+        if let Some(i) = lower.find(marker) {
+            let digits: String = lower[i + marker.len()..].chars().take_while(|c| c.is_ascii_digit() || *c == ',').filter(|c| *c != ',').collect();
+            if let Ok(n) = digits.parse() {
+                return Some(n);
+            }
+        }
+    }
+    None
+}
+
+/// A run's context as rebuilt from the store: the thread's latest compaction and the messages
+/// after it, with the run's own task always present.
+#[derive(Clone, Debug, Default)]
+pub struct RunContext {
+    /// The thread's latest compaction, if any.
+    pub compaction: Option<Compaction>,
+    /// Messages after it, in order (the task first when it was compacted away).
+    pub history: Vec<StoredMessage>,
+    /// The task was inside the compacted range and is put back before the summary.
+    pub task_restored: bool,
+}
+
+impl RunContext {
+    /// The request's messages: system prompt, task (when restored), summary, the rest.
+    pub fn messages(&self, system: &str, run: RunId) -> Vec<Message> {
+        let mut out = vec![Message::System { content: system.to_owned() }];
+        let mut rest = &self.history[..];
+        if self.task_restored
+            && let Some((task, tail)) = rest.split_first()
+        {
+            out.push(task.message.clone());
+            rest = tail;
+        }
+        if let Some(c) = &self.compaction {
+            out.push(compact::summary_message(&c.summary, c.first_message_id, c.last_message_id, &[]));
+        }
+        out.extend(context(rest, run));
+        out
+    }
+}
+
+/// Which messages a compaction replaces: `history[..end]` minus the run's task.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Eviction {
+    /// History index one past the last replaced message.
+    pub end: usize,
+    /// First replaced message id.
+    pub first_id: i64,
+    /// Last replaced message id.
+    pub last_id: i64,
+    /// Messages replaced.
+    pub count: usize,
+}
+
+/// Chooses what to compact: the oldest whole groups (a user message, or an assistant message
+/// with its tool results) that leave at least `keep` tokens of newest groups — and always the
+/// newest group — and that fit `chunk` tokens for the summariser (at least one group). `None`
+/// when nothing can go. `task_key` (the run's own task) is never replaced. Messages appended
+/// locally (id `i64::MAX`) are not committed under a known id and are never replaced.
+pub fn select(history: &[StoredMessage], task_key: &str, tokens: &dyn Fn(&StoredMessage) -> usize, keep: u64, chunk: u64) -> Option<Eviction> {
+    // Group starts: every message that is not a tool result.
+    let starts: Vec<usize> = history.iter().enumerate().filter(|(_, m)| !matches!(m.message, Message::Tool { .. })).map(|(i, _)| i).collect();
+    if starts.len() < 2 {
+        return None;
+    }
+    let group_end = |g: usize| starts.get(g + 1).copied().unwrap_or(history.len());
+    let group_tokens = |g: usize| history[starts[g]..group_end(g)].iter().filter(|m| m.key != task_key).map(tokens).sum::<usize>() as u64;
+    // The kept tail: newest groups until `keep` is reached (at least one).
+    let mut kept_from = starts.len() - 1;
+    let mut kept = group_tokens(kept_from);
+    while kept_from > 0 && kept < keep {
+        kept_from -= 1;
+        kept += group_tokens(kept_from);
+    }
+    // The tail that reached `keep` ends the candidates; its first group is kept too.
+    let mut end_group = 0;
+    let mut taken = 0u64;
+    while end_group < kept_from {
+        let t = group_tokens(end_group);
+        if taken > 0 && taken + t > chunk {
+            break;
+        }
+        taken += t;
+        end_group += 1;
+    }
+    let end = starts.get(end_group).copied().unwrap_or(history.len());
+    let replaced: Vec<&StoredMessage> = history[..end].iter().filter(|m| m.key != task_key).collect();
+    if replaced.is_empty() || replaced.iter().any(|m| m.id == i64::MAX) {
+        return None;
+    }
+    Some(Eviction {
+        end,
+        first_id: replaced.iter().map(|m| m.id).min()?,
+        last_id: replaced.iter().map(|m| m.id).max()?,
+        count: replaced.len(),
+    })
+}
+
+/// Why a compaction runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The next request would pass `compact_at`.
+    Threshold,
+    /// The provider refused the request as too long.
+    ContextLength,
+    /// A new run starts on a thread whose carried-over context is already large.
+    NewRun,
+}
+
+impl Reason {
+    /// As stored and sent in events.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Threshold => "threshold",
+            Reason::ContextLength => "context_length",
+            Reason::NewRun => "new_run",
+        }
+    }
+}
+
+/// What a compaction step came to.
+#[derive(Debug)]
+pub enum Compacted {
+    /// A summary is committed.
+    Done,
+    /// Nothing could be replaced (the context is all task and newest messages).
+    Nothing,
+    /// The summary could not be made (the summariser failed or answered nothing).
+    Failed(String),
+}
+
+/// Words a summary may take, for a window.
+fn summary_words(window: u64) -> usize {
+    (window / 16).clamp(150, 1500) as usize
+}
+
+impl Engine {
+    /// Reads the run's context: the thread's latest compaction and the messages after it.
+    pub(super) async fn load_context(&self, run: &RunRecord) -> Result<RunContext, Stop> {
+        let compaction = self.store.latest_compaction(&run.thread_id).await?;
+        let after = compaction.as_ref().map_or(0, |c| c.last_message_id);
+        let mut history = self.store.messages_after(&run.thread_id, after, self.settings.context_messages.max(1)).await?;
+        let input_key = format!("{}:input", run.id);
+        let mut task_restored = false;
+        // The task is missing when it is not committed yet (a fresh run) or when this run's own
+        // compaction covered its position; a long thread's oldest messages may also fall
+        // outside the bounded read. Then it is put back in front (the summary follows it).
+        let compacted_by_me = compaction.as_ref().is_some_and(|c| c.run_id == run.id);
+        if !history.iter().any(|m| m.key == input_key) && (run.step > 0 || compacted_by_me) {
+            let input = StoredMessage { id: 0, run_id: run.id, step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
+            history.insert(0, input);
+            task_restored = compaction.is_some();
+        }
+        Ok(RunContext { compaction, history, task_restored })
+    }
+
+    /// One compaction step: chooses the oldest part of the context, has the model summarise
+    /// it, and commits the summary with the range it replaces. The caller reloads the context.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn compact(
+        &self,
+        lease: &Lease,
+        run: &RunRecord,
+        agent: &AgentDef,
+        budget: &Budget,
+        ctx: &RunContext,
+        tools: &[ToolSpec],
+        reason: Reason,
+        step: u32,
+        failures: u32,
+    ) -> Result<Compacted, Stop> {
+        let input_key = format!("{}:input", run.id);
+        let counter = budget.counter;
+        let mut cache: HashMap<&str, usize> = HashMap::new();
+        for m in &ctx.history {
+            cache.insert(m.key.as_str(), counter.message(&m.message));
+        }
+        let tokens = |m: &StoredMessage| cache.get(m.key.as_str()).copied().unwrap_or(0);
+        // The summariser's input must fit the window with room for its answer; each failure
+        // halves it.
+        let summary_room = summary_words(budget.window) as u64 * 2;
+        let chunk = (budget.window.saturating_sub(summary_room) * 6 / 10) >> failures.min(4);
+        // The task sits at index 0 when restored; it is never part of a range.
+        let Some(ev) = select(&ctx.history, &input_key, &tokens, budget.keep, chunk.max(256)) else {
+            return Ok(Compacted::Nothing);
+        };
+        self.lifecycle_hooks(run, agent, crate::policy::HookEvent::PreCompact, json!({"trigger": if reason == Reason::Threshold { "auto" } else { reason.as_str() }, "first_message_id": ev.first_id, "last_message_id": ev.last_id})).await;
+        let messages_before = ctx.messages(&agent.system_prompt, run.id);
+        let (_, tokens_before) = budget.estimate(&messages_before, tools);
+        let range = json!({"first_message_id": ev.first_id, "last_message_id": ev.last_id, "messages": ev.count});
+        tracing::info!(reason = reason.as_str(), tokens_before, first = ev.first_id, last = ev.last_id, messages = ev.count, "compacting the context");
+        self.store
+            .checkpoint(lease, crate::store::Checkpoint {
+                events: vec![NewEvent::new(
+                    EventKind::ContextCompacting,
+                    json!({"step": step, "reason": reason.as_str(), "tokens_before": tokens_before, "range": range}),
+                )],
+                ..Default::default()
+            })
+            .await?;
+
+        // The transcript: the earlier summary, then the range in order (the task marked).
+        let mut entries = vec![];
+        if let Some(c) = &ctx.compaction {
+            entries.push(Entry::EarlierSummary(&c.summary));
+        }
+        for m in &ctx.history[..ev.end] {
+            if m.key == input_key {
+                if !ctx.task_restored {
+                    entries.push(Entry::Task);
+                }
+            } else {
+                entries.push(Entry::Message(&m.message));
+            }
+        }
+        let per_message = (chunk / 4).clamp(200, 4000) as usize;
+        let transcript = compact::transcript(&entries, &counter, per_message);
+        let req = ChatRequest {
+            model: budget.model.clone(),
+            messages: vec![Message::System { content: compact::prompt(summary_words(budget.window)) }, Message::User { content: transcript }],
+            tools: vec![],
+            step_key: format!("{}:compact:{}-{}", run.id, ev.first_id, ev.last_id),
+        };
+        let t0 = std::time::Instant::now();
+        let (summary, spent) = match self.model.complete(&req, &|_| {}).await {
+            Ok(r) => {
+                let cost = self.settings.prices.cost_nanos(&budget.model, &r.usage).unwrap_or(0);
+                let spent = (r.usage, cost);
+                match r.content.map(|c| c.trim().to_owned()).filter(|c| !c.is_empty()) {
+                    Some(s) => (s, spent),
+                    None => return Ok(Compacted::Failed("the model answered the summary request with nothing".into())),
+                }
+            }
+            Err(e) => return Ok(Compacted::Failed(format!("the summary request failed: {e}"))),
+        };
+        metrics::histogram!("subagents_compaction_seconds").record(t0.elapsed().as_secs_f64());
+
+        // Sub-agent runs still going are listed from the store, so no summary can lose them.
+        let pending: Vec<String> = self
+            .store
+            .children(run.id)
+            .await?
+            .into_iter()
+            .filter(|c| !c.status.is_terminal())
+            .map(|c| {
+                let what: String = c.input.lines().next().unwrap_or("").chars().take(80).collect();
+                format!("run_id {} (agent {}, {}): {}", c.id, c.agent, c.status.as_str(), what.trim())
+            })
+            .collect();
+        let mut summary_text = summary;
+        if !pending.is_empty() {
+            let Message::User { content } = compact::summary_message("", 0, 0, &pending) else { unreachable!() };
+            if let Some(i) = content.find("\n\nSub-agent runs") {
+                summary_text.push_str(&content[i..]);
+            }
+        }
+        // The context as it will be rebuilt, to report the tokens after.
+        let mut body = CompactionBody {
+            first_message_id: ev.first_id,
+            last_message_id: ev.last_id,
+            messages: ev.count as i64,
+            summary: summary_text,
+            tokens_before: tokens_before as i64,
+            tokens_after: 0,
+            reason: reason.as_str().into(),
+        };
+        let after = RunContext {
+            compaction: Some(Compaction { id: 0, run_id: run.id, body: body.clone(), created_at: chrono::Utc::now() }),
+            history: ctx.history.iter().enumerate().filter(|(i, m)| *i >= ev.end || m.key == input_key).map(|(_, m)| m.clone()).collect(),
+            task_restored: ctx.history[..ev.end].iter().any(|m| m.key == input_key) || ctx.task_restored,
+        };
+        let (_, tokens_after) = budget.estimate(&after.messages(&agent.system_prompt, run.id), tools);
+        body.tokens_after = tokens_after as i64;
+        let event = NewEvent::new(
+            EventKind::ContextCompacted,
+            json!({"step": step, "reason": reason.as_str(), "tokens_before": tokens_before, "tokens_after": tokens_after, "range": range,
+                   "usage": {"prompt_tokens": spent.0.prompt_tokens, "completion_tokens": spent.0.completion_tokens},
+                   "cost_usd": (spent.1 > 0).then(|| crate::model::prices::dollars(spent.1))}),
+        );
+        self.settings.failpoints.hit("before_compaction_commit").await;
+        self.store.commit_compaction(lease, body, spent, vec![event]).await?;
+        self.settings.failpoints.hit("after_compaction_commit").await;
+        metrics::counter!("subagents_compactions_total", "reason" => reason.as_str()).increment(1);
+        tracing::info!(tokens_before, tokens_after, ms = t0.elapsed().as_millis() as u64, "context compacted");
+        Ok(Compacted::Done)
+    }
+
+    /// A tool result as the model gets it: whole when it fits the result budget, otherwise
+    /// written to `.results/<run>/<call>.txt` in the workspace, with its head and that path.
+    pub(super) async fn fit_result(&self, budget: &Budget, workspace: &std::path::Path, run: RunId, call_id: &str, text: String) -> (String, bool) {
+        // A token is at least one byte: short texts need no count.
+        if text.len() <= budget.result_tokens {
+            return (text, false);
+        }
+        let tokens = budget.counter.text(&text);
+        if tokens <= budget.result_tokens {
+            return (text, false);
+        }
+        let head_tokens = (budget.result_tokens / 4).clamp(64, 2000);
+        let head_len = budget.counter.head(&text, head_tokens).0.len();
+        let rel = format!(".results/{run}/{call_id}.txt");
+        match crate::tools::offload(workspace, rel, text.clone(), head_len, tokens, budget.result_tokens).await {
+            Ok(o) => {
+                tracing::info!(tokens, path = %o.path, "tool result offloaded to the workspace");
+                (o.notice, true)
+            }
+            Err(e) => {
+                // Still a defined outcome: cut, and say why.
+                tracing::warn!(error = %e, "could not offload a long tool result; cutting it");
+                let mut cut = text[..head_len].to_owned();
+                cut.push_str(&format!("\n[output truncated: {head_len} of {} bytes shown; the whole result could not be saved ({e})]", text.len()));
+                (cut, true)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{FunctionCall, ToolCall};
+
+    fn m(id: i64, run: RunId, key: &str, message: Message) -> StoredMessage {
+        StoredMessage { id, run_id: run, step: 0, key: key.into(), message }
+    }
+
+    fn call(id: &str) -> Message {
+        Message::Assistant { content: None, tool_calls: vec![ToolCall { id: id.into(), kind: "function".into(), function: FunctionCall { name: "echo".into(), arguments: "{}".into() } }] }
+    }
+
+    fn result(id: &str) -> Message {
+        Message::Tool { tool_call_id: id.into(), content: "x".into() }
+    }
+
+    /// task, then 5 steps of (call, result): ids 1..=11.
+    fn history(run: RunId) -> Vec<StoredMessage> {
+        let mut h = vec![m(1, run, "task", Message::User { content: "do it".into() })];
+        for s in 0..5 {
+            h.push(m(2 + 2 * s, run, &format!("a{s}"), call(&format!("c{s}"))));
+            h.push(m(3 + 2 * s, run, &format!("r{s}"), result(&format!("c{s}"))));
+        }
+        h
+    }
+
+    #[test]
+    fn the_newest_groups_and_the_task_stay_and_pairs_stay_together() {
+        let run = RunId::new();
+        let h = history(run);
+        // Every message weighs 10: keep 30 tokens = two groups of 20 (the second reaches it).
+        let ev = select(&h, "task", &|_| 10, 30, 10_000).unwrap();
+        // Replaced: steps 0..3 (ids 2..=7); kept: steps 3 and 4 (ids 8..=11).
+        assert_eq!(ev, Eviction { end: 7, first_id: 2, last_id: 7, count: 6 });
+        assert!(!matches!(h[ev.end].message, Message::Tool { .. }), "the tail starts at a group");
+    }
+
+    #[test]
+    fn the_chunk_bounds_what_one_summary_takes() {
+        let run = RunId::new();
+        let h = history(run);
+        let ev = select(&h, "task", &|_| 10, 10, 45).unwrap();
+        // The task group weighs 0 (the task never counts), then 20 + 20 fit 45.
+        assert_eq!((ev.first_id, ev.last_id, ev.count), (2, 5, 4));
+        // At least one group even when it alone is over the chunk.
+        let ev = select(&h, "task", &|_| 10, 10, 1).unwrap();
+        assert_eq!((ev.first_id, ev.last_id), (2, 3));
+    }
+
+    #[test]
+    fn nothing_goes_when_everything_is_the_tail_or_uncommitted() {
+        let run = RunId::new();
+        let h = history(run);
+        assert_eq!(select(&h, "task", &|_| 10, 1_000, 10_000), None);
+        assert_eq!(select(&h[..1], "task", &|_| 10, 0, 10_000), None);
+        let mut local = h.clone();
+        local[1].id = i64::MAX;
+        assert_eq!(select(&local, "task", &|_| 10, 10, 10_000), None);
+    }
+
+    #[test]
+    fn estimates_are_the_counters_whether_memoised_or_not() {
+        let b = Budget::resolve(&ContextSettings::default(), &AgentDef::general_purpose(), None, "gpt-4o");
+        let run = RunId::new();
+        let msgs: Vec<Message> = history(run).into_iter().map(|m| m.message).collect();
+        let want = Counter::for_model("gpt-4o").request(&msgs, &[]);
+        assert_eq!(b.estimate(&msgs, &[]).0, want);
+        assert_eq!(b.estimate(&msgs, &[]).0, want, "the second time from the memo");
+        assert_eq!(b.estimate(&msgs[..3], &[]).0, Counter::for_model("gpt-4o").request(&msgs[..3], &[]));
+    }
+
+    #[test]
+    fn a_refusal_teaches_the_real_window() {
+        let settings = ContextSettings::default();
+        let agent = AgentDef { context_window: Some(16_000), ..AgentDef::general_purpose() };
+        let mut b = Budget::resolve(&settings, &agent, None, "m");
+        assert_eq!((b.window, b.compact_at, b.keep), (16_000, 13_600, 1_600));
+        b.too_long(7_000, r#"{"error":{"message":"This model's maximum context length is 6,000 tokens. However, your messages resulted in 7000 tokens."}}"#);
+        assert_eq!((b.window, b.compact_at), (6_000, 5_100));
+        // Remembered for the next run on this model.
+        assert_eq!(Budget::resolve(&settings, &agent, None, "m").window, 6_000);
+        let mut b = Budget::resolve(&settings, &agent, None, "other");
+        b.too_long(10_000, "prompt too long");
+        assert_eq!(b.window, 9_000);
+    }
+
+    #[test]
+    fn a_restored_task_comes_before_the_summary() {
+        let run = RunId::new();
+        let h = history(run);
+        let body = CompactionBody {
+            first_message_id: 2,
+            last_message_id: 7,
+            messages: 6,
+            summary: "did steps 0-2".into(),
+            tokens_before: 0,
+            tokens_after: 0,
+            reason: "threshold".into(),
+        };
+        let c = Compaction { id: 1, run_id: run, body, created_at: chrono::Utc::now() };
+        let ctx = RunContext { compaction: Some(c), history: [&h[..1], &h[7..]].concat(), task_restored: true };
+        let msgs = ctx.messages("sys", run);
+        assert!(matches!(&msgs[0], Message::System { .. }));
+        assert!(matches!(&msgs[1], Message::User { content } if content == "do it"));
+        assert!(matches!(&msgs[2], Message::User { content } if compact::is_summary(content) && content.contains("did steps 0-2")));
+        assert_eq!(msgs.len(), 3 + 4);
+    }
+}

@@ -1,0 +1,246 @@
+//! The gate every tool call passes before it runs: PreToolUse hooks, then the permission rules
+//! (the run's own, and every ancestor's: a child never gets more than its parent), then, for an
+//! `ask`, a durable approval the run parks on. The decision commits before the call runs, keyed
+//! by the call, so a replay after a crash never runs a hook or asks again for a decided call.
+//! A call no hook sees and the rules simply allow is not recorded: the same configuration
+//! allows it again on a replay.
+//! After the call, PostToolUse (or PostToolUseFailure) hooks may add to its result.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::{Engine, Stop};
+use crate::agents::AgentDef;
+use crate::delegation::Wait;
+use crate::hooks::{self, HookDecision};
+use crate::model::ToolCall;
+use crate::permissions::{self, Verdict};
+use crate::policy::{HookEvent, Policy};
+use crate::store::{ApprovalStatus, EventKind, Lease, NewApproval, NewEvent, RunRecord};
+
+/// Policy settings that do not vary per run.
+#[derive(Clone, Debug)]
+pub struct PolicySettings {
+    /// The operator's settings file: hooks and rules for every run.
+    pub settings: Arc<Policy>,
+    /// How long an approval waits when neither the agent nor the settings file says.
+    pub approval_timeout: Duration,
+    /// For http hooks.
+    pub http: reqwest::Client,
+}
+
+impl Default for PolicySettings {
+    fn default() -> Self {
+        Self { settings: Arc::default(), approval_timeout: Duration::from_secs(86_400), http: reqwest::Client::new() }
+    }
+}
+
+/// What the gate lets a call do.
+pub(super) enum Gate {
+    /// Run it with these arguments (a hook or an approver may have rewritten them); `context`
+    /// is added to its result for the model.
+    Run { arguments: String, context: Vec<String> },
+    /// Do not run it; the model gets this text as its result.
+    Refuse(String),
+    /// Wait for a person: park on this.
+    Park(Wait),
+}
+
+/// Tools that manage children already started: they pass without a decision.
+const UNGATED: &[&str] = &["subagent_status", "subagent_events", "subagent_await", "subagent_cancel"];
+
+impl Engine {
+    fn hook_configs<'a>(&'a self, agent: &'a AgentDef) -> [&'a crate::policy::HookConfig; 2] {
+        [&self.settings.policy.settings.hooks, &agent.policy.hooks]
+    }
+
+    /// Decides whether `call` runs (see the module doc).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn gate(&self, lease: &Lease, run: &RunRecord, agent: &AgentDef, step: u32, call: &ToolCall, key: &str, workspace: &Path) -> Result<Gate, Stop> {
+        let tool = call.function.name.as_str();
+        if UNGATED.contains(&tool) {
+            return Ok(Gate::Run { arguments: call.function.arguments.clone(), context: vec![] });
+        }
+        let input: Value = serde_json::from_str(&call.function.arguments).unwrap_or_else(|_| json!({}));
+        let configs = self.hook_configs(agent);
+        let pre = hooks::matching(&configs, HookEvent::PreToolUse, Some(tool));
+        // No hook to ask and the rules allow it: configuration alone decides, the same way on
+        // a replay, so there is nothing to look up or commit (a read and a commit per call
+        // saved). A call that an approver answered is asked again by these rules, so it still
+        // finds its committed answer below.
+        if pre.is_empty() && matches!(self.rules_verdict(run, agent, tool, &input).await?, Verdict::Allow) {
+            return Ok(Gate::Run { arguments: call.function.arguments.clone(), context: vec![] });
+        }
+        if let Some(decided) = self.store.tool_decision(key).await? {
+            return self.apply(&decided, call).await;
+        }
+        let outcome = if pre.is_empty() {
+            hooks::Outcome::default()
+        } else {
+            let payload = hooks::input(
+                HookEvent::PreToolUse,
+                run,
+                workspace,
+                json!({"tool_name": hooks::claude_name(tool), "subagents_tool": tool, "tool_use_id": call.id, "tool_input": input}),
+            );
+            hooks::run(&pre, payload, workspace, &self.settings.policy.http).await
+        };
+        let used = outcome.updated_input.clone().unwrap_or(input);
+        let mut decision = json!({"call_id": call.id, "tool": tool});
+        if let Some(u) = &outcome.updated_input {
+            decision["updated_input"] = u.clone();
+        }
+        if !outcome.additional_context.is_empty() {
+            decision["context"] = json!(outcome.additional_context);
+        }
+        let (verdict, by) = match (&outcome.blocked, &outcome.decision) {
+            (Some(reason), _) => {
+                decision["verdict"] = json!("blocked");
+                decision["reason"] = json!(reason);
+                (None, "hook")
+            }
+            (None, Some((HookDecision::Deny, r))) => (Some(Verdict::Deny(r.clone())), "hook"),
+            (None, Some((HookDecision::Ask, r))) => (Some(Verdict::Ask(r.clone())), "hook"),
+            (None, Some((HookDecision::Allow, _))) => (Some(Verdict::Allow), "hook"),
+            (None, None) => {
+                let v = self.rules_verdict(run, agent, tool, &used).await?;
+                if matches!(v, Verdict::Ask(_)) && self.store.has_grant(run.tree.root_run_id.unwrap_or(run.id), tool).await? {
+                    (Some(Verdict::Allow), "grant")
+                } else {
+                    (Some(v), "rules")
+                }
+            }
+        };
+        decision["by"] = json!(by);
+        let mut events = vec![];
+        let mut approval = None;
+        match verdict {
+            None => {
+                metrics::counter!("subagents_hook_blocks_total").increment(1);
+                events.push(NewEvent::new(EventKind::HookBlocked, json!({"step": step, "call_id": call.id, "tool": tool, "reason": decision["reason"]})));
+            }
+            Some(Verdict::Allow) => decision["verdict"] = json!("allow"),
+            Some(Verdict::Deny(reason)) => {
+                metrics::counter!("subagents_permission_denials_total").increment(1);
+                events.push(NewEvent::new(EventKind::ToolDenied, json!({"step": step, "call_id": call.id, "tool": tool, "reason": reason, "by": by})));
+                decision["verdict"] = json!("deny");
+                decision["reason"] = json!(reason);
+            }
+            Some(Verdict::Ask(reason)) => {
+                let id = format!("apr_{}", uuid::Uuid::now_v7().simple());
+                let timeout = agent.policy.approval_timeout.or(self.settings.policy.settings.approval_timeout).unwrap_or(self.settings.policy.approval_timeout);
+                let expires_at = chrono::Utc::now().timestamp_millis().saturating_add(timeout.as_millis().min(i64::MAX as u128) as i64);
+                metrics::counter!("subagents_approvals_requested_total").increment(1);
+                events.push(NewEvent::new(
+                    EventKind::ApprovalRequested,
+                    json!({"step": step, "call_id": call.id, "approval_id": id, "tool": tool, "input": used, "reason": reason, "by": by, "expires_at": expires_at, "answerable_by": run.owner}),
+                ));
+                approval = Some(NewApproval { id: id.clone(), tool: tool.to_owned(), input: used.clone(), reason: reason.clone(), expires_at });
+                decision["verdict"] = json!("ask");
+                decision["reason"] = json!(reason);
+                decision["approval_id"] = json!(id);
+            }
+        }
+        tracing::info!(tool, verdict = %decision["verdict"], by, "tool call decided");
+        self.store.commit_decision(lease, key, decision.clone(), approval, events).await?;
+        self.apply(&decision, call).await
+    }
+
+    /// What a committed decision means now (an approval may have been answered since).
+    async fn apply(&self, d: &Value, call: &ToolCall) -> Result<Gate, Stop> {
+        let context: Vec<String> = d["context"].as_array().map(|a| a.iter().filter_map(|c| c.as_str().map(str::to_owned)).collect()).unwrap_or_default();
+        let arguments = |updated: Option<&Value>| updated.filter(|u| u.is_object()).map(|u| u.to_string()).unwrap_or_else(|| call.function.arguments.clone());
+        let reason = d["reason"].as_str().unwrap_or("").to_owned();
+        Ok(match d["verdict"].as_str().unwrap_or("allow") {
+            "blocked" => Gate::Refuse(format!("error[blocked_by_hook]: {reason}")),
+            "deny" => Gate::Refuse(format!("error[permission_denied]: {reason}; this call was not run. Do not repeat it: continue without it or answer.")),
+            "ask" => {
+                let id = d["approval_id"].as_str().unwrap_or("");
+                let Some(mut a) = self.store.approval(id).await? else {
+                    return Ok(Gate::Refuse(format!("error[permission_denied]: the approval {id} for this call is gone")));
+                };
+                if a.status == ApprovalStatus::Pending && chrono::Utc::now().timestamp_millis() >= a.expires_at {
+                    self.store.expire_approval(id).await?;
+                    a = self.store.approval(id).await?.unwrap_or(a);
+                }
+                match a.status {
+                    ApprovalStatus::Pending => Gate::Park(Wait { approvals: vec![a.id.clone()], wake_at: Some(a.expires_at), ..Default::default() }),
+                    ApprovalStatus::Allowed => Gate::Run { arguments: arguments(a.updated_input.as_ref().or(d.get("updated_input"))), context },
+                    ApprovalStatus::Denied => Gate::Refuse(format!(
+                        "error[permission_denied]: a person denied this call{}; it was not run. Do not repeat it.",
+                        a.answer_reason.map(|r| format!(": {r}")).unwrap_or_default()
+                    )),
+                    ApprovalStatus::Expired => Gate::Refuse("error[approval_expired]: nobody approved this call in time; it was not run. Continue without it or answer.".into()),
+                }
+            }
+            _ => Gate::Run { arguments: arguments(d.get("updated_input")), context },
+        })
+    }
+
+    /// The permission verdict for `tool` on `input`: the settings file and the run's agent,
+    /// then every ancestor's agent the same way; the strictest wins.
+    async fn rules_verdict(&self, run: &RunRecord, agent: &AgentDef, tool: &str, input: &Value) -> Result<Verdict, Stop> {
+        let settings = &self.settings.policy.settings.rules;
+        let mut verdict = permissions::evaluate(&[settings, &agent.policy.rules], tool, input);
+        let mut parent = run.parent_run_id;
+        while let Some(id) = parent {
+            let Some(p) = self.store.get_run(id).await? else { break };
+            if let Some(a) = self.agents.get(&p.agent) {
+                let theirs = permissions::evaluate(&[settings, &a.policy.rules], tool, input);
+                verdict = verdict.stricter(match theirs {
+                    Verdict::Deny(r) => Verdict::Deny(format!("{r} (for the parent agent `{}`: a subagent never gets more than its parent)", a.name)),
+                    other => other,
+                });
+            }
+            parent = p.parent_run_id;
+        }
+        Ok(verdict)
+    }
+
+    /// PostToolUse (or PostToolUseFailure) hooks on a finished call: their feedback and context
+    /// are added to the result the model sees.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn after_tool(&self, run: &RunRecord, agent: &AgentDef, call: &ToolCall, arguments: &str, text: String, ok: bool, workspace: &Path) -> String {
+        let tool = call.function.name.as_str();
+        let event = if ok { HookEvent::PostToolUse } else { HookEvent::PostToolUseFailure };
+        let configs = self.hook_configs(agent);
+        let post = hooks::matching(&configs, event, Some(tool));
+        if post.is_empty() {
+            return text;
+        }
+        let input: Value = serde_json::from_str(arguments).unwrap_or_else(|_| json!({}));
+        let response = if ok { json!({"tool_response": text}) } else { json!({"error": text}) };
+        let mut extra = json!({"tool_name": hooks::claude_name(tool), "subagents_tool": tool, "tool_use_id": call.id, "tool_input": input});
+        if let (Value::Object(o), Value::Object(r)) = (&mut extra, response) {
+            o.extend(r);
+        }
+        let outcome = hooks::run(&post, hooks::input(event, run, workspace, extra), workspace, &self.settings.policy.http).await;
+        let mut text = text;
+        if let Some(reason) = outcome.blocked {
+            metrics::counter!("subagents_hook_blocks_total").increment(1);
+            text.push_str(&format!("\n[{} hook] {reason}", event.as_str()));
+        }
+        for c in outcome.additional_context {
+            text.push_str(&format!("\n[hook context] {c}"));
+        }
+        text
+    }
+
+    /// Hooks of a run's lifecycle (RunStart, SubagentStart, Stop, SubagentStop, PreCompact):
+    /// they observe, they cannot block; failures are logged.
+    pub(super) async fn lifecycle_hooks(&self, run: &RunRecord, agent: &AgentDef, event: HookEvent, extra: Value) {
+        let configs = self.hook_configs(agent);
+        let list = hooks::matching(&configs, event, None);
+        if list.is_empty() {
+            return;
+        }
+        let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
+        let outcome = hooks::run(&list, hooks::input(event, run, &workspace, extra), &workspace, &self.settings.policy.http).await;
+        if outcome.blocked.is_some() {
+            tracing::info!(event = event.as_str(), "a lifecycle hook asked to block; lifecycle hooks only observe");
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! `subagents mcp`: durable subagent runs for any MCP client, over stdio.
+//!
+//! One `run_agent(agent, input, thread_id?)` tool rather than one tool per agent: the tool list
+//! stays the same when agent files change (clients cache it), and the agents are listed in the
+//! tool's description and schema enum, as `task` lists them for our own agents. `run_status`,
+//! `run_wait`, `run_events` and `run_cancel` act on runs by id.
+//!
+//! A client that declares the Tasks extension (`io.modelcontextprotocol/tasks`) gets a task
+//! back from `run_agent` — the run, already committed — and follows it with `tasks/get` and
+//! `tasks/cancel` (the task id is the run id). A client without it gets the answer when the run
+//! ends, with progress notifications on the way, or, after `--wait-s`, the run id and its state,
+//! so no call hangs for an hour.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rmcp::ErrorData;
+use rmcp::handler::server::ServerHandler;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock, CreateTaskResult, DetailedTask, GetTaskParams, GetTaskResult,
+    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities, ServerConfig, Task, TaskPayload, TaskStatus, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use serde_json::{Value, json};
+
+use crate::app::{App, StartRun};
+use crate::ids::RunId;
+use crate::store::{RunRecord, RunStatus};
+
+/// The owner of an HTTP request to `/mcp`, put in the request's extensions by the API's
+/// authentication (stdio has one owner, given on the command line).
+#[derive(Clone, Debug)]
+pub struct McpOwner(pub String);
+
+/// The server: runs are started as `owner` (or as the request's [`McpOwner`] over HTTP).
+pub struct McpRuns {
+    app: Arc<App>,
+    owner: String,
+    wait: Duration,
+}
+
+impl McpRuns {
+    /// Serves `app` to MCP clients; runs belong to `owner`; a client without tasks waits at most
+    /// `wait` for an answer.
+    pub fn new(app: Arc<App>, owner: String, wait: Duration) -> McpRuns {
+        McpRuns { app, owner, wait }
+    }
+
+    fn tools(&self) -> Vec<Tool> {
+        let agents: Vec<String> = self.app.agents.all().map(|a| a.name.clone()).collect();
+        let menu: String = self.app.agents.all().map(|a| format!("\n- {}: {}", a.name, a.description.chars().take(200).collect::<String>())).collect();
+        let obj = |v: Value| v.as_object().cloned().unwrap_or_default();
+        let run_id = obj(json!({"type": "object", "properties": {"run_id": {"type": "string"}}, "required": ["run_id"]}));
+        vec![
+            Tool::new(
+                "run_agent",
+                format!("Start a durable subagent run: it works on the task in a fresh context, survives restarts, and answers with its final text (or, if it takes longer than this call waits, its run_id to follow with run_wait or run_status). Agents:{menu}"),
+                obj(json!({"type": "object", "properties": {
+                    "agent": {"type": "string", "enum": agents},
+                    "input": {"type": "string", "description": "The complete task."},
+                    "thread_id": {"type": "string", "description": "Continue this thread instead of starting a new one."}},
+                    "required": ["agent", "input"]})),
+            ),
+            Tool::new("run_status", "A run's state, step, progress lines, and its result or error once it ended.", run_id.clone()),
+            Tool::new(
+                "run_wait",
+                "Wait until runs end: all of them (mode all) or the first (mode any), at most timeout_s (default 60, at most 600).",
+                obj(json!({"type": "object", "properties": {"run_ids": {"type": "array", "items": {"type": "string"}, "minItems": 1}, "mode": {"type": "string", "enum": ["all", "any"]}, "timeout_s": {"type": "number", "minimum": 0, "maximum": 600}}, "required": ["run_ids"]})),
+            ),
+            Tool::new("run_events", "A run's progress lines after a cursor (seq).", obj(json!({"type": "object", "properties": {"run_id": {"type": "string"}, "after": {"type": "integer", "minimum": 0}}, "required": ["run_id"]}))),
+            Tool::new("run_cancel", "Cancel a run (and its subagents).", run_id),
+        ]
+    }
+
+    /// Who is asking: the HTTP request's authenticated owner, else the server's.
+    fn owner_of(&self, ctx: &RequestContext<RoleServer>) -> String {
+        ctx.extensions
+            .get::<axum::http::request::Parts>()
+            .and_then(|p| p.extensions.get::<McpOwner>())
+            .map(|o| o.0.clone())
+            .unwrap_or_else(|| self.owner.clone())
+    }
+
+    async fn owned(&self, owner: &str, id: &Value) -> Result<RunRecord, String> {
+        let id: RunId = id.as_str().and_then(|s| s.parse().ok()).ok_or("run_id must be a run id (a UUID)")?;
+        match self.app.store.get_run(id).await {
+            Ok(Some(r)) if r.owner == owner => Ok(r),
+            Ok(_) => Err(format!("there is no run {id}")),
+            Err(e) => Err(format!("storage: {e}")),
+        }
+    }
+
+    async fn snapshot(&self, r: &RunRecord) -> Value {
+        let recent = self.app.store.events_after(r.id, r.event_seq.saturating_sub(8), 8).await.unwrap_or_default();
+        let progress: Vec<String> = recent.iter().filter_map(crate::events::progress_line).collect();
+        let mut v = json!({"run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "status": r.status, "step": r.step, "progress": progress});
+        if let Some(res) = &r.result {
+            v["result"] = json!(res);
+        }
+        if let Some(e) = &r.error {
+            v["error"] = json!(format!("[{}] {}", e.kind.as_str(), e.message));
+        }
+        v
+    }
+
+    fn task_of(r: &RunRecord) -> Task {
+        let mut t = Task::new(r.id.to_string(), task_status(r.status), r.created_at.to_rfc3339(), r.finished_at.or(r.heartbeat_at).unwrap_or(r.created_at).to_rfc3339());
+        t.status_message = Some(format!("{} (step {})", r.status.as_str(), r.step));
+        t.poll_interval_ms = Some(500);
+        t
+    }
+
+    /// The answer of an ended run as a tool result.
+    fn outcome(r: &RunRecord) -> CallToolResult {
+        match r.status {
+            RunStatus::Succeeded => CallToolResult::success(vec![ContentBlock::text(r.result.clone().unwrap_or_default())]),
+            _ => CallToolResult::error(vec![ContentBlock::text(match &r.error {
+                Some(e) => format!("run {} {}: [{}] {}", r.id, r.status.as_str(), e.kind.as_str(), e.message),
+                None => format!("run {} {}", r.id, r.status.as_str()),
+            })]),
+        }
+    }
+
+    async fn run_agent(&self, args: &Value, ctx: &RequestContext<RoleServer>) -> Result<CallToolResponse, ErrorData> {
+        let agent = args["agent"].as_str().ok_or_else(|| ErrorData::invalid_params("`agent` is required", None))?;
+        let input = args["input"].as_str().ok_or_else(|| ErrorData::invalid_params("`input` is required", None))?;
+        let thread_id = args["thread_id"].as_str().map(|t| t.parse()).transpose().map_err(|e| ErrorData::invalid_params(format!("thread_id: {e}"), None))?;
+        let req = StartRun { agent: Some(agent.to_owned()), input: input.to_owned(), thread_id, owner: Some(self.owner_of(ctx)), ..Default::default() };
+        // Committed before anything is returned: the run survives this process from here on.
+        let run = match self.app.start_run(req).await {
+            Ok(r) => r,
+            Err(e) => return Ok(CallToolResult::error(vec![ContentBlock::text(format!("error[{}]: {e}", e.code()))]).into()),
+        };
+        tracing::info!(run_id = %run.id, agent, "MCP client started a run");
+        let tasks = ctx.peer.peer_info().is_some_and(|i| i.capabilities.supports_tasks());
+        let token = ctx.meta.get_progress_token();
+        if tasks {
+            // The task goes back at once; its progress follows while the client is connected.
+            if let Some(token) = token {
+                let (app, peer, id) = (self.app.clone(), ctx.peer.clone(), run.id);
+                tokio::spawn(async move {
+                    let mut cursor = 0u64;
+                    loop {
+                        let r = app.wait(id, Duration::from_secs(1)).await.ok().flatten();
+                        for e in app.store.events_after(id, cursor, 100).await.unwrap_or_default() {
+                            cursor = e.seq;
+                            if let Some(line) = crate::events::progress_line(&e) {
+                                let mut p = ProgressNotificationParam::new(token.clone(), e.seq as f64);
+                                p.message = Some(line);
+                                if peer.notify_progress(p).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                        if r.is_none_or(|r| r.status.is_terminal()) {
+                            return;
+                        }
+                    }
+                });
+            }
+            return Ok(CallToolResponse::Task(CreateTaskResult::new(Self::task_of(&run))));
+        }
+        // Without tasks: wait, sending progress, up to the configured time.
+        let deadline = tokio::time::Instant::now() + self.wait;
+        let mut cursor = 0u64;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let r = self.app.wait(run.id, left.min(Duration::from_secs(1))).await.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+            let Some(r) = r else { return Err(ErrorData::internal_error("the run vanished", None)) };
+            if let Some(token) = &token {
+                for e in self.app.store.events_after(run.id, cursor, 100).await.unwrap_or_default() {
+                    cursor = e.seq;
+                    if let Some(line) = crate::events::progress_line(&e) {
+                        let mut p = ProgressNotificationParam::new(token.clone(), e.seq as f64);
+                        p.message = Some(line);
+                        let _ = ctx.peer.notify_progress(p).await;
+                    }
+                }
+            }
+            if r.status.is_terminal() {
+                return Ok(Self::outcome(&r).into());
+            }
+            if left.is_zero() || ctx.ct.is_cancelled() {
+                let mut res = CallToolResult::success(vec![ContentBlock::text(format!(
+                    "The run is still working (run_id {}, status {}, step {}). It goes on without this call: follow it with run_wait or run_status.",
+                    r.id,
+                    r.status.as_str(),
+                    r.step
+                ))]);
+                res.structured_content = Some(json!({"run_id": r.id, "thread_id": r.thread_id, "status": r.status}));
+                return Ok(res.into());
+            }
+        }
+    }
+
+    async fn call(&self, name: &str, args: Value, ctx: &RequestContext<RoleServer>) -> Result<CallToolResponse, ErrorData> {
+        let text = |v: Value| -> Result<CallToolResponse, ErrorData> { Ok(CallToolResult::success(vec![ContentBlock::text(v.to_string())]).into()) };
+        let refuse = |m: String| -> Result<CallToolResponse, ErrorData> { Ok(CallToolResult::error(vec![ContentBlock::text(m)]).into()) };
+        let owner = self.owner_of(ctx);
+        match name {
+            "run_agent" => self.run_agent(&args, ctx).await,
+            "run_status" => match self.owned(&owner, &args["run_id"]).await {
+                Ok(r) => text(self.snapshot(&r).await),
+                Err(e) => refuse(e),
+            },
+            "run_events" => match self.owned(&owner, &args["run_id"]).await {
+                Ok(r) => {
+                    let after = args["after"].as_u64().unwrap_or(0);
+                    let events = self.app.store.events_after(r.id, after, 200).await.unwrap_or_default();
+                    let lines: Vec<Value> = events.iter().filter_map(|e| crate::events::progress_line(e).map(|l| json!({"seq": e.seq, "line": l}))).collect();
+                    text(json!({"events": lines, "next_after": events.last().map_or(after, |e| e.seq)}))
+                }
+                Err(e) => refuse(e),
+            },
+            "run_cancel" => match self.owned(&owner, &args["run_id"]).await {
+                Ok(r) => match self.app.cancel(r.id).await {
+                    Ok(o) => text(json!({"run_id": r.id, "outcome": format!("{o:?}")})),
+                    Err(e) => refuse(format!("storage: {e}")),
+                },
+                Err(e) => refuse(e),
+            },
+            "run_wait" => {
+                let ids = args["run_ids"].as_array().cloned().unwrap_or_default();
+                if ids.is_empty() || ids.len() > 50 {
+                    return refuse("run_ids must list 1 to 50 run ids".into());
+                }
+                let any = args["mode"].as_str() == Some("any");
+                let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(args["timeout_s"].as_f64().unwrap_or(60.0).clamp(0.0, 600.0));
+                loop {
+                    let mut runs = vec![];
+                    for id in &ids {
+                        match self.owned(&owner, id).await {
+                            Ok(r) => runs.push(r),
+                            Err(e) => return refuse(e),
+                        }
+                    }
+                    let ended = runs.iter().filter(|r| r.status.is_terminal()).count();
+                    let done = if any { ended > 0 } else { ended == runs.len() };
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    if done || left.is_zero() {
+                        let mut snaps = vec![];
+                        for r in &runs {
+                            snaps.push(self.snapshot(r).await);
+                        }
+                        return text(json!({"runs": snaps, "wait_timed_out": !done}));
+                    }
+                    let pending = runs.iter().find(|r| !r.status.is_terminal()).map(|r| r.id);
+                    if let Some(p) = pending {
+                        let _ = self.app.wait(p, left.min(Duration::from_secs(1))).await;
+                    }
+                }
+            }
+            other => Err(ErrorData::invalid_params(format!("there is no tool `{other}`"), None)),
+        }
+    }
+}
+
+fn task_status(s: RunStatus) -> TaskStatus {
+    match s {
+        RunStatus::Succeeded | RunStatus::Failed => TaskStatus::Completed,
+        RunStatus::Cancelled => TaskStatus::Cancelled,
+        _ => TaskStatus::Working,
+    }
+}
+
+impl ServerHandler for McpRuns {
+    fn get_info(&self) -> ServerConfig {
+        let mut info = ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_resources().enable_tasks().build());
+        info.server_info.name = "subagents".into();
+        info.server_info.version = env!("CARGO_PKG_VERSION").into();
+        info.instructions = Some("Durable subagent runs: run_agent starts one (it survives restarts); follow long ones with run_wait or run_status.".into());
+        info
+    }
+
+    async fn list_tools(&self, _request: Option<PaginatedRequestParams>, _context: RequestContext<RoleServer>) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(self.tools()))
+    }
+
+    async fn call_tool(&self, request: CallToolRequestParams, context: RequestContext<RoleServer>) -> Result<CallToolResponse, ErrorData> {
+        let args = Value::Object(request.arguments.clone().unwrap_or_default());
+        self.call(&request.name, args, &context).await
+    }
+
+    async fn list_resources(&self, _request: Option<PaginatedRequestParams>, _context: RequestContext<RoleServer>) -> Result<rmcp::model::ListResourcesResult, ErrorData> {
+        // The agents, as resources: what each is for, its tools and its prompt.
+        let resources = self
+            .app
+            .agents
+            .all()
+            .filter_map(|a| {
+                serde_json::from_value(json!({"uri": format!("agent://{}", a.name), "name": a.name, "description": a.description, "mimeType": "text/markdown"})).ok()
+            })
+            .collect();
+        Ok(rmcp::model::ListResourcesResult::with_all_items(resources))
+    }
+
+    async fn read_resource(&self, request: rmcp::model::ReadResourceRequestParams, _context: RequestContext<RoleServer>) -> Result<rmcp::model::ReadResourceResponse, ErrorData> {
+        let name = request.uri.strip_prefix("agent://").unwrap_or("");
+        let Some(a) = self.app.agents.get(name) else {
+            return Err(ErrorData::resource_not_found(format!("no resource {}; agents are agent://<name>", request.uri), None));
+        };
+        let tools = a.tools.as_ref().map(|t| t.join(", ")).unwrap_or_else(|| "every built-in tool".into());
+        let text = format!("# {}\n\n{}\n\nTools: {tools}\nModel: {}\n\n## Prompt\n\n{}\n", a.name, a.description, a.model.as_deref().unwrap_or("the default"), a.system_prompt);
+        let result: rmcp::model::ReadResourceResult = serde_json::from_value(json!({"contents": [{"uri": request.uri, "mimeType": "text/markdown", "text": text}]}))
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        Ok(result.into())
+    }
+
+    async fn get_task(&self, request: GetTaskParams, context: RequestContext<RoleServer>) -> Result<GetTaskResult, ErrorData> {
+        let r = self.owned(&self.owner_of(&context), &json!(request.task_id)).await.map_err(|e| ErrorData::invalid_params(e, None))?;
+        let payload = match r.status {
+            RunStatus::Succeeded | RunStatus::Failed => {
+                TaskPayload::Completed { result: serde_json::to_value(Self::outcome(&r)).ok().and_then(|v| v.as_object().cloned()).unwrap_or_default() }
+            }
+            RunStatus::Cancelled => TaskPayload::Cancelled,
+            _ => TaskPayload::Working,
+        };
+        Ok(GetTaskResult::new(DetailedTask::new(Self::task_of(&r), payload)))
+    }
+
+    async fn cancel_task(&self, request: CancelTaskParams, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
+        let r = self.owned(&self.owner_of(&context), &json!(request.task_id)).await.map_err(|e| ErrorData::invalid_params(e, None))?;
+        self.app.cancel(r.id).await.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        Ok(())
+    }
+}
+
+/// The streamable HTTP service `serve` mounts at `/mcp` (behind its bearer keys: the API puts
+/// the request's owner in its extensions as [`McpOwner`]).
+pub fn http_service(app: Arc<App>, wait: Duration) -> rmcp::transport::StreamableHttpService<McpRuns, rmcp::transport::streamable_http_server::session::local::LocalSessionManager> {
+    // Bearer keys authenticate every request, so the Host check against DNS rebinding (meant for
+    // unauthenticated local servers) would only refuse legitimate remote clients.
+    let config = rmcp::transport::StreamableHttpServerConfig::default().disable_allowed_hosts();
+    rmcp::transport::StreamableHttpService::new(move || Ok(McpRuns::new(app.clone(), crate::app::LOCAL_OWNER.to_owned(), wait)), Default::default(), config)
+}
+
+/// Serves `app` over stdin/stdout until the client disconnects.
+pub async fn serve_stdio(app: Arc<App>, owner: String, wait: Duration) -> anyhow::Result<()> {
+    use rmcp::ServiceExt;
+    let service = McpRuns::new(app, owner, wait).serve(rmcp::transport::stdio()).await?;
+    service.waiting().await?;
+    Ok(())
+}

@@ -1,0 +1,129 @@
+//! Group commit: the progress checkpoints of many runs that arrive while a commit is under way
+//! go to the database together, in one transaction, instead of one transaction each.
+//!
+//! Nothing about a checkpoint changes: each item is still fenced by its own lease (an item
+//! whose lease is gone is skipped and answered [`StoreError::LeaseLost`], the others commit),
+//! and a caller hears back only after the transaction holding its item committed, so every
+//! step is still durable before the next one starts. What changes is the cost: one commit (one
+//! WAL write, one lock hand-over on SQLite) carries a whole batch. Nobody waits for a batch to
+//! fill: a committer takes what is queued the moment it is free, so a lone run commits at once
+//! and a busy fleet commits in groups as large as the database is slow.
+//!
+//! Terminal checkpoints do not come here: they carry effects on other runs (the parent, the
+//! waiters) and commit on their own.
+
+use std::sync::OnceLock;
+
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+use super::{Checkpoint, Lease, Result, StoreError};
+use crate::ids::RunId;
+
+/// Most checkpoints in one transaction.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// How a backend commits progress: one checkpoint alone (also the fallback when a batch
+/// fails), or many in one transaction.
+pub(crate) trait Progress: Clone + Send + Sync + 'static {
+    /// Commits one checkpoint and announces it (see [`super::RunLog::checkpoint`]).
+    fn commit_one(&self, lease: Lease, cp: Checkpoint) -> impl Future<Output = Result<()>> + Send;
+    /// Commits non-terminal checkpoints in one transaction; `false` where an item's lease was
+    /// gone (that item wrote nothing). An error means nothing committed.
+    fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> impl Future<Output = Result<Vec<bool>>> + Send;
+    /// Tells this process's waiters that `run` changed.
+    fn announce(&self, run: RunId);
+}
+
+struct Item {
+    lease: Lease,
+    cp: Checkpoint,
+    reply: oneshot::Sender<Result<()>>,
+}
+
+/// The queue in front of a backend's committers, started on first use (in the caller's
+/// runtime).
+#[derive(Debug)]
+pub(crate) struct GroupCommit {
+    committers: usize,
+    queue: OnceLock<mpsc::UnboundedSender<Item>>,
+}
+
+impl GroupCommit {
+    /// `committers` transactions may be under way at once (1 for SQLite's single writer).
+    pub(crate) fn new(committers: usize) -> Self {
+        GroupCommit { committers: committers.max(1), queue: OnceLock::new() }
+    }
+
+    /// Commits `cp` with whatever else is queued; returns once it is durable.
+    pub(crate) async fn commit<P: Progress>(&self, backend: &P, lease: &Lease, cp: Checkpoint) -> Result<()> {
+        if cp.finish.is_some() {
+            return backend.commit_one(lease.clone(), cp).await;
+        }
+        let queue = self.queue.get_or_init(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let rx = std::sync::Arc::new(Mutex::new(rx));
+            for _ in 0..self.committers {
+                tokio::spawn(committer(backend.clone(), rx.clone()));
+            }
+            tx
+        });
+        let (reply, answer) = oneshot::channel();
+        if let Err(mpsc::error::SendError(item)) = queue.send(Item { lease: lease.clone(), cp, reply }) {
+            // The committers are gone (their runtime ended): commit alone.
+            return backend.commit_one(item.lease, item.cp).await;
+        }
+        match answer.await {
+            Ok(r) => r,
+            // The committer was dropped with the item (its runtime is ending): whether the item
+            // committed is unknown, which is what a lost connection would say.
+            Err(_) => Err(StoreError::Db(sqlx::Error::PoolClosed)),
+        }
+    }
+}
+
+async fn committer<P: Progress>(backend: P, queue: std::sync::Arc<Mutex<mpsc::UnboundedReceiver<Item>>>) {
+    loop {
+        let mut batch = Vec::new();
+        {
+            // One committer takes what is queued now; the others wait their turn for the next.
+            let mut rx = queue.lock().await;
+            let Some(first) = rx.recv().await else { return };
+            batch.push(first);
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(item) => batch.push(item),
+                    Err(_) => break,
+                }
+            }
+        }
+        if batch.len() == 1 {
+            let item = batch.pop().expect("one item");
+            let r = backend.commit_one(item.lease, item.cp).await;
+            let _ = item.reply.send(r);
+            continue;
+        }
+        metrics::histogram!("subagents_group_commit_size").record(batch.len() as f64);
+        let (replies, items): (Vec<_>, Vec<_>) = batch.into_iter().map(|i| (i.reply, (i.lease, i.cp))).unzip();
+        match backend.commit_many(&items).await {
+            Ok(applied) => {
+                for ((reply, (lease, _)), ok) in replies.into_iter().zip(&items).zip(applied) {
+                    if ok {
+                        backend.announce(lease.run_id);
+                        let _ = reply.send(Ok(()));
+                    } else {
+                        let _ = reply.send(Err(StoreError::LeaseLost(lease.run_id)));
+                    }
+                }
+            }
+            Err(e) => {
+                // Nothing committed (a deadlock, a lost connection): each item alone, so one
+                // item's trouble is its own.
+                tracing::warn!(error = %e, size = items.len(), "a group commit failed; committing its items one by one");
+                metrics::counter!("subagents_group_commit_fallbacks_total").increment(1);
+                for (reply, (lease, cp)) in replies.into_iter().zip(items) {
+                    let _ = reply.send(backend.commit_one(lease, cp).await);
+                }
+            }
+        }
+    }
+}
