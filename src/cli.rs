@@ -210,19 +210,23 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 host
             };
+            let mut signal = ShutdownSignal::listen();
             crate::telemetry::init_metrics();
             let mut settings = settings;
             if let Some(w) = workers {
                 settings.concurrency = w;
             }
-            let app = Arc::new(App::open(settings).await?);
+            let app = tokio::select! {
+                app = App::open(settings) => Arc::new(app?),
+                _ = signal.recv() => return Ok(stopped_while_starting()),
+            };
             let shutdown = CancellationToken::new();
             let workers = if app.settings.concurrency > 0 { Some(app.spawn_workers(shutdown.clone())) } else { app.spawn_relay(shutdown.clone()) };
             let server = crate::api::Server::start(app.clone(), keys, SocketAddr::new(host, port), shutdown.clone())
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
             eprintln!("subagents serve: listening on http://{} ({} embedded workers)", server.addr, app.settings.concurrency);
-            shutdown_signal().await;
+            signal.recv().await;
             tracing::info!("shutdown requested");
             shutdown.cancel();
             let _ = server.join().await;
@@ -253,12 +257,16 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             run_to_end(&app, req, quiet).await
         }
         Command::Worker => {
+            let mut signal = ShutdownSignal::listen();
             crate::telemetry::init_metrics();
-            let app = App::open(settings).await?;
+            let app = tokio::select! {
+                app = App::open(settings) => app?,
+                _ = signal.recv() => return Ok(stopped_while_starting()),
+            };
             eprintln!("subagents worker: {} agents, concurrency {}, database {}", app.agents.all().count(), app.settings.concurrency, crate::app::redact(&app.settings.database_url));
             let shutdown = CancellationToken::new();
             let workers = app.spawn_workers(shutdown.clone());
-            shutdown_signal().await;
+            signal.recv().await;
             tracing::info!("shutdown requested: finishing the current step boundary and releasing runs");
             shutdown.cancel();
             let _ = workers.await;
@@ -552,24 +560,60 @@ async fn demo(mut settings: Settings) -> anyhow::Result<ExitCode> {
     Ok(code)
 }
 
+/// A signal before the process had started anything: nothing to drain, an orderly exit.
+fn stopped_while_starting() -> ExitCode {
+    eprintln!("shutdown requested while starting: nothing was started, nothing to drain");
+    ExitCode::SUCCESS
+}
+
 /// Resolves on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+    ShutdownSignal::listen().recv().await
+}
+
+/// Ctrl-C or SIGTERM, listened for from the moment this is made. A long-lived command makes it
+/// before it connects and migrates: a signal that arrives while the process is still starting
+/// (an orchestrator stopping a pod it just started) is then an orderly exit, not the default
+/// action that kills the process half-way through its start.
+pub struct ShutdownSignal {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl ShutdownSignal {
+    /// Starts listening; signals from now on are kept until `recv`.
+    pub fn listen() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            ShutdownSignal { term: signal(SignalKind::terminate()).ok(), int: signal(SignalKind::interrupt()).ok() }
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+        #[cfg(not(unix))]
+        ShutdownSignal {}
+    }
+
+    /// Resolves at the first signal received since `listen`.
+    pub async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn one(s: &mut Option<tokio::signal::unix::Signal>) {
+                match s {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            tokio::select! {
+                _ = one(&mut self.term) => {}
+                _ = one(&mut self.int) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

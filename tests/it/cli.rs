@@ -189,3 +189,31 @@ fn a_bad_database_url_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("cannot reach Redis at redis://127.0.0.1:9"), "{}", text(&out.stderr));
 }
+
+/// A worker stopped while it is still starting (here: its database accepts the connection and
+/// never answers) exits at once and cleanly, as an orchestrator stopping a pod expects, rather
+/// than dying of the signal half-way through its start.
+#[test]
+fn a_worker_stopped_while_starting_exits_cleanly() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .args(["worker"])
+        .current_dir(dir.path())
+        .env("DATABASE_URL", format!("postgres://postgres@127.0.0.1:{port}/silent"))
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The connection reaching the listener means the worker is inside its start.
+    let (_held, _) = silent.accept().unwrap();
+    let t0 = std::time::Instant::now();
+    assert!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) } == 0);
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "{status:?}: {err}");
+    assert!(err.contains("shutdown requested while starting"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "the start was abandoned, not waited out: {:?}", t0.elapsed());
+}

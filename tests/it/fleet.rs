@@ -342,7 +342,10 @@ async fn parents_and_children_survive_random_kills() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_abandons_no_step() {
     let mut f = fleet(300, 0, 1).await;
-    let env = [("SUBAGENTS_DRAIN_GRACE", "5".to_owned())];
+    // A long lease: a run comes back only through the drain's release, never through an
+    // expired lease (a loaded machine can stall a 2 s lease's renewal), so a release that did
+    // not happen shows as a resume far later than the second allowed below.
+    let env = [("SUBAGENTS_DRAIN_GRACE", "5".to_owned()), ("SUBAGENTS_LEASE_TTL", "10".to_owned())];
     for _ in 0..2 {
         f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
     }
