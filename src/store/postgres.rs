@@ -24,6 +24,8 @@ pub struct PgStore {
     limits_seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Progress checkpoints of all runs, committed in groups.
     group: std::sync::Arc<group::GroupCommit>,
+    /// Lease renewals of all runs, one statement per group.
+    renewals: std::sync::Arc<group::GroupRenew>,
 }
 
 /// The connection options of `url`. TLS is turned off for a server on this machine (a
@@ -64,7 +66,7 @@ impl PgStore {
         // Checkpoints of many runs commit together; a few transactions at once keep the
         // database busy without queueing every step behind one.
         let group = std::sync::Arc::new(group::GroupCommit::new(4));
-        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group };
+        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group, renewals: Default::default() };
         store.migrate().await?;
         Ok(store)
     }
@@ -201,6 +203,14 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         self.group.commit(&commits, lease, cp).await
     }
 
+    async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
+        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
+        match self.renewals.renew(&commits, lease).await? {
+            Some(cancel_requested) => Ok(LeaseStatus { cancel_requested }),
+            None => Err(StoreError::LeaseLost(lease.run_id)),
+        }
+    }
+
 }, queries = {
 
 });
@@ -256,6 +266,32 @@ fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: Da
         .bind(e_type)
         .bind(e_data)
         .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+}
+
+impl group::Renewals for Commits {
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Option<bool>>> {
+        // One fenced UPDATE for the whole group: each row only under its own epoch and in a
+        // status a heartbeat may renew.
+        let now = now_ms();
+        let ids: Vec<String> = leases.iter().map(|l| l.run_id.to_string()).collect();
+        let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
+        let expires: Vec<i64> = leases.iter().map(|l| now + l.ttl.as_millis() as i64).collect();
+        let rows = sqlx::query(sql!(
+            "UPDATE sa_runs r SET lease_expires_at = t.exp, heartbeat_at = $1 \
+             FROM unnest($2::text[], $3::bigint[], $4::bigint[]) AS t(id, epoch, exp) \
+             WHERE r.id = t.id AND r.lease_epoch = t.epoch AND r.status IN ({}) \
+             RETURNING r.id, r.cancel_requested",
+            Transition::Heartbeat
+        ))
+        .bind(Utc::now())
+        .bind(&ids)
+        .bind(&epochs)
+        .bind(&expires)
+        .fetch_all(&self.pool)
+        .await?;
+        let renewed: std::collections::HashMap<String, bool> = rows.iter().map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0)).collect();
+        Ok(ids.iter().map(|id| renewed.get(id).copied()).collect())
+    }
 }
 
 impl group::Progress for Commits {

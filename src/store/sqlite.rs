@@ -218,6 +218,24 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         self.group.commit(&commits, lease, cp).await
     }
 
+    async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
+        let row = sqlx::query(sql!(
+            "UPDATE sa_runs SET lease_expires_at = $1, heartbeat_at = $2 \
+             WHERE id = $3 AND lease_epoch = $4 AND status IN ({}) RETURNING cancel_requested",
+            Transition::Heartbeat
+        ))
+        .bind(now_ms() + lease.ttl.as_millis() as i64)
+        .bind(Utc::now())
+        .bind(lease.run_id.to_string())
+        .bind(lease.epoch)
+        .fetch_optional(&self.pool)
+        .await?;
+        match row {
+            Some(r) => Ok(LeaseStatus { cancel_requested: r.get::<i64, _>(0) != 0 }),
+            None => Err(StoreError::LeaseLost(lease.run_id)),
+        }
+    }
+
 }, queries = {
 
 });

@@ -52,6 +52,7 @@ conformance!(
     compactions_are_fenced_idempotent_and_where_contexts_start,
     a_stale_epoch_cannot_write,
     checkpoints_committed_together_are_each_fenced_by_their_own_lease,
+    leases_renewed_together_are_each_fenced_by_their_own_epoch,
     appends_are_idempotent_and_sequences_gap_free,
     terminal_states_never_change,
     the_database_enforces_one_active_run_per_thread,
@@ -111,6 +112,54 @@ async fn a_stale_epoch_cannot_write(s: Backend) {
     assert!(s.thread_messages(&t, 100_000).await.unwrap().is_empty());
     s.checkpoint(&new, Checkpoint { messages: vec![msg(run.id, "a")], ..Default::default() }).await.unwrap();
     assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 1);
+}
+
+/// Many runs' lease renewals at once (PostgreSQL renews them in one statement per group):
+/// each is fenced by its own epoch (a stale one renews nothing and says so), each hears of a
+/// cancel requested on its own run only, and a renewed lease really moved.
+async fn leases_renewed_together_are_each_fenced_by_their_own_epoch(s: Backend) {
+    let mut leases = vec![];
+    for i in 0..40 {
+        let t = ThreadId::generate();
+        let run = s.create_run(new_run(&t)).await.unwrap().run;
+        let Claim::Acquired(mut lease, _) = s.claim_run(run.id, "w1", Duration::from_secs(2)).await.unwrap() else { panic!() };
+        let stale = i % 5 == 0;
+        if i % 7 == 3 && !stale {
+            assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Requested);
+        }
+        if stale {
+            lease.epoch -= 1;
+        }
+        leases.push((i, stale, lease));
+    }
+    for round in 0..3 {
+        if round > 0 {
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+        }
+        let before = chrono::Utc::now() - chrono::Duration::milliseconds(5);
+        let answers = futures::future::join_all(leases.iter().map(|(_, _, l)| s.renew_lease(l))).await;
+        for ((i, stale, lease), answer) in leases.iter().zip(answers) {
+            match answer {
+                Err(StoreError::LeaseLost(id)) => {
+                    assert!(*stale, "run {i}: a current lease was refused");
+                    assert_eq!(id, lease.run_id);
+                }
+                Ok(st) => {
+                    assert!(!stale, "run {i}: a stale lease was renewed");
+                    assert_eq!(st.cancel_requested, i % 7 == 3, "run {i}: another run's cancel, or its own missed");
+                    let r = s.get_run(lease.run_id).await.unwrap().unwrap();
+                    assert!(r.heartbeat_at.is_some_and(|h| h >= before), "run {i}: no heartbeat recorded: {:?}", r.heartbeat_at);
+                }
+                Err(e) => panic!("run {i}: {e}"),
+            }
+        }
+    }
+    // 2.4 s after the claims, with a 2 s lease: only the leases never renewed have expired.
+    let mut expired: Vec<RunId> = s.expire_leases(5).await.unwrap().into_iter().map(|e| e.run_id).collect();
+    let mut want: Vec<RunId> = leases.iter().filter(|(_, stale, _)| *stale).map(|(_, _, l)| l.run_id).collect();
+    expired.sort();
+    want.sort();
+    assert_eq!(expired, want, "renewed leases moved, the stale ones did not");
 }
 
 /// Many runs' checkpoints at once go to the database in groups: each item is still fenced by
