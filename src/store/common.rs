@@ -317,6 +317,15 @@ macro_rules! store_impl {
                 row.as_ref().map(run_from_row).transpose()
             }
 
+            async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
+                // With whatever other runs renew now, in one statement (see `group::GroupRenew`).
+                let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
+                match self.renewals.renew(&commits, lease).await? {
+                    Some(cancel_requested) => Ok(LeaseStatus { cancel_requested }),
+                    None => Err(StoreError::LeaseLost(lease.run_id)),
+                }
+            }
+
             async fn release_lease(&self, lease: &Lease, job_id: &str) -> Result<bool> {
                 debug_assert_eq!(crate::lifecycle::target(Transition::Release), RunStatus::Queued);
                 let done = sqlx::query(sql!(

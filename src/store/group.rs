@@ -11,6 +11,9 @@
 //!
 //! Terminal checkpoints do not come here: they carry effects on other runs (the parent, the
 //! waiters) and commit on their own.
+//!
+//! Lease renewals get the same treatment ([`GroupRenew`]): one fenced statement renews every
+//! lease queued, each still under its own epoch.
 
 use std::sync::OnceLock;
 

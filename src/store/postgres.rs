@@ -203,14 +203,6 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         self.group.commit(&commits, lease, cp).await
     }
 
-    async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
-        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
-        match self.renewals.renew(&commits, lease).await? {
-            Some(cancel_requested) => Ok(LeaseStatus { cancel_requested }),
-            None => Err(StoreError::LeaseLost(lease.run_id)),
-        }
-    }
-
 }, queries = {
 
 });

@@ -25,6 +25,8 @@ pub struct SqliteStore {
     limits_seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Progress checkpoints of all runs, committed in groups by one writer.
     group: std::sync::Arc<group::GroupCommit>,
+    /// Lease renewals of all runs, one statement per group.
+    renewals: std::sync::Arc<group::GroupRenew>,
 }
 
 /// What the group committer needs of the store: the pool and the wake-ups (not the store
@@ -51,7 +53,7 @@ impl SqliteStore {
             .connect_with(opts)
             .await?;
         // SQLite has one writer: one committer, so checkpoints never queue on its lock.
-        let store = SqliteStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group: std::sync::Arc::new(group::GroupCommit::new(1)) };
+        let store = SqliteStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group: std::sync::Arc::new(group::GroupCommit::new(1)), renewals: Default::default() };
         store.migrate().await?;
         Ok(store)
     }
@@ -218,24 +220,6 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         self.group.commit(&commits, lease, cp).await
     }
 
-    async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
-        let row = sqlx::query(sql!(
-            "UPDATE sa_runs SET lease_expires_at = $1, heartbeat_at = $2 \
-             WHERE id = $3 AND lease_epoch = $4 AND status IN ({}) RETURNING cancel_requested",
-            Transition::Heartbeat
-        ))
-        .bind(now_ms() + lease.ttl.as_millis() as i64)
-        .bind(Utc::now())
-        .bind(lease.run_id.to_string())
-        .bind(lease.epoch)
-        .fetch_optional(&self.pool)
-        .await?;
-        match row {
-            Some(r) => Ok(LeaseStatus { cancel_requested: r.get::<i64, _>(0) != 0 }),
-            None => Err(StoreError::LeaseLost(lease.run_id)),
-        }
-    }
-
 }, queries = {
 
 });
@@ -293,6 +277,25 @@ async fn apply(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, lease: &Lease, cp: 
     }
     SqliteStore::insert_events(tx, lease.run_id, (last - n + 1) as u64, &cp.events).await?;
     Ok(Some(row))
+}
+
+impl group::Renewals for Commits {
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Option<bool>>> {
+        // One fenced UPDATE for the whole group (one write transaction): each row only under
+        // its own epoch and in a status a heartbeat may renew.
+        let now = now_ms();
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("UPDATE sa_runs SET lease_expires_at = t.column3, heartbeat_at = ");
+        q.push_bind(Utc::now()).push(" FROM (");
+        q.push_values(leases, |mut b, l| {
+            b.push_bind(l.run_id.to_string()).push_bind(l.epoch).push_bind(now + l.ttl.as_millis() as i64);
+        });
+        q.push(") AS t WHERE sa_runs.id = t.column1 AND sa_runs.lease_epoch = t.column2 AND sa_runs.status IN (")
+            .push(crate::lifecycle::sql_sources(Transition::Heartbeat))
+            .push(") RETURNING sa_runs.id, sa_runs.cancel_requested");
+        let rows = q.build().fetch_all(&self.pool).await?;
+        let renewed: std::collections::HashMap<String, bool> = rows.iter().map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0)).collect();
+        Ok(leases.iter().map(|l| renewed.get(&l.run_id.to_string()).copied()).collect())
+    }
 }
 
 impl group::Progress for Commits {
