@@ -146,9 +146,9 @@ struct Renewal {
 }
 
 /// The queue in front of a backend's lease renewals. Every run in flight renews its lease
-/// every third of its length: with thousands in flight, one commit per renewal would take more
-/// of the database than the steps do (10,000 runs with a 15 s lease are 2,000 commits a
-/// second). One renewer takes whatever is queued and renews it in one statement; a renewal is
+/// every third of its length, at least once a second (so a cancel made in another process is
+/// seen within a second): with thousands in flight, one commit per renewal would take more of
+/// the database than the steps do (10,000 runs in flight are 10,000 renewals a second). One renewer takes whatever is queued and renews it in one statement; a renewal is
 /// answered only once that statement committed, so a heartbeat means what it did.
 #[derive(Debug, Default)]
 pub(crate) struct GroupRenew {
