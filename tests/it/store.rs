@@ -91,6 +91,14 @@ fn new_run(thread: &ThreadId) -> NewRun {
     }
 }
 
+/// A new run on a new thread, claimed by `w1` for `ttl`.
+async fn claimed_run(s: &Backend, ttl: Duration) -> (ThreadId, Lease) {
+    let t = ThreadId::generate();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w1", ttl).await.unwrap() else { panic!("a new run is claimable") };
+    (t, lease)
+}
+
 fn msg(run: RunId, key: &str) -> NewMessage {
     NewMessage { step: 1, key: format!("{run}:{key}"), message: Message::User { content: key.into() } }
 }
@@ -121,9 +129,8 @@ async fn a_stale_epoch_cannot_write(s: Backend) {
 async fn leases_renewed_together_are_each_fenced_by_their_own_epoch(s: Backend) {
     let mut leases = vec![];
     for i in 0..40 {
-        let t = ThreadId::generate();
-        let run = s.create_run(new_run(&t)).await.unwrap().run;
-        let Claim::Acquired(mut lease, _) = s.claim_run(run.id, "w1", Duration::from_secs(2)).await.unwrap() else { panic!() };
+        let (_, mut lease) = claimed_run(&s, Duration::from_secs(2)).await;
+        let run = s.get_run(lease.run_id).await.unwrap().unwrap();
         let stale = i % 5 == 0;
         if i % 7 == 3 && !stale {
             assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Requested);
@@ -170,10 +177,7 @@ async fn leases_renewed_together_are_each_fenced_by_their_own_epoch(s: Backend) 
 async fn renewals_beside_checkpoints_never_deadlock(s: Backend) {
     let mut leases = vec![];
     for _ in 0..64 {
-        let t = ThreadId::generate();
-        let run = s.create_run(new_run(&t)).await.unwrap().run;
-        let Claim::Acquired(lease, _) = s.claim_run(run.id, "w1", Duration::from_secs(30)).await.unwrap() else { panic!() };
-        leases.push(lease);
+        leases.push(claimed_run(&s, Duration::from_secs(30)).await.1);
     }
     for round in 0..12u32 {
         let checkpoints = futures::future::join_all(leases.iter().map(|lease| {
@@ -206,10 +210,7 @@ async fn renewals_beside_checkpoints_never_deadlock(s: Backend) {
 async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Backend) {
     let mut leases = vec![];
     for _ in 0..40 {
-        let t = ThreadId::generate();
-        let run = s.create_run(new_run(&t)).await.unwrap().run;
-        let Claim::Acquired(lease, _) = s.claim_run(run.id, "w1", Duration::from_secs(30)).await.unwrap() else { panic!() };
-        leases.push((t, lease));
+        leases.push(claimed_run(&s, Duration::from_secs(30)).await);
     }
     // Every fifth lease is stale: an epoch older than the run's.
     let stale: Vec<bool> = (0..leases.len()).map(|i| i % 5 == 0).collect();
