@@ -60,7 +60,8 @@ pub struct BenchArgs {
     /// Enqueue every run before the workers start, so up to `--concurrency` of them run at
     /// once from the first moment (enqueueing is otherwise the limit for large counts); reports
     /// the most runs in flight at once and the memory it took (`peak_in_flight`,
-    /// `rss_mb_at_peak`, `kb_per_run_in_flight`).
+    /// `rss_mb_at_peak`, `kb_per_run_in_flight`), and how fast runs were enqueued behind the
+    /// growing backlog (`preload_runs_per_s`).
     #[arg(long)]
     pub preload: bool,
     /// Give the model a limit of this many requests per minute (per `SUBAGENTS_RATE_WINDOW_MS`
@@ -150,12 +151,15 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
         app.start_run(StartRun { agent: Some("echo".into()), input, max_steps: Some(args.steps + 1), owner, ..Default::default() })
     };
     let mut ids = Vec::with_capacity(args.runs);
+    let mut preload_s = 0.0;
     if args.preload {
         use futures::StreamExt;
+        let t = std::time::Instant::now();
         let started: Vec<_> = futures::stream::iter(0..args.runs).map(start).buffered(64).collect().await;
         for r in started {
             ids.push(r?.id);
         }
+        preload_s = t.elapsed().as_secs_f64();
     }
     let rss_before = rss_kb(std::process::id(), "VmRSS:");
     let workers = app.spawn_workers(shutdown.clone());
@@ -278,6 +282,8 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
         out["model_calls_per_window"] = json!(answered.map(|a| round(a as f64 * window_s / wall)));
     }
     if args.preload {
+        // Every run enqueued behind all the earlier ones: what a deep backlog costs an enqueue.
+        out["preload_runs_per_s"] = json!(round(args.runs as f64 / preload_s.max(1e-9)));
         out["peak_in_flight"] = json!(peak_in_flight);
         out["rss_mb_before_workers"] = json!(round(rss_before as f64 / 1024.0));
         out["rss_mb_at_peak"] = json!(round(rss_at_peak as f64 / 1024.0));

@@ -70,6 +70,7 @@ conformance!(
     the_transition_table_is_enforced,
     a_runs_end_ends_its_attached_children_in_the_same_commit,
     listing_and_tree_queries,
+    a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue,
 );
 
 fn new_run(thread: &ThreadId) -> NewRun {
@@ -772,4 +773,29 @@ async fn listing_and_tree_queries(s: Backend) {
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
     assert!(s.get_thread(&t).await.unwrap().is_some());
     assert_eq!(s.next_queued(&t).await.unwrap(), Some(root.id));
+}
+
+/// `queue_rank` is the number of the owner's queued runs ahead (a higher priority first, then
+/// the older), whatever other owners and non-queued runs there are: checked against that
+/// definition counted by hand.
+async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: Backend) {
+    let mut runs = vec![];
+    for (i, priority) in [3u8, 5, 3, 1, 5, 3, 2, 5].into_iter().enumerate() {
+        for owner in ["a", "b"] {
+            let mut n = new_run(&ThreadId::generate());
+            n.owner = owner.into();
+            n.priority = priority;
+            let run = s.create_run(n).await.unwrap().run;
+            runs.push((run.id, owner, priority, i));
+        }
+    }
+    // Two of owner a's runs leave the queue: one runs, one is cancelled.
+    let (running, cancelled) = (runs[2].0, runs[4].0);
+    assert!(matches!(s.claim_run(running, "w", Duration::from_secs(30)).await.unwrap(), Claim::Acquired(..)));
+    assert_eq!(s.request_cancel(cancelled).await.unwrap(), CancelOutcome::Cancelled);
+    let queued: Vec<_> = runs.iter().filter(|r| r.0 != running && r.0 != cancelled).collect();
+    for &(id, owner, priority, i) in &queued {
+        let ahead = queued.iter().filter(|o| o.1 == *owner && (o.2 > *priority || (o.2 == *priority && o.3 < *i))).count();
+        assert_eq!(s.queue_rank(*id).await.unwrap(), (ahead as u32, *priority), "owner {owner}, run {i} of priority {priority}");
+    }
 }
