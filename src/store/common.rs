@@ -740,12 +740,9 @@ macro_rules! store_impl {
             }
 
             async fn queue_rank(&self, run: RunId) -> Result<(u32, u8)> {
-                // Two range counts in `sa_runs_queued_rank` (the runs of a higher priority, then
-                // the older ones of the same): only the runs ahead are read, never the whole queue.
                 let row = sqlx::query(
-                    "SELECT (SELECT COUNT(*) FROM sa_runs q WHERE q.owner = r.owner AND q.status = 'queued' AND q.priority > r.priority) \
-                          + (SELECT COUNT(*) FROM sa_runs q WHERE q.owner = r.owner AND q.status = 'queued' AND q.priority = r.priority AND q.id < r.id), \
-                            r.priority \
+                    "SELECT (SELECT COUNT(*) FROM sa_runs q WHERE q.owner = r.owner AND q.status = 'queued' \
+                       AND (q.priority > r.priority OR (q.priority = r.priority AND q.id < r.id))), r.priority \
                      FROM sa_runs r WHERE r.id = $1",
                 )
                 .bind(run.to_string())
@@ -1212,8 +1209,8 @@ macro_rules! store_impl {
                 // r + 1 queued runs (at most). One statement: a runs page asks for each run.
                 let n: Option<i64> = sqlx::query_scalar(
                     "WITH me AS (SELECT owner, priority, id FROM sa_runs WHERE id = $1), \
-                     rk AS (SELECT (SELECT COUNT(*) FROM sa_runs q WHERE q.owner = me.owner AND q.status = 'queued' AND q.priority > me.priority) \
-                       + (SELECT COUNT(*) FROM sa_runs q WHERE q.owner = me.owner AND q.status = 'queued' AND q.priority = me.priority AND q.id < me.id) AS r FROM me), \
+                     rk AS (SELECT COUNT(*) AS r FROM sa_runs q, me WHERE q.owner = me.owner AND q.status = 'queued' \
+                       AND (q.priority > me.priority OR (q.priority = me.priority AND q.id < me.id))), \
                      per_owner AS (SELECT COUNT(*) AS n FROM sa_runs o, me WHERE o.status = 'queued' AND o.owner <> me.owner GROUP BY o.owner) \
                      SELECT CAST(rk.r + COALESCE((SELECT SUM(CASE WHEN n < rk.r + 1 THEN n ELSE rk.r + 1 END) FROM per_owner), 0) AS BIGINT) \
                      FROM rk, me",
