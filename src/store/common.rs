@@ -97,6 +97,15 @@ macro_rules! store_impl {
                 Ok(())
             }
 
+            /// Inserts `events` as the run's seqs ending at `last` (where the fence just moved
+            /// `event_seq`), commits, and wakes this process's waiters on the run.
+            async fn commit_events(&self, mut tx: sqlx::Transaction<'_, $db>, run: RunId, last: i64, events: &[NewEvent]) -> Result<()> {
+                Self::insert_events(&mut tx, run, (last - events.len() as i64 + 1) as u64, events).await?;
+                tx.commit().await?;
+                self.notifier.notify(run);
+                Ok(())
+            }
+
             /// What every terminal transition commits with it, whichever way the run ended
             /// (finish, cancel, give-up): the parent's `child.finished` event (unless the parent
             /// has ended: nothing follows a terminal event), the wake-up of every run parked on
@@ -303,9 +312,7 @@ macro_rules! store_impl {
                 .fetch_one(&mut *tx)
                 .await?;
                 let last: i64 = row.get(0);
-                Self::insert_events(&mut tx, lease.run_id, (last - n + 1) as u64, &park.events).await?;
-                tx.commit().await?;
-                self.notifier.notify(lease.run_id);
+                self.commit_events(tx, lease.run_id, last, &park.events).await?;
                 Ok(Parked::Parked { due })
             }
 
@@ -488,10 +495,7 @@ macro_rules! store_impl {
                         .await?;
                     }
                 }
-                Self::insert_events(&mut tx, lease.run_id, (last - events.len() as i64 + 1) as u64, &events).await?;
-                tx.commit().await?;
-                self.notifier.notify(lease.run_id);
-                Ok(())
+                self.commit_events(tx, lease.run_id, last, &events).await
             }
 
             async fn take_budget(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>> {
@@ -636,10 +640,7 @@ macro_rules! store_impl {
                 .bind(now)
                 .execute(&mut *tx)
                 .await?;
-                Self::insert_events(&mut tx, lease.run_id, (last - events.len() as i64 + 1) as u64, &events).await?;
-                tx.commit().await?;
-                self.notifier.notify(lease.run_id);
-                Ok(())
+                self.commit_events(tx, lease.run_id, last, &events).await
             }
 
             async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>> {
@@ -844,9 +845,7 @@ macro_rules! store_impl {
                 .await?;
                 let Some(row) = row else { return Ok(false) };
                 let last: i64 = row.get(0);
-                Self::insert_events(&mut tx, run, (last - events.len() as i64 + 1) as u64, &events).await?;
-                tx.commit().await?;
-                self.notifier.notify(run);
+                self.commit_events(tx, run, last, &events).await?;
                 Ok(true)
             }
 
