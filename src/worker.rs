@@ -130,8 +130,11 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
     let reaper = tokio::spawn(reap(engine.clone(), queue.clone(), settings.clone(), shutdown.clone()));
     let in_flight = TaskTracker::new();
     let mut restarts = 0u32;
+    // Every queue worker name this process used: its fetched jobs are handed back at the end.
+    let mut names = vec![];
     loop {
         let name = format!("subagents-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        names.push(name.clone());
         let ctx = Arc::new(WorkerContext {
             engine: engine.clone(),
             name: name.clone(),
@@ -196,8 +199,29 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
     if tokio::time::timeout(settings.drain_grace + Duration::from_secs(2), in_flight.wait()).await.is_err() {
         tracing::warn!("drain did not finish in time; the remaining runs resume when their leases expire");
     }
+    hand_back_fetched(&engine, &queue, &names).await;
     let _ = reaper.await;
     tracing::info!("workers stopped");
+}
+
+/// Gives a fresh job to every queued run whose job this process's queue workers fetched and
+/// never started (apalis fetches a batch as slots free, and may have fetched one the moment
+/// before it stopped), so another worker starts it now rather than after the reaper's grace.
+async fn hand_back_fetched(engine: &Engine, queue: &Queue, names: &[String]) {
+    let store = engine.store.as_ref();
+    for name in names {
+        match store.fetched_not_started(name).await {
+            Ok(runs) => {
+                for run_id in runs {
+                    tracing::info!(%run_id, "draining: handing a fetched, unstarted run back to the queue");
+                    if let Err(e) = crate::runs::push(store, queue, run_id).await {
+                        tracing::warn!(%run_id, error = %e, "could not hand the run back; the reaper will");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not look for fetched, unstarted runs; the reaper will give them new jobs"),
+        }
+    }
 }
 
 /// One reaper pass every `reap_every`: expired leases, queued runs without a live job, due

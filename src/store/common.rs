@@ -709,6 +709,17 @@ macro_rules! store_impl {
                 })
             }
 
+            async fn fetched_not_started(&self, worker: &str) -> Result<Vec<RunId>> {
+                let ids: Vec<String> = sqlx::query_scalar(concat!(
+                    "SELECT r.id FROM sa_runs r JOIN ", $jobs, " j ON j.id = r.job_id \
+                     WHERE r.status = 'queued' AND j.lock_by = $1 AND j.status IN ('Queued', 'Running')"
+                ))
+                .bind(worker)
+                .fetch_all(&self.pool)
+                .await?;
+                ids.iter().map(|id| id.parse().map_err(|e| corrupt("run id", e))).collect()
+            }
+
             async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>> {
                 let nms = now_ms();
                 // apalis's job table is read, never written. A queued run needs a new job when

@@ -1147,6 +1147,11 @@ pub trait RunLog: Send + Sync + 'static {
     /// `grace` keeps fresh enqueues and recent re-enqueues out.
     async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>>;
 
+    /// Queued runs whose current job the queue worker `worker` fetched and never started: what
+    /// a draining worker hands back before it exits (apalis may have fetched a batch the
+    /// moment before it stopped), so they are not left to the reaper's grace.
+    async fn fetched_not_started(&self, worker: &str) -> Result<Vec<RunId>>;
+
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
 

@@ -276,6 +276,41 @@ async fn a_dead_workers_fetched_runs_start_within_the_lease() {
     println!("every run whose job a dead worker had fetched was started within {} ms (lease TTL 2000 ms)", worst.num_milliseconds());
 }
 
+/// What a draining worker hands back: the queued runs whose current job it fetched and never
+/// started, and no others (not another worker's, not a run whose job is still free to fetch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_finds_the_runs_it_fetched_and_never_started() {
+    let f = fleet(100, 0, 1).await;
+    let runs = start_runs(&f, 5, 1, "handback").await;
+    let db = sqlx::PgPool::connect(&f.url).await.unwrap();
+    for w in ["drainer", "other"] {
+        sqlx::query("INSERT INTO apalis.workers (id, worker_type, storage_name, last_seen) VALUES ($1, $2, 'PostgresStorage', now())")
+            .bind(w)
+            .bind(subagents::queue::QUEUE_NAME)
+            .execute(&db)
+            .await
+            .unwrap();
+    }
+    // Runs 0 and 1 fetched by the drainer (one `Queued`, one `Running` in apalis's terms), run 2
+    // by another worker, runs 3 and 4 still free.
+    for (i, worker, status) in [(0, "drainer", "Queued"), (1, "drainer", "Running"), (2, "other", "Queued")] {
+        sqlx::query("UPDATE apalis.jobs SET status = $1, lock_by = $2, lock_at = now() WHERE id = (SELECT job_id FROM sa_runs WHERE id = $3)")
+            .bind(status)
+            .bind(worker)
+            .bind(runs[i].id.to_string())
+            .execute(&db)
+            .await
+            .unwrap();
+    }
+    let mut found = f.app.store.fetched_not_started("drainer").await.unwrap();
+    found.sort();
+    let mut want = vec![runs[0].id, runs[1].id];
+    want.sort();
+    assert_eq!(found, want);
+    assert_eq!(f.app.store.fetched_not_started("other").await.unwrap(), vec![runs[2].id]);
+    assert!(f.app.store.fetched_not_started("nobody").await.unwrap().is_empty());
+}
+
 /// Delegation in a fleet under SIGKILL: parents awaiting four children each, workers killed at
 /// random and replaced; every run ends `succeeded`, none `lost`, no child started twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
