@@ -553,8 +553,21 @@ async fn start_owned(f: &Fleet, owner: &str, n: usize, steps: u32, tag: &str) ->
 async fn a_small_owner_is_not_stuck_behind_a_large_one() {
     // Runs of two 100 ms model calls: a slot frees every ~20 ms among the 12, so a run at the
     // front of the queue starts within a few of them.
-    let f = fleet(100, 3, 4).await;
-    start_owned(&f, "big", 2000, 2, "big").await;
+    // The big owner's runs are all queued before the workers start: enqueueing 2,000 one by one
+    // on a loaded machine took as long as the fleet needs to run them, and the queue was
+    // nearly empty by the time the small owner came (seen: 90 left).
+    let mut f = fleet(100, 0, 4).await;
+    let big = start_owned(&f, "big", 2000, 2, "big").await;
+    for _ in 0..3 {
+        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &[]));
+    }
+    // The workers are up (the first big run started) before the small owner arrives, so its
+    // wait is the queue's, not the workers' start.
+    let up = Instant::now() + Duration::from_secs(60);
+    while f.app.store.get_run(big[0].id).await.unwrap().unwrap().started_at.is_none() {
+        assert!(Instant::now() < up, "the workers never started a run");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let queued = f.app.store.list_runs("big", &RunFilter { status: vec![RunStatus::Queued], ..Default::default() }, 100).await.unwrap().len();
     assert_eq!(queued, 100, "the big owner has a deep queue when the small one arrives");
     let small = start_owned(&f, "small", 10, 2, "small").await;
