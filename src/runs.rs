@@ -167,7 +167,10 @@ pub async fn start_run(
         })
         .await?;
     if !created.existing {
-        let rank = store.queue_rank(created.run.id).await.unwrap_or((0, priority));
+        // A child continues work its parent already started, parked and holding its context:
+        // it goes ahead of its owner's new work.
+        let place = if created.run.parent_run_id.is_some() { crate::store::QueuePlace::Front } else { crate::store::QueuePlace::Back };
+        let rank = store.queue_rank(created.run.id, place).await.unwrap_or((0, priority));
         if let Err(e) = queue.push(created.run.id, &job_id, rank, std::time::Duration::ZERO).await {
             let QueueError::Push { message, .. } = &e;
             tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
@@ -310,11 +313,13 @@ pub async fn push(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), S
     push_after(store, queue, run, std::time::Duration::ZERO).await
 }
 
-/// [`push`], the job due after `delay` (a run its owner's concurrency limit held back).
+/// [`push`], the job due after `delay` (a run its owner's concurrency limit held back). Every
+/// run pushed here already had its turn, so it goes ahead of its owner's newer work of the same
+/// priority ([`QueuePlace::Front`](crate::store::QueuePlace::Front)).
 pub async fn push_after(store: &dyn RunLog, queue: &Queue, run: RunId, delay: std::time::Duration) -> Result<(), StoreError> {
     let job = new_job_id();
     store.set_job(run, &job).await?;
-    let rank = store.queue_rank(run).await?;
+    let rank = store.queue_rank(run, crate::store::QueuePlace::Front).await?;
     if let Err(e) = queue.push(run, &job, rank, delay).await {
         tracing::warn!(run_id = %run, error = %e, "could not push the run's job; the reaper will");
     }

@@ -379,7 +379,7 @@ impl Engine {
             return Ok(Executed::LeaseLost);
         }
         tracing::info!(why, "run released to the queue");
-        let rank = self.store.queue_rank(lease.run_id).await.unwrap_or((0, crate::runs::DEFAULT_PRIORITY));
+        let rank = self.store.queue_rank(lease.run_id, crate::store::QueuePlace::Front).await.unwrap_or((0, crate::runs::DEFAULT_PRIORITY));
         if let Err(e) = self.queue.push(lease.run_id, &job, rank, Duration::ZERO).await {
             tracing::warn!(error = %e, "could not push the released run; the reaper will");
         }

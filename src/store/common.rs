@@ -751,16 +751,26 @@ macro_rules! store_impl {
                     .collect()
             }
 
-            async fn queue_rank(&self, run: RunId) -> Result<(u32, u8)> {
+            async fn queue_rank(&self, run: RunId, place: QueuePlace) -> Result<(u32, u8)> {
+                // sa_queue_depth is kept by triggers (migrations */queue_depth): one row per
+                // owner and priority, whatever the backlog.
                 let row = sqlx::query(
-                    "SELECT (SELECT COUNT(*) FROM sa_runs q WHERE q.owner = r.owner AND q.status = 'queued' \
-                       AND (q.priority > r.priority OR (q.priority = r.priority AND q.id < r.id))), r.priority \
+                    "SELECT CAST(COALESCE((SELECT SUM(d.queued) FROM sa_queue_depth d WHERE d.owner = r.owner \
+                       AND (d.priority > r.priority OR ($2 AND d.priority = r.priority))), 0) AS BIGINT), \
+                       r.priority, CASE WHEN r.status = 'queued' THEN 1 ELSE 0 END \
                      FROM sa_runs r WHERE r.id = $1",
                 )
                 .bind(run.to_string())
+                .bind(place == QueuePlace::Back)
                 .fetch_optional(&self.pool)
                 .await?;
-                Ok(row.map(|r| (r.get::<i64, _>(0).clamp(0, i64::from(u32::MAX)) as u32, r.get::<i64, _>(1).clamp(1, 5) as u8)).unwrap_or((0, 3)))
+                Ok(row
+                    .map(|r| {
+                        // At the back, the run does not count itself.
+                        let ahead = r.get::<i64, _>(0) - if place == QueuePlace::Back { i64::from(r.get::<i32, _>(2)) } else { 0 };
+                        (ahead.clamp(0, i64::from(u32::MAX)) as u32, r.get::<i64, _>(1).clamp(1, 5) as u8)
+                    })
+                    .unwrap_or((0, 3)))
             }
 
             async fn at_limit(&self, run: RunId) -> Result<bool> {

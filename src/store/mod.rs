@@ -307,6 +307,17 @@ pub enum IfBusy {
     Enqueue,
 }
 
+/// Where a run joins its owner's queue ([`RunLog::queue_rank`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueuePlace {
+    /// Behind every queued run of its priority or a higher one: a new run waits its turn.
+    Back,
+    /// Ahead of the other queued runs of its priority, behind those of a higher one: a run that
+    /// already had its turn (released by a draining worker, woken from a park, freed by its
+    /// thread, or held back by a concurrency limit) does not queue again behind newer work.
+    Front,
+}
+
 /// The answer to [`Store::create_run`].
 #[derive(Clone, Debug)]
 pub struct Created {
@@ -1155,9 +1166,11 @@ pub trait RunLog: Send + Sync + 'static {
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
 
-    /// The run's place among its owner's queued runs (0 = next): how many of them go first
-    /// (a higher priority, or the same and older); and its priority.
-    async fn queue_rank(&self, run: RunId) -> Result<(u32, u8)>;
+    /// The run's rank for its job's fetch order (0 = next), taking `place` in its owner's queue:
+    /// how many of the owner's other queued runs go first; and its priority. O(1): read from
+    /// per-owner counts the database keeps, not by counting the queue (the run view's
+    /// `queue_position` counts exactly, on demand).
+    async fn queue_rank(&self, run: RunId, place: QueuePlace) -> Result<(u32, u8)>;
 
     /// Whether the queued (or woken) run is held back by a concurrency limit (its owner's or
     /// its agent's running runs are at the limit).

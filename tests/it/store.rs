@@ -775,27 +775,40 @@ async fn listing_and_tree_queries(s: Backend) {
     assert_eq!(s.next_queued(&t).await.unwrap(), Some(root.id));
 }
 
-/// `queue_rank` is the number of the owner's queued runs ahead (a higher priority first, then
-/// the older), whatever other owners and non-queued runs there are: checked against that
-/// definition counted by hand.
+/// `queue_rank` places a run among its owner's queued runs, from counts the database keeps
+/// through every change of status (create, claim, cancel, release back to the queue): at the
+/// back, behind every other queued run of its priority or a higher one; at the front, behind
+/// only those of a higher priority. Checked against those definitions counted by hand.
 async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: Backend) {
     let mut runs = vec![];
-    for (i, priority) in [3u8, 5, 3, 1, 5, 3, 2, 5].into_iter().enumerate() {
+    for priority in [3u8, 5, 3, 1, 5, 3, 2, 5] {
         for owner in ["a", "b"] {
             let mut n = new_run(&ThreadId::generate());
             n.owner = owner.into();
             n.priority = priority;
             let run = s.create_run(n).await.unwrap().run;
-            runs.push((run.id, owner, priority, i));
+            runs.push((run.id, owner, priority));
         }
     }
-    // Two of owner a's runs leave the queue: one runs, one is cancelled.
-    let (running, cancelled) = (runs[2].0, runs[4].0);
+    // Owner a's runs leave the queue: one runs, one is cancelled; a third runs and is given
+    // back to the queue by a draining worker, so it counts again.
+    let (running, cancelled, released) = (runs[2].0, runs[4].0, runs[6].0);
     assert!(matches!(s.claim_run(running, "w", Duration::from_secs(30)).await.unwrap(), Claim::Acquired(..)));
     assert_eq!(s.request_cancel(cancelled).await.unwrap(), CancelOutcome::Cancelled);
+    let Claim::Acquired(lease, _) = s.claim_run(released, "w", Duration::from_secs(30)).await.unwrap() else { panic!("claimable") };
+    assert!(s.release_lease(&lease, &new_job_id()).await.unwrap());
     let queued: Vec<_> = runs.iter().filter(|r| r.0 != running && r.0 != cancelled).collect();
-    for &(id, owner, priority, i) in &queued {
-        let ahead = queued.iter().filter(|o| o.1 == *owner && (o.2 > *priority || (o.2 == *priority && o.3 < *i))).count();
-        assert_eq!(s.queue_rank(*id).await.unwrap(), (ahead as u32, *priority), "owner {owner}, run {i} of priority {priority}");
+    for &(id, owner, priority) in &queued {
+        let mine = || queued.iter().filter(|o| o.1 == *owner && o.0 != *id);
+        let back = mine().filter(|o| o.2 >= *priority).count() as u32;
+        let front = mine().filter(|o| o.2 > *priority).count() as u32;
+        assert_eq!(s.queue_rank(*id, QueuePlace::Back).await.unwrap(), (back, *priority), "owner {owner}, priority {priority}, at the back");
+        assert_eq!(s.queue_rank(*id, QueuePlace::Front).await.unwrap(), (front, *priority), "owner {owner}, priority {priority}, at the front");
+    }
+    // A run no longer queued is ranked among the queued ones without counting itself.
+    for (id, priority) in [(running, runs[2].2), (cancelled, runs[4].2)] {
+        let of_a = |p: &dyn Fn(u8) -> bool| queued.iter().filter(|o| o.1 == "a" && p(o.2)).count() as u32;
+        assert_eq!(s.queue_rank(id, QueuePlace::Back).await.unwrap(), (of_a(&|p| p >= priority), priority));
+        assert_eq!(s.queue_rank(id, QueuePlace::Front).await.unwrap(), (of_a(&|p| p > priority), priority));
     }
 }
