@@ -48,7 +48,17 @@ pub struct App {
     /// Run reads shared by the waiters one commit wakes.
     run_reads: crate::notify::SharedReads<RunId, Option<Arc<RunRecord>>>,
     /// Event pages shared by the streams one commit wakes, by run and cursor.
-    event_reads: crate::notify::SharedReads<(RunId, u64, u32), Arc<Vec<crate::store::EventRecord>>>,
+    event_reads: crate::notify::SharedReads<(RunId, u64, u32), Arc<Vec<StreamedEvent>>>,
+}
+
+/// An event as streams send it: the record, and its JSON, serialized once for every stream
+/// that reads it.
+#[derive(Debug)]
+pub struct StreamedEvent {
+    /// The event.
+    pub record: crate::store::EventRecord,
+    /// `record` as JSON.
+    pub json: String,
 }
 
 /// Start-up failures, with what to do about them.
@@ -267,41 +277,74 @@ impl App {
     /// all, and they share one read made after it. Also returns when the answering read
     /// started, so what the caller reads next can be shared the same way.
     pub async fn wait_shared(&self, run: RunId, timeout: Duration) -> Result<(Option<Arc<RunRecord>>, std::time::Instant), StoreError> {
+        let read = || async { Ok::<_, StoreError>(self.store.get_run(run).await?.map(Arc::new)) };
+        self.wait_with(run, timeout, &self.run_reads, read, |r| r.as_ref().is_none_or(|r| r.status.is_terminal())).await
+    }
+
+    /// The wait loop of [`App::wait_shared`], for callers that want more than the run from the
+    /// read that answers them: `read` runs once per commit for all the waiters sharing `reads`
+    /// (the API builds a finished run's whole answer in it, so a thousand waits are answered
+    /// after one round of reads rather than two), until `done` says its value ends the wait.
+    pub async fn wait_with<V, F, Fut>(
+        &self,
+        run: RunId,
+        timeout: Duration,
+        reads: &crate::notify::SharedReads<RunId, V>,
+        read: F,
+        done: impl Fn(&V) -> bool,
+    ) -> Result<(V, std::time::Instant), StoreError>
+    where
+        V: Clone,
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<V, StoreError>>,
+    {
         use crate::notify::Fresh;
         let deadline = tokio::time::Instant::now() + timeout;
         let signal = self.store.subscribe(run);
         // The first read starts after this call: it must see whatever the caller did before.
         let mut not_before = Some(std::time::Instant::now());
+        // One registration for the wake-up, kept across timed re-checks: a commit wakes waiters
+        // in the order they came, so one that has waited longer is not put behind newer ones
+        // by its own timer (and a re-check costs no new registration).
+        let changed = signal.notified();
+        let recheck = tokio::time::sleep(CROSS_PROCESS_RECHECK);
+        let until = tokio::time::sleep_until(deadline);
+        tokio::pin!(changed, recheck, until);
+        changed.as_mut().enable();
         loop {
-            let changed = signal.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
             // Taken after enabling the wake-up: a commit announced later wakes us again.
             let fresh = Fresh { generation: signal.generation(), not_before };
-            let (r, started) = self.run_reads.read(run, fresh, || async { Ok::<_, StoreError>(self.store.get_run(run).await?.map(Arc::new)) }).await?;
-            match &r {
-                None => return Ok((None, started)),
-                Some(rec) if rec.status.is_terminal() => return Ok((r, started)),
-                _ => {}
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok((r, started));
+            let (v, started) = reads.read(run, fresh, &read).await?;
+            if done(&v) || tokio::time::Instant::now() >= deadline {
+                return Ok((v, started));
             }
             not_before = tokio::select! {
-                // Woken by a commit here: any read started after it will do.
-                _ = changed => None,
+                // Woken by a commit here: any read started after it will do. Register again
+                // before that read.
+                _ = changed.as_mut() => {
+                    changed.set(signal.notified());
+                    changed.as_mut().enable();
+                    None
+                }
                 // A writer in another process is not heard: a read from the last moments will do.
-                _ = tokio::time::sleep(CROSS_PROCESS_RECHECK) => std::time::Instant::now().checked_sub(SHARED_READ_AGE),
-                _ = tokio::time::sleep_until(deadline) => Some(std::time::Instant::now()),
+                _ = recheck.as_mut() => {
+                    recheck.as_mut().reset(tokio::time::Instant::now() + CROSS_PROCESS_RECHECK);
+                    std::time::Instant::now().checked_sub(SHARED_READ_AGE)
+                }
+                _ = until.as_mut() => Some(std::time::Instant::now()),
             };
         }
     }
 
     /// [`App::events_after`] for a stream, sharing one read with the other streams at the same
-    /// cursor that need no fresher one (see [`crate::notify::Fresh`]).
-    pub async fn events_after_shared(&self, run: RunId, after: u64, limit: u32, fresh: crate::notify::Fresh) -> Result<Arc<Vec<crate::store::EventRecord>>, StoreError> {
-        let (v, _) = self.event_reads.read((run, after, limit), fresh, || async { Ok::<_, StoreError>(Arc::new(self.events_after(run, after, limit).await?)) }).await?;
-        Ok(v)
+    /// cursor that need no fresher one (see [`crate::notify::Fresh`]), and each event's JSON
+    /// serialized once for all of them.
+    pub async fn events_after_shared(&self, run: RunId, after: u64, limit: u32, fresh: crate::notify::Fresh) -> Result<Arc<Vec<StreamedEvent>>, StoreError> {
+        let read = || async {
+            let events = self.events_after(run, after, limit).await?;
+            Ok::<_, StoreError>(Arc::new(events.into_iter().map(|record| StreamedEvent { json: serde_json::to_string(&record).unwrap_or_default(), record }).collect()))
+        };
+        Ok(self.event_reads.read((run, after, limit), fresh, read).await?.0)
     }
 
     /// Answers a pending approval of `owner` (see [`crate::runs::answer_approval`]).

@@ -424,33 +424,36 @@ pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
     let id = run["id"].as_str().ok_or_else(|| anyhow::anyhow!("start failed: {run}"))?.to_owned();
 
     let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..args.waiters {
-        let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/wait?timeout_s=600"));
-        tasks.spawn(async move {
-            let r = http.get(url).send().await.ok()?;
-            let body = r.bytes().await.ok()?;
-            let at = chrono::Utc::now();
-            // Only the status: the client's own parsing is not the server's latency.
-            #[derive(serde::Deserialize)]
-            struct Status {
-                status: String,
-            }
-            let v: Status = serde_json::from_slice(&body).ok()?;
-            (v.status == "succeeded").then_some(("wait", at))
-        });
-    }
-    for _ in 0..args.streams {
-        let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/events"));
-        tasks.spawn(async move {
-            let r = http.get(url).header("accept", "text/event-stream").send().await.ok()?;
-            let mut s = eventsource_stream::Eventsource::eventsource(r.bytes_stream());
-            while let Some(Ok(ev)) = s.next().await {
-                if ev.event == "run.succeeded" {
-                    return Some(("sse", chrono::Utc::now()));
+    // Waits and streams connect in turn, as clients of both kinds would arrive.
+    for i in 0..args.waiters.max(args.streams) {
+        if i < args.waiters {
+            let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/wait?timeout_s=600"));
+            tasks.spawn(async move {
+                let r = http.get(url).send().await.ok()?;
+                let body = r.bytes().await.ok()?;
+                let at = chrono::Utc::now();
+                // Only the status: the client's own parsing is not the server's latency.
+                #[derive(serde::Deserialize)]
+                struct Status {
+                    status: String,
                 }
-            }
-            None
-        });
+                let v: Status = serde_json::from_slice(&body).ok()?;
+                (v.status == "succeeded").then_some(("wait", at))
+            });
+        }
+        if i < args.streams {
+            let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/events"));
+            tasks.spawn(async move {
+                let r = http.get(url).header("accept", "text/event-stream").send().await.ok()?;
+                let mut s = eventsource_stream::Eventsource::eventsource(r.bytes_stream());
+                while let Some(Ok(ev)) = s.next().await {
+                    if ev.event == "run.succeeded" {
+                        return Some(("sse", chrono::Utc::now()));
+                    }
+                }
+                None
+            });
+        }
     }
     // Every client is connected well before the run ends: sample the server while they wait.
     tokio::time::sleep(Duration::from_millis(args.latency_ms / 2 + 500)).await;

@@ -235,20 +235,36 @@ pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson
     wait_view(&state, run.id, timeout).await
 }
 
+/// What one read answers the waits on a run with: the run, and once it has ended, the body of
+/// the answer, built in that same read so the waits it wakes need nothing more.
+pub type WaitRead = (Option<Arc<RunRecord>>, Option<axum::body::Bytes>);
+
+async fn view_body(store: &dyn crate::store::Store, r: RunRecord, timed_out: bool) -> crate::store::Result<axum::body::Bytes> {
+    let mut view = RunView::build(store, r).await?;
+    view.wait_timed_out = Some(timed_out);
+    Ok(axum::body::Bytes::from(serde_json::to_vec(&view).expect("a view serializes")))
+}
+
 async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Response, ApiError> {
-    let (r, started) = state.app.wait_shared(id, timeout).await?;
+    let store = state.app.store.as_ref();
+    // Every wait one commit wakes shares this read. A finished run's answer is built in it:
+    // a thousand waits are answered after one round of reads, not one for the run and then
+    // another for its view (each round puts them all behind everything else the process does).
+    let read = || async {
+        let Some(r) = store.get_run(id).await? else { return Ok((None, None)) };
+        let body = if r.status.is_terminal() { Some(view_body(store, r.clone(), false).await?) } else { None };
+        Ok((Some(Arc::new(r)), body))
+    };
+    let ((r, body), started) = state.app.wait_with(id, timeout, &state.waits, read, |(r, body): &WaitRead| r.is_none() || body.is_some()).await?;
     let r = r.ok_or_else(|| ApiError::not_found("run"))?;
-    let done = r.status.is_terminal();
-    // Every waiter the same read answered gets the view built once, from reads made after it.
-    let fresh = crate::notify::Fresh { generation: 0, not_before: Some(started) };
-    let (body, _) = state
-        .views
-        .read((id, done), fresh, || async {
-            let mut view = RunView::build(state.app.store.as_ref(), (*r).clone()).await?;
-            view.wait_timed_out = Some(!done);
-            Ok::<_, ApiError>(axum::body::Bytes::from(serde_json::to_vec(&view).expect("a view serializes")))
-        })
-        .await?;
+    let body = match body {
+        Some(body) => body,
+        // Timed out: the snapshot, built once for every wait the same read answered.
+        None => {
+            let fresh = crate::notify::Fresh { generation: 0, not_before: Some(started) };
+            state.views.read(id, fresh, || view_body(store, (*r).clone(), true)).await?.0
+        }
+    };
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
@@ -478,32 +494,45 @@ fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futur
             let changed = signal.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            // Streams woken by the same commit at the same cursor share one read.
-            let fresh = crate::notify::Fresh { generation: signal.generation(), not_before: st.not_before };
-            let events = match st.app.events_after_shared(id, st.cursor, 200, fresh).await {
-                Ok(e) => e,
-                Err(err) => {
-                    tracing::warn!(error = %err, "SSE read failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    continue;
+            let recheck = tokio::time::sleep(CROSS_PROCESS_RECHECK * 4);
+            tokio::pin!(recheck);
+            // Until there is something to send: read, then sleep on the one registration made
+            // above (kept across timed re-checks, so a commit wakes the streams in the order
+            // they came) or the re-check timer.
+            loop {
+                // Streams woken by the same commit at the same cursor share one read.
+                let fresh = crate::notify::Fresh { generation: signal.generation(), not_before: st.not_before };
+                let events = match st.app.events_after_shared(id, st.cursor, 200, fresh).await {
+                    Ok(e) => e,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "SSE read failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        continue;
+                    }
+                };
+                for e in events.iter() {
+                    st.cursor = e.record.seq;
+                    st.done |= is_terminal(&e.record.kind);
+                    st.buf.push_back(Event::default().id(e.record.seq.to_string()).event(&e.record.kind).data(&e.json));
                 }
-            };
-            for e in events.iter() {
-                st.cursor = e.seq;
-                st.done |= is_terminal(&e.kind);
-                let data = serde_json::to_string(&e).unwrap_or_default();
-                st.buf.push_back(Event::default().id(e.seq.to_string()).event(e.kind.clone()).data(data));
-            }
-            if st.buf.is_empty() {
+                if !st.buf.is_empty() {
+                    // The generation taken before the next read covers what this one missed.
+                    st.not_before = None;
+                    break;
+                }
                 st.not_before = tokio::select! {
-                    _ = changed => None,
+                    _ = changed.as_mut() => {
+                        changed.set(signal.notified());
+                        changed.as_mut().enable();
+                        None
+                    }
                     // Writers in other processes are heard only here: a read from the last
                     // moments will do.
-                    _ = tokio::time::sleep(CROSS_PROCESS_RECHECK * 4) => std::time::Instant::now().checked_sub(crate::app::SHARED_READ_AGE),
+                    _ = recheck.as_mut() => {
+                        recheck.as_mut().reset(tokio::time::Instant::now() + CROSS_PROCESS_RECHECK * 4);
+                        std::time::Instant::now().checked_sub(crate::app::SHARED_READ_AGE)
+                    }
                 };
-            } else {
-                // The generation taken before the next read covers what this one missed.
-                st.not_before = None;
             }
         }
     })

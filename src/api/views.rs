@@ -105,17 +105,42 @@ pub struct RunView {
 impl RunView {
     /// Builds the view, reading the few extra facts it shows (progress, queue position).
     pub async fn build(store: &dyn Store, r: RunRecord) -> crate::store::Result<RunView> {
-        let recent = store.events_after(r.id, r.event_seq.saturating_sub(12), 12).await?;
+        // The reads are independent: made at once, they cost one wait, not one each (a run's
+        // end answers a thousand waits with the view built once; every extra round trip of
+        // that build puts all of them behind whatever else the process has to do).
+        let queue_position = async {
+            match r.status {
+                RunStatus::Queued => store.queue_position(r.id).await.map(Some),
+                _ => Ok(None),
+            }
+        };
+        let tree = async {
+            let children: Vec<RunId> = store.children(r.id).await?.into_iter().map(|c| c.id).collect();
+            let tree = if children.is_empty() {
+                crate::store::TreeTotals { usage: r.usage, steps: u64::from(r.step), cost_nanos: r.cost_nanos }
+            } else {
+                store.tree_totals(r.id).await?
+            };
+            Ok((children, tree))
+        };
+        // Only a parked run can be waiting for a person.
+        let approvals = async {
+            match r.status {
+                RunStatus::Waiting => store.list_approvals(&r.owner, Some(crate::store::ApprovalStatus::Pending), Some(r.id), None, 50).await,
+                _ => Ok(vec![]),
+            }
+        };
+        let (recent, queue_position, (children, tree), plan, approvals) = futures::try_join!(
+            store.events_after(r.id, r.event_seq.saturating_sub(12), 12),
+            queue_position,
+            tree,
+            // The plan as the agent last wrote it (a run that never planned costs one indexed read).
+            store.last_call_arguments(r.id, "todo_write"),
+            approvals,
+        )?;
         let mut progress: Vec<String> = recent.iter().filter_map(progress_line).collect();
         let n = progress.len();
         progress.drain(..n.saturating_sub(3));
-        let queue_position = if r.status == RunStatus::Queued { Some(store.queue_position(r.id).await?) } else { None };
-        let children: Vec<RunId> = store.children(r.id).await?.into_iter().map(|c| c.id).collect();
-        let tree = if children.is_empty() {
-            crate::store::TreeTotals { usage: r.usage, steps: u64::from(r.step), cost_nanos: r.cost_nanos }
-        } else {
-            store.tree_totals(r.id).await?
-        };
         let usage_tree = UsageView {
             prompt_tokens: tree.usage.prompt_tokens,
             completion_tokens: tree.usage.completion_tokens,
@@ -123,19 +148,12 @@ impl RunView {
             steps: tree.steps as u32,
             cost_usd: crate::model::prices::dollars(tree.cost_nanos),
         };
-        // The plan as the agent last wrote it (a run that never planned costs one indexed read).
-        let todos = match store.last_call_arguments(r.id, "todo_write").await? {
+        let todos = match plan {
             Some(args) => serde_json::from_str::<Value>(&args)
                 .ok()
                 .and_then(|v| serde_json::from_value::<Vec<TodoView>>(v.get("todos")?.clone()).ok())
                 .unwrap_or_default(),
             None => vec![],
-        };
-        // Only a parked run can be waiting for a person.
-        let approvals = if r.status == RunStatus::Waiting {
-            store.list_approvals(&r.owner, Some(crate::store::ApprovalStatus::Pending), Some(r.id), None, 50).await?
-        } else {
-            vec![]
         };
         let usage = UsageView {
             prompt_tokens: r.usage.prompt_tokens,

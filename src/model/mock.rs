@@ -268,7 +268,7 @@ impl MockServer {
         let state = Arc::new(MockState { options, script, ..Default::default() });
         let app = router(state.clone());
         let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
+            let _ = axum::serve(listener, app.into_make_service()).await;
         });
         Ok(MockServer { addr, state, task })
     }
