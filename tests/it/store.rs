@@ -805,6 +805,18 @@ async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: B
         assert_eq!(s.queue_rank(*id, QueuePlace::Back).await.unwrap(), (back, *priority), "owner {owner}, priority {priority}, at the back");
         assert_eq!(s.queue_rank(*id, QueuePlace::Front).await.unwrap(), (front, *priority), "owner {owner}, priority {priority}, at the front");
     }
+    // The counts hold under concurrent enqueues and claims (PostgreSQL spreads each owner's
+    // count over stripes so these do not wait on one row).
+    let made = futures::future::join_all((0..48).map(|_| {
+        let mut n = new_run(&ThreadId::generate());
+        n.owner = "c".into();
+        s.create_run(n)
+    }))
+    .await;
+    let ids: Vec<RunId> = made.into_iter().map(|c| c.unwrap().run.id).collect();
+    let claims = futures::future::join_all(ids[..20].iter().map(|id| s.claim_run(*id, "w", Duration::from_secs(30)))).await;
+    assert!(claims.iter().all(|c| matches!(c, Ok(Claim::Acquired(..)))));
+    assert_eq!(s.queue_rank(ids[47], QueuePlace::Back).await.unwrap(), (27, 3), "48 made, 20 claimed, itself not counted");
     // A run no longer queued is ranked among the queued ones without counting itself.
     for (id, priority) in [(running, runs[2].2), (cancelled, runs[4].2)] {
         let of_a = |p: &dyn Fn(u8) -> bool| queued.iter().filter(|o| o.1 == "a" && p(o.2)).count() as u32;
