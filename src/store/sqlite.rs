@@ -357,15 +357,54 @@ impl group::Progress for Commits {
 
     async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<bool>> {
         let now = Utc::now();
+        // Progress only (a terminal checkpoint commits alone): one fenced UPDATE for every run
+        // of the group, each row under its own epoch, then one INSERT for all their messages
+        // and one for all their events, in one transaction. Five statements, whatever the
+        // group's size.
+        if items.iter().any(|(_, cp)| cp.finish.is_some()) {
+            return Err(StoreError::Corrupt("a terminal checkpoint in a group commit".into()));
+        }
+        // A run has one checkpoint in flight; were it twice here, the join would apply only
+        // one of them: the group then goes one by one.
+        if items.iter().map(|(l, _)| l.run_id).collect::<std::collections::HashSet<_>>().len() != items.len() {
+            return Err(StoreError::Corrupt("one run twice in a group commit".into()));
+        }
+        let now_ms = now_ms();
         let mut tx = self.pool.begin().await?;
-        let mut applied = Vec::with_capacity(items.len());
-        let mut rows = Appends::default();
-        for (lease, cp) in items {
-            let row = fence(&mut tx, lease, cp, cp.fence_fields(now), now).await?;
-            if let Some(row) = &row {
-                rows.add(lease.run_id, row.get(1), row.get(0), cp);
+        let mut fenced: std::collections::HashMap<String, (i64, String)> = std::collections::HashMap::with_capacity(items.len());
+        // 8 bound values per run; SQLite allows 32,766 per statement.
+        for chunk in items.chunks(1000) {
+            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+                "UPDATE sa_runs SET event_seq = event_seq + t.column3, step = COALESCE(t.column4, step), \
+                 prompt_tokens = prompt_tokens + t.column5, completion_tokens = completion_tokens + t.column6, \
+                 cost_nanos = cost_nanos + t.column7, lease_expires_at = t.column8, heartbeat_at = ",
+            );
+            q.push_bind(now).push(", updated_at = ").push_bind(now).push(" FROM (");
+            q.push_values(chunk, |mut b, (lease, cp)| {
+                b.push_bind(lease.run_id.to_string())
+                    .push_bind(lease.epoch)
+                    .push_bind(cp.events.len() as i64)
+                    .push_bind(cp.step.map(i64::from))
+                    .push_bind(cp.usage.prompt_tokens as i64)
+                    .push_bind(cp.usage.completion_tokens as i64)
+                    .push_bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+                    .push_bind(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64);
+            });
+            q.push(") AS t WHERE sa_runs.id = t.column1 AND sa_runs.lease_epoch = t.column2 AND sa_runs.status IN (")
+                .push(crate::lifecycle::sql_sources(Transition::Heartbeat))
+                .push(") RETURNING sa_runs.id, sa_runs.event_seq, sa_runs.thread_id");
+            for row in q.build().fetch_all(&mut *tx).await? {
+                fenced.insert(row.get(0), (row.get(1), row.get(2)));
             }
-            applied.push(row.is_some());
+        }
+        let mut rows = Appends::default();
+        let mut applied = Vec::with_capacity(items.len());
+        for (lease, cp) in items {
+            let held = fenced.remove(&lease.run_id.to_string());
+            applied.push(held.is_some());
+            if let Some((last, thread)) = held {
+                rows.add(lease.run_id, thread, last, cp);
+            }
         }
         rows.insert(&mut tx, now).await?;
         tx.commit().await?;
