@@ -61,6 +61,13 @@ pub struct StreamedEvent {
     pub json: String,
 }
 
+impl StreamedEvent {
+    /// The event with its JSON.
+    pub fn new(record: crate::store::EventRecord) -> Self {
+        StreamedEvent { json: serde_json::to_string(&record).unwrap_or_default(), record }
+    }
+}
+
 /// Start-up failures, with what to do about them.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -342,7 +349,7 @@ impl App {
     pub async fn events_after_shared(&self, run: RunId, after: u64, limit: u32, fresh: crate::notify::Fresh) -> Result<Arc<Vec<StreamedEvent>>, StoreError> {
         let read = || async {
             let events = self.events_after(run, after, limit).await?;
-            Ok::<_, StoreError>(Arc::new(events.into_iter().map(|record| StreamedEvent { json: serde_json::to_string(&record).unwrap_or_default(), record }).collect()))
+            Ok::<_, StoreError>(Arc::new(events.into_iter().map(StreamedEvent::new).collect()))
         };
         Ok(self.event_reads.read((run, after, limit), fresh, read).await?.0)
     }

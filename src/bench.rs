@@ -474,7 +474,7 @@ pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
     let lat = |v: &[chrono::DateTime<chrono::Utc>]| {
         let mut ms: Vec<f64> = v.iter().map(|t| (*t - finished).as_seconds_f64() * 1000.0).collect();
         ms.sort_by(f64::total_cmp);
-        json!({"p50_ms": round(percentile(&ms, 0.5)), "p99_ms": round(percentile(&ms, 0.99)), "max_ms": round(ms.last().copied().unwrap_or(0.0))})
+        json!({"min_ms": round(ms.first().copied().unwrap_or(0.0)), "p10_ms": round(percentile(&ms, 0.1)), "p50_ms": round(percentile(&ms, 0.5)), "p90_ms": round(percentile(&ms, 0.9)), "p99_ms": round(percentile(&ms, 0.99)), "max_ms": round(ms.last().copied().unwrap_or(0.0))})
     };
     let ok = failures == 0 && waits.len() == args.waiters && sses.len() == args.streams;
     println!(

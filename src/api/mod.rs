@@ -36,9 +36,9 @@ pub struct ApiState {
     pub app: Arc<App>,
     /// Key hashes to owners.
     pub keys: Arc<Keys>,
-    /// The reads that answer waits, shared by every wait one commit wakes: the run and, once it
-    /// has ended, the whole answer (see `runs::wait_view`).
-    pub waits: Arc<crate::notify::SharedReads<crate::ids::RunId, runs::WaitRead>>,
+    /// The reads that answer waits and streams, shared by every wait and stream one commit
+    /// wakes ([`runs::RunSnapshot`]).
+    pub waits: Arc<crate::notify::SharedReads<crate::ids::RunId, runs::RunSnapshot>>,
     /// Snapshots built once for the waits that timed out together.
     pub views: Arc<crate::notify::SharedReads<crate::ids::RunId, axum::body::Bytes>>,
 }

@@ -235,9 +235,53 @@ pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson
     wait_view(&state, run.id, timeout).await
 }
 
-/// What one read answers the waits on a run with: the run, and once it has ended, the body of
-/// the answer, built in that same read so the waits it wakes need nothing more.
-pub type WaitRead = (Option<Arc<RunRecord>>, Option<axum::body::Bytes>);
+/// Latest events a [`RunSnapshot`] carries: a stream at most this far behind is answered
+/// from it.
+const SNAPSHOT_EVENTS: u64 = 32;
+
+/// What one read after a commit tells every wait and stream on the run: the run; once it has
+/// ended, a wait's whole answer; and its latest events. Waits and streams woken by one commit
+/// share it, so both kinds are answered after the same round of reads, in the order they came,
+/// and none of them needs another read (each round of reads puts all of them behind everything
+/// else the process has to do).
+#[derive(Clone, Default)]
+pub struct RunSnapshot {
+    run: Option<Arc<RunRecord>>,
+    /// A wait's answer, once the run has ended.
+    body: Option<axum::body::Bytes>,
+    /// `events` are the run's events after this seq, gap-free.
+    events_after: u64,
+    events: Arc<Vec<crate::app::StreamedEvent>>,
+}
+
+impl RunSnapshot {
+    async fn read(state: &ApiState, id: RunId) -> crate::store::Result<RunSnapshot> {
+        let store = state.app.store.as_ref();
+        let Some(r) = store.get_run(id).await? else { return Ok(RunSnapshot::default()) };
+        let events_after = r.event_seq.saturating_sub(SNAPSHOT_EVENTS);
+        let body = async {
+            match r.status.is_terminal() {
+                true => view_body(store, r.clone(), false).await.map(Some),
+                false => Ok(None),
+            }
+        };
+        let (events, body) = futures::try_join!(state.app.events_after(id, events_after, SNAPSHOT_EVENTS as u32), body)?;
+        let events = Arc::new(events.into_iter().map(crate::app::StreamedEvent::new).collect());
+        Ok(RunSnapshot { run: Some(Arc::new(r)), body, events_after, events })
+    }
+
+    /// The events after `cursor`, when this snapshot holds every one the run had when it was
+    /// read; `None` when it does not (the stream is further behind, or the read fell short):
+    /// then the stream reads them itself.
+    fn events_for(&self, cursor: u64) -> Option<&[crate::app::StreamedEvent]> {
+        let run = self.run.as_ref()?;
+        let last = self.events.last().map_or(self.events_after, |e| e.record.seq);
+        if cursor < self.events_after || last < run.event_seq {
+            return None;
+        }
+        Some(&self.events[self.events.partition_point(|e| e.record.seq <= cursor)..])
+    }
+}
 
 async fn view_body(store: &dyn crate::store::Store, r: RunRecord, timed_out: bool) -> crate::store::Result<axum::body::Bytes> {
     let mut view = RunView::build(store, r).await?;
@@ -247,15 +291,8 @@ async fn view_body(store: &dyn crate::store::Store, r: RunRecord, timed_out: boo
 
 async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Response, ApiError> {
     let store = state.app.store.as_ref();
-    // Every wait one commit wakes shares this read. A finished run's answer is built in it:
-    // a thousand waits are answered after one round of reads, not one for the run and then
-    // another for its view (each round puts them all behind everything else the process does).
-    let read = || async {
-        let Some(r) = store.get_run(id).await? else { return Ok((None, None)) };
-        let body = if r.status.is_terminal() { Some(view_body(store, r.clone(), false).await?) } else { None };
-        Ok((Some(Arc::new(r)), body))
-    };
-    let ((r, body), started) = state.app.wait_with(id, timeout, &state.waits, read, |(r, body): &WaitRead| r.is_none() || body.is_some()).await?;
+    let read = || RunSnapshot::read(state, id);
+    let (RunSnapshot { run: r, body, .. }, started) = state.app.wait_with(id, timeout, &state.waits, read, |s: &RunSnapshot| s.run.is_none() || s.body.is_some()).await?;
     let r = r.ok_or_else(|| ApiError::not_found("run"))?;
     let body = match body {
         Some(body) => body,
@@ -465,15 +502,15 @@ pub async fn events(
     if cursor > MAX_SEQ {
         return Err(ApiError::bad_request("invalid_cursor", "Last-Event-ID is larger than any event seq"));
     }
-    let stream = async_stream(state.app.clone(), id, cursor);
+    let stream = async_stream(state.clone(), id, cursor);
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
 }
 
 /// The SSE stream: sleeps on the run's notification between batches; ends after the terminal
 /// event.
-fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futures::Stream<Item = Result<Event, Infallible>> {
+fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream<Item = Result<Event, Infallible>> {
     struct St {
-        app: Arc<crate::app::App>,
+        state: ApiState,
         cursor: u64,
         done: bool,
         buf: VecDeque<Event>,
@@ -481,7 +518,7 @@ fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futur
         not_before: Option<std::time::Instant>,
     }
     // The first read starts after the request came in.
-    let init = St { app, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()) };
+    let init = St { state, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()) };
     futures::stream::unfold(init, move |mut st| async move {
         loop {
             if let Some(e) = st.buf.pop_front() {
@@ -490,7 +527,7 @@ fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futur
             if st.done {
                 return None;
             }
-            let signal = st.app.store.subscribe(id);
+            let signal = st.state.app.store.subscribe(id);
             let changed = signal.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
@@ -500,17 +537,32 @@ fn async_stream(app: Arc<crate::app::App>, id: RunId, cursor: u64) -> impl futur
             // above (kept across timed re-checks, so a commit wakes the streams in the order
             // they came) or the re-check timer.
             loop {
-                // Streams woken by the same commit at the same cursor share one read.
+                // Waits and streams woken by the same commit share one snapshot of the run; a
+                // stream it does not cover shares a page with the others at its cursor.
                 let fresh = crate::notify::Fresh { generation: signal.generation(), not_before: st.not_before };
-                let events = match st.app.events_after_shared(id, st.cursor, 200, fresh).await {
-                    Ok(e) => e,
+                let state = &st.state;
+                let snapshot = state.waits.read(id, fresh, || RunSnapshot::read(state, id)).await;
+                let page;
+                let events = match snapshot.as_ref().map(|(s, _)| s.events_for(st.cursor)) {
+                    Ok(Some(events)) => events,
+                    Ok(None) => match state.app.events_after_shared(id, st.cursor, 200, fresh).await {
+                        Ok(e) => {
+                            page = e;
+                            page.as_slice()
+                        }
+                        Err(err) => {
+                            tracing::warn!(error = %err, "SSE read failed; retrying");
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                            continue;
+                        }
+                    },
                     Err(err) => {
                         tracing::warn!(error = %err, "SSE read failed; retrying");
                         tokio::time::sleep(Duration::from_millis(500)).await;
                         continue;
                     }
                 };
-                for e in events.iter() {
+                for e in events {
                     st.cursor = e.record.seq;
                     st.done |= is_terminal(&e.record.kind);
                     st.buf.push_back(Event::default().id(e.record.seq.to_string()).event(&e.record.kind).data(&e.json));
