@@ -165,6 +165,13 @@ impl Server {
         // rebuilds the whole route table for each connection and drops it at the end (measured:
         // most of the server's time when a run's end answers 1,000 waits, each its own connection).
         let router = router.into_make_service();
+        // Events go out as soon as they are written: without TCP_NODELAY a stream's next small
+        // write waits for the peer's acknowledgement of the one before.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "could not set TCP_NODELAY");
+            }
+        });
         let task = tokio::spawn(async move {
             axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
         });
