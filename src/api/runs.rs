@@ -544,18 +544,18 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
                 let snapshot = state.waits.read(id, fresh, || RunSnapshot::read(state, id)).await;
                 let page;
                 let events = match snapshot.as_ref().map(|(s, _)| s.events_for(st.cursor)) {
-                    Ok(Some(events)) => events,
+                    Ok(Some(events)) => Ok(events),
                     Ok(None) => match state.app.events_after_shared(id, st.cursor, 200, fresh).await {
                         Ok(e) => {
                             page = e;
-                            page.as_slice()
+                            Ok(page.as_slice())
                         }
-                        Err(err) => {
-                            tracing::warn!(error = %err, "SSE read failed; retrying");
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                            continue;
-                        }
+                        Err(err) => Err(err.to_string()),
                     },
+                    Err(err) => Err(err.to_string()),
+                };
+                let events = match events {
+                    Ok(events) => events,
                     Err(err) => {
                         tracing::warn!(error = %err, "SSE read failed; retrying");
                         tokio::time::sleep(Duration::from_millis(500)).await;
