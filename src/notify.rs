@@ -29,13 +29,19 @@ static GENERATIONS: AtomicU64 = AtomicU64::new(1);
 /// announced through it.
 #[derive(Debug)]
 pub struct Signal {
-    notify: Notify,
+    notify: Arc<Notify>,
     generation: AtomicU64,
 }
 
 impl Signal {
     fn new() -> Self {
-        Signal { notify: Notify::new(), generation: AtomicU64::new(GENERATIONS.load(Ordering::SeqCst)) }
+        Signal { notify: Arc::new(Notify::new()), generation: AtomicU64::new(GENERATIONS.load(Ordering::SeqCst)) }
+    }
+
+    /// A wake-up registration that owns its `Notify`, so it can be kept across the steps of a
+    /// stream (a `Notified` borrows the signal). `enable()` it before reading what it guards.
+    pub fn notified_owned(&self) -> tokio::sync::futures::OwnedNotified {
+        self.notify.clone().notified_owned()
     }
 
     /// The generation now. A read started after this was taken sees every change announced up

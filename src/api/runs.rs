@@ -516,9 +516,18 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
         buf: VecDeque<Event>,
         /// What the next read must be fresher than, besides the run's generation.
         not_before: Option<std::time::Instant>,
+        signal: Arc<crate::notify::Signal>,
+        /// The stream's wake-up registration. It is renewed the moment it fires, before the
+        /// read it guards, and kept while the events go out: a commit wakes the streams (and
+        /// the waits) in the order they last woke, so a stream is not put behind the waits by
+        /// the time it spent writing.
+        changed: std::pin::Pin<Box<tokio::sync::futures::OwnedNotified>>,
     }
+    let signal = state.app.store.subscribe(id);
+    let mut changed = Box::pin(signal.notified_owned());
+    changed.as_mut().enable();
     // The first read starts after the request came in.
-    let init = St { state, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()) };
+    let init = St { state, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()), signal, changed };
     futures::stream::unfold(init, move |mut st| async move {
         loop {
             if let Some(e) = st.buf.pop_front() {
@@ -527,19 +536,14 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
             if st.done {
                 return None;
             }
-            let signal = st.state.app.store.subscribe(id);
-            let changed = signal.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
             let recheck = tokio::time::sleep(CROSS_PROCESS_RECHECK * 4);
             tokio::pin!(recheck);
-            // Until there is something to send: read, then sleep on the one registration made
-            // above (kept across timed re-checks, so a commit wakes the streams in the order
-            // they came) or the re-check timer.
+            // Until there is something to send: read, then sleep on the registration or the
+            // re-check timer.
             loop {
                 // Waits and streams woken by the same commit share one snapshot of the run; a
                 // stream it does not cover shares a page with the others at its cursor.
-                let fresh = crate::notify::Fresh { generation: signal.generation(), not_before: st.not_before };
+                let fresh = crate::notify::Fresh { generation: st.signal.generation(), not_before: st.not_before };
                 let state = &st.state;
                 let snapshot = state.waits.read(id, fresh, || RunSnapshot::read(state, id)).await;
                 let page;
@@ -573,9 +577,9 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
                     break;
                 }
                 st.not_before = tokio::select! {
-                    _ = changed.as_mut() => {
-                        changed.set(signal.notified());
-                        changed.as_mut().enable();
+                    _ = st.changed.as_mut() => {
+                        st.changed = Box::pin(st.signal.notified_owned());
+                        st.changed.as_mut().enable();
                         None
                     }
                     // Writers in other processes are heard only here: a read from the last

@@ -256,6 +256,34 @@ async fn sse_resumes_from_last_event_id_with_nothing_lost_or_repeated() {
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
 }
 
+/// Streams are answered from the run's shared snapshot (its latest 32 events) when it covers
+/// their cursor, and from their own page read when they are further behind: both ways every
+/// event comes once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_streams_behind_the_shared_snapshot_get_every_event() {
+    let (_t, api) = setup(KEYS, 0).await;
+    let (_, run) = api.post("/v1/runs/wait", json!({"input": "SCENARIO steps=15", "timeout_s": 60})).await;
+    assert_eq!(run["status"], "succeeded", "{run}");
+    let id = run["id"].as_str().unwrap().to_owned();
+    let (_, page) = api.get(&format!("/v1/runs/{id}/events?limit=1000")).await;
+    let n = page["events"].as_array().unwrap().len() as u64;
+    assert!(n > 40, "the run has more events than a snapshot holds: {n}");
+    for from in [0, 3, n - 40, n - 20, n - 3, n - 1] {
+        let resp = api
+            .req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"))
+            .header("accept", "text/event-stream")
+            .header("last-event-id", from.to_string())
+            .send()
+            .await
+            .unwrap();
+        let seqs: Vec<u64> = eventsource_stream::Eventsource::eventsource(resp.bytes_stream())
+            .map(|e| e.unwrap().id.parse::<u64>().unwrap())
+            .collect()
+            .await;
+        assert_eq!(seqs, (from + 1..=n).collect::<Vec<_>>(), "from {from}: every later event once, in order");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_threads_reject_or_enqueue_in_order() {
     let (_t, api) = setup(KEYS, 100).await;
