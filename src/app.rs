@@ -305,39 +305,21 @@ impl App {
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<V, StoreError>>,
     {
-        use crate::notify::Fresh;
         let deadline = tokio::time::Instant::now() + timeout;
-        let signal = self.store.subscribe(run);
+        let mut watch = crate::notify::Watch::new(self.store.subscribe(run), CROSS_PROCESS_RECHECK, SHARED_READ_AGE);
         // The first read starts after this call: it must see whatever the caller did before.
         let mut not_before = Some(std::time::Instant::now());
-        // One registration for the wake-up, kept across timed re-checks: a commit wakes waiters
-        // in the order they came, so one that has waited longer is not put behind newer ones
-        // by its own timer (and a re-check costs no new registration).
-        let changed = signal.notified();
-        let recheck = tokio::time::sleep(CROSS_PROCESS_RECHECK);
         let until = tokio::time::sleep_until(deadline);
-        tokio::pin!(changed, recheck, until);
-        changed.as_mut().enable();
+        tokio::pin!(until);
         loop {
-            // Taken after enabling the wake-up: a commit announced later wakes us again.
-            let fresh = Fresh { generation: signal.generation(), not_before };
-            let (v, started) = reads.read(run, fresh, &read).await?;
+            // The generation is taken after the watch registered: a commit announced later
+            // wakes us again.
+            let (v, started) = reads.read(run, watch.fresh(not_before), &read).await?;
             if done(&v) || tokio::time::Instant::now() >= deadline {
                 return Ok((v, started));
             }
             not_before = tokio::select! {
-                // Woken by a commit here: any read started after it will do. Register again
-                // before that read.
-                _ = changed.as_mut() => {
-                    changed.set(signal.notified());
-                    changed.as_mut().enable();
-                    None
-                }
-                // A writer in another process is not heard: a read from the last moments will do.
-                _ = recheck.as_mut() => {
-                    recheck.as_mut().reset(tokio::time::Instant::now() + CROSS_PROCESS_RECHECK);
-                    std::time::Instant::now().checked_sub(SHARED_READ_AGE)
-                }
+                nb = watch.next() => nb,
                 _ = until.as_mut() => Some(std::time::Instant::now()),
             };
         }

@@ -105,6 +105,50 @@ impl Notifier {
     }
 }
 
+/// A waiter's watch on one run: its wake-up registration and its re-check timer, kept for as
+/// long as it waits (across timed re-checks and while a stream writes its events). The
+/// registration is renewed the moment it fires, before the read it guards, so a commit wakes
+/// a run's waiters in the order they last woke: none is put behind the others by its own timer
+/// or by the time it spent writing.
+pub struct Watch {
+    signal: Arc<Signal>,
+    changed: std::pin::Pin<Box<tokio::sync::futures::OwnedNotified>>,
+    recheck: std::pin::Pin<Box<tokio::time::Sleep>>,
+    every: std::time::Duration,
+    age: std::time::Duration,
+}
+
+impl Watch {
+    /// Watches `signal`, re-checking every `every` for writers in other processes (who are not
+    /// heard here); a re-check accepts a shared read at most `age` old.
+    pub fn new(signal: Arc<Signal>, every: std::time::Duration, age: std::time::Duration) -> Self {
+        let mut changed = Box::pin(signal.notified_owned());
+        changed.as_mut().enable();
+        Watch { signal, changed, recheck: Box::pin(tokio::time::sleep(every)), every, age }
+    }
+
+    /// What the next read must satisfy: the generation now, and `not_before`.
+    pub fn fresh(&self, not_before: Option<Instant>) -> Fresh {
+        Fresh { generation: self.signal.generation(), not_before }
+    }
+
+    /// Sleeps until a commit here or the re-check; returns the `not_before` for the next read
+    /// (`None` after a commit: its generation is enough).
+    pub async fn next(&mut self) -> Option<Instant> {
+        tokio::select! {
+            _ = self.changed.as_mut() => {
+                self.changed = Box::pin(self.signal.notified_owned());
+                self.changed.as_mut().enable();
+                None
+            }
+            _ = self.recheck.as_mut() => {
+                self.recheck.as_mut().reset(tokio::time::Instant::now() + self.every);
+                Instant::now().checked_sub(self.age)
+            }
+        }
+    }
+}
+
 /// What a caller of [`SharedReads::read`] needs of a read to share it.
 #[derive(Clone, Copy, Debug)]
 pub struct Fresh {
@@ -205,6 +249,23 @@ mod tests {
         let g = sig.generation() + 1_000_000;
         assert!(reads.read(2, Fresh { generation: g, not_before: None }, failing).await.is_err());
         assert_eq!(reads.read(2, Fresh { generation: g, not_before: None }, || async { Ok::<_, &str>(9) }).await.unwrap().0, 9);
+    }
+
+    #[tokio::test]
+    async fn a_watch_hears_a_commit_made_while_it_was_not_waiting_and_rechecks_on_time() {
+        let n = Notifier::default();
+        let run = RunId(uuid::Uuid::now_v7());
+        let every = std::time::Duration::from_millis(250);
+        let mut watch = Watch::new(n.subscribe(run), every, std::time::Duration::from_millis(50));
+        let g = watch.fresh(None).generation;
+        // A commit while the waiter is busy elsewhere (a stream writing) is not missed.
+        n.notify(run);
+        assert_eq!(watch.next().await, None, "woken by the commit");
+        assert!(watch.fresh(None).generation > g);
+        // No commit: the re-check comes after `every`, asking for a read at most 50 ms old.
+        let t0 = tokio::time::Instant::now();
+        assert!(watch.next().await.is_some(), "a timed re-check");
+        assert!(t0.elapsed() >= every);
     }
 
     #[test]

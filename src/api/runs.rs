@@ -516,18 +516,13 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
         buf: VecDeque<Event>,
         /// What the next read must be fresher than, besides the run's generation.
         not_before: Option<std::time::Instant>,
-        signal: Arc<crate::notify::Signal>,
-        /// The stream's wake-up registration. It is renewed the moment it fires, before the
-        /// read it guards, and kept while the events go out: a commit wakes the streams (and
-        /// the waits) in the order they last woke, so a stream is not put behind the waits by
-        /// the time it spent writing.
-        changed: std::pin::Pin<Box<tokio::sync::futures::OwnedNotified>>,
+        /// Kept while the events go out, so a stream is not put behind the run's other
+        /// waiters by the time it spent writing.
+        watch: crate::notify::Watch,
     }
-    let signal = state.app.store.subscribe(id);
-    let mut changed = Box::pin(signal.notified_owned());
-    changed.as_mut().enable();
+    let watch = crate::notify::Watch::new(state.app.store.subscribe(id), CROSS_PROCESS_RECHECK * 4, crate::app::SHARED_READ_AGE);
     // The first read starts after the request came in.
-    let init = St { state, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()), signal, changed };
+    let init = St { state, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()), watch };
     futures::stream::unfold(init, move |mut st| async move {
         loop {
             if let Some(e) = st.buf.pop_front() {
@@ -536,14 +531,11 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
             if st.done {
                 return None;
             }
-            let recheck = tokio::time::sleep(CROSS_PROCESS_RECHECK * 4);
-            tokio::pin!(recheck);
-            // Until there is something to send: read, then sleep on the registration or the
-            // re-check timer.
+            // Until there is something to send: read, then sleep on the watch.
             loop {
                 // Waits and streams woken by the same commit share one snapshot of the run; a
                 // stream it does not cover shares a page with the others at its cursor.
-                let fresh = crate::notify::Fresh { generation: st.signal.generation(), not_before: st.not_before };
+                let fresh = st.watch.fresh(st.not_before);
                 let state = &st.state;
                 let snapshot = state.waits.read(id, fresh, || RunSnapshot::read(state, id)).await;
                 let page;
@@ -576,19 +568,7 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
                     st.not_before = None;
                     break;
                 }
-                st.not_before = tokio::select! {
-                    _ = st.changed.as_mut() => {
-                        st.changed = Box::pin(st.signal.notified_owned());
-                        st.changed.as_mut().enable();
-                        None
-                    }
-                    // Writers in other processes are heard only here: a read from the last
-                    // moments will do.
-                    _ = recheck.as_mut() => {
-                        recheck.as_mut().reset(tokio::time::Instant::now() + CROSS_PROCESS_RECHECK * 4);
-                        std::time::Instant::now().checked_sub(crate::app::SHARED_READ_AGE)
-                    }
-                };
+                st.not_before = st.watch.next().await;
             }
         }
     })
