@@ -122,6 +122,14 @@ async fn a_stale_epoch_cannot_write(s: Backend) {
     assert!(s.thread_messages(&t, 100_000).await.unwrap().is_empty());
     s.checkpoint(&new, Checkpoint { messages: vec![msg(run.id, "a")], ..Default::default() }).await.unwrap();
     assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 1);
+    // Nor can a lease on a run that does not exist write anything (PostgreSQL's history
+    // tables have no foreign keys: the fence alone keeps them whole).
+    let ghost = Lease { run_id: RunId::new(), epoch: 1, owner: "w3".into(), ttl: Duration::from_secs(10) };
+    let event = NewEvent { kind: EventKind::StepStarted, data: json!({"step": 1}) };
+    let err = s.checkpoint(&ghost, Checkpoint { messages: vec![msg(ghost.run_id, "g")], events: vec![event], ..Default::default() }).await.unwrap_err();
+    assert!(matches!(err, StoreError::LeaseLost(_)), "{err}");
+    assert!(s.events_after(ghost.run_id, 0, 100).await.unwrap().is_empty(), "no event of a run that does not exist");
+    assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 1, "no message either");
 }
 
 /// Many runs' lease renewals at once (PostgreSQL renews them in one statement per group):
