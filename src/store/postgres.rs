@@ -81,22 +81,6 @@ impl PgStore {
         let mut apalis = apalis_postgres::PostgresStorage::<()>::migrations();
         apalis.set_ignore_missing(true);
         apalis.run(&self.pool).await?;
-        self.drop_job_notify().await
-    }
-
-    /// apalis's migrations add a trigger that sends `NOTIFY` for every job inserted, for
-    /// workers that `LISTEN`; ours poll. PostgreSQL commits every notifying transaction
-    /// under one database-wide lock held through its WAL flush, so the trigger serialized
-    /// every enqueue in the fleet behind every other (seen as `Lock:object` waits on
-    /// `COMMIT` under load) for wake-ups nobody hears. Dropped once, and only when present:
-    /// `DROP TRIGGER` locks the jobs table.
-    async fn drop_job_notify(&self) -> Result<()> {
-        let present: Option<i32> = sqlx::query_scalar("SELECT 1 FROM pg_trigger WHERE tgname = 'notify_workers' AND tgrelid = 'apalis.jobs'::regclass")
-            .fetch_optional(&self.pool)
-            .await?;
-        if present.is_some() {
-            sqlx::query("DROP TRIGGER IF EXISTS notify_workers ON apalis.jobs").execute(&self.pool).await?;
-        }
         Ok(())
     }
 

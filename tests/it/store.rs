@@ -832,28 +832,3 @@ async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: B
         assert_eq!(s.queue_rank(id, QueuePlace::Front).await.unwrap(), (of_a(&|p| p > priority), priority));
     }
 }
-
-/// apalis's migrations add a trigger that sends `NOTIFY` for every job; our workers poll, and
-/// PostgreSQL serializes every notifying commit behind one lock, so the store drops it. A
-/// job pushed after the store opened (twice: the second open finds nothing to drop) is
-/// stored and announced to no one.
-#[tokio::test]
-async fn postgres_job_inserts_send_no_notify() {
-    let url = crate::support::fresh_postgres_database().await;
-    let _first = PgStore::connect(&url).await.unwrap();
-    let store = PgStore::connect(&url).await.unwrap();
-    let triggers: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'apalis.jobs'::regclass AND tgname = 'notify_workers'")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-    assert_eq!(triggers, 0, "apalis's notify trigger is gone");
-    let mut listener = sqlx::postgres::PgListener::connect(&url).await.unwrap();
-    listener.listen("apalis::job::insert").await.unwrap();
-    let queue = subagents::queue::Queue::postgres(store.pool(), Duration::from_secs(5));
-    let job = new_job_id();
-    queue.push(RunId::new(), &job, (0, 3), Duration::ZERO).await.unwrap();
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM apalis.jobs WHERE id = $1").bind(&job).fetch_one(store.pool()).await.unwrap();
-    assert_eq!(stored, 1, "the job is stored");
-    let heard = tokio::time::timeout(Duration::from_millis(500), listener.recv()).await;
-    assert!(heard.is_err(), "no notification: {heard:?}");
-}
