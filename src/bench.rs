@@ -204,14 +204,17 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     let mut pickups = vec![];
     let mut waits_by_owner: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut last_end = t0;
+    // First every run's end, then the CPU and the wall time, and only then the count of each
+    // run's tool results: reading its messages back is the bench's own work, not the system's.
+    let expected = format!("DONE after {} steps", args.steps);
+    let mut to_check = Vec::with_capacity(ids.len());
     for id in &ids {
         let r = app.wait(*id, Duration::from_secs(3600)).await?.ok_or_else(|| anyhow::anyhow!("run {id} vanished"))?;
-        let msgs = app.store.thread_messages(&r.thread_id, 100_000).await?;
-        let tools = msgs.iter().filter(|m| matches!(m.message, Message::Tool { .. })).count();
-        let expected = format!("DONE after {} steps", args.steps);
-        if r.status != RunStatus::Succeeded || r.result.as_deref() != Some(expected.as_str()) || tools != args.steps as usize - 1 {
+        if r.status == RunStatus::Succeeded && r.result.as_deref() == Some(expected.as_str()) {
+            to_check.push((r.id, r.thread_id.clone()));
+        } else {
             failures += 1;
-            eprintln!("run {id}: {:?} {:?} {:?} ({tools} tool results)", r.status, r.result, r.error);
+            eprintln!("run {id}: {:?} {:?} {:?}", r.status, r.result, r.error);
         }
         if let Some(f) = r.finished_at {
             last_end = last_end.max(f);
@@ -225,6 +228,14 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     }
     let cpu = cpu_seconds() - cpu0;
     let wall = (last_end - t0).as_seconds_f64().max(1e-9);
+    for (id, thread) in &to_check {
+        let msgs = app.store.thread_messages(thread, 100_000).await?;
+        let tools = msgs.iter().filter(|m| matches!(m.message, Message::Tool { .. })).count();
+        if tools != args.steps as usize - 1 {
+            failures += 1;
+            eprintln!("run {id}: {tools} tool results, expected {}", args.steps - 1);
+        }
+    }
     shutdown.cancel();
     let _ = workers.await;
     let (peak_in_flight, rss_at_peak) = sampler.await.unwrap_or((0, 0));
