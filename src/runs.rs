@@ -164,14 +164,13 @@ pub async fn start_run(
             idempotency_key: req.idempotency_key,
             retry_of: req.retry_of,
             priority,
+            // A child continues work its parent already started, parked and holding its context:
+            // it goes ahead of its owner's new work.
+            place: if req.parent_run_id.is_some() { crate::store::QueuePlace::Front } else { crate::store::QueuePlace::Back },
         })
         .await?;
     if !created.existing {
-        // A child continues work its parent already started, parked and holding its context:
-        // it goes ahead of its owner's new work.
-        let place = if created.run.parent_run_id.is_some() { crate::store::QueuePlace::Front } else { crate::store::QueuePlace::Back };
-        let rank = store.queue_rank(created.run.id, place).await.unwrap_or((0, priority));
-        if let Err(e) = queue.push(created.run.id, &job_id, rank, std::time::Duration::ZERO).await {
+        if let Err(e) = queue.push(created.run.id, &job_id, (created.ahead, priority), std::time::Duration::ZERO).await {
             let QueueError::Push { message, .. } = &e;
             tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
         }

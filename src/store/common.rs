@@ -73,6 +73,28 @@ macro_rules! run_columns {
 macro_rules! store_impl {
     ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, owner_unindexed = $owner_unindexed:literal, run_log = { $($run_log:tt)* }, queries = { $($queries:tt)* }) => {
         impl $store {
+            /// A run's place in its owner's queue: the runs queued ahead of it by `place`, and its
+            /// priority; None if there is no such run. Read from `sa_queue_depth`, which triggers
+            /// keep (migrations */queue_depth): one row per owner and priority (and stripe),
+            /// whatever the backlog. On any executor, so a start can read it in its transaction.
+            async fn rank_in<'e, E: sqlx::Executor<'e, Database = $db>>(exec: E, run: RunId, place: QueuePlace) -> Result<Option<(u32, u8)>> {
+                let row = sqlx::query(
+                    "SELECT CAST(COALESCE((SELECT SUM(d.queued) FROM sa_queue_depth d WHERE d.owner = r.owner \
+                       AND (d.priority > r.priority OR ($2 AND d.priority = r.priority))), 0) AS BIGINT), \
+                       r.priority, CASE WHEN r.status = 'queued' THEN 1 ELSE 0 END \
+                     FROM sa_runs r WHERE r.id = $1",
+                )
+                .bind(run.to_string())
+                .bind(place == QueuePlace::Back)
+                .fetch_optional(exec)
+                .await?;
+                Ok(row.map(|r| {
+                    // At the back, the run does not count itself.
+                    let ahead = r.get::<i64, _>(0) - if place == QueuePlace::Back { i64::from(r.get::<i32, _>(2)) } else { 0 };
+                    (ahead.clamp(0, i64::from(u32::MAX)) as u32, r.get::<i64, _>(1).clamp(1, 5) as u8)
+                }))
+            }
+
             /// Inserts a commit's events in one statement (one round trip, whatever their number).
             async fn insert_events(
                 tx: &mut sqlx::Transaction<'_, $db>,
@@ -752,25 +774,7 @@ macro_rules! store_impl {
             }
 
             async fn queue_rank(&self, run: RunId, place: QueuePlace) -> Result<(u32, u8)> {
-                // sa_queue_depth is kept by triggers (migrations */queue_depth): one row per
-                // owner and priority, whatever the backlog.
-                let row = sqlx::query(
-                    "SELECT CAST(COALESCE((SELECT SUM(d.queued) FROM sa_queue_depth d WHERE d.owner = r.owner \
-                       AND (d.priority > r.priority OR ($2 AND d.priority = r.priority))), 0) AS BIGINT), \
-                       r.priority, CASE WHEN r.status = 'queued' THEN 1 ELSE 0 END \
-                     FROM sa_runs r WHERE r.id = $1",
-                )
-                .bind(run.to_string())
-                .bind(place == QueuePlace::Back)
-                .fetch_optional(&self.pool)
-                .await?;
-                Ok(row
-                    .map(|r| {
-                        // At the back, the run does not count itself.
-                        let ahead = r.get::<i64, _>(0) - if place == QueuePlace::Back { i64::from(r.get::<i32, _>(2)) } else { 0 };
-                        (ahead.clamp(0, i64::from(u32::MAX)) as u32, r.get::<i64, _>(1).clamp(1, 5) as u8)
-                    })
-                    .unwrap_or((0, 3)))
+                Ok(Self::rank_in(&self.pool, run, place).await?.unwrap_or((0, 3)))
             }
 
             async fn at_limit(&self, run: RunId) -> Result<bool> {

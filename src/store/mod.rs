@@ -283,6 +283,9 @@ pub struct NewRun {
     pub retry_of: Option<RunId>,
     /// 1 (lowest) to 5.
     pub priority: u8,
+    /// Where it joins its owner's queue: a new root run at the back, a child (its parent
+    /// already had its turn) at the front. The store answers with the runs ahead of it.
+    pub place: QueuePlace,
 }
 
 /// A run's place in its delegation tree.
@@ -325,6 +328,9 @@ pub struct Created {
     pub run: RunRecord,
     /// True when an earlier start with the same idempotency key made it.
     pub existing: bool,
+    /// Its owner's queued runs ahead of it as it was created, by [`NewRun::place`] (what
+    /// [`RunLog::queue_rank`] answers, read in the same round trip); 0 for an existing run.
+    pub ahead: u32,
 }
 
 /// Filters for listing runs; absent fields do not filter.

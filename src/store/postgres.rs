@@ -94,10 +94,10 @@ impl PgStore {
 // a child's terminal commit takes (its own row, then its parent's and waiters').
 store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", owner_unindexed = "owner", run_log = {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
-        // One round trip for the checks and inserts (`sa_create_run`, migrations/postgres/0002),
-        // one to read the run back.
+        // One round trip (`sa_start_run`, migrations/postgres/0012): the checks and inserts, and
+        // the answer with the run's row and its place in its owner's queue.
         let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id});
-        let row = sqlx::query("SELECT outcome, rid FROM sa_create_run($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)")
+        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
             .bind(&new.owner)
@@ -117,18 +117,19 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
             .bind(event.to_string())
             .bind(new.retry_of.map(|r| r.to_string()))
             .bind(i64::from(new.priority.clamp(1, 5)))
+            .bind(new.place == QueuePlace::Back)
             .fetch_one(&self.pool)
             .await?;
-        let outcome: String = row.get(0);
-        let rid: Option<String> = row.get(1);
+        let outcome: String = row.get("outcome");
+        let rid: Option<String> = row.get("rid");
         let rid = rid.map(|r| r.parse::<RunId>().map_err(|e| corrupt("run id", e))).transpose()?;
-        let read = |id: RunId| async move { self.get_run(id).await?.ok_or_else(|| corrupt("run vanished", id)) };
+        let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
         match (outcome.as_str(), rid) {
-            ("created", Some(id)) => Ok(Created { run: read(id).await?, existing: false }),
-            ("existing", Some(id)) => Ok(Created { run: read(id).await?, existing: true }),
+            ("created", Some(_)) => Ok(Created { run: run_from_row(&row)?, existing: false, ahead }),
+            ("existing", Some(_)) => Ok(Created { run: run_from_row(&row)?, existing: true, ahead: 0 }),
             ("busy", Some(active_run)) => Err(StoreError::Busy { thread_id: new.thread_id, active_run }),
             ("owned_elsewhere", _) => Err(StoreError::ThreadOwnedElsewhere(new.thread_id)),
-            (other, _) => Err(corrupt("sa_create_run outcome", other)),
+            (other, _) => Err(corrupt("sa_start_run outcome", other)),
         }
     }
 

@@ -110,7 +110,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
                 tx.rollback().await?;
                 let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
                 let run = self.get_run(id).await?.ok_or_else(|| corrupt("run vanished", id))?;
-                return Ok(Created { run, existing: true });
+                return Ok(Created { run, existing: true, ahead: 0 });
             }
         }
         if new.if_busy == IfBusy::Reject {
@@ -161,8 +161,9 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
             )],
         )
         .await?;
+        let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place).await?.ok_or_else(|| corrupt("run vanished", new.id))?;
         tx.commit().await?;
-        Ok(Created { run, existing: false })
+        Ok(Created { run, existing: false, ahead })
     }
 
     async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {

@@ -89,6 +89,7 @@ fn new_run(thread: &ThreadId) -> NewRun {
         idempotency_key: None,
         retry_of: None,
         priority: 3,
+        place: QueuePlace::Back,
     }
 }
 
@@ -534,6 +535,7 @@ fn child_of(parent: &RunRecord) -> NewRun {
     let mut c = new_run(&ThreadId::generate());
     c.parent_run_id = Some(parent.id);
     c.tree = TreePosition { root_run_id: Some(parent.id), depth: 1, detached: false };
+    c.place = QueuePlace::Front;
     c
 }
 
@@ -788,14 +790,24 @@ async fn listing_and_tree_queries(s: Backend) {
 /// back, behind every other queued run of its priority or a higher one; at the front, behind
 /// only those of a higher priority. Checked against those definitions counted by hand.
 async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: Backend) {
-    let mut runs = vec![];
-    for priority in [3u8, 5, 3, 1, 5, 3, 2, 5] {
+    let mut runs: Vec<(RunId, &str, u8)> = vec![];
+    for (i, priority) in [3u8, 5, 3, 1, 5, 3, 2, 5].into_iter().enumerate() {
         for owner in ["a", "b"] {
             let mut n = new_run(&ThreadId::generate());
             n.owner = owner.into();
             n.priority = priority;
-            let run = s.create_run(n).await.unwrap().run;
-            runs.push((run.id, owner, priority));
+            // Every other start joins at the front, as a child does.
+            n.place = if i % 2 == 1 { QueuePlace::Front } else { QueuePlace::Back };
+            let place = n.place;
+            let created = s.create_run(n).await.unwrap();
+            // The start answers with its place, counted as the rank counts it.
+            let mine = runs.iter().filter(|o| o.1 == owner);
+            let expected = match place {
+                QueuePlace::Back => mine.filter(|o| o.2 >= priority).count(),
+                QueuePlace::Front => mine.filter(|o| o.2 > priority).count(),
+            } as u32;
+            assert_eq!(created.ahead, expected, "start {i} of owner {owner}, priority {priority}, {place:?}");
+            runs.push((created.run.id, owner, priority));
         }
     }
     // Owner a's runs leave the queue: one runs, one is cancelled; a third runs and is given
