@@ -46,6 +46,9 @@ pub struct BenchArgs {
     /// `commits_per_s` and `commit_ratio` (= steps_per_s / commits_per_s).
     #[arg(long)]
     pub calibrate: bool,
+    /// How long `--calibrate` commits rows, in seconds.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub calibrate_secs: u64,
     /// Spread the runs over this many owners (`o0`, `o1`, …) and report each one's queue wait
     /// (created → started) percentiles.
     #[arg(long, default_value_t = 1)]
@@ -317,7 +320,7 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
         out["pickup_p99_ms"] = json!(round(percentile(&pickups, 0.99)));
     }
     if args.calibrate {
-        let commits = commit_ceiling(&args.dsn, args.concurrency, Duration::from_secs(5)).await?;
+        let commits = commit_ceiling(&args.dsn, args.concurrency, Duration::from_secs(args.calibrate_secs)).await?;
         out["commits_per_s"] = json!(round(commits));
         out["commit_ratio"] = json!(round(steps as f64 / wall / commits.max(1e-9)));
     }

@@ -217,3 +217,25 @@ fn a_worker_stopped_while_starting_exits_cleanly() {
     assert!(err.contains("shutdown requested while starting"), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(10), "the start was abandoned, not waited out: {:?}", t0.elapsed());
 }
+
+/// `bench` as its users run it (README, Benchmarks): one JSON line with the figures, every run
+/// succeeded and counted, and the database's own commit rate beside it (`--calibrate`).
+#[test]
+fn bench_prints_one_json_line_with_its_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("bench.db").display());
+    let out = subagents(dir.path(), None, &["bench", "--runs", "6", "--steps", "3", "--concurrency", "3", "--owners", "2", "--dsn", &db, "--calibrate", "--calibrate-secs", "1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let line = text(&out.stdout);
+    assert_eq!(line.lines().count(), 1, "one line: {line}");
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["failures"], 0);
+    assert_eq!(v["steps"], 18);
+    assert_eq!(v["mock_requests"], 18, "one model call a step");
+    assert!(v["steps_per_s"].as_f64().unwrap() > 0.0 && v["cpu_ms_per_step"].as_f64().unwrap() > 0.0, "{v}");
+    let (commits, ratio) = (v["commits_per_s"].as_f64().unwrap(), v["commit_ratio"].as_f64().unwrap());
+    assert!(commits > 0.0 && (ratio - v["steps_per_s"].as_f64().unwrap() / commits).abs() < 0.01, "{v}");
+    let owners = v["owners"].as_object().unwrap();
+    assert_eq!(owners.values().map(|o| o["runs"].as_u64().unwrap()).sum::<u64>(), 6, "every run's queue wait counted: {v}");
+}
