@@ -26,7 +26,7 @@ const REDIS_WAIT: Duration = Duration::from_millis(500);
 
 /// After Redis failed, how long the database keeps the count before Redis is tried again (so
 /// an outage does not slow every model call by a failed attempt).
-const REDIS_BACKOFF: Duration = Duration::from_secs(5);
+pub const REDIS_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Where budgets are taken from.
 pub struct Budgets {
@@ -37,12 +37,14 @@ pub struct Budgets {
     redis_down_until: Mutex<Option<Instant>>,
     /// Blocks read (or set) lately, by key: when read, and until when.
     blocks: Mutex<HashMap<String, (Instant, i64)>>,
+    /// Budget calls Redis failed (or did not answer in time) since start.
+    redis_failures: std::sync::atomic::AtomicU64,
 }
 
 impl Budgets {
     /// Budgets in Redis when `redis` is given, else in `store`.
     pub fn new(store: Arc<dyn RunLog>, redis: Option<RedisEvents>) -> Self {
-        Budgets { store, redis, owners: Mutex::new(HashMap::new()), redis_down_until: Mutex::new(None), blocks: Mutex::new(HashMap::new()) }
+        Budgets { store, redis, owners: Mutex::new(HashMap::new()), redis_down_until: Mutex::new(None), blocks: Mutex::new(HashMap::new()), redis_failures: Default::default() }
     }
 
     /// Redis, unless it failed a moment ago.
@@ -51,7 +53,15 @@ impl Budgets {
         if down { None } else { self.redis.as_ref() }
     }
 
+    /// How many budget calls Redis failed in this process: during an outage, one per
+    /// [`REDIS_BACKOFF`], not one per model call (also `subagents_budget_redis_failures_total`).
+    pub fn redis_failures(&self) -> u64 {
+        self.redis_failures.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn redis_failed(&self, key: &str, error: &dyn std::fmt::Display) {
+        self.redis_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        metrics::counter!("subagents_budget_redis_failures_total").increment(1);
         tracing::warn!(%error, key, "Redis holds no budget now; the database counts for the next {}s", REDIS_BACKOFF.as_secs());
         *self.redis_down_until.lock().unwrap() = Some(Instant::now() + REDIS_BACKOFF);
     }
