@@ -313,9 +313,7 @@ fn summary_words(window: u64) -> usize {
 impl Engine {
     /// Reads the run's context: the thread's latest compaction and the messages after it.
     pub(super) async fn load_context(&self, run: &RunRecord) -> Result<RunContext, Stop> {
-        let compaction = self.store.latest_compaction(&run.thread_id).await?;
-        let after = compaction.as_ref().map_or(0, |c| c.last_message_id);
-        let mut history = self.store.messages_after(&run.thread_id, after, self.settings.context_messages.max(1)).await?;
+        let (compaction, mut history) = self.store.context(&run.thread_id, self.settings.context_messages.max(1)).await?;
         let input_key = format!("{}:input", run.id);
         let mut task_restored = false;
         // The task is missing when it is not committed yet (a fresh run) or when this run's own

@@ -609,6 +609,36 @@ macro_rules! store_impl {
                 Ok(n > 0)
             }
 
+            async fn context(&self, thread: &ThreadId, limit: u32) -> Result<(Option<Compaction>, Vec<StoredMessage>)> {
+                // The compaction's row (part 0) and the messages after it (part 1), each
+                // mapped by its own columns' names.
+                let rows = sqlx::query(
+                    "WITH c AS (SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+                       tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id DESC LIMIT 1) \
+                     SELECT 0 AS part, id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+                       tokens_after, reason, created_at, NULL AS step, NULL AS key, NULL AS body FROM c \
+                     UNION ALL \
+                     SELECT 1, id, run_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, step, key, body \
+                     FROM (SELECT id, run_id, step, key, body FROM sa_messages \
+                       WHERE thread_id = $1 AND id > COALESCE((SELECT last_message_id FROM c), 0) ORDER BY id DESC LIMIT $2) m \
+                     ORDER BY part, id",
+                )
+                .bind(thread.as_str())
+                .bind(limit as i64)
+                .fetch_all(&self.pool)
+                .await?;
+                let mut compaction = None;
+                let mut messages = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    if r.get::<i32, _>("part") == 0 {
+                        compaction = Some(compaction_from_row(r)?);
+                    } else {
+                        messages.push(message_from_row(r)?);
+                    }
+                }
+                Ok((compaction, messages))
+            }
+
             async fn latest_compaction(&self, thread: &ThreadId) -> Result<Option<Compaction>> {
                 let row = sqlx::query(
                     "SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \

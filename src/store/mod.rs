@@ -1120,6 +1120,11 @@ pub trait RunLog: Send + Sync + 'static {
     /// The thread's newest compaction, where a rebuilt context starts.
     async fn latest_compaction(&self, thread: &ThreadId) -> Result<Option<Compaction>>;
 
+    /// What a claimed run rebuilds its context from: the thread's newest compaction and the
+    /// newest `limit` messages after it, in order ([`Self::latest_compaction`], then
+    /// [`Self::messages_after`]), read in one round trip.
+    async fn context(&self, thread: &ThreadId, limit: u32) -> Result<(Option<Compaction>, Vec<StoredMessage>)>;
+
     /// The decision committed for a tool call (its key `{run}:{step}:{call}`), if any.
     async fn tool_decision(&self, key: &str) -> Result<Option<Value>>;
 

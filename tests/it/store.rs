@@ -322,6 +322,11 @@ async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) 
     s.checkpoint(&lease, Checkpoint { messages: keys.iter().map(|k| msg(run.id, k)).collect(), ..Default::default() }).await.unwrap();
     let all = s.thread_messages(&t, 100).await.unwrap();
     assert_eq!(s.latest_compaction(&t).await.unwrap(), None);
+    // A claimed run's one read: no compaction yet, so the newest messages of the whole thread.
+    let keys_of = |m: &[StoredMessage]| m.iter().map(|m| m.key.clone()).collect::<Vec<_>>();
+    let (none, msgs) = s.context(&t, 3).await.unwrap();
+    assert_eq!((none, keys_of(&msgs)), (None, keys_of(&all[1..])));
+    assert_eq!(s.context(&ThreadId::generate(), 10).await.unwrap(), (None, vec![]), "a thread with nothing");
     let c = CompactionBody {
         first_message_id: all[0].id,
         last_message_id: all[1].id,
@@ -344,6 +349,12 @@ async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) 
     assert_eq!(after, [format!("{}:c", run.id), format!("{}:d", run.id)]);
     assert_eq!(s.messages_after(&t, latest.last_message_id, 1).await.unwrap()[0].key, format!("{}:d", run.id), "the newest, when bounded");
     assert_eq!(s.thread_messages(&t, 100).await.unwrap().len(), 4);
+    // The one read answers as the two do.
+    let (compaction, msgs) = s.context(&t, 100).await.unwrap();
+    assert_eq!(compaction.as_ref(), Some(&latest));
+    assert_eq!(keys_of(&msgs), after);
+    assert_eq!(msgs, s.messages_after(&t, latest.last_message_id, 100).await.unwrap());
+    assert_eq!(keys_of(&s.context(&t, 1).await.unwrap().1), [format!("{}:d", run.id)], "the newest, when bounded");
     // A stale lease cannot compact.
     let stale = Lease { epoch: lease.epoch - 1, ..lease.clone() };
     let other = CompactionBody { first_message_id: all[2].id, last_message_id: all[2].id, ..c };
