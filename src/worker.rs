@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::engine::{Engine, Executed};
-use crate::queue::{QUEUE_NAME, Queue, RunJob, Storage};
+use crate::queue::{QUEUE_NAME, Queue, RunJob, Storage, Wakeups};
 
 /// What a worker needs to execute jobs.
 pub struct WorkerContext {
@@ -164,16 +164,15 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
             // SQLite has no notifications: an idle worker polls.
             Storage::Sqlite(s) => run_worker!(SqliteStorage::<RunJob>::new(s.pool())
                 .with_config(Queue::sqlite_config(queue.heartbeat, settings.concurrency))
-                .poll_with_interval(settings.poll_interval)),
+                .poll_with_strategy(Wakeups::every(settings.poll_interval))),
             // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
             // notification that was missed (seen: a job waiting for the 5 s heartbeat).
             Storage::Postgres(s) => {
-                let strategy = apalis_core::backend::ext::poll_strategy::Strategy::new()
-                    .stream(apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()))
-                    .interval(settings.poll_interval.max(Duration::from_millis(250)));
+                let wakeups = Wakeups::every(settings.poll_interval.max(Duration::from_millis(250)))
+                    .and_on(apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()));
                 run_worker!(PostgresStorage::<RunJob>::new(s.pool())
                     .with_config(Queue::pg_config(queue.heartbeat, settings.concurrency))
-                    .poll_with_strategy(strategy))
+                    .poll_with_strategy(wakeups))
             }
         };
         if shutdown.is_cancelled() {
