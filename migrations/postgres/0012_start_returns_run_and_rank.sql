@@ -6,7 +6,7 @@
 -- child, whose parent already had its turn); the count is `queue_rank`'s, read after the
 -- insert (whose trigger counted the run) in the same transaction.
 -- `sa_create_run` (0002, 0007) stays for binaries from before this migration during a rolling
--- upgrade; nothing here calls it.
+-- upgrade, as a wrapper of this one (at the end); nothing here calls it.
 CREATE OR REPLACE FUNCTION sa_start_run(
     p_id TEXT, p_thread TEXT, p_owner TEXT, p_agent TEXT, p_input TEXT, p_metadata TEXT,
     p_limits TEXT, p_parent TEXT, p_key TEXT, p_job TEXT, p_enqueued BIGINT, p_now TIMESTAMPTZ,
@@ -53,4 +53,17 @@ BEGIN
         WHERE d.owner = p_owner AND (d.priority > p_priority OR (p_back AND d.priority = p_priority));
     RETURN QUERY SELECT 'created'::TEXT, p_id, GREATEST(v_ahead, 0), v_run;
 END;
+$$;
+
+-- The old entry point, for binaries from before this migration during a rolling upgrade, now
+-- goes through the new one, so a start's logic lives once. They pushed a child's job to the
+-- front (`QueuePlace::Front`) and every other run's to the back, and read the rank themselves.
+CREATE OR REPLACE FUNCTION sa_create_run(
+    p_id TEXT, p_thread TEXT, p_owner TEXT, p_agent TEXT, p_input TEXT, p_metadata TEXT,
+    p_limits TEXT, p_parent TEXT, p_key TEXT, p_job TEXT, p_enqueued BIGINT, p_now TIMESTAMPTZ,
+    p_root TEXT, p_depth BIGINT, p_detached BIGINT, p_reject BOOLEAN, p_event TEXT, p_retry_of TEXT, p_priority BIGINT)
+RETURNS TABLE (outcome TEXT, rid TEXT) LANGUAGE sql VOLATILE AS $$
+    SELECT s.outcome, s.rid FROM sa_start_run(p_id, p_thread, p_owner, p_agent, p_input, p_metadata, p_limits,
+        p_parent, p_key, p_job, p_enqueued, p_now, p_root, p_depth, p_detached, p_reject, p_event, p_retry_of,
+        p_priority, p_parent IS NULL) s;
 $$;
