@@ -1201,7 +1201,11 @@ pub trait RunLog: Send + Sync + 'static {
     /// The owner's model budget, if the keys file sets one.
     async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>>;
 
-    /// The oldest queued run of a thread: the one to start when the thread frees up.
+    /// The oldest queued run of a thread, the one to start when the thread frees up, if it
+    /// needs a job: not when its own job is still `Pending` (any worker will fetch it and, the
+    /// thread now free, claim it). A run started just as the thread's previous run ended got
+    /// a second job from that end, and the second claim found it parked on something and
+    /// replayed it for nothing.
     async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
 
     /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).

@@ -69,8 +69,16 @@ async fn a_child_ending_while_its_parent_parks_still_wakes_it() {
 
 /// Hole 3: a run may await a child started by an earlier run of its thread; the child's end
 /// wakes the run that waits on it (not the finished run that started it), once.
+///
+/// The earlier run's worker is held after its terminal commit until the later run is queued
+/// (its job pending, both slots busy): the earlier run's end then finds the later run queued
+/// and must not give it a second job, whose claim would find it parked and replay it for
+/// nothing (seen once under load as a third attempt).
 #[tokio::test]
 async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
+    let gate = tempfile::tempdir().unwrap();
+    let go = gate.path().join("go");
+    let points = format!("after_terminal_commit=wait({})", go.display());
     let t = scripted(
         vec![
             (
@@ -85,7 +93,11 @@ async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
             ),
             ("p-second", vec![]),
         ],
-        |s| s.reap_ms = NO_REAPER_MS,
+        move |s| {
+            s.reap_ms = NO_REAPER_MS;
+            s.concurrency = 2;
+            s.failpoints = points;
+        },
     )
     .await;
     let first = start_parent(&t, "p-first").await;
@@ -101,6 +113,8 @@ async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
         .start_run(StartRun { agent: Some("p-second".into()), input: "Collect it.".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
         .await
         .unwrap();
+    assert_eq!(t.app.store.get_run(second.id).await.unwrap().unwrap().status, RunStatus::Queued, "no slot free for it yet");
+    std::fs::write(&go, "").unwrap();
     let done = wait_for(&t, second.id, Duration::from_secs(20)).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     let results = tool_results(&t, &second).await;

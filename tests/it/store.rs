@@ -14,6 +14,8 @@ use subagents::store::*;
 /// A backend under test; keeps its temp dir alive.
 pub struct Backend {
     pub store: Arc<dyn Store>,
+    /// apalis's queue on the same database, for the few contracts that read its jobs.
+    pub queue: subagents::queue::Queue,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -27,12 +29,15 @@ impl std::ops::Deref for Backend {
 pub async fn sqlite() -> Backend {
     let dir = tempfile::tempdir().unwrap();
     let s = SqliteStore::connect(&format!("sqlite://{}", dir.path().join("s.db").display())).await.unwrap();
-    Backend { store: Arc::new(s), _dir: Some(dir) }
+    let queue = subagents::queue::Queue::sqlite(s.pool(), Duration::from_secs(5));
+    Backend { store: Arc::new(s), queue, _dir: Some(dir) }
 }
 
 pub async fn postgres() -> Backend {
     let url = crate::support::fresh_postgres_database().await;
-    Backend { store: Arc::new(PgStore::connect(&url).await.unwrap()), _dir: None }
+    let s = PgStore::connect(&url).await.unwrap();
+    let queue = subagents::queue::Queue::postgres(s.pool(), Duration::from_secs(5));
+    Backend { store: Arc::new(s), queue, _dir: None }
 }
 
 /// Generates one test per backend from one async fn taking the backend.
@@ -431,7 +436,11 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
     assert!(s.orphans(Duration::ZERO).await.unwrap().iter().all(|o| o.run_id != second.id), "a blocked run is not an orphan");
     s.checkpoint(&l1, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await.unwrap();
-    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id));
+    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its job is gone (here: never pushed): it needs one");
+    // A queued run whose own job still waits to be fetched needs no second one: that job's
+    // claim starts it, the thread being free.
+    s.queue.push(second.id, &second.job_id, (0, 3), Duration::ZERO).await.unwrap();
+    assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job is pending");
     assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)));
 }
 
