@@ -169,23 +169,6 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     if !args.preload {
         tokio::time::sleep(Duration::from_millis(300)).await; // workers registered and idle
     }
-    // Runs in flight (claimed and not ended), sampled: the peak and the memory at it.
-    let sampler = {
-        let (store, stop) = (app.store.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            let (mut peak, mut rss_at_peak) = (0i64, 0u64);
-            while !stop.is_cancelled() {
-                if let Ok(counts) = store.status_counts().await {
-                    let n: i64 = counts.iter().filter(|(s, _)| *s == RunStatus::Running).map(|(_, n)| n).sum();
-                    if n > peak {
-                        (peak, rss_at_peak) = (n, rss_kb(std::process::id(), "VmRSS:"));
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            (peak, rss_at_peak)
-        })
-    };
     let cpu0 = cpu_seconds();
     let t0 = chrono::Utc::now();
     if args.preload {
@@ -211,9 +194,17 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     // The bench's own reads stay out of the measured window: a count by status every 100 ms
     // (one indexed scan) costs less than waiting on each run, whose every commit would wake a
     // read of it.
+    // The same count gives the runs in flight (claimed and not ended): their peak and the
+    // memory at it (reported with --preload, where every run is enqueued before this loop).
     let deadline = std::time::Instant::now() + Duration::from_secs(3600);
+    let (mut peak_in_flight, mut rss_at_peak) = (0i64, 0u64);
     loop {
-        let live: i64 = app.store.status_counts().await?.iter().filter(|(s, _)| !s.is_terminal()).map(|(_, n)| n).sum();
+        let counts = app.store.status_counts().await?;
+        let running: i64 = counts.iter().filter(|(s, _)| *s == RunStatus::Running).map(|(_, n)| n).sum();
+        if running > peak_in_flight {
+            (peak_in_flight, rss_at_peak) = (running, rss_kb(std::process::id(), "VmRSS:"));
+        }
+        let live: i64 = counts.iter().filter(|(s, _)| !s.is_terminal()).map(|(_, n)| n).sum();
         if live == 0 {
             break;
         }
@@ -252,7 +243,6 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     }
     shutdown.cancel();
     let _ = workers.await;
-    let (peak_in_flight, rss_at_peak) = sampler.await.unwrap_or((0, 0));
     durations.sort_by(f64::total_cmp);
     pickups.sort_by(f64::total_cmp);
     let steps = args.runs as u64 * args.steps as u64;
