@@ -1202,10 +1202,12 @@ pub trait RunLog: Send + Sync + 'static {
     async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>>;
 
     /// The oldest queued run of a thread, the one to start when the thread frees up, if it
-    /// needs a job: not when its own job is still `Pending` (any worker will fetch it and, the
-    /// thread now free, claim it). A run started just as the thread's previous run ended got
-    /// a second job from that end, and the second claim found it parked on something and
-    /// replayed it for nothing.
+    /// needs a job: not when its own job is still `Pending` (any worker will fetch it) or
+    /// `Queued` (fetched into a worker's buffer, waiting for a free slot; apalis starts it),
+    /// since that job's claim comes after this end and finds the thread free. A run started
+    /// just as the thread's previous run ended got a second job from that end, and the second
+    /// claim found it parked on something and replayed it for nothing (seen with the first job
+    /// `Queued` behind two busy slots).
     async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
 
     /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).

@@ -16,7 +16,26 @@ pub struct Backend {
     pub store: Arc<dyn Store>,
     /// apalis's queue on the same database, for the few contracts that read its jobs.
     pub queue: subagents::queue::Queue,
+    /// The same database, to put apalis's jobs in the states its workers would.
+    jobs: Jobs,
     _dir: Option<tempfile::TempDir>,
+}
+
+/// apalis's job table on either backend.
+enum Jobs {
+    Sqlite(sqlx::SqlitePool),
+    Postgres(sqlx::PgPool),
+}
+
+impl Backend {
+    /// Sets a job's apalis status, as a worker fetching (`Queued`) or starting (`Running`) it does.
+    async fn set_job_status(&self, job_id: &str, status: &str) {
+        let n = match &self.jobs {
+            Jobs::Sqlite(p) => sqlx::query("UPDATE Jobs SET status = ? WHERE id = ?").bind(status).bind(job_id).execute(p).await.unwrap().rows_affected(),
+            Jobs::Postgres(p) => sqlx::query("UPDATE apalis.jobs SET status = $1 WHERE id = $2").bind(status).bind(job_id).execute(p).await.unwrap().rows_affected(),
+        };
+        assert_eq!(n, 1, "job {job_id} exists");
+    }
 }
 
 impl std::ops::Deref for Backend {
@@ -30,14 +49,16 @@ pub async fn sqlite() -> Backend {
     let dir = tempfile::tempdir().unwrap();
     let s = SqliteStore::connect(&format!("sqlite://{}", dir.path().join("s.db").display())).await.unwrap();
     let queue = subagents::queue::Queue::sqlite(s.pool(), Duration::from_secs(5));
-    Backend { store: Arc::new(s), queue, _dir: Some(dir) }
+    let jobs = Jobs::Sqlite(s.pool().clone());
+    Backend { store: Arc::new(s), queue, jobs, _dir: Some(dir) }
 }
 
 pub async fn postgres() -> Backend {
     let url = crate::support::fresh_postgres_database().await;
     let s = PgStore::connect(&url).await.unwrap();
     let queue = subagents::queue::Queue::postgres(s.pool(), Duration::from_secs(5));
-    Backend { store: Arc::new(s), queue, _dir: None }
+    let jobs = Jobs::Postgres(s.pool().clone());
+    Backend { store: Arc::new(s), queue, jobs, _dir: None }
 }
 
 /// Generates one test per backend from one async fn taking the backend.
@@ -441,6 +462,10 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     // claim starts it, the thread being free.
     s.queue.push(second.id, &second.job_id, (0, 3), Duration::ZERO).await.unwrap();
     assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job is pending");
+    s.set_job_status(&second.job_id, "Queued").await;
+    assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job is in a worker's buffer, waiting for a slot");
+    s.set_job_status(&second.job_id, "Running").await;
+    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its own job started: it may have found the thread busy and let go");
     assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)));
 }
 
