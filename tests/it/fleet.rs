@@ -40,6 +40,25 @@ struct Fleet {
     mock: MockServer,
     url: String,
     workers: Vec<Child>,
+    /// Held until the workers are gone.
+    _turn: Turn,
+}
+
+/// Fleets run beside each other, except the ones whose test measures time (a start within a
+/// second, a provider's budget per window): those run alone among fleets, so the verdict is
+/// about the queue and not about a dozen other debug-built workers sharing the two cores
+/// (seen: the small owner's last start at 1.2 s under the whole suite, 0.3-0.7 s alone).
+enum Turn {
+    Shared(#[allow(dead_code)] tokio::sync::OwnedRwLockReadGuard<()>),
+    Alone(#[allow(dead_code)] tokio::sync::OwnedRwLockWriteGuard<()>),
+}
+
+static FLEETS: std::sync::LazyLock<std::sync::Arc<tokio::sync::RwLock<()>>> = std::sync::LazyLock::new(Default::default);
+
+impl Turn {
+    async fn take(alone: bool) -> Turn {
+        if alone { Turn::Alone(FLEETS.clone().write_owned().await) } else { Turn::Shared(FLEETS.clone().read_owned().await) }
+    }
 }
 
 impl Drop for Fleet {
@@ -62,6 +81,16 @@ async fn fleet_with_jobs(latency_ms: u64, workers: usize, concurrency: usize, jo
 
 /// A fleet with the mock's options and extra worker environment given.
 async fn fleet_custom(options: MockOptions, workers: usize, concurrency: usize, jobs: Option<&std::path::Path>, extra: &[(&str, String)]) -> Fleet {
+    fleet_turn(options, workers, concurrency, jobs, extra, false).await
+}
+
+/// A fleet that runs alone among fleets (for tests that measure time).
+async fn fleet_alone(options: MockOptions, workers: usize, concurrency: usize, extra: &[(&str, String)]) -> Fleet {
+    fleet_turn(options, workers, concurrency, None, extra, true).await
+}
+
+async fn fleet_turn(options: MockOptions, workers: usize, concurrency: usize, jobs: Option<&std::path::Path>, extra: &[(&str, String)], alone: bool) -> Fleet {
+    let turn = Turn::take(alone).await;
     let url = fresh_postgres_database().await;
     let mock = MockServer::start(([127, 0, 0, 1], 0).into(), options).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -74,7 +103,7 @@ async fn fleet_custom(options: MockOptions, workers: usize, concurrency: usize, 
     settings.redis_url = Some(redis.url());
     let app = App::open(settings).await.unwrap();
     let workers = (0..workers).map(|_| worker_with(&url, &redis.url(), &mock, concurrency, extra)).collect();
-    Fleet { app, redis, mock, url, workers }
+    Fleet { app, redis, mock, url, workers, _turn: turn }
 }
 
 async fn start_runs(f: &Fleet, n: usize, steps: u32, tag: &str) -> Vec<RunRecord> {
@@ -428,7 +457,7 @@ async fn a_fleet_shares_a_model_rate_limit_and_provokes_no_429() {
         ("SUBAGENTS_RATE_WINDOW_MS", "2000".to_owned()),
         ("SUBAGENTS_REAP_MS", "100".to_owned()),
     ];
-    let f = fleet_custom(options, 3, 4, None, &extra).await;
+    let f = fleet_alone(options, 3, 4, &extra).await;
     let t0 = Instant::now();
     let runs = start_runs(&f, 12, 3, "rate").await;
     let done = wait_all(&f, &runs, Duration::from_secs(120)).await;
@@ -462,7 +491,7 @@ async fn an_owners_budget_held_in_redis_holds_the_fleet_to_it() {
     // owner `free` as many as it likes.
     let options = MockOptions { latency: Duration::from_millis(20), rate_limit: Some((12, Duration::from_secs(2))), ..Default::default() };
     let extra = [("SUBAGENTS_RATE_WINDOW_MS", "2000".to_owned()), ("SUBAGENTS_REAP_MS", "100".to_owned())];
-    let f = fleet_custom(options, 3, 4, None, &extra).await;
+    let f = fleet_alone(options, 3, 4, &extra).await;
     f.app.store.set_owner_budgets(&[("metered".to_owned(), subagents::store::OwnerBudget { rpm: Some(6), tpm: None })]).await.unwrap();
     let t0 = Instant::now();
     let runs = start_owned(&f, "metered", 8, 3, "owner-budget").await;
@@ -512,7 +541,7 @@ async fn the_providers_rate_limit_headers_hold_the_fleet_back() {
         ("SUBAGENTS_MODEL_RETRIES", "0".to_owned()),
         ("SUBAGENTS_REAP_MS", "100".to_owned()),
     ];
-    let f = fleet_custom(options, 3, 4, None, &extra).await;
+    let f = fleet_alone(options, 3, 4, &extra).await;
     let t0 = Instant::now();
     let runs = start_runs(&f, 12, 3, "headers").await;
     let done = wait_all(&f, &runs, Duration::from_secs(120)).await;
@@ -557,7 +586,7 @@ async fn a_small_owner_is_not_stuck_behind_a_large_one() {
     // The big owner's runs are all queued before the workers start: enqueueing 2,000 one by one
     // on a loaded machine took as long as the fleet needs to run them, and the queue was
     // nearly empty by the time the small owner came (seen: 90 left).
-    let mut f = fleet(100, 0, 4).await;
+    let mut f = fleet_alone(MockOptions { latency: Duration::from_millis(100), ..Default::default() }, 0, 4, &[]).await;
     let big = start_owned(&f, "big", 2000, 2, "big").await;
     for _ in 0..3 {
         f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &[]));
