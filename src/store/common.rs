@@ -874,7 +874,7 @@ macro_rules! store_impl {
             async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>> {
                 let id: Option<String> = sqlx::query_scalar(concat!(
                     "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 AND status = 'queued' ORDER BY id LIMIT 1) r \
-                     WHERE NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status IN ('Pending','Queued'))"
+                     WHERE NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status = 'Pending')"
                 ))
                 .bind(thread.as_str())
                 .fetch_optional(&self.pool)

@@ -1202,12 +1202,13 @@ pub trait RunLog: Send + Sync + 'static {
     async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>>;
 
     /// The oldest queued run of a thread, the one to start when the thread frees up, if it
-    /// needs a job: not when its own job is still `Pending` (any worker will fetch it) or
-    /// `Queued` (fetched into a worker's buffer, waiting for a free slot; apalis starts it),
-    /// since that job's claim comes after this end and finds the thread free. A run started
-    /// just as the thread's previous run ended got a second job from that end, and the second
-    /// claim found it parked on something and replayed it for nothing (seen with the first job
-    /// `Queued` behind two busy slots).
+    /// needs a job: not when its own job is still `Pending` (any worker will fetch it and, the
+    /// thread now free, claim it). A run started just as the thread's previous run ended got
+    /// a second job from that end, and the second claim found it parked on something and
+    /// replayed it for nothing. A `Queued` job still gets a second one: apalis marks a job
+    /// `Running` (and `Done`) through a channel after its handler started, so `Queued` may be a
+    /// job whose handler already found the thread busy and let go; a duplicate costs one
+    /// harmless replay, a missing job a stall until the reaper.
     async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
 
     /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).

@@ -462,8 +462,10 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     // claim starts it, the thread being free.
     s.queue.push(second.id, &second.job_id, (0, 3), Duration::ZERO).await.unwrap();
     assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job is pending");
+    // apalis marks a job `Running` and `Done` after its handler started: `Queued` may already
+    // be a handler that found the thread busy and let go. A second job is the safe answer.
     s.set_job_status(&second.job_id, "Queued").await;
-    assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job is in a worker's buffer, waiting for a slot");
+    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its own job may have let go already");
     s.set_job_status(&second.job_id, "Running").await;
     assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its own job started: it may have found the thread busy and let go");
     assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)));
