@@ -257,7 +257,7 @@ impl App {
 
     /// [`App::start_run`], also telling whether an idempotency key matched an earlier start.
     pub async fn start(&self, req: StartRun) -> Result<Created, StartError> {
-        start_run(self.store.as_ref(), &self.queue, &self.agents, self.settings.max_input_bytes, req).await
+        start_run(self.store.as_ref(), &self.agents, self.settings.max_input_bytes, req).await
     }
 
     /// The concurrency limits this process configures, by the key prefix it owns: the
@@ -270,7 +270,7 @@ impl App {
 
     /// Retries a failed or cancelled root run ([`crate::runs::retry`]).
     pub async fn retry(&self, original: &RunRecord) -> Result<Created, StartError> {
-        crate::runs::retry(self.store.as_ref(), &self.queue, &self.agents, self.settings.max_input_bytes, original).await
+        crate::runs::retry(self.store.as_ref(), &self.agents, self.settings.max_input_bytes, original).await
     }
 
     /// Waits until the run is terminal or `timeout` passes; returns its latest state. Sleeps

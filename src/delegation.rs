@@ -359,7 +359,7 @@ impl Ctx<'_> {
             },
             ..Default::default()
         };
-        match crate::runs::start_run(self.store, self.queue, self.agents, self.max_input_bytes, req).await {
+        match crate::runs::start_run(self.store, self.agents, self.max_input_bytes, req).await {
             Ok(created) => {
                 if !created.existing {
                     let r = &created.run;

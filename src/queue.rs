@@ -19,8 +19,7 @@ use crate::ids::RunId;
 
 pub use crate::store::QUEUE_NAME;
 
-/// Queue-level retries of one job (a job fails only when storage fails mid-run).
-pub(crate) const JOB_MAX_ATTEMPTS: usize = 10;
+pub use crate::store::{JOB_MAX_ATTEMPTS, job_priority};
 
 /// The job: run this run.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -173,16 +172,6 @@ impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
     }
 }
 
-/// Job priorities start here and go down with the rank (apalis fetches the highest first;
-/// PostgreSQL keeps it in an `int4`).
-const TOP_PRIORITY: u64 = 1_000_000_000;
-/// Ranks beyond this share the lowest priority.
-const MAX_RANK: u64 = 100_000_000;
-
-/// A job's priority: its run's rank in its owner's queue, then the run's own priority (1–5).
-pub fn job_priority(rank: u32, priority: u8) -> usize {
-    (TOP_PRIORITY - u64::from(rank).min(MAX_RANK) * 8 + u64::from(priority.min(7))) as usize
-}
 
 #[cfg(test)]
 mod tests {

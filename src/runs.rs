@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
 use crate::ids::{RunId, ThreadId};
-use crate::queue::{Queue, QueueError, new_job_id};
+use crate::queue::{Queue, new_job_id};
 use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, RunLog, RunRecord, RunStatus, StoreError, TreePosition};
 
 pub use crate::agents::MAX_TIMEOUT_SECS;
@@ -107,12 +107,11 @@ impl StartError {
     }
 }
 
-/// Validates a start, records the run and pushes its job: the one path every start takes (API,
-/// CLI, and parents delegating to children). Once it returns, the run is durable: if the push
-/// fails, the reaper enqueues it later.
+/// Validates a start and records the run with its first job (one transaction): the one path
+/// every start takes (API, CLI, and parents delegating to children). Once it returns, the run
+/// and its job are durable.
 pub async fn start_run(
     store: &dyn RunLog,
-    queue: &Queue,
     agents: &AgentRegistry,
     max_input_bytes: usize,
     req: StartRun,
@@ -147,7 +146,6 @@ pub async fn start_run(
     if !(1..=5).contains(&priority) {
         return Err(StartError::BadLimit(format!("priority {priority} is out of range 1..=5 (5 runs first)")));
     }
-    let job_id = new_job_id();
     let created = store
         .create_run(NewRun {
             id: RunId::new(),
@@ -159,7 +157,7 @@ pub async fn start_run(
             limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens, max_total_steps: req.max_total_steps, compact_at: req.compact_at },
             parent_run_id: req.parent_run_id,
             tree: req.tree,
-            job_id: job_id.clone(),
+            job_id: new_job_id(),
             if_busy: req.if_busy,
             idempotency_key: req.idempotency_key,
             retry_of: req.retry_of,
@@ -169,12 +167,6 @@ pub async fn start_run(
             place: if req.parent_run_id.is_some() { crate::store::QueuePlace::Front } else { crate::store::QueuePlace::Back },
         })
         .await?;
-    if !created.existing {
-        if let Err(e) = queue.push(created.run.id, &job_id, (created.ahead, priority), std::time::Duration::ZERO).await {
-            let QueueError::Push { message, .. } = &e;
-            tracing::warn!(run_id = %created.run.id, error = %message, "enqueue failed; the reaper will enqueue the run");
-        }
-    }
     Ok(created)
 }
 
@@ -184,7 +176,6 @@ pub async fn start_run(
 /// returns the first retry; to try once more, retry the retry.
 pub async fn retry(
     store: &dyn RunLog,
-    queue: &Queue,
     agents: &AgentRegistry,
     max_input_bytes: usize,
     original: &RunRecord,
@@ -206,7 +197,6 @@ pub async fn retry(
     let l = &original.limits;
     start_run(
         store,
-        queue,
         agents,
         max_input_bytes,
         StartRun {

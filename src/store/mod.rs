@@ -170,6 +170,26 @@ pub use sqlite::SqliteStore;
 /// path) would orphan queued jobs whenever the type moved.
 pub const QUEUE_NAME: &str = "subagents.runs";
 
+/// Queue-level retries of one job (a job fails only when storage fails mid-run).
+pub const JOB_MAX_ATTEMPTS: usize = 10;
+
+/// Job priorities start here and go down with the rank (apalis fetches the highest first;
+/// PostgreSQL keeps it in an `int4`). `migrations/postgres/0013` computes the same.
+const TOP_PRIORITY: u64 = 1_000_000_000;
+/// Ranks beyond this share the lowest priority.
+const MAX_RANK: u64 = 100_000_000;
+
+/// A job's priority: its run's rank in its owner's queue, then the run's own priority (1–5).
+pub fn job_priority(rank: u32, priority: u8) -> usize {
+    (TOP_PRIORITY - u64::from(rank).min(MAX_RANK) * 8 + u64::from(priority.min(7))) as usize
+}
+
+/// A run's job as apalis stores it (its JSON codec): the run id, nothing else. The store
+/// writes a new run's first job in the transaction that creates the run.
+pub fn job_body(run: RunId) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({ "run_id": run })).expect("a run id serializes")
+}
+
 /// `Result` with the store's error.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 

@@ -81,6 +81,10 @@ impl PgStore {
         let mut apalis = apalis_postgres::PostgresStorage::<()>::migrations();
         apalis.set_ignore_missing(true);
         apalis.run(&self.pool).await?;
+        // Two of apalis's indexes repeat others (`lidx` is `idx_apalis_jobs_lock_by`,
+        // `unique_job_id` the primary key) and every job's insert and each of its three status
+        // changes (fetched, running, done; none is a HOT update) writes into both.
+        sqlx::raw_sql("DROP INDEX IF EXISTS apalis.lidx; DROP INDEX IF EXISTS apalis.unique_job_id;").execute(&self.pool).await?;
         Ok(())
     }
 
@@ -94,10 +98,11 @@ impl PgStore {
 // a child's terminal commit takes (its own row, then its parent's and waiters').
 store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", owner_unindexed = "owner", run_log = {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
-        // One round trip (`sa_start_run`, migrations/postgres/0012): the checks and inserts, and
-        // the answer with the run's row and its place in its owner's queue.
+        // One round trip (`sa_start_run_with_job`, migrations/postgres/0012 and 0013): the checks
+        // and inserts, the run's first job, and the answer with the run's row and its place in
+        // its owner's queue.
         let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id});
-        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)")
+        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
             .bind(&new.owner)
@@ -118,6 +123,9 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
             .bind(new.retry_of.map(|r| r.to_string()))
             .bind(i64::from(new.priority.clamp(1, 5)))
             .bind(new.place == QueuePlace::Back)
+            .bind(QUEUE_NAME)
+            .bind(job_body(new.id))
+            .bind(JOB_MAX_ATTEMPTS as i32)
             .fetch_one(&self.pool)
             .await?;
         let outcome: String = row.get("outcome");

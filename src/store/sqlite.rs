@@ -162,6 +162,20 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         )
         .await?;
         let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place).await?.ok_or_else(|| corrupt("run vanished", new.id))?;
+        // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
+        // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
+        // a run without its job.
+        sqlx::query(
+            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority)              VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
+        )
+        .bind(job_body(new.id))
+        .bind(&new.job_id)
+        .bind(QUEUE_NAME)
+        .bind(JOB_MAX_ATTEMPTS as i64)
+        .bind(now.timestamp())
+        .bind(job_priority(ahead, new.priority) as i64)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok(Created { run, existing: false, ahead })
     }

@@ -14,8 +14,6 @@ use subagents::store::*;
 /// A backend under test; keeps its temp dir alive.
 pub struct Backend {
     pub store: Arc<dyn Store>,
-    /// apalis's queue on the same database, for the few contracts that read its jobs.
-    pub queue: subagents::queue::Queue,
     /// The same database, to put apalis's jobs in the states its workers would.
     jobs: Jobs,
     _dir: Option<tempfile::TempDir>,
@@ -36,6 +34,19 @@ impl Backend {
         };
         assert_eq!(n, 1, "job {job_id} exists");
     }
+
+    /// A job's status, priority and body, as apalis would fetch them.
+    async fn job(&self, job_id: &str) -> Option<(String, i64, Vec<u8>, String)> {
+        match &self.jobs {
+            Jobs::Sqlite(p) => sqlx::query_as("SELECT status, priority, job, job_type FROM Jobs WHERE id = ?").bind(job_id).fetch_optional(p).await.unwrap(),
+            Jobs::Postgres(p) => sqlx::query_as::<_, (String, i32, Vec<u8>, String)>("SELECT status, priority, job, job_type FROM apalis.jobs WHERE id = $1")
+                .bind(job_id)
+                .fetch_optional(p)
+                .await
+                .unwrap()
+                .map(|(s, p, j, t)| (s, i64::from(p), j, t)),
+        }
+    }
 }
 
 impl std::ops::Deref for Backend {
@@ -48,17 +59,15 @@ impl std::ops::Deref for Backend {
 pub async fn sqlite() -> Backend {
     let dir = tempfile::tempdir().unwrap();
     let s = SqliteStore::connect(&format!("sqlite://{}", dir.path().join("s.db").display())).await.unwrap();
-    let queue = subagents::queue::Queue::sqlite(s.pool(), Duration::from_secs(5));
     let jobs = Jobs::Sqlite(s.pool().clone());
-    Backend { store: Arc::new(s), queue, jobs, _dir: Some(dir) }
+    Backend { store: Arc::new(s), jobs, _dir: Some(dir) }
 }
 
 pub async fn postgres() -> Backend {
     let url = crate::support::fresh_postgres_database().await;
     let s = PgStore::connect(&url).await.unwrap();
-    let queue = subagents::queue::Queue::postgres(s.pool(), Duration::from_secs(5));
     let jobs = Jobs::Postgres(s.pool().clone());
-    Backend { store: Arc::new(s), queue, jobs, _dir: None }
+    Backend { store: Arc::new(s), jobs, _dir: None }
 }
 
 /// Generates one test per backend from one async fn taking the backend.
@@ -84,6 +93,7 @@ conformance!(
     terminal_states_never_change,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
+    a_start_writes_the_runs_job_with_its_place_in_the_queue,
     idempotency_keys_return_the_first_run,
     runs_whose_workers_keep_dying_fail_as_lost,
     parking_and_releases_do_not_spend_the_crash_budget,
@@ -457,10 +467,12 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
     assert!(s.orphans(Duration::ZERO).await.unwrap().iter().all(|o| o.run_id != second.id), "a blocked run is not an orphan");
     s.checkpoint(&l1, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await.unwrap();
-    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its job is gone (here: never pushed): it needs one");
     // A queued run whose own job still waits to be fetched needs no second one: that job's
     // claim starts it, the thread being free.
-    s.queue.push(second.id, &second.job_id, (0, 3), Duration::ZERO).await.unwrap();
+    assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job (written with its start) is pending");
+    s.set_job_status(&second.job_id, "Done").await;
+    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its job ended (its handler found the thread busy): it needs one");
+    s.set_job_status(&second.job_id, "Pending").await;
     assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job is pending");
     // apalis marks a job `Running` and `Done` after its handler started: `Queued` may already
     // be a handler that found the thread busy and let go. A second job is the safe answer.
@@ -469,6 +481,44 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     s.set_job_status(&second.job_id, "Running").await;
     assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its own job started: it may have found the thread busy and let go");
     assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)));
+}
+
+/// A start writes the run's first job in its own transaction, as apalis's push would: pending,
+/// in the runs' queue, the run id in apalis's JSON codec, and fetched by the run's rank in its
+/// owner's queue (`job_priority`, which PostgreSQL's start computes in SQL). A start that
+/// creates nothing (an idempotent repeat, a busy thread) writes no job.
+async fn a_start_writes_the_runs_job_with_its_place_in_the_queue(s: Backend) {
+    let mut urgent = new_run(&ThreadId::generate());
+    urgent.priority = 5;
+    let mut runs = vec![];
+    for n in [new_run(&ThreadId::generate()), new_run(&ThreadId::generate()), urgent] {
+        let (job, priority) = (n.job_id.clone(), n.priority);
+        let created = s.create_run(n).await.unwrap();
+        runs.push((created.run.id, job, created.ahead, priority));
+    }
+    assert_eq!(runs.iter().map(|r| r.2).collect::<Vec<_>>(), [0, 1, 0], "the urgent run goes ahead of both");
+    for (run, job, ahead, priority) in &runs {
+        let (status, job_priority, body, queue) = s.job(job).await.expect("the start wrote the job");
+        assert_eq!((status.as_str(), queue.as_str()), ("Pending", subagents::queue::QUEUE_NAME));
+        assert_eq!(job_priority, subagents::queue::job_priority(*ahead, *priority) as i64, "run {run}");
+        let decoded: subagents::queue::RunJob = serde_json::from_slice(&body).unwrap();
+        assert_eq!(decoded.run_id, *run, "apalis's codec reads the run back");
+    }
+    // Nothing created, no job.
+    let t = ThreadId::generate();
+    s.create_run(new_run(&t)).await.unwrap();
+    let busy = new_run(&t);
+    let busy_job = busy.job_id.clone();
+    assert!(matches!(s.create_run(busy).await.unwrap_err(), StoreError::Busy { .. }));
+    assert!(s.job(&busy_job).await.is_none(), "a refused start writes no job");
+    let mut first = new_run(&ThreadId::generate());
+    first.idempotency_key = Some("k".into());
+    let mut again = new_run(&ThreadId::generate());
+    again.idempotency_key = Some("k".into());
+    let again_job = again.job_id.clone();
+    s.create_run(first).await.unwrap();
+    assert!(s.create_run(again).await.unwrap().existing);
+    assert!(s.job(&again_job).await.is_none(), "a repeated start writes no second job");
 }
 
 async fn idempotency_keys_return_the_first_run(s: Backend) {
@@ -535,8 +585,10 @@ async fn orphans_are_found_after_the_grace_period(s: Backend) {
     s.park(&lease, Park { wake_at: Some(now_ms() + 20), ..Default::default() }).await.unwrap();
     assert!(s.orphans(Duration::from_secs(60)).await.unwrap().is_empty(), "fresh enqueues are left alone");
     tokio::time::sleep(Duration::from_millis(50)).await;
+    // The queued run's job ended without starting it (here: marked so); the parked one's
+    // deadline passed.
+    s.set_job_status(&queued.job_id, "Done").await;
     let found = s.orphans(Duration::from_millis(1)).await.unwrap();
-    // The queued run's job was never pushed; the parked one's deadline passed.
     assert!(found.iter().any(|o| o.run_id == queued.id && o.status == RunStatus::Queued), "{found:?}");
     assert!(found.iter().any(|o| o.run_id == parked.id && o.status == RunStatus::Waiting), "{found:?}");
     s.set_job(queued.id, &new_job_id()).await.unwrap();
@@ -829,6 +881,8 @@ async fn listing_and_tree_queries(s: Backend) {
     let ev = s.events_after(root.id, 0, 10).await.unwrap();
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
     assert!(s.get_thread(&t).await.unwrap().is_some());
+    assert_eq!(s.next_queued(&t).await.unwrap(), None, "its job is pending");
+    s.set_job_status(&root.job_id, "Killed").await;
     assert_eq!(s.next_queued(&t).await.unwrap(), Some(root.id));
 }
 
