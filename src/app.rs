@@ -249,8 +249,8 @@ impl App {
         Ok(App { settings, store, queue, engine, agents, agent_errors, redis, run_reads: Default::default(), event_reads: Default::default() })
     }
 
-    /// Validates, records and enqueues a run. Once this returns, the run is durable: if the
-    /// push to the queue fails, the reaper enqueues it later.
+    /// Validates, records and enqueues a run (the run and its job in one transaction). Once
+    /// this returns, the run and its job are durable.
     pub async fn start_run(&self, req: StartRun) -> Result<RunRecord, StartError> {
         Ok(self.start(req).await?.run)
     }

@@ -7,9 +7,10 @@
 //!
 //! The reaper, in every worker process, applies the state machine's time-driven moves: runs
 //! whose lease expired go back on the queue (or fail as `lost` after too many crashes), queued
-//! runs without a job that will start them get one (a crash between a start's commit and its
-//! push, or a job prefetched by a worker that died or is full), and parked runs that are due
-//! get one.
+//! runs without a job that will start them get one (a crash between a run's end or wake-up
+//! and the push of the next job, or a job prefetched by a worker that died or is full), and
+//! parked runs that are due get one. A start writes its run's first job in its own
+//! transaction, so it never leaves work for the reaper.
 
 use std::sync::Arc;
 use std::time::Duration;
