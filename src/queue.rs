@@ -82,15 +82,22 @@ impl Queue {
     /// `concurrency`: runs the worker executes at once. It fetches no more jobs than that (at
     /// most 4): a fetched batch runs in whatever order the database returns it, so a worker
     /// that can run one job at a time must fetch one at a time for ranks and priorities to hold.
+    ///
+    /// On both backends apalis does not mark a started job `Running` (`lock_tasks(false)`):
+    /// that was one more write transaction per run (an `UPDATE` through every index of the job
+    /// table), and nothing reads the difference. The fetch already locks the job to the worker
+    /// (`Queued`, `lock_by`), which is what the ack, apalis's orphan recovery and our store
+    /// (`next_queued`, `fetched_not_started`, the reaper) go by; none of them tells `Queued`
+    /// from `Running`, since apalis wrote `Running` through a channel after the handler began.
     pub(crate) fn sqlite_config(heartbeat: Duration, concurrency: usize) -> SqliteQueueConfig {
-        SqliteQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(concurrency.clamp(1, 4))
+        SqliteQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(concurrency.clamp(1, 4)).lock_tasks(false)
     }
 
     /// `batch`: jobs fetched per query. As many as the worker can run at once: fewer costs
     /// round trips (measured: 4 → 32 took 880 to 1,000+ steps/s), more would hoard jobs that
     /// other workers could start.
     pub(crate) fn pg_config(heartbeat: Duration, batch: usize) -> PgQueueConfig {
-        PgQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(batch.clamp(1, 64))
+        PgQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(batch.clamp(1, 64)).lock_tasks(false)
     }
 
     /// Pushes the job for `run` under `job_id` (already recorded on the run).
