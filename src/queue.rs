@@ -179,7 +179,6 @@ impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::job_priority;

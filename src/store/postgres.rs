@@ -82,8 +82,8 @@ impl PgStore {
         apalis.set_ignore_missing(true);
         apalis.run(&self.pool).await?;
         // Two of apalis's indexes repeat others (`lidx` is `idx_apalis_jobs_lock_by`,
-        // `unique_job_id` the primary key) and every job's insert and each of its three status
-        // changes (fetched, running, done; none is a HOT update) writes into both.
+        // `unique_job_id` the primary key) and every job's insert and each of its status changes
+        // (fetched, done; neither is a HOT update) writes into both.
         sqlx::raw_sql("DROP INDEX IF EXISTS apalis.lidx; DROP INDEX IF EXISTS apalis.unique_job_id;").execute(&self.pool).await?;
         Ok(())
     }

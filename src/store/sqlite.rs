@@ -166,7 +166,8 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
         // a run without its job.
         sqlx::query(
-            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority)              VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
+            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
+             VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
         )
         .bind(job_body(new.id))
         .bind(&new.job_id)
