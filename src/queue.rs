@@ -105,7 +105,7 @@ impl Queue {
     /// `rank` is the run's place among its owner's queued runs (0 = next) and `priority` its
     /// priority (1–5): jobs are fetched by rank first, so owners with work queued take turns
     /// however long one owner's queue is (the k-th run of every owner before the (k+1)-th of
-    /// any); the priority breaks ties within a rank. `delay` holds the job back.
+    /// any); the priority breaks ties within a rank. `delay` holds the job back, never less.
     pub async fn push(&self, run: RunId, job_id: &str, (rank, priority): (u32, u8), delay: std::time::Duration) -> Result<(), QueueError> {
         let id: ulid::Ulid = job_id.parse().map_err(|e| QueueError::Push { run, message: format!("bad job id: {e}") })?;
         let mut task = TaskBuilder::new(RunJob { run_id: run })
@@ -113,7 +113,7 @@ impl Queue {
             .max_attempts(JOB_MAX_ATTEMPTS)
             .priority(job_priority(rank, priority));
         if !delay.is_zero() {
-            task = task.run_after(delay);
+            task = task.run_at_timestamp(due_second(std::time::SystemTime::now() + delay));
         }
         let task = task.build();
         match self.storage.clone() {
@@ -179,9 +179,27 @@ impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
     }
 }
 
+/// The whole second a job held back until `at` is due. apalis keeps a job's due time in whole
+/// seconds and its own `run_after` rounds down, so a job was fetched up to a second early: a
+/// run parked until a rate limit's reset (or an await's deadline) was claimed before it, found
+/// the limit still closed and parked again, over and over for that second. Rounding up makes
+/// it up to a second late instead.
+fn due_second(at: std::time::SystemTime) -> u64 {
+    let t = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    t.as_secs() + u64::from(t.subsec_nanos() > 0)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::job_priority;
+    use super::{due_second, job_priority};
+
+    #[test]
+    fn a_held_back_job_is_never_due_before_its_time() {
+        let at = |s: u64, ms: u64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(s * 1000 + ms);
+        assert_eq!(due_second(at(100, 0)), 100, "a whole second stays");
+        assert_eq!(due_second(at(100, 1)), 101);
+        assert_eq!(due_second(at(100, 999)), 101);
+    }
 
     /// A waker that counts its wake-ups.
     struct Count(std::sync::atomic::AtomicUsize);

@@ -39,9 +39,9 @@ pub struct WorkerContext {
     pub in_flight: TaskTracker,
 }
 
-/// How long a run held back by a concurrency limit waits before it is looked at again
-/// (apalis schedules in whole seconds).
-const LIMIT_RETRY: Duration = Duration::from_secs(1);
+/// How long a run held back by a concurrency limit waits before it is looked at again: until
+/// the next whole second (apalis schedules in whole seconds, and a delay is never cut short).
+const LIMIT_RETRY: Duration = Duration::from_millis(1);
 
 async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDynError> {
     let ctx: Arc<WorkerContext> = (*ctx).clone();
