@@ -13,20 +13,12 @@ use std::time::Duration;
 use apalis::prelude::*;
 use apalis_postgres::{Config as PgQueueConfig, PgPool, PostgresStorage};
 use apalis_sqlite::{Config as SqliteQueueConfig, SqlitePool, SqliteStorage};
-use serde::{Deserialize, Serialize};
 
 use crate::ids::RunId;
 
 pub use crate::store::QUEUE_NAME;
 
-pub use crate::store::{JOB_MAX_ATTEMPTS, job_priority};
-
-/// The job: run this run.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct RunJob {
-    /// The run to execute.
-    pub run_id: RunId,
-}
+pub use crate::store::{JOB_MAX_ATTEMPTS, RunJob, job_priority};
 
 /// Queue failures.
 #[derive(Debug, thiserror::Error)]

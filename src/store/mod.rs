@@ -184,10 +184,17 @@ pub fn job_priority(rank: u32, priority: u8) -> usize {
     (TOP_PRIORITY - u64::from(rank).min(MAX_RANK) * 8 + u64::from(priority.min(7))) as usize
 }
 
-/// A run's job as apalis stores it (its JSON codec): the run id, nothing else. The store
-/// writes a new run's first job in the transaction that creates the run.
+/// The job: run this run. Defined beside the queue's name because the store writes a new
+/// run's first job itself (in the transaction that creates the run); the queue re-exports it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RunJob {
+    /// The run to execute.
+    pub run_id: RunId,
+}
+
+/// A run's job as apalis stores it (its JSON codec).
 pub fn job_body(run: RunId) -> Vec<u8> {
-    serde_json::to_vec(&serde_json::json!({ "run_id": run })).expect("a run id serializes")
+    serde_json::to_vec(&RunJob { run_id: run }).expect("a run id serializes")
 }
 
 /// `Result` with the store's error.
