@@ -277,7 +277,12 @@ impl Engine {
             Ok(Ok(LoopEnd::Finish(finish))) => self.finish(&lease, &run, finish).await,
             Ok(Ok(LoopEnd::Park(wait))) => self.park(&lease, &run, wait).await,
             Ok(Ok(LoopEnd::Drained)) => self.release(&lease, "draining: the step in flight finished").await,
-            Err(Interrupt::DrainCut) => self.release(&lease, "draining: the grace period ran out mid-step").await,
+            Err(Interrupt::DrainCut) => {
+                // The step's model call (if it was answered) is lost and will be asked again:
+                // worth a warning, since the grace is meant to cover a step.
+                tracing::warn!(grace_s = grace.as_secs_f64(), "draining: the grace period ran out mid-step; the step in flight is dropped and runs again elsewhere");
+                self.release(&lease, "draining: the grace period ran out mid-step").await
+            }
             Ok(Err(Stop::Fail(e))) => self.finish(&lease, &run, Finish::Failed(e)).await,
             Err(Interrupt::Cancel) => self.finish(&lease, &run, Finish::Cancelled).await,
             Err(Interrupt::Timeout) => {
