@@ -191,51 +191,74 @@ impl RedisEvents {
             .is_ok_and(|r| r.is_ok())
     }
 
-    /// Publishes one event; `allow_gap` when every earlier event of the run is known relayed
-    /// (Redis may have lost them). Returns false when an earlier event must go first.
-    async fn publish(&self, e: &EventRecord, allow_gap: bool) -> Result<bool, RelayError> {
-        let mut c = self.conn.clone();
+    /// Adds the publication of one event to `pipe`; `allow_gap` when every earlier event of the
+    /// run is known relayed (Redis may have lost them). The script answers 1 (published), 0
+    /// (already there) or -1 (an earlier event must go first).
+    fn publish_into(&self, pipe: &mut redis::Pipeline, e: &EventRecord, allow_gap: bool) {
         let payload = serde_json::to_string(e).expect("event serializes");
-        let r: i64 = self
-            .script
-            .key(run_stream(e.run_id))
-            .key(global_stream())
-            .arg(e.seq)
-            .arg(payload)
-            .arg(self.settings.global_maxlen)
-            .arg(if allow_gap { "1" } else { "0" })
-            .arg(if is_terminal(&e.kind) { "1" } else { "0" })
-            .arg(self.settings.retention.as_secs().max(1))
-            .invoke_async(&mut c)
-            .await?;
-        Ok(r >= 0)
+        pipe.invoke_script(
+            self.script
+                .key(run_stream(e.run_id))
+                .key(global_stream())
+                .arg(e.seq)
+                .arg(payload)
+                .arg(self.settings.global_maxlen)
+                .arg(if allow_gap { "1" } else { "0" })
+                .arg(if is_terminal(&e.kind) { "1" } else { "0" })
+                .arg(self.settings.retention.as_secs().max(1)),
+        );
     }
 
     /// Moves unrelayed outbox rows to Redis, in order; returns how many were marked relayed.
+    ///
+    /// One pass is three round trips whatever its size: the batch read from the outbox, one
+    /// Redis pipeline (the script loaded first, so a restarted Redis needs no retry, then each
+    /// event's publication, run by run in order), and one statement marking what went through.
     pub async fn relay_once(&self, store: &dyn Store) -> Result<usize, RelayError> {
         let batch = store.unrelayed(500).await?;
-        let mut done = vec![];
-        let mut first_of_run = std::collections::HashSet::new();
-        let mut blocked = std::collections::HashSet::new();
+        if batch.is_empty() {
+            return Ok(0);
+        }
+        let mut pipe = redis::pipe();
+        pipe.load_script(&self.script).ignore();
+        let mut previous = None;
         for e in &batch {
-            if blocked.contains(&e.run_id) {
+            // The first event of a run in the batch may follow a gap (trimmed or lost entries):
+            // the outbox says everything before it was relayed.
+            self.publish_into(&mut pipe, e, previous != Some(e.run_id));
+            previous = Some(e.run_id);
+        }
+        let mut c = self.conn.clone();
+        let answers: Vec<i64> = pipe.query_async(&mut c).await?;
+        // What went through, per run: from its first event in the batch up to the one before
+        // the first refused (Redis runs the scripts in order, so every later one of that run
+        // was refused too).
+        let mut ranges: Vec<(RunId, u64, u64)> = vec![];
+        let mut blocked: Option<RunId> = None;
+        let mut relayed = 0usize;
+        for (e, answer) in batch.iter().zip(answers) {
+            if blocked == Some(e.run_id) {
                 continue;
             }
-            let allow_gap = first_of_run.insert(e.run_id);
-            if self.publish(e, allow_gap).await? {
-                done.push((e.run_id, e.seq));
-            } else {
-                blocked.insert(e.run_id);
+            if answer < 0 {
+                blocked = Some(e.run_id);
+                continue;
+            }
+            relayed += 1;
+            match ranges.last_mut() {
+                Some((run, _, last)) if *run == e.run_id => *last = e.seq,
+                _ => ranges.push((e.run_id, e.seq, e.seq)),
             }
         }
-        store.mark_relayed(&done).await?;
-        let mut runs: Vec<RunId> = done.iter().map(|(r, _)| *r).collect();
-        runs.dedup();
-        let mut c = self.conn.clone();
-        for r in runs {
-            let _: Result<i64, _> = c.publish(WAKE_CHANNEL, format!("change:{r}")).await;
+        store.mark_relayed(&ranges).await?;
+        if !ranges.is_empty() {
+            let mut wake = redis::pipe();
+            for (run, _, _) in &ranges {
+                wake.publish(WAKE_CHANNEL, format!("change:{run}")).ignore();
+            }
+            let _: Result<(), _> = wake.query_async(&mut c).await;
         }
-        Ok(done.len())
+        Ok(relayed)
     }
 
     /// A sink for one model call's token deltas: entries `N-1`, `N-2`, … of the run's stream,

@@ -1326,20 +1326,11 @@ macro_rules! store_impl {
                 rows.iter().map(event_from_row).collect()
             }
 
-            async fn mark_relayed(&self, events: &[(RunId, u64)]) -> Result<()> {
-                if events.is_empty() {
+            async fn mark_relayed(&self, ranges: &[(RunId, u64, u64)]) -> Result<()> {
+                if ranges.is_empty() {
                     return Ok(());
                 }
-                let mut tx = self.pool.begin().await?;
-                for (run, seq) in events {
-                    sqlx::query("UPDATE sa_events SET relayed = 1 WHERE run_id = $1 AND seq = $2")
-                        .bind(run.to_string())
-                        .bind(*seq as i64)
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                tx.commit().await?;
-                Ok(())
+                Self::mark_relayed_ranges(&self.pool, ranges).await
             }
 
             fn wake_local(&self, run: RunId, cancel: bool) {

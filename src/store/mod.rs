@@ -1326,8 +1326,10 @@ pub trait Outbox: Send + Sync + 'static {
     /// Outbox rows not yet relayed to Redis, each run's in seq order.
     async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>>;
 
-    /// Marks outbox rows as relayed.
-    async fn mark_relayed(&self, events: &[(RunId, u64)]) -> Result<()>;
+    /// Marks outbox rows as relayed: each `(run, first, last)` says events `first..=last` of
+    /// `run` are in Redis (the relay publishes a run's events in order, so what it relayed of a
+    /// run in one pass is one range, and a pass costs one statement rather than one per event).
+    async fn mark_relayed(&self, ranges: &[(RunId, u64, u64)]) -> Result<()>;
 
     /// Wakes this process's waiters for a change made elsewhere (heard over Redis).
     fn wake_local(&self, run: RunId, cancel: bool);

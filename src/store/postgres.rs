@@ -219,6 +219,24 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
 row_mappers!(PgRow);
 
 impl PgStore {
+    /// [`Outbox::mark_relayed`](super::Outbox::mark_relayed) in one statement, whatever the
+    /// number of runs.
+    async fn mark_relayed_ranges(pool: &PgPool, ranges: &[(RunId, u64, u64)]) -> Result<()> {
+        let runs: Vec<String> = ranges.iter().map(|(r, _, _)| r.to_string()).collect();
+        let first: Vec<i64> = ranges.iter().map(|(_, f, _)| *f as i64).collect();
+        let last: Vec<i64> = ranges.iter().map(|(_, _, l)| *l as i64).collect();
+        sqlx::query(
+            "UPDATE sa_events e SET relayed = 1 FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS t(run_id, first, last) \
+             WHERE e.run_id = t.run_id AND e.seq BETWEEN t.first AND t.last AND e.relayed = 0",
+        )
+        .bind(runs)
+        .bind(first)
+        .bind(last)
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
     /// apalis's worker registry (heartbeats every few seconds), newest first.
     async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
         let rows = sqlx::query("SELECT id, last_seen FROM apalis.workers ORDER BY last_seen DESC LIMIT 200").fetch_all(&self.pool).await?;

@@ -243,6 +243,22 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
 row_mappers!(SqliteRow);
 
 impl SqliteStore {
+    /// [`Outbox::mark_relayed`](super::Outbox::mark_relayed): one statement per run, in one
+    /// transaction (SQLite statements cost no round trip).
+    async fn mark_relayed_ranges(pool: &SqlitePool, ranges: &[(RunId, u64, u64)]) -> Result<()> {
+        let mut tx = pool.begin().await?;
+        for (run, first, last) in ranges {
+            sqlx::query("UPDATE sa_events SET relayed = 1 WHERE run_id = $1 AND seq BETWEEN $2 AND $3 AND relayed = 0")
+                .bind(run.to_string())
+                .bind(*first as i64)
+                .bind(*last as i64)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// apalis's worker registry (heartbeats every few seconds), newest first.
     async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
         let rows = sqlx::query("SELECT id, last_seen FROM Workers ORDER BY last_seen DESC LIMIT 200").fetch_all(&self.pool).await?;

@@ -107,6 +107,7 @@ conformance!(
     a_runs_end_ends_its_attached_children_in_the_same_commit,
     listing_and_tree_queries,
     a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue,
+    the_outbox_marks_what_the_relay_reports_and_nothing_else,
 );
 
 fn new_run(thread: &ThreadId) -> NewRun {
@@ -420,6 +421,29 @@ async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
     let ev = s.events_after(run.id, 0, 100).await.unwrap();
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
     assert_eq!(s.events_after(run.id, 4, 1).await.unwrap()[0].seq, 5, "cursor and limit");
+}
+
+/// The relay reports what went through as one range per run; exactly those events leave the
+/// outbox, and a range covering events already relayed is harmless.
+async fn the_outbox_marks_what_the_relay_reports_and_nothing_else(s: Backend) {
+    let mut runs = vec![];
+    for _ in 0..2 {
+        let t = ThreadId::generate();
+        let run = s.create_run(new_run(&t)).await.unwrap().run;
+        let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+        let events = vec![NewEvent::new(EventKind::StepStarted, json!({})), NewEvent::new(EventKind::StepCompleted, json!({}))];
+        s.checkpoint(&lease, Checkpoint { events, ..Default::default() }).await.unwrap();
+        runs.push(run.id);
+    }
+    let pending = |v: Vec<EventRecord>| v.iter().map(|e| (e.run_id, e.seq)).collect::<Vec<_>>();
+    let all = pending(s.unrelayed(100).await.unwrap());
+    assert_eq!(all.len(), 8, "queued, started and two step events per run: {all:?}");
+    s.mark_relayed(&[(runs[0], 2, 3), (runs[1], 1, 4)]).await.unwrap();
+    let left = pending(s.unrelayed(100).await.unwrap());
+    assert_eq!(left, [(runs[0], 1), (runs[0], 4)]);
+    s.mark_relayed(&[(runs[0], 1, 4)]).await.unwrap();
+    assert!(s.unrelayed(100).await.unwrap().is_empty());
+    s.mark_relayed(&[]).await.unwrap();
 }
 
 async fn terminal_states_never_change(s: Backend) {
