@@ -162,12 +162,17 @@ impl App {
         let url = settings.database_url.clone();
         let db_err = |source| OpenError::Database { url: redact(&url), source };
         let heartbeat = Duration::from_secs(5);
+        // A process without Redis has no relay: its events are written as relayed, so the
+        // outbox holds only what a relay will take.
+        let relays = settings.redis_url.is_some();
         let (store, queue): (Arc<dyn Store>, Queue) = if url.starts_with("sqlite:") {
             let s = SqliteStore::connect(&url).await.map_err(db_err)?;
+            let s = if relays { s } else { s.without_relay() };
             let q = Queue::sqlite(s.pool(), heartbeat);
             (Arc::new(s), q)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let s = crate::store::PgStore::connect(&url).await.map_err(db_err)?;
+            let s = if relays { s } else { s.without_relay() };
             let q = Queue::postgres(s.pool(), heartbeat);
             (Arc::new(s), q)
         } else {

@@ -101,19 +101,21 @@ macro_rules! store_impl {
                 run: RunId,
                 first_seq: u64,
                 events: &[NewEvent],
+                relayed: i64,
             ) -> Result<()> {
                 if events.is_empty() {
                     return Ok(());
                 }
                 let now = Utc::now();
                 let run = run.to_string();
-                let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at) ");
+                let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ");
                 q.push_values(events.iter().enumerate(), |mut b, (i, ev)| {
                     b.push_bind(run.clone())
                         .push_bind((first_seq + i as u64) as i64)
                         .push_bind(ev.kind.as_str())
                         .push_bind(ev.data.to_string())
-                        .push_bind(now);
+                        .push_bind(now)
+                        .push_bind(relayed);
                 });
                 q.build().execute(&mut **tx).await?;
                 Ok(())
@@ -122,7 +124,7 @@ macro_rules! store_impl {
             /// Inserts `events` as the run's seqs ending at `last` (where the fence just moved
             /// `event_seq`), commits, and wakes this process's waiters on the run.
             async fn commit_events(&self, mut tx: sqlx::Transaction<'_, $db>, run: RunId, last: i64, events: &[NewEvent]) -> Result<()> {
-                Self::insert_events(&mut tx, run, (last - events.len() as i64 + 1) as u64, events).await?;
+                Self::insert_events(&mut tx, run, (last - events.len() as i64 + 1) as u64, events, self.relayed_at_insert()).await?;
                 tx.commit().await?;
                 self.notifier.notify(run);
                 Ok(())
@@ -142,6 +144,7 @@ macro_rules! store_impl {
                 status: RunStatus,
                 error: Option<&RunError>,
                 reach: Reach,
+                relayed: i64,
             ) -> Result<()> {
                 if let Some(parent) = parent {
                     let row = sqlx::query(
@@ -158,14 +161,14 @@ macro_rules! store_impl {
                             data["error"] = serde_json::json!(e);
                         }
                         let parent_id: RunId = parent.parse().map_err(|e| corrupt("parent id", e))?;
-                        Self::insert_events(tx, parent_id, seq as u64, &[NewEvent::new(EventKind::ChildFinished, data)]).await?;
+                        Self::insert_events(tx, parent_id, seq as u64, &[NewEvent::new(EventKind::ChildFinished, data)], relayed).await?;
                     }
                 }
                 if reach.waits {
                     Self::end_waits(tx, &run.to_string()).await?;
                 }
                 if reach.children {
-                    Self::end_attached_children(tx, run).await?;
+                    Self::end_attached_children(tx, run, relayed).await?;
                 }
                 Ok(())
             }
@@ -190,7 +193,7 @@ macro_rules! store_impl {
             /// commit: parked and queued ones are cancelled here (their waiters woken), running
             /// ones are asked to stop (their workers finish them within a second). So a crash
             /// right after a parent's end cannot leave its children running.
-            async fn end_attached_children(tx: &mut sqlx::Transaction<'_, $db>, run: RunId) -> Result<()> {
+            async fn end_attached_children(tx: &mut sqlx::Transaction<'_, $db>, run: RunId, relayed: i64) -> Result<()> {
                 let now = Utc::now();
                 let mut stack = vec![run.to_string()];
                 while let Some(parent) = stack.pop() {
@@ -226,7 +229,7 @@ macro_rules! store_impl {
                         let child: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
                         let seq: i64 = row.get(1);
                         let data = serde_json::json!({"reason": "parent_ended", "parent_run_id": parent});
-                        Self::insert_events(tx, child, seq as u64, &[NewEvent::new(EventKind::RunCancelled, data)]).await?;
+                        Self::insert_events(tx, child, seq as u64, &[NewEvent::new(EventKind::RunCancelled, data)], relayed).await?;
                         Self::end_waits(tx, &id).await?;
                         stack.push(id);
                     }
@@ -236,6 +239,18 @@ macro_rules! store_impl {
         }
 
         impl $store {
+            /// Tells the store that no relay takes its events to Redis (this process has no
+            /// `REDIS_URL`): from now on its events are written as relayed.
+            pub fn without_relay(mut self) -> Self {
+                self.relays = false;
+                self
+            }
+
+            /// The `relayed` column of an event written now.
+            fn relayed_at_insert(&self) -> i64 {
+                i64::from(!self.relays)
+            }
+
             /// Whether any of `targets` has ended (or is missing): a park on them is due at once.
             /// Opens a write made under a lease besides a checkpoint (a compaction, a tool
             /// decision): `statement` proves the epoch ([`Transition::Heartbeat`]), renews the
@@ -348,7 +363,7 @@ macro_rules! store_impl {
 
             async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
                 // With whatever other runs renew now, in one statement (see `group::GroupRenew`).
-                let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
+                let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() };
                 match self.renewals.renew(&commits, lease).await? {
                     Some(cancel_requested) => Ok(LeaseStatus { cancel_requested }),
                     None => Err(StoreError::LeaseLost(lease.run_id)),
@@ -420,9 +435,10 @@ macro_rules! store_impl {
                         run,
                         seq as u64,
                         &[NewEvent::new(EventKind::RunFailed, serde_json::json!({"error": error, "crashes": crashes}))],
+                        self.relayed_at_insert(),
                     )
                     .await?;
-                    Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Failed, Some(&error), Reach::ALL).await?;
+                    Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Failed, Some(&error), Reach::ALL, self.relayed_at_insert()).await?;
                     out.push(Expired { run_id: run, gave_up: true });
                 }
                 let requeued = sqlx::query(sql!(
@@ -731,9 +747,10 @@ macro_rules! store_impl {
                             run,
                             seq as u64,
                             &[NewEvent::new(EventKind::RunCancelled, serde_json::json!({"while": state.as_str()}))],
+                            self.relayed_at_insert(),
                         )
                         .await?;
-                        Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Cancelled, None, Reach::ALL).await?;
+                        Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Cancelled, None, Reach::ALL, self.relayed_at_insert()).await?;
                         tx.commit().await?;
                         self.notifier.notify(run);
                         return Ok(CancelOutcome::Cancelled);
@@ -1230,7 +1247,7 @@ macro_rules! store_impl {
                 let seq: i64 = row.get(0);
                 let run_id: RunId = run.parse().map_err(|e| corrupt("approval run id", e))?;
                 let data = serde_json::json!({"approval_id": id, "tool": tool, "decision": status, "reason": answer.reason, "scope": scope});
-                Self::insert_events(&mut tx, run_id, seq as u64, &[NewEvent::new(EventKind::ApprovalResolved, data)]).await?;
+                Self::insert_events(&mut tx, run_id, seq as u64, &[NewEvent::new(EventKind::ApprovalResolved, data)], self.relayed_at_insert()).await?;
                 tx.commit().await?;
                 self.notifier.notify(run_id);
                 Ok(Answered::Done { run_id })

@@ -26,6 +26,11 @@ pub struct PgStore {
     group: std::sync::Arc<group::GroupCommit>,
     /// Lease renewals of all runs, one statement per group.
     renewals: std::sync::Arc<group::GroupRenew>,
+    /// Whether a relay takes this store's events to Redis. Without one, events are written as
+    /// relayed: the outbox index (`sa_events_unrelayed`) then holds only what a relay will
+    /// take, instead of every event ever written, and turning Redis on later does not replay
+    /// the whole history into it.
+    relays: bool,
 }
 
 /// The connection options of `url`. TLS is turned off for a server on this machine (a
@@ -51,6 +56,8 @@ pub fn connect_options(url: &str) -> std::result::Result<sqlx::postgres::PgConne
 struct Commits {
     pool: PgPool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
+    /// What a new event's `relayed` is (see `relays`).
+    relayed: i64,
 }
 
 impl PgStore {
@@ -66,7 +73,7 @@ impl PgStore {
         // Checkpoints of many runs commit together; a few transactions at once keep the
         // database busy without queueing every step behind one.
         let group = std::sync::Arc::new(group::GroupCommit::new(4));
-        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group, renewals: Default::default() };
+        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), relays: true, group, renewals: Default::default() };
         store.migrate().await?;
         Ok(store)
     }
@@ -98,11 +105,11 @@ impl PgStore {
 // a child's terminal commit takes (its own row, then its parent's and waiters').
 store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", owner_unindexed = "owner", run_log = {
     async fn create_run(&self, new: NewRun) -> Result<Created> {
-        // One round trip (`sa_start_run_with_job`, migrations/postgres/0012 and 0013): the checks
-        // and inserts, the run's first job, and the answer with the run's row and its place in
-        // its owner's queue.
+        // One round trip (`sa_start_run_with_job`, migrations/postgres/0014): the checks and
+        // inserts, the run's first job, and the answer with the run's row and its place in its
+        // owner's queue.
         let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id});
-        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)")
+        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
             .bind(&new.owner)
@@ -126,6 +133,7 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
             .bind(QUEUE_NAME)
             .bind(job_body(new.id))
             .bind(JOB_MAX_ATTEMPTS as i32)
+            .bind(self.relayed_at_insert())
             .fetch_one(&self.pool)
             .await?;
         let outcome: String = row.get("outcome");
@@ -157,9 +165,9 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
                    AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id))) ",
                 limits_guard!(),
                 " RETURNING *), \
-                 e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at) \
+                 e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
                    SELECT c.id, c.event_seq, CASE WHEN c.claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
-                     json_build_object('attempt', c.attempts, 'crashes', c.crashes, 'worker', $1::text, 'from', c.claimed_from)::text, $3 FROM c) \
+                     json_build_object('attempt', c.attempts, 'crashes', c.crashes, 'worker', $1::text, 'from', c.claimed_from)::text, $3, $5 FROM c) \
                  SELECT ",
                 run_columns!(),
                 " FROM c"
@@ -169,7 +177,8 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         .bind(owner)
         .bind(nms + ttl.as_millis() as i64)
         .bind(now)
-        .bind(id.to_string());
+        .bind(id.to_string())
+        .bind(self.relayed_at_insert());
         // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
         // COMMITTED two concurrent claims would both count the same running runs and both
         // pass. The locks go with the transaction.
@@ -208,7 +217,7 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
     }
 
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
+        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() };
         self.group.commit(&commits, lease, cp).await
     }
 
@@ -248,7 +257,7 @@ impl PgStore {
 /// the fenced UPDATE of the run row (which also locks it and reserves the event seqs), the
 /// messages and the events, as data-modifying CTEs that all see the fence's RETURNING row. If
 /// the fence matches nothing, nothing is inserted and no row comes back: the lease is lost.
-fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>, relayed: i64) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     let (guard, reach_columns) = (ff.guard, ff.reach_columns);
     let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
     let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
@@ -272,8 +281,8 @@ fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: Da
            FROM f, unnest($15::bigint[], $16::text[], $17::text[], $18::text[]) AS x(step, role, key, body) \
            ON CONFLICT (key) DO NOTHING \
          ), e AS ( \
-           INSERT INTO sa_events (run_id, seq, type, data, created_at) \
-           SELECT $13, f.event_seq - $1 + x.ord, x.type, x.data, $7 \
+           INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+           SELECT $13, f.event_seq - $1 + x.ord, x.type, x.data, $7, $22 \
            FROM f, unnest($19::text[], $20::text[]) WITH ORDINALITY AS x(type, data, ord) \
          ) SELECT * FROM f"
     );
@@ -285,6 +294,7 @@ fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: Da
         .bind(e_type)
         .bind(e_data)
         .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+        .bind(relayed)
 }
 
 impl group::Renewals for Commits {
@@ -349,7 +359,7 @@ impl group::Progress for Commits {
         let now = Utc::now();
         let ff = cp.fence_fields(now);
         let status = ff.status;
-        let query = checkpoint_query(&lease, &cp, ff, now);
+        let query = checkpoint_query(&lease, &cp, ff, now, self.relayed);
         match status {
             // A terminal checkpoint adds its effects on the parent and the waiters in the same
             // transaction.
@@ -359,7 +369,7 @@ impl group::Progress for Commits {
                 let thread: String = row.get(1);
                 let parent: Option<String> = row.get(2);
                 let reach = Reach { waits: row.get(3), children: row.get(4) };
-                PgStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
+                PgStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach, self.relayed).await?;
                 tx.commit().await?;
             }
             None => {
@@ -426,6 +436,7 @@ impl group::Progress for Commits {
             .bind(r.e_ord)
             .bind(r.e_type)
             .bind(r.e_data)
+            .bind(self.relayed)
             .fetch_all(&self.pool)
             .await?;
         let applied: std::collections::HashSet<String> = applied.into_iter().collect();
@@ -478,8 +489,8 @@ fn group_sql() -> &'static str {
            JOIN f ON f.id = x.run_id \
            ON CONFLICT (key) DO NOTHING \
          ), e AS ( \
-           INSERT INTO sa_events (run_id, seq, type, data, created_at) \
-           SELECT f.id, f.event_seq - f.n + x.ord, x.type, x.data, $9 \
+           INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+           SELECT f.id, f.event_seq - f.n + x.ord, x.type, x.data, $9, $19 \
            FROM unnest($15::text[], $16::bigint[], $17::text[], $18::text[]) AS x(run_id, ord, type, data) \
            JOIN f ON f.id = x.run_id \
          ) SELECT id FROM f",

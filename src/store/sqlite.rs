@@ -27,6 +27,11 @@ pub struct SqliteStore {
     group: std::sync::Arc<group::GroupCommit>,
     /// Lease renewals of all runs, one statement per group.
     renewals: std::sync::Arc<group::GroupRenew>,
+    /// Whether a relay takes this store's events to Redis. Without one, events are written as
+    /// relayed: the outbox index (`sa_events_unrelayed`) then holds only what a relay will
+    /// take, instead of every event ever written, and turning Redis on later does not replay
+    /// the whole history into it.
+    relays: bool,
 }
 
 /// What the group committer needs of the store: the pool and the wake-ups (not the store
@@ -35,6 +40,8 @@ pub struct SqliteStore {
 struct Commits {
     pool: SqlitePool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
+    /// What a new event's `relayed` is (see `relays`).
+    relayed: i64,
 }
 
 impl SqliteStore {
@@ -53,7 +60,7 @@ impl SqliteStore {
             .connect_with(opts)
             .await?;
         // SQLite has one writer: one committer, so checkpoints never queue on its lock.
-        let store = SqliteStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), group: std::sync::Arc::new(group::GroupCommit::new(1)), renewals: Default::default() };
+        let store = SqliteStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), relays: true, group: std::sync::Arc::new(group::GroupCommit::new(1)), renewals: Default::default() };
         store.migrate().await?;
         Ok(store)
     }
@@ -159,6 +166,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
                 EventKind::RunQueued,
                 serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id}),
             )],
+            self.relayed_at_insert(),
         )
         .await?;
         let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place).await?.ok_or_else(|| corrupt("run vanished", new.id))?;
@@ -224,6 +232,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
                 kind,
                 serde_json::json!({"attempt": run.attempts, "crashes": run.crashes, "worker": owner, "from": from.as_str()}),
             )],
+            self.relayed_at_insert(),
         )
         .await?;
         tx.commit().await?;
@@ -232,7 +241,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
     }
 
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone() };
+        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() };
         self.group.commit(&commits, lease, cp).await
     }
 
@@ -274,11 +283,11 @@ impl SqliteStore {
 /// SQLite's write lock (so the seqs it reserves stay gap-free) and applies the counters and
 /// any terminal state.
 /// Applies a checkpoint: its fence, then its messages and events.
-async fn apply(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>) -> Result<Option<SqliteRow>> {
+async fn apply(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>, relayed: i64) -> Result<Option<SqliteRow>> {
     let Some(row) = fence(tx, lease, cp, ff, now).await? else { return Ok(None) };
     let mut rows = Appends::default();
     rows.add(lease.run_id, row.get(1), row.get(0), cp);
-    rows.insert(tx, now).await?;
+    rows.insert(tx, now, relayed).await?;
     Ok(Some(row))
 }
 
@@ -323,8 +332,9 @@ impl<'a> Appends<'a> {
         self.messages.extend(cp.messages.iter().map(|m| (thread.clone(), run.clone(), m)));
     }
 
-    async fn insert(&self, tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, now: DateTime<Utc>) -> Result<()> {
-        // SQLite allows 32,766 bound values per statement: 7 per message, 5 per event.
+    /// Writes the rows; `relayed` is what a new event's `relayed` is (the store's).
+    async fn insert(&self, tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, now: DateTime<Utc>, relayed: i64) -> Result<()> {
+        // SQLite allows 32,766 bound values per statement: 7 per message, 6 per event.
         for chunk in self.messages.chunks(1000) {
             let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) ");
             q.push_values(chunk, |mut b, (thread, run, m)| {
@@ -340,9 +350,9 @@ impl<'a> Appends<'a> {
             q.build().execute(&mut **tx).await?;
         }
         for chunk in self.events.chunks(1000) {
-            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at) ");
+            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ");
             q.push_values(chunk, |mut b, (run, seq, e)| {
-                b.push_bind(run.as_str()).push_bind(*seq).push_bind(e.kind.as_str()).push_bind(e.data.to_string()).push_bind(now);
+                b.push_bind(run.as_str()).push_bind(*seq).push_bind(e.kind.as_str()).push_bind(e.data.to_string()).push_bind(now).push_bind(relayed);
             });
             q.build().execute(&mut **tx).await?;
         }
@@ -375,12 +385,12 @@ impl group::Progress for Commits {
         let ff = cp.fence_fields(now);
         let status = ff.status;
         let mut tx = self.pool.begin().await?;
-        let Some(row) = apply(&mut tx, &lease, &cp, ff, now).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
+        let Some(row) = apply(&mut tx, &lease, &cp, ff, now, self.relayed).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
         if let Some(status) = status {
             let thread: String = row.get(1);
             let parent: Option<String> = row.get(2);
             let reach = Reach { waits: row.get(3), children: row.get(4) };
-            SqliteStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach).await?;
+            SqliteStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach, self.relayed).await?;
         }
         tx.commit().await?;
         self.notifier.notify(lease.run_id);
@@ -438,7 +448,7 @@ impl group::Progress for Commits {
                 rows.add(lease.run_id, thread, last, cp);
             }
         }
-        rows.insert(&mut tx, now).await?;
+        rows.insert(&mut tx, now, self.relayed).await?;
         tx.commit().await?;
         Ok(applied)
     }

@@ -16,6 +16,8 @@ pub struct Backend {
     pub store: Arc<dyn Store>,
     /// The same database, to put apalis's jobs in the states its workers would.
     jobs: Jobs,
+    /// Where the database is, to open a second store on it.
+    url: String,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -26,6 +28,14 @@ enum Jobs {
 }
 
 impl Backend {
+    /// A second store on the same database, of a process without a relay to Redis.
+    async fn without_relay(&self) -> Arc<dyn Store> {
+        match &self.jobs {
+            Jobs::Sqlite(_) => Arc::new(SqliteStore::connect(&self.url).await.unwrap().without_relay()),
+            Jobs::Postgres(_) => Arc::new(PgStore::connect(&self.url).await.unwrap().without_relay()),
+        }
+    }
+
     /// Sets a job's apalis status, as a worker fetching (`Queued`) or starting (`Running`) it does.
     async fn set_job_status(&self, job_id: &str, status: &str) {
         let n = match &self.jobs {
@@ -58,16 +68,17 @@ impl std::ops::Deref for Backend {
 
 pub async fn sqlite() -> Backend {
     let dir = tempfile::tempdir().unwrap();
-    let s = SqliteStore::connect(&format!("sqlite://{}", dir.path().join("s.db").display())).await.unwrap();
+    let url = format!("sqlite://{}", dir.path().join("s.db").display());
+    let s = SqliteStore::connect(&url).await.unwrap();
     let jobs = Jobs::Sqlite(s.pool().clone());
-    Backend { store: Arc::new(s), jobs, _dir: Some(dir) }
+    Backend { store: Arc::new(s), jobs, url, _dir: Some(dir) }
 }
 
 pub async fn postgres() -> Backend {
     let url = crate::support::fresh_postgres_database().await;
     let s = PgStore::connect(&url).await.unwrap();
     let jobs = Jobs::Postgres(s.pool().clone());
-    Backend { store: Arc::new(s), jobs, _dir: None }
+    Backend { store: Arc::new(s), jobs, url, _dir: None }
 }
 
 /// Generates one test per backend from one async fn taking the backend.
@@ -108,6 +119,7 @@ conformance!(
     listing_and_tree_queries,
     a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue,
     the_outbox_marks_what_the_relay_reports_and_nothing_else,
+    a_store_without_a_relay_writes_its_events_as_relayed,
 );
 
 fn new_run(thread: &ThreadId) -> NewRun {
@@ -444,6 +456,38 @@ async fn the_outbox_marks_what_the_relay_reports_and_nothing_else(s: Backend) {
     s.mark_relayed(&[(runs[0], 1, 4)]).await.unwrap();
     assert!(s.unrelayed(100).await.unwrap().is_empty());
     s.mark_relayed(&[]).await.unwrap();
+}
+
+/// A process without Redis has no relay: whatever writes its events (a start, a claim, a group
+/// or a single checkpoint, a terminal commit with its parent's `child.finished`, a cancel, an
+/// appended event), they are written as relayed and never wait in the outbox. A store with a
+/// relay on the same database still leaves its own there.
+async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
+    let quiet = s.without_relay().await;
+    let parent = quiet.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let Claim::Acquired(lp, _) = quiet.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let child = quiet.create_run(child_of(&parent)).await.unwrap().run;
+    let Claim::Acquired(lc, _) = quiet.claim_run(child.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let step = || vec![NewEvent::new(EventKind::StepStarted, json!({})), NewEvent::new(EventKind::StepCompleted, json!({}))];
+    // Two progress checkpoints at once go through a group commit; then the child ends alone.
+    let (a, b) = tokio::join!(
+        quiet.checkpoint(&lp, Checkpoint { events: step(), ..Default::default() }),
+        quiet.checkpoint(&lc, Checkpoint { events: step(), ..Default::default() })
+    );
+    a.unwrap();
+    b.unwrap();
+    let end = vec![NewEvent::new(EventKind::RunSucceeded, json!({}))];
+    quiet.checkpoint(&lc, Checkpoint { events: end, finish: Some(Finish::Succeeded { result: "r".into(), forced: false }), ..Default::default() }).await.unwrap();
+    assert!(quiet.append_events(parent.id, vec![NewEvent::new(EventKind::ChildStarted, json!({}))]).await.unwrap());
+    let queued = quiet.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    assert_eq!(quiet.request_cancel(queued.id).await.unwrap(), CancelOutcome::Cancelled);
+    let parent_events = quiet.events_after(parent.id, 0, 100).await.unwrap();
+    assert!(parent_events.iter().any(|e| e.kind == "child.finished"), "{parent_events:?}");
+    assert_eq!(quiet.events_after(child.id, 0, 100).await.unwrap().len(), 5, "queued, started, two step events, succeeded");
+    assert!(quiet.unrelayed(1000).await.unwrap().is_empty(), "nothing waits for a relay that does not exist");
+    let relayed = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let waiting: Vec<_> = s.unrelayed(1000).await.unwrap().iter().map(|e| (e.run_id, e.seq)).collect();
+    assert_eq!(waiting, [(relayed.id, 1)], "a store with a relay leaves its events for it");
 }
 
 async fn terminal_states_never_change(s: Backend) {
