@@ -2,7 +2,7 @@
 -- 0012's `sa_start_run`, whose rows went through a tuple store), and with the `relayed` value
 -- of the run's `run.queued` event: a process with no relay to Redis writes its events as
 -- relayed, so the outbox index holds only what a relay will take (see `relays` in the store).
--- The checks, inserts and answer are 0012's, the job is 0013's. Both older functions stay, for
+-- The checks, inserts and answer are 0012's, the job is 0013's. The older entry points stay, for
 -- binaries from before this migration during a rolling upgrade; this one is an overload (one
 -- more argument), so each binary calls the version it knows.
 CREATE OR REPLACE FUNCTION sa_start_run_with_job(
@@ -55,4 +55,17 @@ BEGIN
             (1000000000 - LEAST(v_ahead, 100000000) * 8 + LEAST(p_priority, 7))::INTEGER);
     RETURN QUERY SELECT 'created'::TEXT, p_id, v_ahead, v_run;
 END;
+$$;
+
+-- The 23-argument version (0013) is now this one for binaries from 0013's time, so the job's
+-- insert lives in one function: their events wait for a relay, as they always did.
+CREATE OR REPLACE FUNCTION sa_start_run_with_job(
+    p_id TEXT, p_thread TEXT, p_owner TEXT, p_agent TEXT, p_input TEXT, p_metadata TEXT,
+    p_limits TEXT, p_parent TEXT, p_key TEXT, p_job TEXT, p_enqueued BIGINT, p_now TIMESTAMPTZ,
+    p_root TEXT, p_depth BIGINT, p_detached BIGINT, p_reject BOOLEAN, p_event TEXT, p_retry_of TEXT,
+    p_priority BIGINT, p_back BOOLEAN, p_job_type TEXT, p_job_body BYTEA, p_max_attempts INTEGER)
+RETURNS TABLE (outcome TEXT, rid TEXT, ahead BIGINT, run sa_runs) LANGUAGE sql VOLATILE AS $$
+    SELECT * FROM sa_start_run_with_job(p_id, p_thread, p_owner, p_agent, p_input, p_metadata, p_limits,
+        p_parent, p_key, p_job, p_enqueued, p_now, p_root, p_depth, p_detached, p_reject, p_event,
+        p_retry_of, p_priority, p_back, p_job_type, p_job_body, p_max_attempts, 0::BIGINT);
 $$;
