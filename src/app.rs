@@ -166,13 +166,11 @@ impl App {
         // outbox holds only what a relay will take.
         let relays = settings.redis_url.is_some();
         let (store, queue): (Arc<dyn Store>, Queue) = if url.starts_with("sqlite:") {
-            let s = SqliteStore::connect(&url).await.map_err(db_err)?;
-            let s = if relays { s } else { s.without_relay() };
+            let s = SqliteStore::connect(&url).await.map_err(db_err)?.relaying(relays);
             let q = Queue::sqlite(s.pool(), heartbeat);
             (Arc::new(s), q)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let s = crate::store::PgStore::connect(&url).await.map_err(db_err)?;
-            let s = if relays { s } else { s.without_relay() };
+            let s = crate::store::PgStore::connect(&url).await.map_err(db_err)?.relaying(relays);
             let q = Queue::postgres(s.pool(), heartbeat);
             (Arc::new(s), q)
         } else {

@@ -239,10 +239,10 @@ macro_rules! store_impl {
         }
 
         impl $store {
-            /// Tells the store that no relay takes its events to Redis (this process has no
-            /// `REDIS_URL`): from now on its events are written as relayed.
-            pub fn without_relay(mut self) -> Self {
-                self.relays = false;
+            /// Tells the store whether a relay takes its events to Redis (this process has a
+            /// `REDIS_URL`); without one, its events are written as relayed from now on.
+            pub fn relaying(mut self, relays: bool) -> Self {
+                self.relays = relays;
                 self
             }
 

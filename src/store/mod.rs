@@ -174,7 +174,7 @@ pub const QUEUE_NAME: &str = "subagents.runs";
 pub const JOB_MAX_ATTEMPTS: usize = 10;
 
 /// Job priorities start here and go down with the rank (apalis fetches the highest first;
-/// PostgreSQL keeps it in an `int4`). `migrations/postgres/0013` computes the same.
+/// PostgreSQL keeps it in an `int4`). `migrations/postgres/0014` computes the same.
 const TOP_PRIORITY: u64 = 1_000_000_000;
 /// Ranks beyond this share the lowest priority.
 const MAX_RANK: u64 = 100_000_000;

@@ -31,8 +31,8 @@ impl Backend {
     /// A second store on the same database, of a process without a relay to Redis.
     async fn without_relay(&self) -> Arc<dyn Store> {
         match &self.jobs {
-            Jobs::Sqlite(_) => Arc::new(SqliteStore::connect(&self.url).await.unwrap().without_relay()),
-            Jobs::Postgres(_) => Arc::new(PgStore::connect(&self.url).await.unwrap().without_relay()),
+            Jobs::Sqlite(_) => Arc::new(SqliteStore::connect(&self.url).await.unwrap().relaying(false)),
+            Jobs::Postgres(_) => Arc::new(PgStore::connect(&self.url).await.unwrap().relaying(false)),
         }
     }
 
