@@ -18,6 +18,9 @@ use super::*;
 #[derive(Clone, Debug)]
 pub struct PgStore {
     pool: PgPool,
+    /// The same pool: PostgreSQL's readers and writers do not shut each other out (the field
+    /// exists for the SQLite store's sake, whose reads have connections of their own).
+    reads: PgPool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
     cancels: std::sync::Arc<crate::notify::Notifier>,
     /// This process configured concurrency limits (claims then serialise per owner).
@@ -73,7 +76,7 @@ impl PgStore {
         // Checkpoints of many runs commit together; a few transactions at once keep the
         // database busy without queueing every step behind one.
         let group = std::sync::Arc::new(group::GroupCommit::new(4));
-        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), relays: true, group, renewals: Default::default() };
+        let store = PgStore { reads: pool.clone(), pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), relays: true, group, renewals: Default::default() };
         store.migrate().await?;
         Ok(store)
     }
