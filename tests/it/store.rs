@@ -120,6 +120,7 @@ conformance!(
     a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue,
     the_outbox_marks_what_the_relay_reports_and_nothing_else,
     a_store_without_a_relay_writes_its_events_as_relayed,
+    the_apis_reads_never_wait_for_an_open_write,
 );
 
 fn new_run(thread: &ThreadId) -> NewRun {
@@ -1012,4 +1013,39 @@ async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: B
         assert_eq!(s.queue_rank(id, QueuePlace::Back).await.unwrap(), (of_a(&|p| p >= priority), priority));
         assert_eq!(s.queue_rank(id, QueuePlace::Front).await.unwrap(), (of_a(&|p| p > priority), priority));
     }
+}
+
+/// A write transaction held open (SQLite: its one writing connection and the file's write lock;
+/// PostgreSQL: the run's row lock) does not hold up the API's reads, which see the last commit;
+/// and a write behind it queues and goes through once it ends, instead of failing.
+async fn the_apis_reads_never_wait_for_an_open_write(s: Backend) {
+    let t = ThreadId::generate();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
+    let held: Box<dyn std::any::Any + Send> = match &s.jobs {
+        Jobs::Sqlite(p) => {
+            let mut tx = p.begin().await.unwrap();
+            sqlx::query("UPDATE sa_runs SET input = 'uncommitted' WHERE id = ?").bind(run.id.to_string()).execute(&mut *tx).await.unwrap();
+            Box::new(tx)
+        }
+        Jobs::Postgres(p) => {
+            let mut tx = p.begin().await.unwrap();
+            sqlx::query("UPDATE sa_runs SET input = 'uncommitted' WHERE id = $1").bind(run.id.to_string()).execute(&mut *tx).await.unwrap();
+            Box::new(tx)
+        }
+    };
+    let quick = Duration::from_secs(3);
+    let seen = tokio::time::timeout(quick, s.get_run(run.id)).await.expect("a run view waited for the writer").unwrap().unwrap();
+    assert_eq!(seen.input, "hi", "a read sees the last commit, not the open write");
+    tokio::time::timeout(quick, s.events_after(run.id, 0, 10)).await.expect("an event page waited for the writer").unwrap();
+    let listed = tokio::time::timeout(quick, s.list_runs("o", &RunFilter::default(), 10)).await.expect("a listing waited for the writer").unwrap();
+    assert_eq!(listed.len(), 1);
+    tokio::time::timeout(quick, s.status_counts()).await.expect("the counts waited for the writer").unwrap();
+    // A start behind the open write waits for it rather than failing.
+    let store = s.store.clone();
+    let behind = tokio::spawn(async move { store.create_run(new_run(&ThreadId::generate())).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(held); // rolled back
+    let started = tokio::time::timeout(Duration::from_secs(10), behind).await.expect("the start behind the write never went through").unwrap();
+    assert!(started.is_ok(), "{started:?}");
+    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().input, "hi");
 }
