@@ -356,7 +356,7 @@ macro_rules! store_impl {
             async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>> {
                 let row = sqlx::query(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE id = $1"))
                     .bind(id.to_string())
-                    .fetch_optional(&self.reads)
+                    .fetch_optional(self.reads())
                     .await?;
                 row.as_ref().map(run_from_row).transpose()
             }
@@ -484,7 +484,7 @@ macro_rules! store_impl {
                 .bind(thread.as_str())
                 .bind(after)
                 .bind(limit as i64)
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?;
                 rows.iter().map(message_from_row).collect()
             }
@@ -598,7 +598,7 @@ macro_rules! store_impl {
             }
 
             async fn approval(&self, id: &str) -> Result<Option<Approval>> {
-                let row = sqlx::query("SELECT * FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(&self.reads).await?;
+                let row = sqlx::query("SELECT * FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(self.reads()).await?;
                 row.as_ref().map(approval_from_row).transpose()
             }
 
@@ -661,7 +661,7 @@ macro_rules! store_impl {
                      tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id DESC LIMIT 1",
                 )
                 .bind(thread.as_str())
-                .fetch_optional(&self.reads)
+                .fetch_optional(self.reads())
                 .await?;
                 row.as_ref().map(compaction_from_row).transpose()
             }
@@ -718,7 +718,7 @@ macro_rules! store_impl {
                 .bind(run.to_string())
                 .bind(after.min(i64::MAX as u64) as i64)
                 .bind(limit as i64)
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?;
                 rows.iter().map(event_from_row).collect()
             }
@@ -926,7 +926,7 @@ macro_rules! store_impl {
             async fn children(&self, run: RunId) -> Result<Vec<RunRecord>> {
                 let rows = sqlx::query(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE parent_run_id = $1 ORDER BY id"))
                     .bind(run.to_string())
-                    .fetch_all(&self.reads)
+                    .fetch_all(self.reads())
                     .await?;
                 rows.iter().map(run_from_row).collect()
             }
@@ -940,7 +940,7 @@ macro_rules! store_impl {
                      FROM sa_runs WHERE id IN (SELECT id FROM tree)",
                 )
                 .bind(run.to_string())
-                .fetch_one(&self.reads)
+                .fetch_one(self.reads())
                 .await?;
                 Ok(TreeTotals {
                     usage: Usage { prompt_tokens: row.get::<i64, _>(0) as u64, completion_tokens: row.get::<i64, _>(1) as u64 },
@@ -1038,14 +1038,14 @@ macro_rules! store_impl {
 
             async fn overview(&self, owner: &str, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData> {
                 let mut out = OverviewData::default();
-                for row in sqlx::query("SELECT status, COUNT(*) FROM sa_runs WHERE owner = $1 GROUP BY status").bind(owner).fetch_all(&self.reads).await? {
+                for row in sqlx::query("SELECT status, COUNT(*) FROM sa_runs WHERE owner = $1 GROUP BY status").bind(owner).fetch_all(self.reads()).await? {
                     let s: String = row.get(0);
                     let status = RunStatus::parse(&s).ok_or_else(|| corrupt("status", &s))?;
                     out.by_status.push((status, row.get::<i64, _>(1) as u64));
                 }
                 out.oldest_queued_ms = sqlx::query_scalar("SELECT MIN(enqueued_at) FROM sa_runs WHERE owner = $1 AND status = 'queued'")
                     .bind(owner)
-                    .fetch_one(&self.reads)
+                    .fetch_one(self.reads())
                     .await?;
                 // Events of the runs that were active in the last hour (finished in it, or not
                 // finished): the runs come from indexes, their events from the primary key.
@@ -1062,7 +1062,7 @@ macro_rules! store_impl {
                 .bind(owner)
                 .bind(hour)
                 .bind(i64::from(cap) + 1)
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?;
                 out.events_capped = rows.len() > cap as usize;
                 for row in rows.iter().take(cap as usize) {
@@ -1081,7 +1081,7 @@ macro_rules! store_impl {
                 )
                 .bind(owner)
                 .bind(day)
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?
                 {
                     out.failures.push((row.get(0), row.get::<i64, _>(1) as u64));
@@ -1089,7 +1089,7 @@ macro_rules! store_impl {
                 // No ORDER BY: sorting by id would walk the (owner, id) index over every run.
                 for row in sqlx::query("SELECT id, lease_owner, heartbeat_at FROM sa_runs WHERE owner = $1 AND status = 'running' LIMIT 500")
                     .bind(owner)
-                    .fetch_all(&self.reads)
+                    .fetch_all(self.reads())
                     .await?
                 {
                     let id: String = row.get(0);
@@ -1135,7 +1135,7 @@ macro_rules! store_impl {
                     q.push(if f.oldest_first { " AND id > " } else { " AND id < " }).push_bind(c.to_string());
                 }
                 q.push(if f.oldest_first { " ORDER BY id ASC LIMIT " } else { " ORDER BY id DESC LIMIT " }).push_bind(i64::from(limit));
-                let rows = q.build().fetch_all(&self.reads).await?;
+                let rows = q.build().fetch_all(self.reads()).await?;
                 rows.iter().map(run_from_row).collect()
             }
 
@@ -1154,14 +1154,14 @@ macro_rules! store_impl {
 
             async fn checkpoint_rows(&self) -> Result<i64> {
                 Ok(sqlx::query_scalar("SELECT (SELECT count(*) FROM sa_messages) + (SELECT count(*) FROM sa_events)")
-                    .fetch_one(&self.reads)
+                    .fetch_one(self.reads())
                     .await?)
             }
 
             async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
                 let row = sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = $1")
                     .bind(id.as_str())
-                    .fetch_optional(&self.reads)
+                    .fetch_optional(self.reads())
                     .await?;
                 Ok(row.map(|r| ThreadRecord {
                     id: id.clone(),
@@ -1184,7 +1184,7 @@ macro_rules! store_impl {
                 .bind(run.map(|r| r.to_string()))
                 .bind(before)
                 .bind(limit as i64)
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?;
                 rows.iter().map(approval_from_row).collect()
             }
@@ -1259,7 +1259,7 @@ macro_rules! store_impl {
                      tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id",
                 )
                 .bind(thread.as_str())
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?;
                 rows.iter().map(compaction_from_row).collect()
             }
@@ -1271,7 +1271,7 @@ macro_rules! store_impl {
                 .bind(thread.as_str())
                 .bind(after)
                 .bind(limit as i64)
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?;
                 rows.iter().map(message_from_row).collect()
             }
@@ -1289,7 +1289,7 @@ macro_rules! store_impl {
                      FROM rk, me",
                 )
                 .bind(run.to_string())
-                .fetch_optional(&self.reads)
+                .fetch_optional(self.reads())
                 .await?;
                 Ok(n.unwrap_or(0))
             }
@@ -1303,7 +1303,7 @@ macro_rules! store_impl {
                 )
                 .bind(run.to_string())
                 .bind(pattern)
-                .fetch_all(&self.reads)
+                .fetch_all(self.reads())
                 .await?;
                 let Some(row) = rows.first() else { return Ok(None) };
                 let body: String = row.get(0);
@@ -1317,7 +1317,7 @@ macro_rules! store_impl {
             }
 
             async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
-                let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(&self.reads).await?;
+                let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(self.reads()).await?;
                 rows.iter()
                     .map(|r| {
                         let s: String = r.get(0);

@@ -18,9 +18,6 @@ use super::*;
 #[derive(Clone, Debug)]
 pub struct PgStore {
     pool: PgPool,
-    /// The same pool: PostgreSQL's readers and writers do not shut each other out (the field
-    /// exists for the SQLite store's sake, whose reads have connections of their own).
-    reads: PgPool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
     cancels: std::sync::Arc<crate::notify::Notifier>,
     /// This process configured concurrency limits (claims then serialise per owner).
@@ -76,7 +73,7 @@ impl PgStore {
         // Checkpoints of many runs commit together; a few transactions at once keep the
         // database busy without queueing every step behind one.
         let group = std::sync::Arc::new(group::GroupCommit::new(4));
-        let store = PgStore { reads: pool.clone(), pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), relays: true, group, renewals: Default::default() };
+        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), relays: true, group, renewals: Default::default() };
         store.migrate().await?;
         Ok(store)
     }
@@ -100,6 +97,12 @@ impl PgStore {
 
     /// The pool, shared with the apalis storage so one file has one set of connections.
     pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Where the API's reads go: the same pool, as PostgreSQL's readers never wait for its
+    /// writers (the SQLite store gives them connections of their own).
+    fn reads(&self) -> &PgPool {
         &self.pool
     }
 }
