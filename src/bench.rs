@@ -334,8 +334,11 @@ async fn commit_ceiling(dsn: &str, concurrency: usize, during: Duration) -> anyh
                 .map(|_| {
                     let (pool, count) = (pool.clone(), count.clone());
                     tokio::spawn(async move {
+                        // Each client keeps its connection, as pgbench's do: going through the
+                        // pool per insert would add sqlx's two connection tests to every commit.
+                        let Ok(mut conn) = pool.acquire().await else { return };
                         while tokio::time::Instant::now() < deadline {
-                            if sqlx::query("INSERT INTO sa_bench_commits (v) VALUES ('x')").execute(&pool).await.is_ok() {
+                            if sqlx::query("INSERT INTO sa_bench_commits (v) VALUES ('x')").execute(&mut *conn).await.is_ok() {
                                 count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             }
                         }

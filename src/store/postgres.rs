@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgPoolOptions, PgRow};
+use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
 use super::*;
@@ -69,7 +69,7 @@ impl PgStore {
         let options = connect_options(url)?;
         let probe = tokio::time::timeout(Duration::from_secs(10), options.connect()).await.map_err(|_| sqlx::Error::PoolTimedOut)??;
         sqlx::Connection::close(probe).await?;
-        let pool = PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(30)).connect_with(options).await?;
+        let pool = pool_options::<sqlx::Postgres>(Duration::ZERO).max_connections(16).acquire_timeout(Duration::from_secs(30)).connect_with(options).await?;
         // Checkpoints of many runs commit together; a few transactions at once keep the
         // database busy without queueing every step behind one.
         let group = std::sync::Arc::new(group::GroupCommit::new(4));

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteRow, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
 
 use super::*;
@@ -71,14 +71,14 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(30))
             .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
+        let pool = pool_options::<sqlx::Sqlite>(Duration::from_secs(1))
             .max_connections(1)
             .min_connections(1)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(opts.clone())
             .await?;
         // The same options, so `sqlite::memory:` names the same shared in-memory database.
-        let reads = SqlitePoolOptions::new().max_connections(8).acquire_timeout(Duration::from_secs(30)).connect_lazy_with(opts);
+        let reads = pool_options::<sqlx::Sqlite>(Duration::from_secs(1)).max_connections(8).acquire_timeout(Duration::from_secs(30)).connect_lazy_with(opts);
         // SQLite has one writer: one committer, so checkpoints never queue on its lock.
         let store = SqliteStore {
             pool,

@@ -123,6 +123,46 @@ conformance!(
     the_apis_reads_never_wait_for_an_open_write,
 );
 
+/// A PostgreSQL connection the server dropped while it idled in the pool (a restart, an
+/// administrator's `pg_terminate_backend`) is replaced before a statement meets it: no caller
+/// sees the dead connection. SQLite's pools skip that test for connections used within the last
+/// second (nothing outside the process can drop them); this pins that PostgreSQL's do not.
+/// PostgreSQL only: nothing outside a process can drop its SQLite connections.
+#[tokio::test]
+async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
+    use sqlx::Connection;
+    let s = postgres().await;
+    let Jobs::Postgres(pool) = &s.jobs else { unreachable!() };
+    let t = ThreadId::generate();
+    let run = s.create_run(new_run(&t)).await.unwrap().run;
+    // A few connections in use at once, then all idle in the pool.
+    let held: Vec<_> = futures::future::join_all((0..3).map(|_| pool.acquire())).await.into_iter().map(Result::unwrap).collect();
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(300)).await; // their release pings are done
+    let idle = pool.num_idle();
+    assert!(idle >= 3, "{idle} idle connections");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Another session ends every backend of this database but its own, as a restart would.
+    let mut admin = sqlx::PgConnection::connect(&s.url).await.unwrap();
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()) AS k",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert!(ended >= idle as i64, "ended {ended} of {idle} idle connections");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Every idle connection is dead; each use meets one of them first, and still answers.
+    for i in 0..idle + 1 {
+        let seen = s.get_run(run.id).await.unwrap_or_else(|e| panic!("read {i} met a dead connection: {e}"));
+        assert_eq!(seen.map(|r| r.id), Some(run.id));
+        let held: Vec<_> = futures::future::join_all((0..3).map(|_| pool.acquire())).await.into_iter().map(Result::unwrap).collect();
+        drop(held);
+    }
+    s.create_run(new_run(&ThreadId::generate())).await.expect("a start after the connections were dropped");
+}
+
 fn new_run(thread: &ThreadId) -> NewRun {
     NewRun {
         id: RunId::new(),
