@@ -164,31 +164,6 @@ use crate::model::{Message, Usage};
 
 pub use postgres::PgStore;
 
-/// The pool settings of a backend. sqlx tests a connection twice per use by default: a round
-/// trip when it leaves the idle queue (`test_before_acquire`) and another when it goes back (a
-/// ping on release, which cannot be turned off). Here the test on the way out happens only for
-/// a connection that sat idle for `ping_after_idle` or longer (a connection that just came back
-/// has just passed the release test).
-///
-/// SQLite passes a second: its connections live in this process and nothing outside can drop
-/// them, and every test was a hand-off to the connection's thread with the one writing
-/// connection held through it (three hand-offs per statement instead of two). PostgreSQL passes
-/// zero, i.e. sqlx's default: with a test only after a second idle, a restart turned every
-/// connection used within that second into a failed statement, and the fleet test that cuts
-/// every connection three times (`fleet::dropped_database_connections_are_survived`) found its
-/// processes holding no connection at all 400 ms after a cut, where they reconnect at once with
-/// the test on every acquire.
-pub(crate) fn pool_options<DB: sqlx::Database>(ping_after_idle: Duration) -> sqlx::pool::PoolOptions<DB> {
-    sqlx::pool::PoolOptions::<DB>::new().test_before_acquire(false).before_acquire(move |conn, meta| {
-        Box::pin(async move {
-            if meta.idle_for >= ping_after_idle {
-                sqlx::Connection::ping(conn).await?;
-            }
-            Ok(true)
-        })
-    })
-}
-
 pub use sqlite::SqliteStore;
 
 /// The queue's name in apalis's job table, which the store reads (to find runs whose job is

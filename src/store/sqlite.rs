@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteRow, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
 
 use super::*;
@@ -52,6 +52,26 @@ struct Commits {
     relayed: i64,
 }
 
+/// How long a pooled connection may sit idle before it is tested on its way out of the pool.
+const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+
+/// Both pools' settings. sqlx tests a connection when it leaves the idle queue
+/// (`test_before_acquire`) and pings it again when it goes back (that one cannot be turned
+/// off); each test is a hand-off to the connection's thread, with the one writing connection
+/// held through it, so a statement cost three hand-offs. Here a connection is tested on its way
+/// out only when it sat idle for a while: one that just came back has just passed the release
+/// test, and nothing outside this process can drop a SQLite connection.
+fn pool_options() -> SqlitePoolOptions {
+    SqlitePoolOptions::new().test_before_acquire(false).before_acquire(|conn, meta| {
+        Box::pin(async move {
+            if meta.idle_for >= PING_AFTER_IDLE {
+                sqlx::Connection::ping(conn).await?;
+            }
+            Ok(true)
+        })
+    })
+}
+
 impl SqliteStore {
     /// Opens (creating the file if needed) and migrates both our schema and apalis's.
     ///
@@ -71,14 +91,14 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(30))
             .foreign_keys(true);
-        let pool = pool_options::<sqlx::Sqlite>(Duration::from_secs(1))
+        let pool = pool_options()
             .max_connections(1)
             .min_connections(1)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(opts.clone())
             .await?;
         // The same options, so `sqlite::memory:` names the same shared in-memory database.
-        let reads = pool_options::<sqlx::Sqlite>(Duration::from_secs(1)).max_connections(8).acquire_timeout(Duration::from_secs(30)).connect_lazy_with(opts);
+        let reads = pool_options().max_connections(8).acquire_timeout(Duration::from_secs(30)).connect_lazy_with(opts);
         // SQLite has one writer: one committer, so checkpoints never queue on its lock.
         let store = SqliteStore {
             pool,

@@ -127,7 +127,6 @@ conformance!(
 /// administrator's `pg_terminate_backend`) is replaced before a statement meets it: no caller
 /// sees the dead connection. SQLite's pools skip that test for connections used within the last
 /// second (nothing outside the process can drop them); this pins that PostgreSQL's do not.
-/// PostgreSQL only: nothing outside a process can drop its SQLite connections.
 #[tokio::test]
 async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
     use sqlx::Connection;
