@@ -363,8 +363,7 @@ macro_rules! store_impl {
 
             async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
                 // With whatever other runs renew now, in one statement (see `group::GroupRenew`).
-                let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() };
-                match self.renewals.renew(&commits, lease).await? {
+                match self.renewals.renew(&self.commits(), lease).await? {
                     Some(cancel_requested) => Ok(LeaseStatus { cancel_requested }),
                     None => Err(StoreError::LeaseLost(lease.run_id)),
                 }

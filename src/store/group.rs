@@ -35,6 +35,12 @@ pub(crate) trait Progress: Clone + Send + Sync + 'static {
     fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> impl Future<Output = Result<Vec<bool>>> + Send;
     /// Tells this process's waiters that `run` changed.
     fn announce(&self, run: RunId);
+    /// The backend as one committer task uses it. A committer commits one transaction at a
+    /// time, so what this returns may keep state no other task touches: PostgreSQL's keeps a
+    /// connection of its own across batches (see `postgres::Commits`).
+    fn for_committer(&self) -> Self {
+        self.clone()
+    }
 }
 
 struct Item {
@@ -66,7 +72,7 @@ impl GroupCommit {
             let (tx, rx) = mpsc::unbounded_channel();
             let rx = std::sync::Arc::new(Mutex::new(rx));
             for _ in 0..self.committers {
-                tokio::spawn(committer(backend.clone(), rx.clone()));
+                tokio::spawn(committer(backend.for_committer(), rx.clone()));
             }
             tx
         });

@@ -58,6 +58,66 @@ struct Commits {
     notifier: std::sync::Arc<crate::notify::Notifier>,
     /// What a new event's `relayed` is (see `relays`).
     relayed: i64,
+    /// A committer's own connection, kept between its batches (`None` outside a committer).
+    ///
+    /// sqlx pings a connection when it leaves the pool (`test_before_acquire`, which stays on
+    /// here: see [`PgStore::connect`]) and always when it goes back, so a statement run on
+    /// `&pool` is three round trips to a backend that has to wake up for each. Progress
+    /// checkpoints are most of our statements (two a step), and a committer runs them one after
+    /// another, so it keeps one connection and skips both pings. A connection idle for
+    /// [`HELD_UNTESTED`] or longer is pinged before use, and one that fails a statement is
+    /// closed: the next statement takes a tested connection from the pool.
+    held: Option<std::sync::Arc<std::sync::Mutex<Option<Held>>>>,
+}
+
+/// A connection a committer keeps, and when it last finished a statement.
+struct Held {
+    conn: sqlx::pool::PoolConnection<sqlx::Postgres>,
+    used: std::time::Instant,
+}
+
+/// How long a held connection may sit unused and still be trusted without a ping: within it
+/// a connection cut by a restart fails its next statement, which the committer then commits
+/// again on a tested connection from the pool (`commit_one`, and `group`'s fallback for a
+/// batch), so nobody sees the cut.
+const HELD_UNTESTED: Duration = Duration::from_secs(1);
+
+/// Whether `e` says the connection was gone (cut by a restart or `pg_terminate_backend`, or
+/// its socket closed) rather than that the statement was refused.
+fn connection_gone(e: &StoreError) -> bool {
+    match e {
+        StoreError::Db(sqlx::Error::Io(_) | sqlx::Error::Protocol(_)) => true,
+        // Class 57P (operator intervention: admin or crash shutdown) and 08 (connection
+        // exception).
+        StoreError::Db(sqlx::Error::Database(db)) => db.code().is_some_and(|c| c.starts_with("57P") || c.starts_with("08")),
+        _ => false,
+    }
+}
+
+impl Commits {
+    /// A connection for one statement, and whether it was held: the committer's own where it
+    /// has one, else one from the pool (tested on the way out).
+    async fn connection(&self) -> Result<(sqlx::pool::PoolConnection<sqlx::Postgres>, bool)> {
+        let taken = self.held.as_ref().and_then(|slot| slot.lock().expect("held connection slot").take());
+        if let Some(Held { mut conn, used }) = taken {
+            if used.elapsed() < HELD_UNTESTED || sqlx::Connection::ping(&mut *conn).await.is_ok() {
+                return Ok((conn, true));
+            }
+            conn.close_on_drop();
+        }
+        Ok((self.pool.acquire().await?, false))
+    }
+
+    /// Ends a statement on `conn`: kept for the next one when it succeeded and this is a
+    /// committer, closed when it failed (a connection that failed a statement may be broken;
+    /// the pool opens a new one), otherwise given back to the pool.
+    fn done<T>(&self, mut conn: sqlx::pool::PoolConnection<sqlx::Postgres>, r: &Result<T>) {
+        match (&self.held, r) {
+            (Some(slot), Ok(_)) => *slot.lock().expect("held connection slot") = Some(Held { conn, used: std::time::Instant::now() }),
+            (_, Err(_)) => conn.close_on_drop(),
+            (None, Ok(_)) => {}
+        }
+    }
 }
 
 impl PgStore {
@@ -228,8 +288,7 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
     }
 
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() };
-        self.group.commit(&commits, lease, cp).await
+        self.group.commit(&self.commits(), lease, cp).await
     }
 
 }, queries = {
@@ -239,15 +298,32 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
 row_mappers!(PgRow);
 
 impl PgStore {
+    /// What the group committer and the renewer need of the store.
+    fn commits(&self) -> Commits {
+        Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert(), held: None }
+    }
+
     /// [`Outbox::mark_relayed`](super::Outbox::mark_relayed) in one statement, whatever the
     /// number of runs.
+    ///
+    /// Every process with `REDIS_URL` runs a relay, and two relays may mark overlapping ranges
+    /// at once. A plain `UPDATE … FROM unnest(…)` locks rows in whatever order its plan visits
+    /// them, so two such statements could each hold rows the other wanted ("deadlock
+    /// detected", seen in CI's log). Here the rows are locked first, skipping any another
+    /// relay holds: those are that relay's to mark (and if its transaction fails they stay
+    /// unrelayed and are relayed again, which is idempotent), so no statement ever waits for
+    /// another and none can deadlock.
     async fn mark_relayed_ranges(pool: &PgPool, ranges: &[(RunId, u64, u64)]) -> Result<()> {
         let runs: Vec<String> = ranges.iter().map(|(r, _, _)| r.to_string()).collect();
         let first: Vec<i64> = ranges.iter().map(|(_, f, _)| *f as i64).collect();
         let last: Vec<i64> = ranges.iter().map(|(_, _, l)| *l as i64).collect();
         sqlx::query(
-            "UPDATE sa_events e SET relayed = 1 FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS t(run_id, first, last) \
-             WHERE e.run_id = t.run_id AND e.seq BETWEEN t.first AND t.last AND e.relayed = 0",
+            "WITH s AS ( \
+               SELECT e.run_id, e.seq FROM sa_events e \
+               JOIN unnest($1::text[], $2::bigint[], $3::bigint[]) AS t(run_id, first, last) \
+                 ON e.run_id = t.run_id AND e.seq BETWEEN t.first AND t.last \
+               WHERE e.relayed = 0 FOR UPDATE OF e SKIP LOCKED \
+             ) UPDATE sa_events e SET relayed = 1 FROM s WHERE e.run_id = s.run_id AND e.seq = s.seq",
         )
         .bind(runs)
         .bind(first)
@@ -384,7 +460,19 @@ impl group::Progress for Commits {
                 tx.commit().await?;
             }
             None => {
-                if query.fetch_optional(&self.pool).await?.is_none() {
+                let (mut conn, held) = self.connection().await?;
+                let mut row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
+                self.done(conn, &row);
+                if held && row.as_ref().is_err_and(connection_gone) {
+                    // The kept connection was cut (a restart) before this statement reached
+                    // the database: once more on a tested one.
+                    tracing::debug!(run_id = %lease.run_id, "a committer's connection was gone; committing on a fresh one");
+                    let mut conn = self.pool.acquire().await?;
+                    let query = checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed);
+                    row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
+                    self.done(conn, &row);
+                }
+                if row?.is_none() {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 }
             }
@@ -428,7 +516,8 @@ impl group::Progress for Commits {
                 r.e_data.push(e.data.to_string());
             }
         }
-        let applied: Vec<String> = sqlx::query_scalar(group_sql())
+        let (mut conn, _) = self.connection().await?;
+        let applied: Result<Vec<String>> = sqlx::query_scalar(group_sql())
             .bind(&ids)
             .bind(r.epoch)
             .bind(r.events)
@@ -448,14 +537,21 @@ impl group::Progress for Commits {
             .bind(r.e_type)
             .bind(r.e_data)
             .bind(self.relayed)
-            .fetch_all(&self.pool)
-            .await?;
-        let applied: std::collections::HashSet<String> = applied.into_iter().collect();
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(StoreError::from);
+        // On an error the group's fallback commits each item alone, on a tested connection.
+        self.done(conn, &applied);
+        let applied: std::collections::HashSet<String> = applied?.into_iter().collect();
         Ok(ids.iter().map(|id| applied.contains(id)).collect())
     }
 
     fn announce(&self, run: RunId) {
         self.notifier.notify(run);
+    }
+
+    fn for_committer(&self) -> Self {
+        Commits { held: Some(Default::default()), ..self.clone() }
     }
 }
 

@@ -52,6 +52,13 @@ struct Commits {
     relayed: i64,
 }
 
+impl SqliteStore {
+    /// What the group committer and the renewer need of the store.
+    fn commits(&self) -> Commits {
+        Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() }
+    }
+}
+
 /// How long a pooled connection may sit idle before it is tested on its way out of the pool.
 const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
@@ -296,7 +303,7 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
     }
 
     async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        let commits = Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() };
+        let commits = self.commits();
         self.group.commit(&commits, lease, cp).await
     }
 

@@ -36,6 +36,22 @@ impl Backend {
         }
     }
 
+    /// A second store on the same database, as another process would open it.
+    async fn another(&self) -> Arc<dyn Store> {
+        match &self.jobs {
+            Jobs::Sqlite(_) => Arc::new(SqliteStore::connect(&self.url).await.unwrap()),
+            Jobs::Postgres(_) => Arc::new(PgStore::connect(&self.url).await.unwrap()),
+        }
+    }
+
+    /// Puts every event back in the outbox, as if no relay had taken any.
+    async fn unmark_all_events(&self) {
+        match &self.jobs {
+            Jobs::Sqlite(p) => drop(sqlx::query("UPDATE sa_events SET relayed = 0").execute(p).await.unwrap()),
+            Jobs::Postgres(p) => drop(sqlx::query("UPDATE sa_events SET relayed = 0").execute(p).await.unwrap()),
+        }
+    }
+
     /// Sets a job's apalis status, as a worker fetching (`Queued`) or starting (`Running`) it does.
     async fn set_job_status(&self, job_id: &str, status: &str) {
         let n = match &self.jobs {
@@ -119,6 +135,7 @@ conformance!(
     listing_and_tree_queries,
     a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue,
     the_outbox_marks_what_the_relay_reports_and_nothing_else,
+    relays_marking_the_same_events_at_once_both_succeed,
     a_store_without_a_relay_writes_its_events_as_relayed,
     the_apis_reads_never_wait_for_an_open_write,
 );
@@ -160,6 +177,64 @@ async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
         drop(held);
     }
     s.create_run(new_run(&ThreadId::generate())).await.expect("a start after the connections were dropped");
+}
+
+/// Checkpoints commit through committers that keep a connection between batches instead of
+/// taking a tested one from the pool each time. A restart (here every backend ended with
+/// `pg_terminate_backend`) leaves each committer holding a dead connection: the next checkpoint
+/// of every run, alone or in a group, within the second a kept connection is trusted untested
+/// and after it, must still commit exactly once, with no error reaching the run.
+#[tokio::test]
+async fn postgres_committers_survive_their_kept_connections_being_cut() {
+    use sqlx::Connection;
+    let s = postgres().await;
+    let mut leases = vec![];
+    for _ in 0..12 {
+        leases.push(claimed_run(&s, Duration::from_secs(60)).await);
+    }
+    let mut admin = sqlx::PgConnection::connect(&s.url).await.unwrap();
+    let cp = |round: u32, lease: &Lease| Checkpoint {
+        messages: vec![msg(lease.run_id, &format!("m{round}"))],
+        events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": round})), NewEvent::new(EventKind::StepCompleted, json!({"step": round}))],
+        step: Some(round + 1),
+        ..Default::default()
+    };
+    let mut round = 0;
+    // Alone (one run at a time: each goes to a committer as a batch of one), then all at once
+    // (groups), then alone after the kept connections sat idle past the untested second.
+    for (together, idle) in [(false, 0), (true, 0), (false, 1300), (true, 1300)] {
+        // Every committer busy at once, so each takes (and keeps) a connection.
+        for r in futures::future::join_all(leases.iter().map(|(_, l)| s.checkpoint(l, cp(round, l)))).await {
+            r.unwrap_or_else(|e| panic!("round {round}, before the cut: {e}"));
+        }
+        round += 1;
+        let ended: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid()) AS k",
+        )
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+        assert!(ended > 0, "round {round}: the committers' connections were cut");
+        tokio::time::sleep(Duration::from_millis(100 + idle)).await;
+        if together {
+            for r in futures::future::join_all(leases.iter().map(|(_, l)| s.checkpoint(l, cp(round, l)))).await {
+                r.unwrap_or_else(|e| panic!("round {round}, together after the cut: {e}"));
+            }
+        } else {
+            for (_, l) in &leases {
+                s.checkpoint(l, cp(round, l)).await.unwrap_or_else(|e| panic!("round {round}, alone after the cut: {e}"));
+            }
+        }
+        round += 1;
+    }
+    for (t, lease) in &leases {
+        let keys: Vec<String> = s.thread_messages(t, 100).await.unwrap().iter().map(|m| m.key.rsplit(':').next().unwrap().to_owned()).collect();
+        assert_eq!(keys, (0..round).map(|r| format!("m{r}")).collect::<Vec<_>>(), "each step's message once, in order");
+        let seqs: Vec<u64> = s.events_after(lease.run_id, 0, 1000).await.unwrap().iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (1..=2 + 2 * u64::from(round)).collect::<Vec<u64>>(), "gap-free, and no step's events twice");
+        assert_eq!(s.get_run(lease.run_id).await.unwrap().unwrap().step, round);
+    }
 }
 
 fn new_run(thread: &ThreadId) -> NewRun {
@@ -496,6 +571,35 @@ async fn the_outbox_marks_what_the_relay_reports_and_nothing_else(s: Backend) {
     s.mark_relayed(&[(runs[0], 1, 4)]).await.unwrap();
     assert!(s.unrelayed(100).await.unwrap().is_empty());
     s.mark_relayed(&[]).await.unwrap();
+}
+
+/// Every process with Redis runs a relay, and two relays can mark the same events at once
+/// (both read the outbox before either marked it). Neither may fail: on PostgreSQL two plain
+/// `UPDATE … FROM unnest(…)` statements locking the same rows in opposite orders deadlock, and
+/// one of them is cancelled ("deadlock detected"). Here two stores mark the same ranges over
+/// and over, one in the outbox's order and one in reverse, at the same moment.
+async fn relays_marking_the_same_events_at_once_both_succeed(s: Backend) {
+    let other = s.another().await;
+    let mut runs = vec![];
+    for _ in 0..30 {
+        let (_, lease) = claimed_run(&s, Duration::from_secs(60)).await;
+        let events = (0..62).map(|i| NewEvent::new(EventKind::StepStarted, json!({"step": i}))).collect();
+        s.checkpoint(&lease, Checkpoint { events, ..Default::default() }).await.unwrap();
+        runs.push(lease.run_id);
+    }
+    // Events 1..=64 of each run: queued, started and 62 steps. Each round puts all of them
+    // back in the outbox and both relays mark all of them.
+    let forward: Vec<_> = runs.iter().map(|r| (*r, 1, 64)).collect();
+    let backward: Vec<_> = forward.iter().rev().copied().collect();
+    for round in 0..12 {
+        s.unmark_all_events().await;
+        assert_eq!(s.unrelayed(10_000).await.unwrap().len(), 30 * 64);
+        let (a, b) = tokio::join!(s.mark_relayed(&forward), other.mark_relayed(&backward));
+        a.unwrap_or_else(|e| panic!("round {round}, the first relay: {e}"));
+        b.unwrap_or_else(|e| panic!("round {round}, the second relay: {e}"));
+        let left = s.unrelayed(10_000).await.unwrap();
+        assert!(left.is_empty(), "round {round}: {} events left in the outbox", left.len());
+    }
 }
 
 /// A process without Redis has no relay: whatever writes its events (a start, a claim, a group
