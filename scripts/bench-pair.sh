@@ -6,11 +6,16 @@
 #
 # Each run gets a fresh database (PostgreSQL: `sa_bench` on 127.0.0.1, dropped and created;
 # SQLite: a file in a new temporary directory), a freshly started mock model
-# (`OLD_BIN mock-llm`, its own process, so its CPU is not ours), and a short warm-up. Around the
+# (`$MOCK_BIN mock-llm`, OLD_BIN unless MOCK_BIN is set; its own process, so its CPU is not
+# ours), and a short warm-up. Around the
 # bench it reads the whole machine's busy time (/proc/stat) and the mock's CPU, and the bench's
 # own CPU from /usr/bin/time, and prints one line per run:
 #   steps/s, our CPU per step inside the bench's window and for the whole process, the whole
-#   machine's and the mock's CPU per step, and commit_ratio when --calibrate is given.
+#   machine's and the mock's CPU per step, ours and the machine's divided by the mock's, and
+#   commit_ratio when --calibrate is given.
+# The mock does the same work for every step of two builds that send the same requests, so
+# "ours/mock" cancels most of the machine's drift: over five pairs whose steps/s swung ±20 %,
+# it stayed within ±5 %. It compares builds only while their requests to the model are alike.
 # With --calibrate the whole-process figure includes the calibration: compare the window's.
 #
 # Default bench args: --runs 2000 --steps 5 --concurrency 64 (PostgreSQL) or 32 (SQLite).
@@ -45,6 +50,9 @@ one() {
     if [ "$db" = postgres ]; then
         psql -q -h 127.0.0.1 -U postgres -c "DROP DATABASE IF EXISTS sa_bench" postgres >/dev/null 2>&1
         psql -q -h 127.0.0.1 -U postgres -c "CREATE DATABASE sa_bench" postgres >/dev/null
+        # The previous run's dirty pages written out now, not during this run: without it the
+        # second run of every pair was the slower, whichever build it was.
+        psql -q -h 127.0.0.1 -U postgres -c "CHECKPOINT" postgres >/dev/null
         dsn=postgres://postgres@127.0.0.1/sa_bench
     else
         rm -rf "$work/db" && mkdir -p "$work/db"
@@ -52,7 +60,7 @@ one() {
     fi
     pkill -f "mock-llm --port $port" 2>/dev/null || true
     sleep 0.2
-    "$old" mock-llm --port $port >/dev/null 2>&1 &
+    "${MOCK_BIN:-$old}" mock-llm --port $port >/dev/null 2>&1 &
     local mock=$!
     sleep 0.5
     "$bin" bench --runs 2 --steps 2 --concurrency 2 --base-url "http://127.0.0.1:$port/v1" --dsn "$dsn" >/dev/null 2>&1
@@ -70,7 +78,9 @@ n = j["steps"]
 ratio = j.get("commit_ratio")
 print(f"{bin_}: ok={j['ok']} steps/s {j['steps_per_s']:.0f}  ours(window) {j['cpu_ms_per_step']:.3f} ms"
       f"  ours(whole) {(u + s) * 1000 / n:.3f} ms  machine {(b1 - b0) * 10 / n:.3f} ms"
-      f"  mock {(m1 - m0) * 10 / n:.3f} ms" + (f"  commits/s {j['commits_per_s']:.0f}  ratio {ratio:.3f}" if ratio else ""))
+      f"  mock {(m1 - m0) * 10 / n:.3f} ms  ours/mock {(u + s) * 100 / max(m1 - m0, 1):.2f}"
+      f"  machine/mock {(b1 - b0) / max(m1 - m0, 1):.2f}"
+      + (f"  commits/s {j['commits_per_s']:.0f}  ratio {ratio:.3f}" if ratio else ""))
 PY
 }
 

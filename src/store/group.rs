@@ -58,7 +58,9 @@ pub(crate) struct GroupCommit {
 }
 
 impl GroupCommit {
-    /// `committers` transactions may be under way at once (1 for SQLite's single writer).
+    /// `committers` transactions may be under way at once (one on both backends: SQLite has a
+    /// single writer, and on PostgreSQL one committer makes the largest batches; see
+    /// `postgres::COMMITTERS`).
     pub(crate) fn new(committers: usize) -> Self {
         GroupCommit { committers: committers.max(1), queue: OnceLock::new() }
     }
