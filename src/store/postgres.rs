@@ -362,11 +362,28 @@ impl PgStore {
     }
 }
 
+/// The fence of a run's end that tells nobody: the run has no parent (no `child.finished` to
+/// write), no run waits on it and it waits on none (no wake-up, no waits to drop), and no
+/// attached child of it is still going (none to cancel). What [`REACH_COLUMNS`] and the parent
+/// column report after the fact, asked before, in the same snapshot.
+const ENDS_ALONE: &str = " AND parent_run_id IS NULL \
+    AND NOT EXISTS (SELECT 1 FROM sa_run_waits w WHERE w.target = sa_runs.id OR w.waiter = sa_runs.id) \
+    AND NOT EXISTS (SELECT 1 FROM sa_runs c WHERE c.parent_run_id = sa_runs.id AND c.detached = 0 AND c.status IN ('queued','running','waiting'))";
+
 /// One checkpoint as one statement (so one round trip, and alone one implicit transaction):
 /// the fenced UPDATE of the run row (which also locks it and reserves the event seqs), the
 /// messages and the events, as data-modifying CTEs that all see the fence's RETURNING row. If
 /// the fence matches nothing, nothing is inserted and no row comes back: the lease is lost.
-fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>, relayed: i64) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+///
+/// `only_if` narrows the fence further (SQL appended to its `WHERE`; see [`ENDS_ALONE`]).
+fn checkpoint_query<'q>(
+    lease: &Lease,
+    cp: &Checkpoint,
+    ff: FenceFields,
+    now: DateTime<Utc>,
+    relayed: i64,
+    only_if: &str,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     let (guard, reach_columns) = (ff.guard, ff.reach_columns);
     let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
     let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
@@ -383,7 +400,7 @@ fn checkpoint_query<'q>(lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: Da
            error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
            finished_at = COALESCE($12, finished_at), \
            cancel_requested = CASE WHEN $5::text IS NULL THEN cancel_requested ELSE 0 END \
-           WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns} \
+           WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){only_if} RETURNING event_seq, thread_id, parent_run_id{reach_columns} \
          ), m AS ( \
            INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
            SELECT f.thread_id, $13, x.step, x.role, x.key, x.body, $7 \
@@ -468,11 +485,20 @@ impl group::Progress for Commits {
         let now = Utc::now();
         let ff = cp.fence_fields(now);
         let status = ff.status;
-        let query = checkpoint_query(&lease, &cp, ff, now, self.relayed);
         match status {
             // A terminal checkpoint adds its effects on the parent and the waiters in the same
-            // transaction.
+            // transaction. Most runs' ends have none (a top-level run nobody awaits, without
+            // children still going): those end in the one statement, fenced on having none,
+            // without a transaction around it (two statements and two round trips fewer per
+            // run). Any other end, and a lost lease, match nothing there and take the
+            // transaction, which finds out again what to do.
             Some(status) => {
+                let alone = checkpoint_query(&lease, &cp, ff, now, self.relayed, ENDS_ALONE);
+                if alone.fetch_optional(&self.pool).await?.is_some() {
+                    self.notifier.notify(lease.run_id);
+                    return Ok(());
+                }
+                let query = checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
                 let mut tx = self.pool.begin().await?;
                 let Some(row) = query.fetch_optional(&mut *tx).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
                 let thread: String = row.get(1);
@@ -482,6 +508,7 @@ impl group::Progress for Commits {
                 tx.commit().await?;
             }
             None => {
+                let query = checkpoint_query(&lease, &cp, ff, now, self.relayed, "");
                 let (mut conn, held) = self.connection().await?;
                 let mut row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
                 self.done(conn, &row);
@@ -490,7 +517,7 @@ impl group::Progress for Commits {
                     // the database: once more on a tested one.
                     tracing::debug!(run_id = %lease.run_id, "a committer's connection was gone; committing on a fresh one");
                     let mut conn = self.pool.acquire().await?;
-                    let query = checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed);
+                    let query = checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
                     row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
                     self.done(conn, &row);
                 }
