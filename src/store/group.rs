@@ -33,6 +33,13 @@ pub(crate) trait Progress: Clone + Send + Sync + 'static {
     /// Commits non-terminal checkpoints in one transaction; `false` where an item's lease was
     /// gone (that item wrote nothing). An error means nothing committed.
     fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> impl Future<Output = Result<Vec<bool>>> + Send;
+    /// Commits alone a checkpoint whose earlier commit failed in a way that can hide success:
+    /// the database committed, then the connection broke before the answer came back. Committing
+    /// it again would write its events twice (its messages are idempotent by key), so a backend
+    /// that can tell a checkpoint landed answers it done instead. The default cannot tell.
+    fn recommit_one(&self, lease: Lease, cp: Checkpoint) -> impl Future<Output = Result<()>> + Send {
+        self.commit_one(lease, cp)
+    }
     /// Tells this process's waiters that `run` changed.
     fn announce(&self, run: RunId);
     /// The backend as one committer task uses it. A committer commits one transaction at a
@@ -127,12 +134,12 @@ async fn committer<P: Progress>(backend: P, queue: std::sync::Arc<Mutex<mpsc::Un
                 }
             }
             Err(e) => {
-                // Nothing committed (a deadlock, a lost connection): each item alone, so one
-                // item's trouble is its own.
+                // Nothing committed (a deadlock), or, when the connection broke, possibly
+                // everything: each item alone, unless it landed, so one item's trouble is its own.
                 tracing::warn!(error = %e, size = items.len(), "a group commit failed; committing its items one by one");
                 metrics::counter!("subagents_group_commit_fallbacks_total").increment(1);
                 for (reply, (lease, cp)) in replies.into_iter().zip(items) {
-                    let _ = reply.send(backend.commit_one(lease, cp).await);
+                    let _ = reply.send(backend.recommit_one(lease, cp).await);
                 }
             }
         }
@@ -218,5 +225,79 @@ async fn renewer<B: Renewals>(backend: B, mut rx: mpsc::UnboundedReceiver<Renewa
             let answer = backend.renew_many(std::slice::from_ref(&r.lease)).await.map(|mut v| v.pop().flatten());
             let _ = r.reply.send(answer);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex as StdMutex};
+
+    use super::*;
+    use crate::model::Message;
+    use crate::store::{NewEvent, NewMessage};
+
+    /// A backend whose group commits land and then report an error, as when the connection
+    /// breaks between the database's commit and its answer; it keeps every event it wrote.
+    #[derive(Clone, Default)]
+    struct LostAnswers {
+        events: Arc<StdMutex<HashMap<RunId, Vec<String>>>>,
+        keys: Arc<StdMutex<Vec<String>>>,
+    }
+
+    impl LostAnswers {
+        fn write(&self, lease: &Lease, cp: &Checkpoint) {
+            let mut keys = self.keys.lock().unwrap();
+            for m in &cp.messages {
+                if !keys.contains(&m.key) {
+                    keys.push(m.key.clone());
+                }
+            }
+            let mut events = self.events.lock().unwrap();
+            events.entry(lease.run_id).or_default().extend(cp.events.iter().map(|e| e.kind.as_str().to_owned()));
+        }
+    }
+
+    impl Progress for LostAnswers {
+        async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+            self.write(&lease, &cp);
+            Ok(())
+        }
+        async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<bool>> {
+            for (lease, cp) in items {
+                self.write(lease, cp);
+            }
+            Err(StoreError::Db(sqlx::Error::Io(std::io::Error::other("connection reset after the commit"))))
+        }
+        async fn recommit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+            // What PostgreSQL's does: a checkpoint whose first message is there has landed.
+            let landed = cp.messages.first().is_some_and(|m| self.keys.lock().unwrap().contains(&m.key));
+            if landed { Ok(()) } else { self.commit_one(lease, cp).await }
+        }
+        fn announce(&self, _run: RunId) {}
+    }
+
+    /// A group whose commit landed but answered an error is not written a second time by the
+    /// item-by-item fallback: every run's events appear once.
+    #[tokio::test]
+    async fn a_group_that_landed_without_an_answer_is_not_written_twice() {
+        let backend = LostAnswers::default();
+        let group = GroupCommit::new(1);
+        let leases: Vec<Lease> =
+            (0..20).map(|_| Lease { run_id: RunId::new(), epoch: 1, owner: "w".into(), ttl: std::time::Duration::from_secs(30) }).collect();
+        let commits = leases.iter().map(|lease| {
+            let cp = Checkpoint {
+                messages: vec![NewMessage { step: 1, key: format!("{}:1:assistant", lease.run_id), message: Message::User { content: "x".into() } }],
+                events: vec![NewEvent::new(crate::store::EventKind::StepCompleted, serde_json::json!({}))],
+                ..Default::default()
+            };
+            group.commit(&backend, lease, cp)
+        });
+        for r in futures::future::join_all(commits).await {
+            r.expect("every caller hears its checkpoint is durable");
+        }
+        let events = backend.events.lock().unwrap();
+        assert!(events.values().all(|e| e.len() == 1), "a checkpoint's events written twice: {events:?}");
+        assert_eq!(events.len(), 20);
     }
 }

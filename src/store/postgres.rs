@@ -513,9 +513,13 @@ impl group::Progress for Commits {
                 let mut row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
                 self.done(conn, &row);
                 if held && row.as_ref().is_err_and(connection_gone) {
-                    // The kept connection was cut (a restart) before this statement reached
-                    // the database: once more on a tested one.
+                    // The kept connection was cut (a restart): once more on a tested one,
+                    // unless the statement had committed before the cut.
                     tracing::debug!(run_id = %lease.run_id, "a committer's connection was gone; committing on a fresh one");
+                    if self.landed(&lease, &cp).await? {
+                        self.notifier.notify(lease.run_id);
+                        return Ok(());
+                    }
                     let mut conn = self.pool.acquire().await?;
                     let query = checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
                     row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
@@ -601,6 +605,30 @@ impl group::Progress for Commits {
 
     fn for_committer(&self) -> Self {
         Commits { held: Some(Default::default()), ..self.clone() }
+    }
+
+    async fn recommit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+        if self.landed(&lease, &cp).await? {
+            self.notifier.notify(lease.run_id);
+            return Ok(());
+        }
+        self.commit_one(lease, cp).await
+    }
+}
+
+impl Commits {
+    /// Whether a progress checkpoint whose commit went unanswered is in the database. Its
+    /// messages and events commit in one statement, and the engine never appends a message it
+    /// has committed (a replay reads them first), so its first message's key being there for
+    /// this run means the whole checkpoint landed. A checkpoint of events alone cannot be told,
+    /// and is committed again.
+    async fn landed(&self, lease: &Lease, cp: &Checkpoint) -> Result<bool> {
+        let Some(first) = cp.messages.first() else { return Ok(false) };
+        Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM sa_messages WHERE key = $1 AND run_id = $2)")
+            .bind(&first.key)
+            .bind(lease.run_id.to_string())
+            .fetch_one(&self.pool)
+            .await?)
     }
 }
 
