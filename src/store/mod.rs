@@ -146,6 +146,21 @@ macro_rules! row_mappers {
     };
 }
 
+/// The two questions a run's end asks of the database, as SQL literals so constants can be
+/// built from them: is some wait row about the run (someone waits on it, or it waited on
+/// someone), and has it an attached child still going. [`REACH_COLUMNS`] asks them after the
+/// fence, PostgreSQL's `ENDS_ALONE` before it; one text keeps the two asking the same thing.
+macro_rules! reach_waits {
+    () => {
+        "EXISTS (SELECT 1 FROM sa_run_waits w WHERE w.target = sa_runs.id OR w.waiter = sa_runs.id)"
+    };
+}
+macro_rules! reach_children {
+    () => {
+        "EXISTS (SELECT 1 FROM sa_runs c WHERE c.parent_run_id = sa_runs.id AND c.detached = 0 AND c.status IN ('queued','running','waiting'))"
+    };
+}
+
 #[macro_use]
 mod common;
 mod group;
@@ -967,8 +982,7 @@ impl Reach {
 }
 
 /// The extra columns a terminal fence returns: what [`Reach`] is read from.
-pub(crate) const REACH_COLUMNS: &str = ", EXISTS (SELECT 1 FROM sa_run_waits w WHERE w.target = sa_runs.id OR w.waiter = sa_runs.id), \
-    EXISTS (SELECT 1 FROM sa_runs c WHERE c.parent_run_id = sa_runs.id AND c.detached = 0 AND c.status IN ('queued','running','waiting'))";
+pub(crate) const REACH_COLUMNS: &str = concat!(", ", reach_waits!(), ", ", reach_children!());
 
 /// What a checkpoint's fenced `UPDATE` writes besides the counters: the terminal columns (if
 /// it finishes the run) and the status guard its transition allows. Both backends bind these

@@ -366,9 +366,7 @@ impl PgStore {
 /// write), no run waits on it and it waits on none (no wake-up, no waits to drop), and no
 /// attached child of it is still going (none to cancel). What [`REACH_COLUMNS`] and the parent
 /// column report after the fact, asked before, in the same snapshot.
-const ENDS_ALONE: &str = " AND parent_run_id IS NULL \
-    AND NOT EXISTS (SELECT 1 FROM sa_run_waits w WHERE w.target = sa_runs.id OR w.waiter = sa_runs.id) \
-    AND NOT EXISTS (SELECT 1 FROM sa_runs c WHERE c.parent_run_id = sa_runs.id AND c.detached = 0 AND c.status IN ('queued','running','waiting'))";
+const ENDS_ALONE: &str = concat!(" AND parent_run_id IS NULL AND NOT ", reach_waits!(), " AND NOT ", reach_children!());
 
 /// One checkpoint as one statement (so one round trip, and alone one implicit transaction):
 /// the fenced UPDATE of the run row (which also locks it and reserves the event seqs), the

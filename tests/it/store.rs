@@ -160,13 +160,7 @@ async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
     tokio::time::sleep(Duration::from_millis(1200)).await;
     // Another session ends every backend of this database but its own, as a restart would.
     let mut admin = sqlx::PgConnection::connect(&s.url).await.unwrap();
-    let ended: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()) AS k",
-    )
-    .fetch_one(&mut admin)
-    .await
-    .unwrap();
+    let ended = end_every_backend(&mut admin).await;
     assert!(ended >= idle as i64, "ended {ended} of {idle} idle connections");
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Every idle connection is dead; each use meets one of them first, and still answers.
@@ -177,6 +171,17 @@ async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
         drop(held);
     }
     s.create_run(new_run(&ThreadId::generate())).await.expect("a start after the connections were dropped");
+}
+
+/// Ends every backend of this database but `admin`'s own, as a restart would; how many.
+async fn end_every_backend(admin: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()) AS k",
+    )
+    .fetch_one(admin)
+    .await
+    .unwrap()
 }
 
 /// Checkpoints commit through committers that keep a connection between batches instead of
@@ -208,13 +213,7 @@ async fn postgres_committers_survive_their_kept_connections_being_cut() {
             r.unwrap_or_else(|e| panic!("round {round}, before the cut: {e}"));
         }
         round += 1;
-        let ended: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE datname = current_database() AND pid <> pg_backend_pid()) AS k",
-        )
-        .fetch_one(&mut admin)
-        .await
-        .unwrap();
+        let ended = end_every_backend(&mut admin).await;
         assert!(ended > 0, "round {round}: the committers' connections were cut");
         tokio::time::sleep(Duration::from_millis(100 + idle)).await;
         if together {
