@@ -228,6 +228,8 @@ impl App {
                     settings: Arc::new(crate::policy::load_settings(&settings.settings_file).map_err(OpenError::Config)?),
                     approval_timeout: Duration::from_secs(settings.approval_timeout_secs.clamp(1, 30 * 86_400)),
                     http: reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build().expect("reqwest client with static settings"),
+                    hook_cwd: settings.hook_cwd.clone(),
+                    hook_env_pass: settings.hook_env.iter().map(|v| v.trim().to_owned()).filter(|v| !v.is_empty()).collect(),
                 },
                 mcp: Arc::new(Self::mcp_hub(&settings, &agents)?),
                 rate_limits: crate::engine::RateLimits {

@@ -173,6 +173,9 @@ pub fn main() -> ExitCode {
         _ => "warn",
     };
     crate::telemetry::init(default_log);
+    // The settings are read: take the secrets out of what the process's children could read,
+    // before any thread starts.
+    crate::secrets::protect();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     let code = match rt.block_on(dispatch(cli)) {
         Ok(code) => code,

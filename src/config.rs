@@ -183,8 +183,9 @@ pub struct Settings {
     pub redis_retention_secs: u64,
 
     /// Offer the `bash` tool (to agents that list it). A shell is not confined to the
-    /// workspace the way the file tools are: enable it only where agents may run commands.
-    #[arg(long, env = "SUBAGENTS_ALLOW_BASH", default_value_t = false, global = true)]
+    /// workspace the way the file tools are: enable it only where agents may run commands (see
+    /// docs/security.md). The variable takes 1/0, true/false, yes/no, on/off.
+    #[arg(long, env = "SUBAGENTS_ALLOW_BASH", default_value_t = false, global = true, value_parser = clap::builder::BoolishValueParser::new())]
     pub allow_bash: bool,
 
     /// Hosts `web_fetch` may reach even though they resolve to a private or local address
@@ -206,6 +207,18 @@ pub struct Settings {
     /// entry use the default model.
     #[arg(long, env = "SUBAGENTS_MODEL_ALIASES", default_value = "", global = true)]
     pub model_aliases: String,
+
+    /// The directory command hooks run in. Default: the owner's workspace (as Claude Code runs
+    /// them in the project), which the model writes; point it elsewhere for hooks that need not
+    /// look at the workspace (they still get `CLAUDE_PROJECT_DIR`).
+    #[arg(long, env = "SUBAGENTS_HOOK_CWD", global = true)]
+    pub hook_cwd: Option<PathBuf>,
+
+    /// Names of variables of the worker's environment that command hooks get, comma-separated.
+    /// Hooks otherwise get only PATH, HOME, LANG and a few other harmless variables, never the
+    /// worker's keys.
+    #[arg(long, env = "SUBAGENTS_HOOK_ENV", value_delimiter = ',', global = true)]
+    pub hook_env: Vec<String>,
 
     /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
     #[arg(long, env = "SUBAGENTS_TOOL_JOURNAL", global = true)]

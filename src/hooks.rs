@@ -1,5 +1,5 @@
 //! Running hooks, as Claude Code does: a command hook gets the event's JSON on stdin, runs in the
-//! owner's workspace, and answers by its exit code (0 go on, 2 block with stderr as the reason,
+//! owner's workspace (or the directory the operator chose), and answers by its exit code (0 go on, 2 block with stderr as the reason,
 //! anything else a logged error that blocks nothing) and optionally JSON on stdout
 //! (`permissionDecision`, `permissionDecisionReason`, `updatedInput`, `additionalContext`, or the
 //! older `decision: "block"` with `reason`); an http hook gets the same JSON POSTed and answers
@@ -7,8 +7,15 @@
 //!
 //! Which hooks run: those of the event whose matcher (an anchored pattern) fits the tool's name,
 //! ours (`bash`) or Claude Code's (`Bash`), from the settings file first, then the agent's.
+//!
+//! A hook is the operator's code, but the workspace it starts in is written by the model. So a
+//! command hook never gets the worker's environment: only the harmless variables of
+//! [`crate::procs::child_env`], `CLAUDE_PROJECT_DIR`, and the variables the operator names
+//! ([`HookEnv`]); git's per-repository settings that run programs (`core.fsmonitor`,
+//! `core.hooksPath`, pagers, editors, credential helpers, `.gitattributes` filters) are
+//! overridden; and it keeps no capabilities ([`crate::procs::confine`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use serde_json::{Value, json};
@@ -80,14 +87,59 @@ pub fn matching<'a>(configs: &[&'a HookConfig], event: HookEvent, tool: Option<&
     out
 }
 
-/// Runs `hooks` in order with `input` (the event's JSON), in `cwd`. A rewritten input is passed
-/// on to the next hook; a block or a deny stops the chain.
-pub async fn run(hooks: &[&Hook], mut input: Value, cwd: &Path, http: &reqwest::Client) -> Outcome {
+/// Where and with what a command hook runs.
+#[derive(Clone, Debug)]
+pub struct HookEnv {
+    /// Its working directory.
+    pub cwd: PathBuf,
+    /// Its whole environment.
+    pub vars: Vec<(String, String)>,
+}
+
+/// Settings that neutralise what a repository's own configuration would make git run: a hook
+/// that calls `git status` in a workspace whose `.git/config` the model wrote must not run the
+/// model's program.
+const GIT_OVERRIDES: &[(&str, &str)] = &[
+    ("core.fsmonitor", "false"),
+    ("core.hooksPath", "/dev/null"),
+    ("core.pager", "cat"),
+    ("core.editor", "true"),
+    ("core.askPass", ""),
+    ("core.sshCommand", "ssh"),
+    ("core.gitProxy", ""),
+    ("credential.helper", ""),
+    ("sequence.editor", "true"),
+    ("protocol.ext.allow", "never"),
+    ("gpg.program", "gpg"),
+];
+
+impl HookEnv {
+    /// A hook's environment for a run whose workspace is `workspace`: the harmless variables,
+    /// `CLAUDE_PROJECT_DIR`, the operator's `pass` variables (their values from the worker's
+    /// start), and git's overrides; it runs in `cwd` (default: the workspace).
+    pub fn new(workspace: &Path, cwd: Option<&Path>, pass: &[String]) -> HookEnv {
+        let mut extra: Vec<(String, String)> = vec![("CLAUDE_PROJECT_DIR".into(), workspace.display().to_string())];
+        extra.extend(pass.iter().filter_map(|k| crate::secrets::var(k).map(|v| (k.clone(), v))));
+        extra.push(("GIT_CONFIG_COUNT".into(), GIT_OVERRIDES.len().to_string()));
+        for (i, (k, v)) in GIT_OVERRIDES.iter().enumerate() {
+            extra.push((format!("GIT_CONFIG_KEY_{i}"), (*k).into()));
+            extra.push((format!("GIT_CONFIG_VALUE_{i}"), (*v).into()));
+        }
+        // Attributes (and so filter drivers) from the empty tree, not the working tree.
+        extra.push(("GIT_ATTR_SOURCE".into(), "4b825dc642cb6eb9a060e54bf8d69288fbee4904".into()));
+        extra.push(("GIT_TERMINAL_PROMPT".into(), "0".into()));
+        HookEnv { cwd: cwd.unwrap_or(workspace).to_owned(), vars: crate::procs::child_env(&extra) }
+    }
+}
+
+/// Runs `hooks` in order with `input` (the event's JSON), in `env`. A rewritten input is
+/// passed on to the next hook; a block or a deny stops the chain.
+pub async fn run(hooks: &[&Hook], mut input: Value, env: &HookEnv, http: &reqwest::Client) -> Outcome {
     let mut out = Outcome::default();
     for hook in hooks {
         out.ran += 1;
         let answer = match &hook.kind {
-            HookKind::Command(cmd) => run_command(cmd, hook.timeout, &input, cwd).await,
+            HookKind::Command(cmd) => run_command(cmd, hook.timeout, &input, env).await,
             HookKind::Http(url) => run_http(url, hook.timeout, &input, http).await,
         };
         match answer {
@@ -140,21 +192,24 @@ enum Answer {
     Error(String),
 }
 
-async fn run_command(cmd: &str, timeout: std::time::Duration, input: &Value, cwd: &Path) -> Answer {
-    if let Err(e) = std::fs::create_dir_all(cwd) {
-        return Answer::Error(format!("hook `{cmd}`: workspace {}: {e}", cwd.display()));
+async fn run_command(cmd: &str, timeout: std::time::Duration, input: &Value, env: &HookEnv) -> Answer {
+    if let Err(e) = std::fs::create_dir_all(&env.cwd) {
+        return Answer::Error(format!("hook `{cmd}`: directory {}: {e}", env.cwd.display()));
     }
-    let child = tokio::process::Command::new("bash")
+    let mut command = tokio::process::Command::new("bash");
+    command
         .arg("-c")
         .arg(cmd)
-        .current_dir(cwd)
-        .env("CLAUDE_PROJECT_DIR", cwd)
+        .current_dir(&env.cwd)
+        .env_clear()
+        .envs(env.vars.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
-        .kill_on_drop(true)
-        .spawn();
+        .kill_on_drop(true);
+    crate::procs::confine(&mut command);
+    let child = command.spawn();
     let mut child = match child {
         Ok(c) => c,
         Err(e) => return Answer::Error(format!("hook `{cmd}` could not start: {e}")),
@@ -245,9 +300,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let http = reqwest::Client::new();
         let input = json!({"tool_name": "bash", "tool_input": {"command": "ls"}});
+        let env = HookEnv::new(dir.path(), None, &[]);
         let run1 = |h: Hook| {
-            let (input, http, dir) = (input.clone(), http.clone(), dir.path().to_owned());
-            async move { run(&[&h], input, &dir, &http).await }
+            let (input, http, env) = (input.clone(), http.clone(), env.clone());
+            async move { run(&[&h], input, &env, &http).await }
         };
         assert_eq!(run1(hook("cat > /dev/null; exit 0")).await, Outcome { ran: 1, ..Default::default() });
         let o = run1(hook("echo 'no rm here' >&2; exit 2")).await;
@@ -272,7 +328,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let h = Hook { kind: HookKind::Command("sleep 30 & sleep 30".into()), timeout: Duration::from_millis(300) };
         let t0 = std::time::Instant::now();
-        let o = run(&[&h], json!({}), dir.path(), &reqwest::Client::new()).await;
+        let o = run(&[&h], json!({}), &HookEnv::new(dir.path(), None, &[]), &reqwest::Client::new()).await;
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert!(o.errors[0].contains("was killed"), "{o:?}");
     }

@@ -43,6 +43,7 @@ pub mod procs;
 pub mod queue;
 pub mod relay;
 pub mod runs;
+pub mod secrets;
 pub mod store;
 pub mod telemetry;
 pub mod tools;

@@ -44,7 +44,9 @@ pub enum ServerConfig {
 /// Servers by name.
 pub type Servers = BTreeMap<String, ServerConfig>;
 
-/// Expands `${VAR}` and `${VAR:-default}` from the environment, as Claude Code does.
+/// Expands `${VAR}` and `${VAR:-default}` from the environment the process started with, as
+/// Claude Code does (secrets included: they were taken out of the live environment, see
+/// [`crate::secrets`]).
 pub fn expand(s: &str) -> Result<String, String> {
     let mut out = String::new();
     let mut rest = s;
@@ -57,10 +59,10 @@ pub fn expand(s: &str) -> Result<String, String> {
             Some((n, d)) => (n, Some(d)),
             None => (inner, None),
         };
-        match (std::env::var(name), default) {
-            (Ok(v), _) => out.push_str(&v),
-            (Err(_), Some(d)) => out.push_str(d),
-            (Err(_), None) => return Err(format!("`{s}` uses ${{{name}}}, which is not set (give a default with ${{{name}:-…}})")),
+        match (crate::secrets::var(name), default) {
+            (Some(v), _) => out.push_str(&v),
+            (None, Some(d)) => out.push_str(d),
+            (None, None) => return Err(format!("`{s}` uses ${{{name}}}, which is not set (give a default with ${{{name}:-…}})")),
         }
         rest = &after[end + 1..];
     }
@@ -237,8 +239,12 @@ impl Hub {
         let start = async {
             let service = match config {
                 ServerConfig::Stdio { command, args, env } => {
+                    // The server gets its declared `env` and the harmless variables, never the
+                    // worker's environment, and keeps no capabilities.
                     let mut cmd = tokio::process::Command::new(command);
-                    cmd.args(args).envs(env).kill_on_drop(true);
+                    let declared: Vec<(String, String)> = env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                    cmd.args(args).env_clear().envs(crate::procs::child_env(&declared)).kill_on_drop(true);
+                    crate::procs::confine(&mut cmd);
                     let (transport, _stderr) = rmcp::transport::TokioChildProcess::builder(cmd)
                         .stderr(std::process::Stdio::null())
                         .spawn()

@@ -80,6 +80,9 @@ pub enum StartError {
         /// Actual size.
         got: usize,
     },
+    /// The input holds a NUL character, which no database text can store.
+    #[error("the input holds a NUL character (\\u0000), which cannot be stored; remove it")]
+    NulCharacter,
     /// A limit override out of range.
     #[error("{0}")]
     BadLimit(String),
@@ -98,6 +101,7 @@ impl StartError {
             StartError::UnknownAgent { .. } => "unknown_agent",
             StartError::EmptyInput => "empty_input",
             StartError::InputTooLarge { .. } => "input_too_large",
+            StartError::NulCharacter => "nul_character",
             StartError::BadLimit(_) => "bad_limit",
             StartError::NotRetryable(_) => "not_retryable",
             StartError::Store(StoreError::Busy { .. }) => "thread_busy",
@@ -123,6 +127,9 @@ pub async fn start_run(
     }
     if req.input.len() > max_input_bytes {
         return Err(StartError::InputTooLarge { limit: max_input_bytes, got: req.input.len() });
+    }
+    if req.input.contains('\0') {
+        return Err(StartError::NulCharacter);
     }
     let max_steps = req.max_steps.unwrap_or(agent.max_steps);
     if max_steps == 0 || max_steps > 10_000 {

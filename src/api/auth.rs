@@ -99,7 +99,7 @@ impl Keys {
                     _ => return Err(format!("{}:{}: `{extra}` is not one of concurrency=N, rpm=N, tpm=N, admin", path.display(), i + 1)),
                 }
             }
-            if hex.len() != 64 {
+            if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(bad());
             }
             let mut h = [0u8; 32];
@@ -160,6 +160,8 @@ mod tests {
             (format!("acme {hex} concurrency=0"), "N from 1 to 100000"),
             (format!("acme {hex} burst=3"), "is not one of concurrency=N, rpm=N, tpm=N, admin"),
             (format!("acme {hex} admin=yes"), "is not one of"),
+            (format!("acme {}aéb", "ab".repeat(30)), "expected `owner <sha256 hex of the key>"),
+            (format!("acme {}", "zz".repeat(32)), "expected `owner <sha256 hex of the key>"),
         ] {
             std::fs::write(&path, &line).unwrap();
             let err = Keys::default().add_file(&path).unwrap_err();

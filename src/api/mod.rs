@@ -43,14 +43,47 @@ pub struct ApiState {
     pub views: Arc<crate::notify::SharedReads<crate::ids::RunId, axum::body::Bytes>>,
 }
 
-/// `Json` whose rejections become [`ApiError`]s with stable codes.
+/// `Json` whose rejections become [`ApiError`]s with stable codes. A body that holds a NUL
+/// character (`\u0000`) anywhere is refused (422 `nul_character`): no database text can store
+/// it, and a request that can never be stored must not look like a passing outage.
 pub struct ApiJson<T>(pub T);
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        axum::Json::<T>::from_request(req, state).await.map(|j| ApiJson(j.0)).map_err(ApiError::from)
+        if !json_content_type(req.headers()) {
+            return Err(ApiError::new(axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", "send the body as JSON with Content-Type: application/json"));
+        }
+        let bytes = axum::body::Bytes::from_request(req, state).await.map_err(|e| ApiError::from(axum::extract::rejection::JsonRejection::from(e)))?;
+        if holds_nul_escape(&bytes) {
+            return Err(ApiError::new(
+                axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+                "nul_character",
+                "the request holds a NUL character (\\u0000), which cannot be stored; remove it and send the request again",
+            ));
+        }
+        axum::Json::<T>::from_bytes(&bytes).map(|j| ApiJson(j.0)).map_err(ApiError::from)
     }
+}
+
+/// Whether the request says its body is JSON (`application/json` or `…+json`), as axum's
+/// `Json` requires.
+fn json_content_type(headers: &axum::http::HeaderMap) -> bool {
+    let Some(ct) = headers.get(axum::http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else { return false };
+    let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let Some((kind, sub)) = essence.split_once('/') else { return false };
+    kind == "application" && (sub == "json" || sub.ends_with("+json"))
+}
+
+/// Whether JSON text holds the escape `\u0000` (not a literal backslash followed by `u0000`).
+fn holds_nul_escape(body: &[u8]) -> bool {
+    let needle = b"u0000";
+    body.windows(needle.len()).enumerate().any(|(i, w)| {
+        w == needle && {
+            let slashes = body[..i].iter().rev().take_while(|b| **b == b'\\').count();
+            slashes % 2 == 1
+        }
+    })
 }
 
 /// `Query` whose rejections become [`ApiError`]s.

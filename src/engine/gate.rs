@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::{Engine, Stop};
-use crate::agents::AgentDef;
+use crate::agents::{AgentDef, AgentRegistry};
 use crate::delegation::Wait;
 use crate::hooks::{self, HookDecision};
 use crate::model::ToolCall;
@@ -30,11 +30,22 @@ pub struct PolicySettings {
     pub approval_timeout: Duration,
     /// For http hooks.
     pub http: reqwest::Client,
+    /// Where command hooks run (`SUBAGENTS_HOOK_CWD`); `None`: the owner's workspace.
+    pub hook_cwd: Option<std::path::PathBuf>,
+    /// Variables of the worker's environment that command hooks get (`SUBAGENTS_HOOK_ENV`).
+    pub hook_env_pass: Vec<String>,
 }
 
 impl Default for PolicySettings {
     fn default() -> Self {
-        Self { settings: Arc::default(), approval_timeout: Duration::from_secs(86_400), http: reqwest::Client::new() }
+        Self { settings: Arc::default(), approval_timeout: Duration::from_secs(86_400), http: reqwest::Client::new(), hook_cwd: None, hook_env_pass: vec![] }
+    }
+}
+
+impl PolicySettings {
+    /// Where and with what a command hook of a run in `workspace` runs.
+    pub fn hook_env(&self, workspace: &Path) -> hooks::HookEnv {
+        hooks::HookEnv::new(workspace, self.hook_cwd.as_deref(), &self.hook_env_pass)
     }
 }
 
@@ -67,15 +78,16 @@ impl Engine {
         let input: Value = serde_json::from_str(&call.function.arguments).unwrap_or_else(|_| json!({}));
         let configs = self.hook_configs(agent);
         let pre = hooks::matching(&configs, HookEvent::PreToolUse, Some(tool));
+        let chain = self.rule_chain(run).await?;
         // No hook to ask and the rules allow it: configuration alone decides, the same way on
         // a replay, so there is nothing to look up or commit (a read and a commit per call
         // saved). A call that an approver answered is asked again by these rules, so it still
         // finds its committed answer below.
-        if pre.is_empty() && matches!(self.rules_verdict(run, agent, tool, &input).await?, Verdict::Allow) {
+        if pre.is_empty() && matches!(chain.verdict(tool, &input, workspace), Verdict::Allow) {
             return Ok(Gate::Run { arguments: call.function.arguments.clone(), context: vec![] });
         }
         if let Some(decided) = self.store.tool_decision(key).await? {
-            return self.apply(&decided, call).await;
+            return self.apply(&decided, call, &chain, workspace).await;
         }
         let outcome = if pre.is_empty() {
             hooks::Outcome::default()
@@ -86,7 +98,7 @@ impl Engine {
                 workspace,
                 json!({"tool_name": hooks::claude_name(tool), "subagents_tool": tool, "tool_use_id": call.id, "tool_input": input}),
             );
-            hooks::run(&pre, payload, workspace, &self.settings.policy.http).await
+            hooks::run(&pre, payload, &self.settings.policy.hook_env(workspace), &self.settings.policy.http).await
         };
         let used = outcome.updated_input.clone().unwrap_or(input);
         let mut decision = json!({"call_id": call.id, "tool": tool});
@@ -96,23 +108,28 @@ impl Engine {
         if !outcome.additional_context.is_empty() {
             decision["context"] = json!(outcome.additional_context);
         }
-        let (verdict, by) = match (&outcome.blocked, &outcome.decision) {
-            (Some(reason), _) => {
+        // The rules see the input the call would run with (a hook may have rewritten it), and
+        // a hook may settle what they ask, never what they deny: its `allow` cannot lift a
+        // deny of the agent's own rules, the settings file or any ancestor's.
+        let rules = chain.verdict(tool, &used, workspace);
+        let (verdict, by) = match (&outcome.blocked, &outcome.decision, rules) {
+            (Some(reason), _, _) => {
                 decision["verdict"] = json!("blocked");
                 decision["reason"] = json!(reason);
                 (None, "hook")
             }
-            (None, Some((HookDecision::Deny, r))) => (Some(Verdict::Deny(r.clone())), "hook"),
-            (None, Some((HookDecision::Ask, r))) => (Some(Verdict::Ask(r.clone())), "hook"),
-            (None, Some((HookDecision::Allow, _))) => (Some(Verdict::Allow), "hook"),
-            (None, None) => {
-                let v = self.rules_verdict(run, agent, tool, &used).await?;
-                if matches!(v, Verdict::Ask(_)) && self.store.has_grant(run.tree.root_run_id.unwrap_or(run.id), tool).await? {
+            (None, Some((HookDecision::Deny, r)), _) => (Some(Verdict::Deny(r.clone())), "hook"),
+            (None, _, Verdict::Deny(r)) => (Some(Verdict::Deny(r)), "rules"),
+            (None, Some((HookDecision::Ask, r)), _) => (Some(Verdict::Ask(r.clone())), "hook"),
+            (None, Some((HookDecision::Allow, _)), _) => (Some(Verdict::Allow), "hook"),
+            (None, None, Verdict::Ask(r)) => {
+                if self.store.has_grant(run.tree.root_run_id.unwrap_or(run.id), &chain.grant_scope(tool, &used)).await? {
                     (Some(Verdict::Allow), "grant")
                 } else {
-                    (Some(v), "rules")
+                    (Some(Verdict::Ask(r)), "rules")
                 }
             }
+            (None, None, v) => (Some(v), "rules"),
         };
         decision["by"] = json!(by);
         let mut events = vec![];
@@ -138,7 +155,8 @@ impl Engine {
                     EventKind::ApprovalRequested,
                     json!({"step": step, "call_id": call.id, "approval_id": id, "tool": tool, "input": used, "reason": reason, "by": by, "expires_at": expires_at, "answerable_by": run.owner}),
                 ));
-                approval = Some(NewApproval { id: id.clone(), tool: tool.to_owned(), input: used.clone(), reason: reason.clone(), expires_at });
+                let grant_scope = chain.grant_scope(tool, &used);
+                approval = Some(NewApproval { id: id.clone(), tool: tool.to_owned(), input: used.clone(), reason: reason.clone(), expires_at, grant_scope });
                 decision["verdict"] = json!("ask");
                 decision["reason"] = json!(reason);
                 decision["approval_id"] = json!(id);
@@ -146,18 +164,21 @@ impl Engine {
         }
         tracing::info!(tool, verdict = %decision["verdict"], by, "tool call decided");
         self.store.commit_decision(lease, key, decision.clone(), approval, events).await?;
-        self.apply(&decision, call).await
+        self.apply(&decision, call, &chain, workspace).await
     }
 
-    /// What a committed decision means now (an approval may have been answered since).
-    async fn apply(&self, d: &Value, call: &ToolCall) -> Result<Gate, Stop> {
+    /// What a committed decision means now (an approval may have been answered since). Only a
+    /// verdict it names runs the call: anything else, missing or misspelt, refuses it. An
+    /// approver's rewritten input meets the deny rules again.
+    async fn apply(&self, d: &Value, call: &ToolCall, chain: &RuleChain, workspace: &Path) -> Result<Gate, Stop> {
         let context: Vec<String> = d["context"].as_array().map(|a| a.iter().filter_map(|c| c.as_str().map(str::to_owned)).collect()).unwrap_or_default();
         let arguments = |updated: Option<&Value>| updated.filter(|u| u.is_object()).map(|u| u.to_string()).unwrap_or_else(|| call.function.arguments.clone());
         let reason = d["reason"].as_str().unwrap_or("").to_owned();
-        Ok(match d["verdict"].as_str().unwrap_or("allow") {
-            "blocked" => Gate::Refuse(format!("error[blocked_by_hook]: {reason}")),
-            "deny" => Gate::Refuse(format!("error[permission_denied]: {reason}; this call was not run. Do not repeat it: continue without it or answer.")),
-            "ask" => {
+        Ok(match d["verdict"].as_str() {
+            Some("allow") => Gate::Run { arguments: arguments(d.get("updated_input")), context },
+            Some("blocked") => Gate::Refuse(format!("error[blocked_by_hook]: {reason}")),
+            Some("deny") => Gate::Refuse(format!("error[permission_denied]: {reason}; this call was not run. Do not repeat it: continue without it or answer.")),
+            Some("ask") => {
                 let id = d["approval_id"].as_str().unwrap_or("");
                 let Some(mut a) = self.store.approval(id).await? else {
                     return Ok(Gate::Refuse(format!("error[permission_denied]: the approval {id} for this call is gone")));
@@ -168,7 +189,15 @@ impl Engine {
                 }
                 match a.status {
                     ApprovalStatus::Pending => Gate::Park(Wait { approvals: vec![a.id.clone()], wake_at: Some(a.expires_at), ..Default::default() }),
-                    ApprovalStatus::Allowed => Gate::Run { arguments: arguments(a.updated_input.as_ref().or(d.get("updated_input"))), context },
+                    ApprovalStatus::Allowed => {
+                        let updated = a.updated_input.as_ref().or(d.get("updated_input")).filter(|u| u.is_object());
+                        if let Some(u) = a.updated_input.as_ref().filter(|u| u.is_object())
+                            && let Verdict::Deny(why) = chain.verdict(&call.function.name, u, workspace)
+                        {
+                            return Ok(Gate::Refuse(format!("error[permission_denied]: the approved call was rewritten into one the rules deny ({why}); it was not run.")));
+                        }
+                        Gate::Run { arguments: arguments(updated), context }
+                    }
                     ApprovalStatus::Denied => Gate::Refuse(format!(
                         "error[permission_denied]: a person denied this call{}; it was not run. Do not repeat it.",
                         a.answer_reason.map(|r| format!(": {r}")).unwrap_or_default()
@@ -176,28 +205,24 @@ impl Engine {
                     ApprovalStatus::Expired => Gate::Refuse("error[approval_expired]: nobody approved this call in time; it was not run. Continue without it or answer.".into()),
                 }
             }
-            _ => Gate::Run { arguments: arguments(d.get("updated_input")), context },
+            other => {
+                tracing::error!(verdict = ?other, "a committed tool decision names no verdict this build knows; refusing the call");
+                Gate::Refuse("error[permission_denied]: the decision recorded for this call cannot be read; it was not run.".into())
+            }
         })
     }
 
-    /// The permission verdict for `tool` on `input`: the settings file and the run's agent,
-    /// then every ancestor's agent the same way; the strictest wins.
-    async fn rules_verdict(&self, run: &RunRecord, agent: &AgentDef, tool: &str, input: &Value) -> Result<Verdict, Stop> {
-        let settings = &self.settings.policy.settings.rules;
-        let mut verdict = permissions::evaluate(&[settings, &agent.policy.rules], tool, input);
+    /// The rule sources this run answers to: its agent's, then every ancestor's agent's, each
+    /// with the settings file (a child never gets more than its parent).
+    pub(super) async fn rule_chain(&self, run: &RunRecord) -> Result<RuleChain, Stop> {
+        let mut names = vec![run.agent.clone()];
         let mut parent = run.parent_run_id;
         while let Some(id) = parent {
             let Some(p) = self.store.get_run(id).await? else { break };
-            if let Some(a) = self.agents.get(&p.agent) {
-                let theirs = permissions::evaluate(&[settings, &a.policy.rules], tool, input);
-                verdict = verdict.stricter(match theirs {
-                    Verdict::Deny(r) => Verdict::Deny(format!("{r} (for the parent agent `{}`: a subagent never gets more than its parent)", a.name)),
-                    other => other,
-                });
-            }
+            names.push(p.agent.clone());
             parent = p.parent_run_id;
         }
-        Ok(verdict)
+        Ok(RuleChain { settings: self.settings.policy.settings.clone(), agents: self.agents.clone(), names })
     }
 
     /// PostToolUse (or PostToolUseFailure) hooks on a finished call: their feedback and context
@@ -217,7 +242,7 @@ impl Engine {
         if let (Value::Object(o), Value::Object(r)) = (&mut extra, response) {
             o.extend(r);
         }
-        let outcome = hooks::run(&post, hooks::input(event, run, workspace, extra), workspace, &self.settings.policy.http).await;
+        let outcome = hooks::run(&post, hooks::input(event, run, workspace, extra), &self.settings.policy.hook_env(workspace), &self.settings.policy.http).await;
         let mut text = text;
         if let Some(reason) = outcome.blocked {
             metrics::counter!("subagents_hook_blocks_total").increment(1);
@@ -238,9 +263,73 @@ impl Engine {
             return;
         }
         let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
-        let outcome = hooks::run(&list, hooks::input(event, run, &workspace, extra), &workspace, &self.settings.policy.http).await;
+        let outcome = hooks::run(&list, hooks::input(event, run, &workspace, extra), &self.settings.policy.hook_env(&workspace), &self.settings.policy.http).await;
         if outcome.blocked.is_some() {
             tracing::info!(event = event.as_str(), "a lifecycle hook asked to block; lifecycle hooks only observe");
         }
+    }
+}
+
+/// The rule sources a run answers to: the settings file with its own agent, then with each
+/// ancestor's agent, nearest first.
+#[derive(Clone)]
+pub(super) struct RuleChain {
+    settings: Arc<Policy>,
+    agents: Arc<AgentRegistry>,
+    /// The run's agent, then its ancestors'.
+    names: Vec<String>,
+}
+
+impl RuleChain {
+    /// The run's ancestors' agents, nearest first.
+    pub(super) fn ancestors(&self) -> impl Iterator<Item = &AgentDef> {
+        self.names.iter().skip(1).filter_map(|n| self.agents.get(n))
+    }
+
+    /// Whether any source has a rule that names a path: only then is a path worth resolving
+    /// through the workspace's links.
+    fn names_paths(&self) -> bool {
+        let has = |r: &crate::policy::Rules| [&r.allow, &r.deny, &r.ask].iter().any(|l| l.iter().any(|x| x.specifier.is_some()));
+        has(&self.settings.rules) || self.names.iter().filter_map(|n| self.agents.get(n)).any(|a| has(&a.policy.rules))
+    }
+
+    /// The strictest verdict of every source on `tool` called with `input`.
+    pub(super) fn verdict(&self, tool: &str, input: &Value, workspace: &Path) -> Verdict {
+        let call = permissions::Call::new(tool, input, self.names_paths().then_some(workspace));
+        self.verdict_of(&call)
+    }
+
+    fn verdict_of(&self, call: &permissions::Call) -> Verdict {
+        let settings = &self.settings.rules;
+        let mut verdict: Option<Verdict> = None;
+        for (i, name) in self.names.iter().enumerate() {
+            let Some(a) = self.agents.get(name) else { continue };
+            let v = match permissions::evaluate(&[settings, &a.policy.rules], call) {
+                Verdict::Deny(r) if i > 0 => Verdict::Deny(format!("{r} (for the parent agent `{}`: a subagent never gets more than its parent)", a.name)),
+                v => v,
+            };
+            verdict = Some(match verdict {
+                None => v,
+                Some(acc) => acc.stricter(v),
+            });
+        }
+        verdict.unwrap_or_else(|| permissions::evaluate(&[settings], call))
+    }
+
+    /// What a `run_tree` grant of an ask on this call covers.
+    fn grant_scope(&self, tool: &str, input: &Value) -> String {
+        let call = permissions::Call::new(tool, input, None);
+        let mut sources: Vec<&crate::policy::Rules> = vec![&self.settings.rules];
+        sources.extend(self.names.iter().filter_map(|n| self.agents.get(n)).map(|a| &a.policy.rules));
+        permissions::grant_scope(&sources, &call)
+    }
+
+    /// Which files a search may show: those `read_file` would be allowed to read.
+    pub(super) fn readable(&self) -> crate::tools::Readable {
+        let chain = self.clone();
+        crate::tools::Readable(Arc::new(move |path: &str| {
+            let input = json!({"path": path});
+            matches!(chain.verdict_of(&permissions::Call::new("read_file", &input, None)), Verdict::Allow)
+        }))
     }
 }

@@ -146,6 +146,10 @@ pub struct Engine {
     pub settings: EngineSettings,
 }
 
+/// Starts of one call that each ended in its worker's death, after which a replay does not run
+/// it again.
+const MAX_CRASHES_UNDER_A_CALL: u32 = 2;
+
 /// How the step loop ended, when it ended by itself.
 enum LoopEnd {
     /// The final answer and terminal state are committed.
@@ -298,19 +302,38 @@ impl Engine {
                 let message = format!("stored data of this run could not be read: {what}");
                 self.finish(&lease, &run, Finish::Failed(RunError { kind: ErrorKind::Internal, message })).await
             }
-            Ok(Err(Stop::Store(e))) => {
-                // Give the run back at once so a retry resumes it from the last checkpoint
-                // instead of waiting for the lease to expire.
-                tracing::error!(error = %e, "storage failed mid-run; releasing the run for a retry");
-                let _ = self.store.release_lease(&lease, &crate::queue::new_job_id()).await;
-                Err(e)
-            }
+            Ok(Err(Stop::Store(e))) => self.storage_failed(&lease, &run, e).await,
         }
+    }
+
+    /// A write or read of the run failed. Data the database refuses fails the run (replaying
+    /// would fail the same way, paying for a model call each time); a passing failure gives the
+    /// run back at once so a retry resumes it from the last checkpoint, counted as a crash, so
+    /// a run that keeps failing ends after `SUBAGENTS_MAX_ATTEMPTS` like one that keeps crashing.
+    async fn storage_failed(&self, lease: &Lease, run: &RunRecord, e: StoreError) -> Result<Executed, StoreError> {
+        if !e.is_transient() {
+            tracing::error!(error = %e, "the database refused this run's data; failing the run");
+            let message = format!("the database refused this run's data, and replaying it would fail the same way: {e}");
+            return self.finish(lease, run, Finish::Failed(RunError { kind: ErrorKind::Internal, message })).await;
+        }
+        if run.crashes.saturating_add(1) >= self.settings.max_attempts {
+            tracing::error!(error = %e, crashes = run.crashes, "storage kept failing for this run; giving up");
+            let message = format!("storage kept failing; gave up after {} attempts: {e}", run.crashes + 1);
+            return self.finish(lease, run, Finish::Failed(RunError { kind: ErrorKind::Lost, message })).await;
+        }
+        tracing::error!(error = %e, "storage failed mid-run; releasing the run for a retry");
+        let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), true).await;
+        Err(e)
     }
 
     /// Commits the run's end (its event, and the parent's `child.finished` and wake-ups in the
     /// same transaction), then cancels its attached children.
-    async fn finish(&self, lease: &Lease, run: &RunRecord, finish: Finish) -> Result<Executed, StoreError> {
+    async fn finish(&self, lease: &Lease, run: &RunRecord, mut finish: Finish) -> Result<Executed, StoreError> {
+        match &mut finish {
+            Finish::Failed(e) => crate::model::scrub_nul(&mut e.message),
+            Finish::Succeeded { result, .. } => crate::model::scrub_nul(result),
+            Finish::Cancelled => {}
+        }
         let event = match &finish {
             Finish::Succeeded { result, forced } => NewEvent::new(EventKind::RunSucceeded, json!({"result": result, "forced": forced})),
             Finish::Failed(e) => NewEvent::new(EventKind::RunFailed, json!({"error": e})),
@@ -330,7 +353,7 @@ impl Engine {
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
-                let _ = self.store.release_lease(lease, &crate::queue::new_job_id()).await;
+                let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), true).await;
                 Err(e)
             }
         }
@@ -370,17 +393,14 @@ impl Engine {
                 self.finish(lease, run, Finish::Cancelled).await
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
-            Err(e) => {
-                let _ = self.store.release_lease(lease, &crate::queue::new_job_id()).await;
-                Err(e)
-            }
+            Err(e) => self.storage_failed(lease, run, e).await,
         }
     }
 
     /// Gives the run back to the queue and pushes its job, so another worker resumes it at once.
     async fn release(&self, lease: &Lease, why: &str) -> Result<Executed, StoreError> {
         let job = crate::queue::new_job_id();
-        if !self.store.release_lease(lease, &job).await? {
+        if !self.store.release_lease(lease, &job, false).await? {
             return Ok(Executed::LeaseLost);
         }
         tracing::info!(why, "run released to the queue");
@@ -548,6 +568,13 @@ impl Engine {
             tool_names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
         self.add_mcp_tools(&agent, &mut tool_names, &mut tool_specs).await;
+        // A subagent never gets a tool an ancestor's `tools:` list leaves out (delegation is
+        // bounded by depth instead).
+        if run.parent_run_id.is_some() {
+            let chain = self.rule_chain(run).await?;
+            tool_names.retain(|t| crate::delegation::TOOL_NAMES.contains(&t.as_str()) || chain.ancestors().all(|a| lists(a, t)));
+            tool_specs.retain(|s| tool_names.iter().any(|n| *n == s.function.name));
+        }
         let model = self.model_for(run, &agent).await?;
         let mut budget = Budget::resolve(&self.settings.context, &agent, run.limits.compact_at, &model);
         let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
@@ -795,7 +822,7 @@ impl Engine {
             .instrument(span.clone())
             .await?;
             let (resp, model_ms) = match resp {
-                Ok(r) => r,
+                Ok((r, ms)) => (r.scrubbed(), ms),
                 Err(crate::model::ModelError::ContextLength { status, body }) => {
                     // The model holds less than we thought: learn its window, compact, retry.
                     budget.too_long(raw_estimate, &body);
@@ -877,7 +904,7 @@ impl Engine {
                 let name = c.function.name.as_str();
                 let plain = tool_names.iter().any(|t| t == name) && !crate::delegation::TOOL_NAMES.contains(&name);
                 if plain && !refused.get(&c.id).copied().unwrap_or(false) {
-                    cp.events.push(NewEvent::new(EventKind::ToolStarted, tool_started(step, c)));
+                    cp.events.push(NewEvent::new(EventKind::ToolStarted, tool_started(step, c, run.crashes)));
                 }
             }
             let committed = cp.messages[0].clone();
@@ -948,13 +975,19 @@ impl Engine {
                     }
                 } else if !allowed.iter().any(|a| a == &call.function.name) {
                     (format!("error[unknown_tool]: `{}` is not available to agent `{}`; use one of: {}", call.function.name, agent.name, allowed.join(", ")), false, false)
+                } else if !announced && self.crashes_under(run, step, &call.id).await? >= MAX_CRASHES_UNDER_A_CALL {
+                    // Its worker died every time this call ran: run it again and the fleet
+                    // loses another worker. The model hears why instead.
+                    tracing::error!(tool = %call.function.name, "this call's worker died each of the last times it ran; not running it again");
+                    metrics::counter!("subagents_tool_crash_refusals_total").increment(1);
+                    (format!("error[tool_crashed]: this call was started {MAX_CRASHES_UNDER_A_CALL} times and its worker died each time before it returned; it was not run again. Do not repeat it: try a smaller or different call."), false, false)
                 } else {
                     // A fresh step announced its tools with its assistant message (one commit
                     // fewer per call); a replayed call announces itself again.
                     if !announced {
                         self.store
                             .checkpoint(lease, Checkpoint {
-                                events: vec![NewEvent::new(EventKind::ToolStarted, tool_started(step, call))],
+                                events: vec![NewEvent::new(EventKind::ToolStarted, tool_started(step, call, run.crashes))],
                                 ..Default::default()
                             })
                             .await?;
@@ -963,14 +996,22 @@ impl Engine {
                         Gate::Park(wait) => return Ok::<_, Stop>((Some(wait), None)),
                         Gate::Refuse(text) => (text, false, false),
                         Gate::Run { arguments, context } => {
-                            let ctx = ToolCtx { workspace: workspace.to_owned(), idempotency_key: key.clone(), output_limit: budget.page_bytes() };
+                            // A search shows only the files the run's read rules let it read.
+                            let readable = if matches!(call.function.name.as_str(), "grep" | "glob") { Some(self.rule_chain(run).await?.readable()) } else { None };
+                            let ctx = ToolCtx { workspace: workspace.to_owned(), idempotency_key: key.clone(), output_limit: budget.page_bytes(), readable };
                             let t0 = std::time::Instant::now();
-                            let out = tokio::time::timeout(self.settings.tool_timeout, self.execute_tool(&call.function.name, &arguments, &ctx)).await;
-                            let (text, ok) = match out {
-                                Ok(Ok(t)) => (t, true),
-                                Ok(Err(e)) => (e.to_string(), false),
-                                Err(_) => (format!("error[tool_timeout]: the tool did not finish within {}s and was stopped", self.settings.tool_timeout.as_secs_f64()), false),
+                            let limit = self.settings.tool_timeout;
+                            let out = tokio::time::timeout(limit, self.execute_tool(&call.function.name, &arguments, &ctx)).await;
+                            // A tool that held its thread past the limit returns late rather
+                            // than being cut: it still timed out.
+                            let late = t0.elapsed() > limit;
+                            let (mut text, ok) = match out {
+                                Ok(Ok(t)) if !late => (t, true),
+                                Ok(Err(e)) if !late => (e.to_string(), false),
+                                _ => (format!("error[tool_timeout]: the tool did not finish within {}s and was stopped", limit.as_secs_f64()), false),
                             };
+                            self.settings.failpoints.hit("after_tool_run").await;
+                            crate::model::scrub_nul(&mut text);
                             tracing::info!(ok, ms = t0.elapsed().as_millis() as u64, bytes = text.len(), "tool finished");
                             let mut text = self.after_tool(run, agent, call, &arguments, text, ok, workspace).await;
                             for c in context {
@@ -1023,6 +1064,20 @@ impl Engine {
             }
         }
         Ok(ToolsOutcome { committed, wait })
+    }
+
+    /// How many times the worker running this call died before its result committed: each
+    /// `tool.started` of the call whose run crashed (its lease expired) before the next start.
+    /// Read only when a call is replayed, which is rare.
+    async fn crashes_under(&self, run: &RunRecord, step: u32, call_id: &str) -> Result<u32, Stop> {
+        let events = self.store.events_after(run.id, 0, 100_000).await?;
+        let starts: Vec<u32> = events
+            .iter()
+            .filter(|e| e.kind == EventKind::ToolStarted.as_str() && e.data["step"] == step && e.data["call_id"] == call_id)
+            .map(|e| e.data["crashes"].as_u64().unwrap_or(0) as u32)
+            .collect();
+        let next = starts.iter().skip(1).copied().chain(std::iter::once(run.crashes));
+        Ok(starts.iter().zip(next).filter(|(at, after)| after > at).count() as u32)
     }
 }
 
@@ -1177,7 +1232,24 @@ fn model_error_message(e: &ModelError) -> String {
 const EVENT_ARGUMENTS_BYTES: usize = 2000;
 
 /// `tool.started`: which call, and its arguments (cut), so a timeline shows what was asked.
-fn tool_started(step: u32, call: &crate::model::ToolCall) -> serde_json::Value {
+/// Whether `agent`'s `tools:` list (none: every tool) names `tool`, directly, through Claude
+/// Code's name, or as one of an MCP server's tools.
+fn lists(agent: &AgentDef, tool: &str) -> bool {
+    let Some(list) = &agent.tools else { return true };
+    list.iter().any(|n| match crate::tools::lookup(n) {
+        crate::tools::Named::Tool(t) => t == tool,
+        crate::tools::Named::Mcp => {
+            let n = n.trim();
+            tool == n || tool.starts_with(&format!("{n}__"))
+        }
+        crate::tools::Named::Unavailable(_) => n.trim() == tool,
+        crate::tools::Named::Delegation => false,
+    })
+}
+
+/// `tool.started`'s data; `crashes` is the run's count when the call started, so a replay can
+/// tell how often the call's worker died under it (see [`Engine::crashes_under`]).
+fn tool_started(step: u32, call: &crate::model::ToolCall, crashes: u32) -> serde_json::Value {
     let args = &call.function.arguments;
     let cut = if args.len() > EVENT_ARGUMENTS_BYTES {
         let mut end = EVENT_ARGUMENTS_BYTES;
@@ -1188,5 +1260,5 @@ fn tool_started(step: u32, call: &crate::model::ToolCall) -> serde_json::Value {
     } else {
         args.clone()
     };
-    json!({"step": step, "call_id": call.id, "tool": call.function.name, "arguments": cut})
+    json!({"step": step, "call_id": call.id, "tool": call.function.name, "arguments": cut, "crashes": crashes})
 }

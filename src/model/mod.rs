@@ -151,6 +151,33 @@ pub struct ChatResponse {
     pub budget_resets_in: Option<std::time::Duration>,
 }
 
+/// Replaces every NUL character in `text` with U+FFFD: PostgreSQL's text cannot hold one, and a
+/// model answer or a tool's output that carries one must still be stored.
+pub fn scrub_nul(text: &mut String) {
+    if text.contains('\0') {
+        *text = text.replace('\0', "\u{FFFD}");
+    }
+}
+
+impl ChatResponse {
+    /// The response with every NUL in its text, tool names, ids and arguments replaced (see
+    /// [`scrub_nul`]).
+    pub fn scrubbed(mut self) -> ChatResponse {
+        if let Some(c) = &mut self.content {
+            scrub_nul(c);
+        }
+        for call in &mut self.tool_calls {
+            scrub_nul(&mut call.id);
+            scrub_nul(&mut call.function.name);
+            scrub_nul(&mut call.function.arguments);
+        }
+        if let Some(f) = &mut self.finish_reason {
+            scrub_nul(f);
+        }
+        self
+    }
+}
+
 /// How a model call failed, classified once so the engine knows what to do.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {

@@ -369,11 +369,11 @@ macro_rules! store_impl {
                 }
             }
 
-            async fn release_lease(&self, lease: &Lease, job_id: &str) -> Result<bool> {
+            async fn release_lease(&self, lease: &Lease, job_id: &str, after_failure: bool) -> Result<bool> {
                 debug_assert_eq!(crate::lifecycle::target(Transition::Release), RunStatus::Queued);
                 let done = sqlx::query(sql!(
                     "UPDATE sa_runs SET status = 'queued', lease_expires_at = 0, lease_owner = NULL, \
-                     job_id = $1, enqueued_at = $2, updated_at = $3 \
+                     job_id = $1, enqueued_at = $2, updated_at = $3, crashes = crashes + $6 \
                      WHERE id = $4 AND lease_epoch = $5 AND status IN ({})",
                     Transition::Release
                 ))
@@ -382,6 +382,7 @@ macro_rules! store_impl {
                 .bind(Utc::now())
                 .bind(lease.run_id.to_string())
                 .bind(lease.epoch)
+                .bind(i64::from(after_failure))
                 .execute(&self.pool)
                 .await?
                 .rows_affected();
@@ -515,8 +516,8 @@ macro_rules! store_impl {
                 if inserted == 1 {
                     if let Some(a) = approval {
                         sqlx::query(
-                            "INSERT INTO sa_approvals (id, run_id, root_run_id, owner, call_key, tool, input, reason, status, created_at, expires_at) \
-                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9, $10) ON CONFLICT(call_key) DO NOTHING",
+                            "INSERT INTO sa_approvals (id, run_id, root_run_id, owner, call_key, tool, input, reason, status, created_at, expires_at, grant_scope) \
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9, $10, $11) ON CONFLICT(call_key) DO NOTHING",
                         )
                         .bind(&a.id)
                         .bind(lease.run_id.to_string())
@@ -528,6 +529,7 @@ macro_rules! store_impl {
                         .bind(&a.reason)
                         .bind(now)
                         .bind(a.expires_at)
+                        .bind(&a.grant_scope)
                         .execute(&mut *tx)
                         .await?;
                     }
@@ -1197,7 +1199,7 @@ macro_rules! store_impl {
                     "UPDATE sa_approvals SET status = $1, answer_reason = $2, updated_input = $3, scope = $4, resolved_at = $5, resolved_by = $9 \
                      WHERE id = $6 AND owner = $7 AND status = 'pending' AND expires_at > $8 \
                      AND run_id IN (SELECT id FROM sa_runs WHERE status IN ('waiting', 'running', 'queued')) \
-                     RETURNING run_id, root_run_id, tool",
+                     RETURNING run_id, root_run_id, tool, COALESCE(grant_scope, tool)",
                 )
                 .bind(status)
                 .bind(&answer.reason)
@@ -1225,10 +1227,11 @@ macro_rules! store_impl {
                 let run: String = row.get(0);
                 let root: String = row.get(1);
                 let tool: String = row.get(2);
+                let scope_key: String = row.get(3);
                 if answer.allow && answer.run_tree {
                     sqlx::query("INSERT INTO sa_grants (root_run_id, tool, approval_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
                         .bind(&root)
-                        .bind(&tool)
+                        .bind(&scope_key)
                         .bind(id)
                         .execute(&mut *tx)
                         .await?;

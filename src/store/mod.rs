@@ -820,6 +820,8 @@ pub struct NewApproval {
     pub reason: String,
     /// Unix ms after which it counts as denied.
     pub expires_at: i64,
+    /// What a `run_tree` grant of it covers (see [`crate::permissions::grant_scope`]).
+    pub grant_scope: String,
 }
 
 /// An answer to an approval.
@@ -1106,6 +1108,33 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
 
+impl StoreError {
+    /// Whether trying again later may succeed: the database was out of reach, busy, restarting,
+    /// or chose this transaction to abort (a deadlock, a serialization failure). Anything else
+    /// (data the database refuses, a constraint, a broken statement) fails the same way on
+    /// every attempt.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Db(e) => match e {
+                sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(d) => {
+                    let code = d.code().unwrap_or_default();
+                    match code.parse::<i64>() {
+                        // SQLite: the primary result code is the low byte (BUSY, LOCKED, IOERR, FULL, CANTOPEN, PROTOCOL).
+                        Ok(n) => matches!(n & 0xff, 5 | 6 | 10 | 13 | 14 | 15),
+                        // PostgreSQL: connection, resources, operator intervention, system errors;
+                        // serialization failures, deadlocks and lock timeouts.
+                        Err(_) => ["08", "53", "57", "58"].iter().any(|c| code.starts_with(c)) || ["40001", "40P01", "55P03"].contains(&code.as_ref()),
+                    }
+                }
+                _ => false,
+            },
+            StoreError::Busy { .. } | StoreError::LeaseLost(_) => true,
+            StoreError::ThreadOwnedElsewhere(_) | StoreError::Corrupt(_) | StoreError::Migrate(_) => false,
+        }
+    }
+}
+
 /// What runs need from storage: the run log the engine writes (claims, checkpoints, parks,
 /// terminal commits) and the reads and moves the runs service, delegation and the worker make.
 /// Every status write applies `lifecycle::next_status`.
@@ -1128,9 +1157,10 @@ pub trait RunLog: Send + Sync + 'static {
     async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus>;
 
     /// [`Transition::Release`]: gives the run back to the queue at once (a draining worker, a
-    /// storage failure) under a new job id, which the caller pushes. Returns false when the
-    /// lease was already lost.
-    async fn release_lease(&self, lease: &Lease, job_id: &str) -> Result<bool>;
+    /// storage failure) under a new job id, which the caller pushes. A release `after_failure`
+    /// counts as a crash toward `SUBAGENTS_MAX_ATTEMPTS`, so a run that fails the same way at
+    /// every attempt ends. Returns false when the lease was already lost.
+    async fn release_lease(&self, lease: &Lease, job_id: &str, after_failure: bool) -> Result<bool>;
 
     /// Commits progress atomically, fenced by the lease ([`Transition::Heartbeat`], or
     /// [`Transition::Finish`] when `cp.finish` is set).
@@ -1192,8 +1222,10 @@ pub trait RunLog: Send + Sync + 'static {
     /// Marks a pending approval past its time as expired; true if this call did.
     async fn expire_approval(&self, id: &str) -> Result<bool>;
 
-    /// Whether the run tree of `root` was allowed `tool` by an approval with `scope: run_tree`.
-    async fn has_grant(&self, root: RunId, tool: &str) -> Result<bool>;
+    /// Whether the run tree of `root` holds a grant (an approval answered with `scope:
+    /// run_tree`) for `scope`: the rule that asked, or one exact call (see
+    /// [`crate::permissions::grant_scope`]).
+    async fn has_grant(&self, root: RunId, scope: &str) -> Result<bool>;
 
     /// Commits a compaction with its events, fenced by the lease ([`Transition::Heartbeat`]).
     /// Idempotent by key: a replay of the same compaction adds nothing.

@@ -12,7 +12,7 @@ use std::path::Path;
 use async_trait::async_trait;
 use serde_json::{Value, json};
 
-use super::{Tool, ToolCtx, ToolError, blocking, io_error, relative, spec, str_arg, workspace_dir};
+use super::{Tool, ToolCtx, ToolError, blocking, io_error, open_plain, relative, spec, str_arg, workspace_dir, write_plain};
 use crate::model::ToolSpec;
 
 /// Room kept under the output limit for the closing note.
@@ -23,6 +23,8 @@ const DEFAULT_LINES: u64 = 2000;
 const MAX_LINE_CHARS: usize = 2000;
 /// Bytes looked at to tell text from binary.
 const SNIFF_BYTES: usize = 8192;
+/// The largest file the edit tools load, and the largest result an edit may produce.
+pub const MAX_EDIT_BYTES: usize = 8 * 1024 * 1024;
 
 /// `read_file`: numbered lines of a UTF-8 text file, from `offset`, at most `limit` lines, and
 /// never more than the output limit: the file is read as a stream, so a huge file (or a pipe
@@ -49,12 +51,9 @@ impl Tool for ReadFile {
         let budget = ctx.output_limit.saturating_sub(NOTE_ROOM).max(64);
         blocking(move || {
             let dir = workspace_dir(&workspace)?;
-            let file = dir.open(relative(&rel)?).map_err(|e| io_error(&rel, e))?;
+            let file = open_plain(&dir, relative(&rel)?, &rel, false)?;
             let meta = file.metadata().map_err(|e| io_error(&rel, e))?;
-            if meta.is_dir() {
-                return Err(ToolError::new("is_directory", format!("`{rel}` is a directory; list_dir lists it")));
-            }
-            let mut reader = BufReader::with_capacity(64 * 1024, file.into_std());
+            let mut reader = BufReader::with_capacity(64 * 1024, file);
             let head = reader.fill_buf().map_err(|e| io_error(&rel, e))?;
             if head[..head.len().min(SNIFF_BYTES)].contains(&0) {
                 return Err(ToolError::new("not_text", format!("`{rel}` is a binary file; read_file reads text only")));
@@ -147,7 +146,7 @@ impl Tool for WriteFile {
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
                 dir.create_dir_all(parent).map_err(|e| io_error(&rel, e))?;
             }
-            dir.write(path, content.as_bytes()).map_err(|e| io_error(&rel, e))?;
+            write_plain(&dir, path, &rel, content.as_bytes())?;
             Ok(format!("wrote {} bytes to {rel}", content.len()))
         })
         .await
@@ -174,9 +173,18 @@ impl Edit {
         Ok(Edit { old, new, all: v.get("replace_all").and_then(Value::as_bool).unwrap_or(false) })
     }
 
-    /// Applies it to `text`, or says why not; returns the number of replacements.
+    /// Applies it to `text`, or says why not; returns the number of replacements. The size of
+    /// the result is known before it is built, and one over [`MAX_EDIT_BYTES`] is refused: a
+    /// `replace_all` of a short string by a long one could otherwise ask for gigabytes.
     fn apply(&self, text: &mut String, rel: &str, which: &str) -> Result<usize, ToolError> {
         let found = text.matches(self.old.as_str()).count();
+        let size = (text.len() as u128 - (found * self.old.len()) as u128) + (found as u128) * (self.new.len() as u128);
+        if found > 0 && (found == 1 || self.all) && size > MAX_EDIT_BYTES as u128 {
+            return Err(ToolError::new(
+                "edit_too_large",
+                format!("{which}the edit would make `{rel}` {size} bytes, more than the {MAX_EDIT_BYTES} an edit may produce; edit fewer occurrences at a time"),
+            ));
+        }
         match found {
             0 => Err(ToolError::new(
                 "not_found",
@@ -198,14 +206,24 @@ impl Edit {
 fn edit_in_place(workspace: &Path, rel: &str, edits: &[Edit]) -> Result<String, ToolError> {
     let dir = workspace_dir(workspace)?;
     let path = relative(rel)?;
-    let bytes = dir.read(path).map_err(|e| io_error(rel, e))?;
+    let mut file = open_plain(&dir, path, rel, false)?;
+    let size = file.metadata().map_err(|e| io_error(rel, e))?.len();
+    if size > MAX_EDIT_BYTES as u64 {
+        return Err(ToolError::new("file_too_large", format!("`{rel}` is {size} bytes; the edit tools load files up to {MAX_EDIT_BYTES} bytes")));
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    file.by_ref().take(MAX_EDIT_BYTES as u64 + 1).read_to_end(&mut bytes).map_err(|e| io_error(rel, e))?;
+    drop(file);
+    if bytes.len() > MAX_EDIT_BYTES {
+        return Err(ToolError::new("file_too_large", format!("`{rel}` grew past {MAX_EDIT_BYTES} bytes while it was read")));
+    }
     let mut text = String::from_utf8(bytes).map_err(|_| ToolError::new("not_text", format!("`{rel}` is not UTF-8 text")))?;
     let mut total = 0;
     for (i, e) in edits.iter().enumerate() {
         let which = if edits.len() > 1 { format!("edit {}: ", i + 1) } else { String::new() };
         total += e.apply(&mut text, rel, &which)?;
     }
-    dir.write(path, text.as_bytes()).map_err(|e| io_error(rel, e))?;
+    write_plain(&dir, path, rel, text.as_bytes())?;
     Ok(format!("edited {rel}: {total} replacement{}", if total == 1 { "" } else { "s" }))
 }
 
@@ -302,7 +320,7 @@ mod tests {
     use super::*;
 
     fn ctx(dir: &Path) -> ToolCtx {
-        ToolCtx { workspace: dir.to_owned(), idempotency_key: "k".into(), output_limit: 16 * 1024 }
+        ToolCtx::new(dir, "k", 16 * 1024)
     }
 
     async fn run(reg: &ToolRegistry, c: &ToolCtx, tool: &str, args: Value) -> Result<String, ToolError> {

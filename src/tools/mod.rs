@@ -39,6 +39,56 @@ pub struct ToolCtx {
     /// derived from the result's token budget. Other tools return everything (up to
     /// [`MAX_OUTPUT_BYTES`]) and the engine offloads a long result to a file.
     pub output_limit: usize,
+    /// Which files a search may show: those the read rules let the run read. `None` shows
+    /// every file.
+    pub readable: Option<Readable>,
+}
+
+impl ToolCtx {
+    /// A call's context with no read rules to apply.
+    pub fn new(workspace: impl Into<PathBuf>, idempotency_key: impl Into<String>, output_limit: usize) -> ToolCtx {
+        ToolCtx { workspace: workspace.into(), idempotency_key: idempotency_key.into(), output_limit, readable: None }
+    }
+}
+
+/// Whether a workspace-relative path may be shown to the run (its read rules): `grep` and
+/// `glob` over a directory must not hand over what `read_file` on the file would be refused.
+#[derive(Clone)]
+pub struct Readable(pub Arc<dyn Fn(&str) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for Readable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Readable(..)")
+    }
+}
+
+/// `rel` as the file tools reach it: resolved through the links inside the workspace (a path
+/// that does not exist yet, through its deepest existing directory), workspace-relative.
+/// `None` when it leads outside the workspace or cannot be looked at.
+pub fn resolve_in(workspace: &Path, rel: &str) -> Option<String> {
+    let dir = Dir::open_ambient_dir(workspace, cap_std::ambient_authority()).ok()?;
+    let mut tail = vec![];
+    let mut cur = Path::new(rel);
+    let resolved = loop {
+        let probe = if cur.as_os_str().is_empty() { Path::new(".") } else { cur };
+        match dir.canonicalize(probe) {
+            Ok(p) => break p,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tail.push(cur.file_name()?.to_owned());
+                cur = cur.parent()?;
+            }
+            Err(_) => return None,
+        }
+    };
+    let mut parts: Vec<String> = resolved
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
+            _ => None,
+        })
+        .collect();
+    parts.extend(tail.iter().rev().map(|t| t.to_string_lossy().into_owned()));
+    Some(if parts.is_empty() { ".".into() } else { parts.join("/") })
 }
 
 /// Most output a tool keeps in memory; past it, output is dropped with a marker.
@@ -63,7 +113,7 @@ pub async fn offload(workspace: &Path, rel: String, text: String, head_len: usiz
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             dir.create_dir_all(parent).map_err(|e| io_error(&rel, e))?;
         }
-        dir.write(path, text.as_bytes()).map_err(|e| io_error(&rel, e))?;
+        write_plain(&dir, path, &rel, text.as_bytes())?;
         let head = &text[..head_len];
         let shown_lines = head.matches('\n').count();
         let lines = text.lines().count();
@@ -154,6 +204,71 @@ fn relative(rel: &str) -> Result<&Path, ToolError> {
             format!("`{rel}` is not allowed: use a relative path inside the workspace, without `..`"),
         ))
     }
+}
+
+/// Opens an existing workspace file that must be a plain file: the open never blocks (a FIFO
+/// opens non-blocking), and a device, a FIFO, a socket or a file with more than one hard link
+/// is refused (a hard link may lead to a
+/// file outside the workspace, which no path check can see).
+fn open_plain(dir: &Dir, path: &Path, rel: &str, write: bool) -> Result<std::fs::File, ToolError> {
+    use cap_std::fs::OpenOptionsExt;
+    let mut options = cap_std::fs::OpenOptions::new();
+    options.read(true).write(write).custom_flags(libc::O_NONBLOCK);
+    let file = dir.open_with(path, &options).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENXIO) => ToolError::new("not_a_file", format!("`{rel}` is not a regular file")),
+        Some(libc::EISDIR) => ToolError::new("is_directory", format!("`{rel}` is a directory; list_dir lists it")),
+        _ => io_error(rel, e),
+    })?;
+    let file = file.into_std();
+    let meta = file.metadata().map_err(|e| io_error(rel, e))?;
+    check_plain(&meta, rel)?;
+    // Back to blocking reads and writes: a regular file never waits anyway.
+    // SAFETY: fcntl on a descriptor we own, with plain integer arguments.
+    unsafe {
+        use std::os::fd::AsRawFd;
+        let fd = file.as_raw_fd();
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
+    }
+    Ok(file)
+}
+
+/// Refuses what is not a plain, singly linked file.
+fn check_plain(meta: &std::fs::Metadata, rel: &str) -> Result<(), ToolError> {
+    use std::os::unix::fs::MetadataExt;
+    if meta.is_dir() {
+        return Err(ToolError::new("is_directory", format!("`{rel}` is a directory; list_dir lists it")));
+    }
+    if !meta.is_file() {
+        return Err(ToolError::new("not_a_file", format!("`{rel}` is not a regular file (a device, FIFO or socket); file tools read and write regular files only")));
+    }
+    if meta.nlink() > 1 {
+        return Err(ToolError::new(
+            "hard_link",
+            format!("`{rel}` has {} hard links; file tools refuse such files, since another name of it may lie outside the workspace", meta.nlink()),
+        ));
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to a workspace file, creating it if missing; an existing one must be a plain
+/// file (see [`open_plain`]).
+fn write_plain(dir: &Dir, path: &Path, rel: &str, bytes: &[u8]) -> Result<(), ToolError> {
+    use std::io::Write as _;
+    let file = match open_plain(dir, path, rel, true) {
+        Ok(f) => f,
+        Err(e) if e.code == "not_found" => {
+            let mut options = cap_std::fs::OpenOptions::new();
+            options.write(true).create_new(true);
+            dir.open_with(path, &options).map_err(|e| io_error(rel, e))?.into_std()
+        }
+        Err(e) => return Err(e),
+    };
+    let mut file = file;
+    file.set_len(0).map_err(|e| io_error(rel, e))?;
+    file.write_all(bytes).map_err(|e| io_error(rel, e))
 }
 
 /// Turns an I/O error on `rel` into what the model should hear.

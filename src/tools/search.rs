@@ -3,11 +3,16 @@
 //! sort what they find and cap it, saying what was cut. They have no side effects.
 //!
 //! Confinement: the directory searched is opened through the owner's workspace capability (so
-//! no `..`, absolute path or link leaves it), and the walk starts from that open directory
-//! (`/proc/self/fd/N`), so swapping a link in after the check cannot redirect it.
+//! no `..`, absolute path or link leaves it), and the walk goes on by directory handles,
+//! opening each entry relative to its directory without following links, so swapping a link in
+//! while it runs cannot redirect it. Files with more than one hard link are skipped, and so are
+//! files the run's read rules do not let it read.
 
-use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use cap_std::fs::{Dir, OpenOptionsExt};
+use ignore::gitignore::{Gitignore, GitignoreBuilder};
 
 use async_trait::async_trait;
 use globset::{GlobBuilder, GlobMatcher};
@@ -15,7 +20,7 @@ use grep_regex::RegexMatcherBuilder;
 use grep_searcher::{BinaryDetection, Searcher, SearcherBuilder, Sink, SinkContext, SinkMatch};
 use serde_json::{Value, json};
 
-use super::{Tool, ToolCtx, ToolError, blocking, io_error, relative, spec, str_arg, workspace_dir};
+use super::{Readable, Tool, ToolCtx, ToolError, blocking, io_error, relative, spec, str_arg, workspace_dir};
 use crate::model::ToolSpec;
 
 /// Most paths `glob` lists, and most files or lines `grep` reports.
@@ -23,32 +28,132 @@ const MAX_RESULTS: usize = 200;
 /// Most context lines around a `grep` match.
 const MAX_CONTEXT: u64 = 10;
 
-/// Walks the files beneath `rel` in the workspace and hands each (as a workspace-relative path
-/// and a path that opens it) to `visit`, in sorted order; `visit` returns false to stop.
-fn walk(workspace: &Path, rel: &str, mut visit: impl FnMut(&str, &Path) -> bool) -> Result<(), ToolError> {
+/// Deepest directory a search descends into.
+const MAX_DEPTH: usize = 64;
+/// Most directory entries one search looks at.
+const MAX_ENTRIES: usize = 1_000_000;
+
+/// A file the walk found: where it is, and how to open it.
+struct Found<'a> {
+    /// Its workspace-relative path.
+    shown: &'a str,
+    dir: &'a Dir,
+    name: &'a std::ffi::OsStr,
+}
+
+impl Found<'_> {
+    /// Opens it, relative to its directory's handle: never through a link (one swapped in
+    /// since the directory was read is refused), never blocking, and only a plain file.
+    fn open(&self) -> Option<std::fs::File> {
+        let mut options = cap_std::fs::OpenOptions::new();
+        options.read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+        let file = self.dir.open_with(self.name, &options).ok()?.into_std();
+        let meta = file.metadata().ok()?;
+        (meta.is_file() && meta.nlink() == 1).then_some(file)
+    }
+}
+
+/// Walks the files beneath `rel` in the workspace, sorted, and hands each to `visit` (which
+/// returns false to stop). The walk holds a handle on each directory and opens what is in it
+/// relative to that handle without following links, so a directory swapped for a link while
+/// the walk runs leads nowhere. Hidden entries are skipped, and `.gitignore` and `.ignore`
+/// files are honoured wherever they are. Files the run may not read (`readable`) are not shown.
+fn walk(workspace: &Path, rel: &str, readable: Option<&Readable>, mut visit: impl FnMut(&Found) -> bool) -> Result<(), ToolError> {
     let dir = workspace_dir(workspace)?;
     let start = if rel.is_empty() { Path::new(".") } else { relative(rel)? };
     let opened = dir.open_dir(start).map_err(|e| io_error(rel, e))?;
-    let root = PathBuf::from(format!("/proc/self/fd/{}", opened.as_raw_fd()));
     let prefix = if rel.is_empty() || rel == "." { String::new() } else { format!("{}/", rel.trim_end_matches('/')) };
-    let walker = ignore::WalkBuilder::new(&root)
-        .follow_links(false)
-        .require_git(false)
-        .sort_by_file_path(|a, b| a.cmp(b))
-        .build();
-    for entry in walker {
-        let Ok(entry) = entry else { continue };
-        if !entry.file_type().is_some_and(|t| t.is_file()) {
-            continue;
-        }
-        let Ok(inner) = entry.path().strip_prefix(&root) else { continue };
-        let shown = format!("{prefix}{}", inner.display());
-        if !visit(&shown, entry.path()) {
+    let mut ignores = vec![];
+    let mut budget = MAX_ENTRIES;
+    walk_dir(&opened, &prefix, 0, &mut ignores, &mut budget, readable, &mut visit);
+    Ok(())
+}
+
+/// One directory of [`walk`]; false when the visitor asked to stop.
+fn walk_dir(
+    dir: &Dir,
+    prefix: &str,
+    depth: usize,
+    ignores: &mut Vec<(String, Gitignore)>,
+    budget: &mut usize,
+    readable: Option<&Readable>,
+    visit: &mut impl FnMut(&Found) -> bool,
+) -> bool {
+    if depth > MAX_DEPTH {
+        return true;
+    }
+    let Ok(entries) = dir.entries() else { return true };
+    let mut list: Vec<(std::ffi::OsString, bool)> = vec![];
+    for e in entries.flatten() {
+        if *budget == 0 {
             break;
         }
+        *budget -= 1;
+        let name = e.file_name();
+        if name.as_encoded_bytes().starts_with(b".") {
+            continue;
+        }
+        // The entry's own type, not a link's target: links are never followed.
+        let Ok(kind) = e.file_type() else { continue };
+        if kind.is_dir() || kind.is_file() {
+            list.push((name, kind.is_dir()));
+        }
     }
-    drop(opened);
-    Ok(())
+    list.sort();
+    // This directory's ignore files, read through its handle.
+    let mut builder = GitignoreBuilder::new("");
+    let mut any = false;
+    for f in [".gitignore", ".ignore"] {
+        if let Ok(text) = dir.read_to_string(f) {
+            for line in text.lines() {
+                any |= builder.add_line(None, line).is_ok();
+            }
+        }
+    }
+    let pushed = any && builder.build().map(|g| ignores.push((prefix.to_owned(), g))).is_ok();
+    let mut go_on = true;
+    for (name, is_dir) in &list {
+        let shown = format!("{prefix}{}", name.to_string_lossy());
+        if ignored(ignores, &shown, *is_dir) {
+            continue;
+        }
+        if *is_dir {
+            let mut options = cap_std::fs::OpenOptions::new();
+            options.read(true).custom_flags(libc::O_NOFOLLOW | libc::O_DIRECTORY);
+            let Ok(sub) = dir.open_with(name, &options) else { continue };
+            let sub = Dir::from_std_file(sub.into_std());
+            if !walk_dir(&sub, &format!("{shown}/"), depth + 1, ignores, budget, readable, visit) {
+                go_on = false;
+                break;
+            }
+        } else {
+            if readable.is_some_and(|r| !(r.0)(&shown)) {
+                continue;
+            }
+            if !visit(&Found { shown: &shown, dir, name }) {
+                go_on = false;
+                break;
+            }
+        }
+    }
+    if pushed {
+        ignores.pop();
+    }
+    go_on
+}
+
+/// Whether the ignore files above an entry exclude it: the nearest one that has a word on
+/// it decides, as in git. Each matcher sees the path relative to its own directory.
+fn ignored(ignores: &[(String, Gitignore)], shown: &str, is_dir: bool) -> bool {
+    for (dir, g) in ignores.iter().rev() {
+        let rel = shown.strip_prefix(dir.as_str()).unwrap_or(shown);
+        match g.matched(rel, is_dir) {
+            ignore::Match::Ignore(_) => return true,
+            ignore::Match::Whitelist(_) => return false,
+            ignore::Match::None => {}
+        }
+    }
+    false
 }
 
 fn matcher(pattern: &str) -> Result<GlobMatcher, ToolError> {
@@ -84,12 +189,14 @@ impl Tool for Glob {
         let pattern = str_arg(&args, "pattern")?.to_owned();
         let rel = args.get("path").and_then(Value::as_str).unwrap_or("").to_owned();
         let workspace = ctx.workspace.clone();
+        let readable = ctx.readable.clone();
         blocking(move || {
             let m = matcher(&pattern)?;
             let start_len = if rel.is_empty() || rel == "." { 0 } else { rel.trim_end_matches('/').len() + 1 };
             let mut found = vec![];
             let mut more = false;
-            walk(&workspace, &rel, |shown, _| {
+            walk(&workspace, &rel, readable.as_ref(), |file| {
+                let shown = file.shown;
                 if glob_matches(&m, &pattern, &shown[start_len..]) {
                     if found.len() == MAX_RESULTS {
                         more = true;
@@ -187,6 +294,7 @@ impl Tool for Grep {
         let context = args.get("context").and_then(Value::as_u64).unwrap_or(0).min(MAX_CONTEXT) as usize;
         let ci = args.get("case_insensitive").and_then(Value::as_bool).unwrap_or(false);
         let workspace = ctx.workspace.clone();
+        let readable = ctx.readable.clone();
         let mut budget = ctx.output_limit.saturating_sub(200);
         blocking(move || {
             let regex = RegexMatcherBuilder::new()
@@ -204,14 +312,16 @@ impl Tool for Grep {
             let mut out: Vec<String> = vec![];
             let mut files = 0usize;
             let mut cut = false;
-            walk(&workspace, &rel, |shown, path| {
+            walk(&workspace, &rel, readable.as_ref(), |found| {
+                let shown = found.shown;
                 if let Some((m, g)) = &filter {
                     if !glob_matches(m, g, &shown[start_len..]) {
                         return true;
                     }
                 }
                 let mut sink = Lines { path: shown, out: &mut out, matches: 0, content: mode == Mode::Content, budget_left: &mut budget };
-                if searcher.search_path(&regex, path, &mut sink).is_err() {
+                let Some(file) = found.open() else { return true };
+                if searcher.search_file(&regex, &file, &mut sink).is_err() {
                     return true;
                 }
                 let n = sink.matches;
@@ -271,7 +381,7 @@ mod tests {
             std::fs::write(w.join(p), c).unwrap();
         }
         std::fs::write(w.join(".gitignore"), "target/\n").unwrap();
-        let ctx = ToolCtx { workspace: w.to_owned(), idempotency_key: "k".into(), output_limit: 16 * 1024 };
+        let ctx = ToolCtx::new(w, "k", 16 * 1024);
         (dir, ctx)
     }
 
@@ -309,7 +419,7 @@ mod tests {
     async fn grep_output_is_capped() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("big.txt"), "match me\n".repeat(10_000)).unwrap();
-        let c = ToolCtx { workspace: dir.path().to_owned(), idempotency_key: "k".into(), output_limit: 4096 };
+        let c = ToolCtx::new(dir.path(), "k", 4096);
         let out = run(&c, "grep", json!({"pattern": "match", "output_mode": "content"})).await.unwrap();
         assert!(out.len() <= 4096 && out.ends_with("narrow the pattern, path or glob]"), "{}", out.len());
     }

@@ -1,9 +1,12 @@
 //! `bash`: a shell command in the owner's workspace. Off unless the operator enables it
 //! (`SUBAGENTS_ALLOW_BASH=1`), and then offered only to agents that list it: a shell is not
-//! confined the way the file tools are (it can read whatever the worker's user can), so it is a
-//! deliberate choice. The environment is scrubbed (only `PATH`, `HOME` = the workspace, `LANG`,
-//! and `SUBAGENTS_IDEMPOTENCY_KEY`), the command runs in its own process group, which is killed
-//! at the timeout, and output (stdout and stderr together) is capped.
+//! confined the way the file tools are (it can read and write whatever the worker's user can,
+//! and reach the network), so it is a deliberate choice. What it does not get: the worker's
+//! environment (only `PATH`, `HOME` = the workspace, `LANG` and `SUBAGENTS_IDEMPOTENCY_KEY`),
+//! the worker's secrets through `/proc` (the worker wipes them and is non-dumpable, see
+//! [`crate::secrets`]), and any capability (it runs confined, see [`crate::procs::confine`]).
+//! The command runs in its own process group, which is killed at the timeout, and output
+//! (stdout and stderr together) is capped.
 //!
 //! A replay after a crash runs the command again with the same `SUBAGENTS_IDEMPOTENCY_KEY`:
 //! commands with side effects should use it to do their work once.
@@ -44,8 +47,8 @@ impl Tool for Bash {
             .map(|t| Duration::from_secs_f64(t).min(MAX_TIMEOUT))
             .unwrap_or(DEFAULT_TIMEOUT);
         std::fs::create_dir_all(&ctx.workspace).map_err(|e| ToolError::new("workspace_unavailable", e.to_string()))?;
-        let mut child = tokio::process::Command::new("bash")
-            .arg("-c")
+        let mut cmd = tokio::process::Command::new("bash");
+        cmd.arg("-c")
             .arg(format!("exec 2>&1\n{command}"))
             .current_dir(&ctx.workspace)
             .env_clear()
@@ -57,9 +60,9 @@ impl Tool for Bash {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| ToolError::new("bash_failed", format!("cannot start bash: {e}")))?;
+            .kill_on_drop(true);
+        crate::procs::confine(&mut cmd);
+        let mut child = cmd.spawn().map_err(|e| ToolError::new("bash_failed", format!("cannot start bash: {e}")))?;
         let pid = child.id();
         let mut stdout = child.stdout.take().expect("piped");
         // The whole output is kept (the engine offloads a long one to a file), up to a hard cap.
@@ -109,7 +112,7 @@ mod tests {
     #[tokio::test]
     async fn bash_is_off_unless_enabled_and_bounded_when_on() {
         let dir = tempfile::tempdir().unwrap();
-        let c = ToolCtx { workspace: dir.path().to_owned(), idempotency_key: "run:1:c".into(), output_limit: 2000 };
+        let c = ToolCtx::new(dir.path(), "run:1:c", 2000);
         let off = ToolRegistry::builtin(None);
         assert_eq!(off.execute("bash", r#"{"command":"echo hi"}"#, &c).await.unwrap_err().code, "unknown_tool");
         let on = ToolRegistry::with_settings(super::super::ToolSettings { allow_bash: true, ..Default::default() });

@@ -76,7 +76,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_plan_renders_and_bad_items_are_refused() {
-        let ctx = ToolCtx { workspace: "/nonexistent".into(), idempotency_key: "k".into(), output_limit: 1000 };
+        let ctx = ToolCtx::new("/nonexistent", "k", 1000);
         let out = TodoWrite
             .call(json!({"todos": [
                 {"content": "find the config", "status": "completed"},

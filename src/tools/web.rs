@@ -198,7 +198,7 @@ mod tests {
     #[tokio::test]
     async fn local_and_odd_urls_are_refused_without_connecting() {
         let f = WebFetch { policy: FetchPolicy::default() };
-        let ctx = ToolCtx { workspace: "/nonexistent".into(), idempotency_key: "k".into(), output_limit: 1000 };
+        let ctx = ToolCtx::new("/nonexistent", "k", 1000);
         for (url, code) in [
             ("http://127.0.0.1:9/", "private_address"),
             ("http://localhost/", "private_address"),

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 
 /// Bottom layer first; a module may use only modules of lower layers.
 const LAYERS: &[&[&str]] = &[
-    &["ids", "lifecycle", "failpoints", "config", "telemetry", "client", "policy", "procs"],
-    &["model", "notify", "agents"],
+    &["ids", "lifecycle", "failpoints", "config", "telemetry", "client", "policy", "secrets"],
+    &["model", "notify", "agents", "procs"],
     &["tools", "store", "mcp"],
     &["events", "hooks", "permissions"],
     &["relay", "queue"],

@@ -438,7 +438,7 @@ async fn approvals_park_wake_and_answer_once(s: Backend) {
     let run = s.create_run(new_run(&t)).await.unwrap().run;
     let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
     let future = chrono::Utc::now().timestamp_millis() + 60_000;
-    let approval = |id: &str, expires_at| NewApproval { id: id.into(), tool: "bash".into(), input: json!({"command": "ls"}), reason: "the rule `Bash` asks".into(), expires_at };
+    let approval = |id: &str, expires_at| NewApproval { id: id.into(), tool: "bash".into(), input: json!({"command": "ls"}), reason: "the rule `Bash` asks".into(), expires_at, grant_scope: "rule:Bash".into() };
     let decision = json!({"verdict": "ask", "approval_id": "apr_1"});
     s.commit_decision(&lease, "k1", decision.clone(), Some(approval("apr_1", future)), vec![NewEvent::new(EventKind::ApprovalRequested, json!({}))]).await.unwrap();
     // Idempotent by key: the same call decided again adds nothing.
@@ -459,7 +459,7 @@ async fn approvals_park_wake_and_answer_once(s: Backend) {
     assert_eq!(s.answer_approval("apr_1", "o", answer(false, false)).await.unwrap(), Answered::Closed(ApprovalStatus::Allowed));
     let woken = s.get_run(run.id).await.unwrap().unwrap();
     assert!(woken.wake_at.unwrap() <= chrono::Utc::now().timestamp_millis(), "answering wakes the parked run");
-    assert!(s.has_grant(run.id, "bash").await.unwrap() && !s.has_grant(run.id, "edit_file").await.unwrap());
+    assert!(s.has_grant(run.id, "rule:Bash").await.unwrap() && !s.has_grant(run.id, "bash").await.unwrap());
     let kinds: Vec<String> = s.events_after(run.id, 0, 100).await.unwrap().into_iter().map(|e| e.kind).collect();
     assert!(kinds.contains(&"approval.resolved".to_owned()), "{kinds:?}");
     // An answer that raced the park: the park finds it answered and is due at once.
@@ -779,7 +779,7 @@ async fn parking_and_releases_do_not_spend_the_crash_budget(s: Backend) {
         assert_eq!(s.park(&lease, park).await.unwrap(), Parked::Parked { due: false });
     }
     let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    assert!(s.release_lease(&lease, &new_job_id()).await.unwrap());
+    assert!(s.release_lease(&lease, &new_job_id(), false).await.unwrap());
     assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Queued, "a release queues it again at once");
     let Claim::Acquired(..) = s.claim_run(run.id, "w", Duration::from_millis(10)).await.unwrap() else { panic!() };
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1048,7 +1048,7 @@ async fn the_transition_table_is_enforced(s: Backend) {
                 matches!(s.park(lease, park).await, Ok(Parked::Parked { .. }))
             }
             Transition::Wake => s.wake(run.id).await.unwrap(),
-            Transition::Release => s.release_lease(lease, &new_job_id()).await.unwrap(),
+            Transition::Release => s.release_lease(lease, &new_job_id(), false).await.unwrap(),
             Transition::Finish(t) => {
                 let finish = match t {
                     Terminal::Succeeded => Finish::Succeeded { result: "r".into(), forced: false },
@@ -1128,7 +1128,7 @@ async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: B
     assert!(matches!(s.claim_run(running, "w", Duration::from_secs(30)).await.unwrap(), Claim::Acquired(..)));
     assert_eq!(s.request_cancel(cancelled).await.unwrap(), CancelOutcome::Cancelled);
     let Claim::Acquired(lease, _) = s.claim_run(released, "w", Duration::from_secs(30)).await.unwrap() else { panic!("claimable") };
-    assert!(s.release_lease(&lease, &new_job_id()).await.unwrap());
+    assert!(s.release_lease(&lease, &new_job_id(), false).await.unwrap());
     let queued: Vec<_> = runs.iter().filter(|r| r.0 != running && r.0 != cancelled).collect();
     for &(id, owner, priority) in &queued {
         let mine = || queued.iter().filter(|o| o.1 == *owner && o.0 != *id);

@@ -91,7 +91,7 @@ async fn a_researcher_greps_reads_by_offset_fetches_and_answers() {
 #[tokio::test]
 async fn web_fetch_refuses_private_addresses_and_redirects_to_them() {
     let base = site().await;
-    let ctx = subagents::tools::ToolCtx { workspace: "/nonexistent".into(), idempotency_key: "k".into(), output_limit: 16_000 };
+    let ctx = subagents::tools::ToolCtx::new("/nonexistent", "k", 16_000);
     let allowed = ToolRegistry::with_settings(subagents::tools::ToolSettings {
         fetch: subagents::tools::FetchPolicy { allow_hosts: vec!["127.0.0.1".into()], ..Default::default() },
         ..Default::default()
@@ -191,7 +191,7 @@ async fn the_agents_plan_shows_in_the_run_view() {
 #[tokio::test]
 async fn web_search_uses_the_configured_backend() {
     let base = site().await;
-    let ctx = subagents::tools::ToolCtx { workspace: "/nonexistent".into(), idempotency_key: "k".into(), output_limit: 16_000 };
+    let ctx = subagents::tools::ToolCtx::new("/nonexistent", "k", 16_000);
     let with = |url: String| ToolRegistry::with_settings(subagents::tools::ToolSettings { search_url: Some(url), ..Default::default() });
     let reg = with(format!("{base}/search"));
     let out = reg.execute("web_search", &json!({"query": "retry policy", "max_results": 2}).to_string(), &ctx).await.unwrap();
