@@ -140,6 +140,22 @@ impl App {
         Ok(hub)
     }
 
+    /// Permission rules (of the settings file and of each agent) that name no tool this server
+    /// has, with where they are: they never match.
+    pub fn rules_naming_no_tool(settings: &Settings, agents: &AgentRegistry, policy: &crate::policy::Policy) -> Vec<(String, String)> {
+        let configured: Vec<String> = crate::mcp::load(&settings.mcp_config).map(|s| s.keys().cloned().collect()).unwrap_or_default();
+        let mut out: Vec<(String, String)> =
+            crate::permissions::unknown_tools(&policy.rules, &configured.iter().map(String::as_str).collect::<Vec<_>>()).into_iter().map(|r| (settings.settings_file.display().to_string(), r)).collect();
+        for a in agents.all() {
+            let mut servers: Vec<&str> = configured.iter().map(String::as_str).collect();
+            if let Some(serde_json::Value::Object(own)) = &a.mcp_servers {
+                servers.extend(own.keys().map(String::as_str));
+            }
+            out.extend(crate::permissions::unknown_tools(&a.policy.rules, &servers).into_iter().map(|r| (format!("agent `{}`", a.name), r)));
+        }
+        out
+    }
+
     /// The built-in tools' settings.
     pub fn tool_settings(settings: &Settings) -> crate::tools::ToolSettings {
         let clean = |v: &[String]| v.iter().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty()).collect();
@@ -188,6 +204,10 @@ impl App {
                 tracing::warn!(agent = %a.name, tool = %name, "agent lists a tool it will not get: {why}");
             }
         }
+        let policy = crate::policy::load_settings(&settings.settings_file).map_err(OpenError::Config)?;
+        for (source, rule) in Self::rules_naming_no_tool(&settings, &agents, &policy) {
+            tracing::warn!(source = %source, rule = %rule, "a permission rule names no tool this server has (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…); it never matches");
+        }
         let redis = match &settings.redis_url {
             None => None,
             Some(url) => Some(
@@ -225,7 +245,7 @@ impl App {
                     calibration: Default::default(),
                 },
                 policy: crate::engine::PolicySettings {
-                    settings: Arc::new(crate::policy::load_settings(&settings.settings_file).map_err(OpenError::Config)?),
+                    settings: Arc::new(policy),
                     approval_timeout: Duration::from_secs(settings.approval_timeout_secs.clamp(1, 30 * 86_400)),
                     http: reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build().expect("reqwest client with static settings"),
                     hook_cwd: settings.hook_cwd.clone(),

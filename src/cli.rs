@@ -331,10 +331,19 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     println!("  warning: `{name}` is not available: {why}");
                     unavailable += 1;
                 }
+                for rule in crate::permissions::unknown_tools(&a.policy.rules, &mcp_servers.keys().map(String::as_str).chain(a.mcp_servers.as_ref().and_then(|v| v.as_object()).into_iter().flat_map(|o| o.keys().map(String::as_str))).collect::<Vec<_>>()) {
+                    println!("  warning: the permission rule `{rule}` names no tool this server has; it never matches (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…)");
+                    unavailable += 1;
+                }
                 println!();
             }
             for e in &errors {
                 eprintln!("broken definition: {e}");
+            }
+            let policy = crate::policy::load_settings(&settings.settings_file).map_err(anyhow::Error::msg)?;
+            for rule in crate::permissions::unknown_tools(&policy.rules, &mcp_servers.keys().map(String::as_str).collect::<Vec<_>>()) {
+                println!("warning: the permission rule `{rule}` in {} names no tool this server has; it never matches", settings.settings_file.display());
+                unavailable += 1;
             }
             if strict && unavailable > 0 {
                 eprintln!("{unavailable} tool name(s) cannot be honoured (--strict)");

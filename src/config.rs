@@ -220,6 +220,26 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_HOOK_ENV", value_delimiter = ',', global = true)]
     pub hook_env: Vec<String>,
 
+    /// Most event streams (SSE: a run's events, the overview) one API key may hold open on a
+    /// server at once (0: no cap); past it, 429 `too_many_streams`.
+    #[arg(long, env = "SUBAGENTS_MAX_STREAMS_PER_KEY", default_value_t = 2000, global = true)]
+    pub max_streams_per_key: usize,
+
+    /// Most waits (`/v1/runs/wait`, `/v1/runs/{id}/wait`) one API key may hold open on a
+    /// server at once (0: no cap); past it, 429 `too_many_waits`.
+    #[arg(long, env = "SUBAGENTS_MAX_WAITS_PER_KEY", default_value_t = 2000, global = true)]
+    pub max_waits_per_key: usize,
+
+    /// Most runs one owner may have queued for a start through the API to be accepted (0: no
+    /// cap); past it, 429 `queue_full`.
+    #[arg(long, env = "SUBAGENTS_MAX_QUEUED_PER_KEY", default_value_t = 100_000, global = true)]
+    pub max_queued_per_key: u64,
+
+    /// A token that opens `/metrics` (and `/readyz`'s details) to a scraper without an API key
+    /// (`Authorization: Bearer TOKEN`); with API keys configured, those need a key or this.
+    #[arg(long, env = "SUBAGENTS_METRICS_TOKEN", hide_env_values = true, global = true)]
+    pub metrics_token: Option<String>,
+
     /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
     #[arg(long, env = "SUBAGENTS_TOOL_JOURNAL", global = true)]
     pub tool_journal: Option<PathBuf>,

@@ -326,11 +326,13 @@ impl ServerHandler for McpRuns {
 }
 
 /// The streamable HTTP service `serve` mounts at `/mcp` (behind its bearer keys: the API puts
-/// the request's owner in its extensions as [`McpOwner`]).
-pub fn http_service(app: Arc<App>, wait: Duration) -> rmcp::transport::StreamableHttpService<McpRuns, rmcp::transport::streamable_http_server::session::local::LocalSessionManager> {
-    // Bearer keys authenticate every request, so the Host check against DNS rebinding (meant for
+/// the request's owner in its extensions as [`McpOwner`]). Without keys (`keyless`), rmcp's own
+/// guard against DNS rebinding stays on: only a local `Host` is served.
+pub fn http_service(app: Arc<App>, wait: Duration, keyless: bool) -> rmcp::transport::StreamableHttpService<McpRuns, rmcp::transport::streamable_http_server::session::local::LocalSessionManager> {
+    // With keys, a bearer key authenticates every request, and the Host check (meant for
     // unauthenticated local servers) would only refuse legitimate remote clients.
-    let config = rmcp::transport::StreamableHttpServerConfig::default().disable_allowed_hosts();
+    let config = rmcp::transport::StreamableHttpServerConfig::default();
+    let config = if keyless { config } else { config.disable_allowed_hosts() };
     rmcp::transport::StreamableHttpService::new(move || Ok(McpRuns::new(app.clone(), crate::app::LOCAL_OWNER.to_owned(), wait)), Default::default(), config)
 }
 

@@ -5,6 +5,7 @@ pub mod approvals;
 pub mod auth;
 mod error;
 pub mod overview;
+pub mod quota;
 pub mod runs;
 pub mod system;
 pub mod ui;
@@ -41,6 +42,10 @@ pub struct ApiState {
     pub waits: Arc<crate::notify::SharedReads<crate::ids::RunId, runs::RunSnapshot>>,
     /// Snapshots built once for the waits that timed out together.
     pub views: Arc<crate::notify::SharedReads<crate::ids::RunId, axum::body::Bytes>>,
+    /// The overview of each owner with a stream open, computed once for all its streams.
+    pub overviews: Arc<overview::Feeds>,
+    /// What each key holds open, against its caps.
+    pub quotas: Arc<quota::Quotas>,
 }
 
 /// `Json` whose rejections become [`ApiError`]s with stable codes. A body that holds a NUL
@@ -148,8 +153,9 @@ pub fn router(state: ApiState) -> Router {
     let (router, spec) = documented_routes().split_for_parts();
     let spec = Arc::new(spec);
     // MCP clients (streamable HTTP) behind the same keys and owners as the rest of the API.
+    let keyless = state.keys.is_empty();
     let mcp = Router::new()
-        .nest_service("/mcp", crate::mcp_server::http_service(state.app.clone(), std::time::Duration::from_secs(60)))
+        .nest_service("/mcp", crate::mcp_server::http_service(state.app.clone(), std::time::Duration::from_secs(60), keyless))
         .layer(axum::middleware::from_fn_with_state(state.clone(), mcp_owner));
     router
         .merge(mcp)
@@ -158,6 +164,7 @@ pub fn router(state: ApiState) -> Router {
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "no_route", "no such endpoint; see /v1/runs, /v1/threads, /v1/approvals, /v1/agents") })
         .method_not_allowed_fallback(|| async { ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this endpoint does not take that method") })
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), local_only_without_keys))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {
             let id = req.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
@@ -165,6 +172,40 @@ pub fn router(state: ApiState) -> Router {
         }))
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)
+}
+
+/// Without keys, every request is served as the owner `local` to whoever can reach the port, so
+/// only a local `Host` and a local `Origin` (when a browser sends one) are accepted: a page on
+/// another site cannot reach the server through a name that resolves to 127.0.0.1 (DNS
+/// rebinding), nor call it from the browser of someone who runs it.
+async fn local_only_without_keys(axum::extract::State(state): axum::extract::State<ApiState>, req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if !state.keys.is_empty() {
+        return next.run(req).await;
+    }
+    let host = req.headers().get(axum::http::header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
+    let origin = req.headers().get(axum::http::header::ORIGIN).map(|o| o.to_str().unwrap_or("?"));
+    let origin_ok = origin.is_none_or(|o| o.split_once("://").is_some_and(|(scheme, rest)| matches!(scheme, "http" | "https") && is_local_authority(rest)));
+    if !is_local_authority(host) || !origin_ok {
+        tracing::warn!(host, origin, "refused a request with a non-local Host or Origin (no API keys are configured)");
+        return ApiError::new(
+            axum::http::StatusCode::FORBIDDEN,
+            "forbidden_host",
+            "without API keys this server answers only requests addressed to localhost, 127.0.0.1 or [::1]; configure SUBAGENTS_API_KEYS to serve other hosts",
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Whether `host[:port]` names this machine by a loopback name or address.
+fn is_local_authority(authority: &str) -> bool {
+    let host = match authority.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => authority.rsplit_once(':').map_or(authority, |(h, port)| if port.chars().all(|c| c.is_ascii_digit()) { h } else { authority }),
+    };
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    host == "localhost" || host.ends_with(".localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Authenticates an `/mcp` request like any other and hands its owner to the MCP handler.
@@ -193,7 +234,9 @@ impl Server {
         if let Err(e) = app.store.set_owner_budgets(&keys.owner_budgets()).await {
             tracing::warn!(error = %e, "could not record the owners' model budgets");
         }
-        let router = router(ApiState { app, keys: Arc::new(keys), waits: Default::default(), views: Default::default() });
+        let s = &app.settings;
+        let quotas = quota::Quotas::new(quota::Limits { streams: s.max_streams_per_key, waits: s.max_waits_per_key, queued: s.max_queued_per_key });
+        let router = router(ApiState { app, keys: Arc::new(keys), waits: Default::default(), views: Default::default(), overviews: Default::default(), quotas });
         // `into_make_service` turns every route into a service once; serving the `Router` itself
         // rebuilds the whole route table for each connection and drops it at the end (measured:
         // most of the server's time when a run's end answers 1,000 waits, each its own connection).

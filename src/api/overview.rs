@@ -2,8 +2,9 @@
 //! reads and does. The overview is computed from the database, so every worker's work shows,
 //! not only this process's.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Json;
@@ -13,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, DurationRound, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokio::sync::watch;
 use utoipa::ToSchema;
 
 use super::auth::Owner;
@@ -244,37 +246,87 @@ pub async fn get(State(state): State<ApiState>, owner: Owner) -> Result<Json<Ove
 }
 
 /// `GET /v1/overview/stream`: the overview as SSE `overview` events: one at once, then one
-/// whenever it changes (checked every 2 s), so a page stays live without polling.
-#[utoipa::path(get, path = "/v1/overview/stream", tag = "dashboard", responses((status = 200, description = "text/event-stream of `overview` events", content_type = "text/event-stream"), (status = 401, body = ErrorBody)))]
+/// whenever it changes (checked every 2 s), so a page stays live without polling. Every stream
+/// of one owner shares one computation ([`Feeds`]), and each counts against the key's cap on
+/// open streams.
+#[utoipa::path(get, path = "/v1/overview/stream", tag = "dashboard", responses((status = 200, description = "text/event-stream of `overview` events", content_type = "text/event-stream"), (status = 401, body = ErrorBody), (status = 429, body = ErrorBody)))]
 pub async fn stream(State(state): State<ApiState>, owner: Owner) -> Result<Response, ApiError> {
-    let first = compute(&state, &owner.0).await?;
-    let stream = async_stream_overview(state, owner.0, first);
+    let held = state.quotas.take(&owner.0, super::quota::Kind::Stream)?;
+    let mut feed = state.overviews.subscribe(&state, &owner.0);
+    let current = feed.borrow_and_update().clone();
+    let first = match current {
+        Some(o) => o,
+        None => Arc::new(compute(&state, &owner.0).await?),
+    };
+    let stream = overview_events(feed, first, held);
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
 }
 
-fn async_stream_overview(state: ApiState, owner: String, first: Overview) -> impl futures::Stream<Item = Result<Event, Infallible>> {
-    // What changes between two sends; `now` and ages always move, so they are not compared.
-    fn key(o: &Overview) -> Value {
-        serde_json::json!([o.runs, o.minutes, o.failures_24h, o.workers.iter().map(|w| (&w.name, w.alive, &w.runs)).collect::<Vec<_>>()])
-    }
-    futures::stream::unfold((Some(first), None::<Value>), move |(mut pending, last)| {
-        let state = state.clone();
-        let owner = owner.clone();
-        async move {
-            loop {
-                if let Some(o) = pending.take() {
-                    let k = key(&o);
-                    if last.as_ref() != Some(&k) {
-                        let ev = Event::default().event("overview").json_data(&o).unwrap_or_default();
-                        return Some((Ok(ev), (None, Some(k))));
-                    }
+/// What changes between two sends; `now` and ages always move, so they are not compared.
+fn change_key(o: &Overview) -> Value {
+    serde_json::json!([o.runs, o.minutes, o.failures_24h, o.workers.iter().map(|w| (&w.name, w.alive, &w.runs)).collect::<Vec<_>>()])
+}
+
+fn overview_events(feed: watch::Receiver<Option<Arc<Overview>>>, first: Arc<Overview>, held: super::quota::Held) -> impl futures::Stream<Item = Result<Event, Infallible>> {
+    futures::stream::unfold((feed, Some(first), None::<Value>, held), |(mut feed, mut pending, last, held)| async move {
+        loop {
+            if let Some(o) = pending.take() {
+                let k = change_key(&o);
+                if last.as_ref() != Some(&k) {
+                    let ev = Event::default().event("overview").json_data(&*o).unwrap_or_default();
+                    return Some((Ok(ev), (feed, None, Some(k), held)));
                 }
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                // The database away: keep the stream and try again at the next tick.
-                pending = compute(&state, &owner).await.ok();
             }
+            // The feed ends only with the server; a stream that outlives it ends too.
+            feed.changed().await.ok()?;
+            pending = feed.borrow_and_update().clone();
         }
     })
+}
+
+/// The overview of each owner that has a stream open, computed once every 2 s however many
+/// streams the owner has: 200 streams of one owner cost what one does. The computing task
+/// stops when the owner's last stream closes.
+#[derive(Default)]
+pub struct Feeds {
+    by_owner: Mutex<HashMap<String, watch::Receiver<Option<Arc<Overview>>>>>,
+}
+
+impl Feeds {
+    /// The owner's feed, started if it is not running.
+    fn subscribe(self: &Arc<Self>, state: &ApiState, owner: &str) -> watch::Receiver<Option<Arc<Overview>>> {
+        let mut map = self.by_owner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(rx) = map.get(owner) {
+            return rx.clone();
+        }
+        let (tx, rx) = watch::channel(None);
+        map.insert(owner.to_owned(), rx.clone());
+        let (state, owner, feeds) = (state.clone(), owner.to_owned(), self.clone());
+        tokio::spawn(async move {
+            loop {
+                // The database away: keep the feed and try again at the next tick.
+                if let Ok(o) = compute(&state, &owner).await {
+                    tx.send_replace(Some(Arc::new(o)));
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                // Under the map's lock, so a stream subscribing now either counts here or
+                // starts a new feed.
+                let mut map = feeds.by_owner.lock().unwrap_or_else(|e| e.into_inner());
+                if tx.receiver_count() <= 1 {
+                    if map.get(&owner).is_some_and(|rx| rx.same_channel(&tx.subscribe())) {
+                        map.remove(&owner);
+                    }
+                    break;
+                }
+            }
+        });
+        rx
+    }
+
+    /// Owners whose overview is being computed now.
+    pub fn running(&self) -> usize {
+        self.by_owner.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
 }
 
 /// What a bulk request does.

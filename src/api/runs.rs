@@ -221,6 +221,7 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
 #[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = StartBody,
     responses((status = 202, description = "queued", body = RunView), (status = 409, description = "thread_busy", body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
+    queue_room(&state, &owner).await?;
     let (run, _existing) = start_from(&state, &owner, body).await?;
     let view = RunView::build(state.app.store.as_ref(), run).await?;
     Ok((StatusCode::ACCEPTED, Json(view)).into_response())
@@ -231,8 +232,23 @@ pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): A
     responses((status = 200, description = "the finished run, or its snapshot with wait_timed_out", body = RunView), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<WaitStartBody>) -> Result<Response, ApiError> {
     let timeout = wait_duration(body.timeout_s)?;
+    let _held = state.quotas.take(&owner.0, super::quota::Kind::Wait)?;
+    queue_room(&state, &owner).await?;
     let (run, _) = start_from(&state, &owner, body.into()).await?;
     wait_view(&state, run.id, timeout).await
+}
+
+/// Refuses a start (429 `queue_full`) when the owner already has its cap of queued runs.
+async fn queue_room(state: &ApiState, owner: &Owner) -> Result<(), ApiError> {
+    let cap = state.quotas.limits.queued;
+    if cap > 0 && state.app.store.queued_count(&owner.0).await? >= cap {
+        return Err(ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "queue_full",
+            format!("this key already has {cap} runs queued (SUBAGENTS_MAX_QUEUED_PER_KEY); wait for some to start, or cancel some"),
+        ));
+    }
+    Ok(())
 }
 
 /// Latest events a [`RunSnapshot`] carries: a stream at most this far behind is answered
@@ -322,6 +338,7 @@ pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<St
     let id = parse_run_id(&id)?;
     let timeout = wait_duration(q.timeout_s)?;
     owned_run(&state, &owner, id).await?;
+    let _held = state.quotas.take(&owner.0, super::quota::Kind::Wait)?;
     wait_view(&state, id, timeout).await
 }
 
@@ -502,7 +519,12 @@ pub async fn events(
     if cursor > MAX_SEQ {
         return Err(ApiError::bad_request("invalid_cursor", "Last-Event-ID is larger than any event seq"));
     }
-    let stream = async_stream(state.clone(), id, cursor);
+    let held = state.quotas.take(&owner.0, super::quota::Kind::Stream)?;
+    // The stream holds its place against the key's cap until it ends.
+    let stream = futures::StreamExt::map(async_stream(state.clone(), id, cursor), move |e| {
+        let _ = &held;
+        e
+    });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
 }
 

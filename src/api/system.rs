@@ -68,9 +68,35 @@ pub async fn healthz() -> Json<Health> {
     Json(Health { status: "ok".into(), db: None, redis: None })
 }
 
-/// `GET /readyz`: the database answers.
+/// Whether a request may see what the operator sees: always without API keys (the server is
+/// local-only then); with keys, one of them or the metrics token (`SUBAGENTS_METRICS_TOKEN`).
+fn operator(state: &ApiState, headers: &axum::http::HeaderMap) -> bool {
+    if state.keys.is_empty() {
+        return true;
+    }
+    let Some(key) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim) else {
+        return false;
+    };
+    let token = state.app.settings.metrics_token.as_deref().filter(|t| !t.is_empty());
+    token.is_some_and(|t| constant_time_eq(t.as_bytes(), key.as_bytes())) || state.keys.owner_of(key).is_some()
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// `GET /readyz`: the database answers. Load balancers get the status alone; what is down
+/// (`db`, `redis`) is shown to an operator (see `/metrics`).
 #[utoipa::path(get, path = "/readyz", tag = "system", security(()), responses((status = 200, body = Health), (status = 503, body = Health)))]
-pub async fn readyz(State(state): State<ApiState>) -> Response {
+pub async fn readyz(State(state): State<ApiState>, headers: axum::http::HeaderMap) -> Response {
+    let detail = operator(&state, &headers);
+    let redact = move |mut h: Health| {
+        if !detail {
+            h.db = None;
+            h.redis = None;
+        }
+        h
+    };
     match state.app.store.status_counts().await {
         Ok(_) => {
             // Without Redis, runs go on and events wait in the outbox: degraded, not down.
@@ -79,19 +105,23 @@ pub async fn readyz(State(state): State<ApiState>) -> Response {
                 Some(r) => Some(if r.ping().await { "ok" } else { "unreachable" }),
             };
             let status = if redis == Some("unreachable") { "degraded" } else { "ready" };
-            Json(Health { status: status.into(), db: Some("ok".into()), redis: redis.map(Into::into) }).into_response()
+            Json(redact(Health { status: status.into(), db: Some("ok".into()), redis: redis.map(Into::into) })).into_response()
         }
         Err(e) => {
             tracing::warn!(error = %e, "readiness check failed");
-            (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "unavailable".into(), db: Some("unreachable".into()), redis: None })).into_response()
+            (StatusCode::SERVICE_UNAVAILABLE, Json(redact(Health { status: "unavailable".into(), db: Some("unreachable".into()), redis: None }))).into_response()
         }
     }
 }
 
 /// `GET /metrics`: Prometheus text. Run counts are read from the database at scrape time;
-/// latency histograms and token counters come from this process's recorder.
-#[utoipa::path(get, path = "/metrics", tag = "system", security(()), responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String), (status = 503, body = ErrorBody)))]
-pub async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
+/// latency histograms and token counters come from this process's recorder. With API keys
+/// configured it needs `Authorization: Bearer` with a key or `SUBAGENTS_METRICS_TOKEN`.
+#[utoipa::path(get, path = "/metrics", tag = "system", responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String), (status = 401, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn metrics(State(state): State<ApiState>, headers: axum::http::HeaderMap) -> Result<Response, ApiError> {
+    if !operator(&state, &headers) {
+        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "send Authorization: Bearer with an API key or the metrics token (SUBAGENTS_METRICS_TOKEN)"));
+    }
     let counts = state.app.store.status_counts().await?;
     let mut out = String::from("# HELP subagents_runs Runs by status.\n# TYPE subagents_runs gauge\n");
     for s in [RunStatus::Queued, RunStatus::Running, RunStatus::Waiting, RunStatus::Succeeded, RunStatus::Failed, RunStatus::Cancelled] {

@@ -84,6 +84,13 @@ pub fn names_a_tool(rule_tool: &str, mcp_servers: &[&str]) -> bool {
     }
 }
 
+/// The rules of `rules` whose tool part names no tool this build knows (see
+/// [`names_a_tool`]): they can never match, which for a deny rule is a hole, so they are
+/// reported when the rules load.
+pub fn unknown_tools(rules: &Rules, mcp_servers: &[&str]) -> Vec<String> {
+    [&rules.allow, &rules.deny, &rules.ask].into_iter().flatten().filter(|r| !names_a_tool(&r.tool, mcp_servers)).map(|r| r.text.clone()).collect()
+}
+
 /// A tool call as the rules see it: for `bash`, the simple commands it runs; for a file tool,
 /// every form of the path the tool opens; for `web_fetch`, the parsed URL.
 #[derive(Debug)]

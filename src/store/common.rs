@@ -1318,6 +1318,14 @@ macro_rules! store_impl {
                 })
             }
 
+            async fn queued_count(&self, owner: &str) -> Result<u64> {
+                let n: i64 = sqlx::query_scalar("SELECT CAST(COALESCE(SUM(queued), 0) AS BIGINT) FROM sa_queue_depth WHERE owner = $1")
+                    .bind(owner)
+                    .fetch_one(self.reads())
+                    .await?;
+                Ok(n.max(0) as u64)
+            }
+
             async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
                 let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(self.reads()).await?;
                 rows.iter()

@@ -1359,6 +1359,10 @@ pub trait Queries: Send + Sync + 'static {
     /// view reads the agent's plan (`todo_write`) this way.
     async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>>;
 
+    /// How many runs `owner` has queued (all priorities), from the queue-depth counters: one
+    /// read, whatever the backlog.
+    async fn queued_count(&self, owner: &str) -> Result<u64>;
+
     /// Number of runs per state, for metrics.
     async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>>;
 
