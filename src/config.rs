@@ -117,6 +117,11 @@ pub struct Settings {
     #[arg(long, env = "SUBAGENTS_OWNER_CONCURRENCY", default_value_t = 0, global = true)]
     pub owner_concurrency: u32,
 
+    /// Most runs of one API key's owner running at once, fleet-wide, when the keys file sets no
+    /// `concurrency=N` for it (0: no limit). Without keys (one local owner) it does not apply.
+    #[arg(long, env = "SUBAGENTS_KEY_CONCURRENCY", default_value_t = 32, global = true)]
+    pub key_concurrency: u32,
+
     /// Model prices in dollars per million tokens, `model=INPUT:OUTPUT`, comma-separated; a
     /// name also matches as a prefix (`gpt-4.1=2:8,my-llama=0:0`). Common models have built-in
     /// list prices; a model with no price costs 0.

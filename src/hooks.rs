@@ -229,7 +229,8 @@ async fn run_command(cmd: &str, timeout: std::time::Duration, input: &Value, env
         }
         Ok(Err(e)) => Answer::Error(format!("hook `{cmd}`: {e}")),
         Ok(Ok(out)) => {
-            let stderr = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+            let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+            crate::model::scrub_nul(&mut stderr);
             match out.status.code() {
                 Some(0) => parse_stdout(&out.stdout),
                 Some(2) => Answer::Block(if stderr.is_empty() { format!("blocked by the hook `{cmd}`") } else { stderr }),
@@ -243,12 +244,26 @@ async fn run_command(cmd: &str, timeout: std::time::Duration, input: &Value, env
     }
 }
 
+/// Replaces NULs in every string of `v` (see [`crate::model::scrub_nul`]): a hook's reason or
+/// rewritten input is stored, and no database text holds a NUL.
+fn scrub(v: &mut Value) {
+    match v {
+        Value::String(s) => crate::model::scrub_nul(s),
+        Value::Array(a) => a.iter_mut().for_each(scrub),
+        Value::Object(o) => o.values_mut().for_each(scrub),
+        _ => {}
+    }
+}
+
 fn parse_stdout(stdout: &[u8]) -> Answer {
     let text = String::from_utf8_lossy(stdout);
     let t = text.trim();
     if t.starts_with('{') {
         match serde_json::from_str::<Value>(t) {
-            Ok(v) => Answer::Json(v),
+            Ok(mut v) => {
+                scrub(&mut v);
+                Answer::Json(v)
+            }
             Err(e) => Answer::Error(format!("hook printed JSON that does not parse: {e}")),
         }
     } else {

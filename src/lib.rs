@@ -16,7 +16,9 @@
 //! - [`engine`]: the step loop, as a planner and an executor;
 //! - [`worker`]: apalis workers, the drain, the reaper; [`relay`]: the outbox to Redis Streams;
 //! - [`app`]: wiring; [`api`], [`client`], [`cli`], [`config`], [`telemetry`], [`bench`]: the
-//!   program's edges.
+//!   program's edges;
+//! - [`permissions`], [`hooks`], [`secrets`], [`procs`]: what a model may do on the machine, and
+//!   what the processes it starts cannot reach (see `docs/security.md`).
 #![warn(missing_docs)]
 
 pub mod agents;

@@ -3,7 +3,10 @@
 //! `mcpServers:`); their tools appear to agents as `mcp__<server>__<tool>`.
 //!
 //! A server is started (stdio) or connected to (streamable HTTP) the first time a run needs it,
-//! and reused by every run of this worker process; it stops with the process. A server that
+//! and reused by later runs of this worker process; it stops with the process. A stdio server
+//! is one process per owner: it may keep state or touch files, and one owner's runs must not
+//! reach another's through it. An HTTP server is shared (it is the remote's to separate
+//! callers). A server that
 //! died is started again on the next call, and the call is sent once more. A server that cannot
 //! start, hangs or errs gives the model a tool error, never a failed run. As for any tool, a
 //! call whose result was not committed before a crash is sent again on replay.
@@ -209,31 +212,40 @@ impl Hub {
         self.servers.keys().filter(|n| self.private.get(*n).is_none_or(|a| a == agent)).cloned().collect()
     }
 
-    async fn connect(&self, name: &str) -> Result<Arc<Live>, McpError> {
-        if let Some(l) = self.live.lock().await.get(name)
+    /// The key of `name`'s connection for `owner`: a stdio server's process is the owner's own.
+    fn instance(&self, name: &str, owner: &str) -> String {
+        match self.servers.get(name) {
+            Some(ServerConfig::Stdio { .. }) => format!("{name}\u{0}{owner}"),
+            _ => name.to_owned(),
+        }
+    }
+
+    async fn connect(&self, name: &str, owner: &str) -> Result<Arc<Live>, McpError> {
+        let key = self.instance(name, owner);
+        if let Some(l) = self.live.lock().await.get(&key)
             && !l.service.is_transport_closed()
         {
             return Ok(l.clone());
         }
-        if let Some((at, e)) = self.failed.lock().await.get(name)
+        if let Some((at, e)) = self.failed.lock().await.get(&key)
             && at.elapsed() < RETRY_AFTER_FAILURE
         {
             return Err(e.clone());
         }
-        let result = self.start(name).await;
+        let result = self.start(name, &key).await;
         match &result {
             Ok(_) => {
-                self.failed.lock().await.remove(name);
+                self.failed.lock().await.remove(&key);
             }
             Err(e) => {
-                tracing::warn!(server = name, error = %e, "MCP server could not be started");
-                self.failed.lock().await.insert(name.to_owned(), (std::time::Instant::now(), e.clone()));
+                tracing::warn!(server = name, owner, error = %e, "MCP server could not be started");
+                self.failed.lock().await.insert(key, (std::time::Instant::now(), e.clone()));
             }
         }
         result
     }
 
-    async fn start(&self, name: &str) -> Result<Arc<Live>, McpError> {
+    async fn start(&self, name: &str, key: &str) -> Result<Arc<Live>, McpError> {
         let config = self.servers.get(name).ok_or_else(|| McpError::Unknown(name.to_owned()))?;
         let unavailable = |why: String| McpError::Unavailable { server: name.to_owned(), why };
         let start = async {
@@ -271,13 +283,13 @@ impl Hub {
             .map_err(|_| unavailable(format!("it did not answer within {}s", self.start_timeout.as_secs_f64())))??;
         tracing::info!(server = name, tools = live.tools.len(), "MCP server connected");
         let live = Arc::new(live);
-        self.live.lock().await.insert(name.to_owned(), live.clone());
+        self.live.lock().await.insert(key.to_owned(), live.clone());
         Ok(live)
     }
 
     /// The tools of `server` as the model sees them (`mcp__<server>__<tool>`); `only` keeps one.
-    pub async fn specs(&self, server: &str, only: Option<&str>) -> Result<Vec<ToolSpec>, McpError> {
-        let live = self.connect(server).await?;
+    pub async fn specs(&self, server: &str, only: Option<&str>, owner: &str) -> Result<Vec<ToolSpec>, McpError> {
+        let live = self.connect(server, owner).await?;
         Ok(live
             .tools
             .iter()
@@ -298,21 +310,21 @@ impl Hub {
 
     /// Calls `tool` on `server`; a server that died is started again and the call sent once
     /// more. Returns the result as text and whether the tool reported success.
-    pub async fn call(&self, server: &str, tool: &str, arguments: Value) -> Result<(String, bool), McpError> {
+    pub async fn call(&self, server: &str, tool: &str, arguments: Value, owner: &str) -> Result<(String, bool), McpError> {
         let args = match arguments {
             Value::Object(o) => Some(o),
             Value::Null => None,
             _ => return Err(McpError::Call { server: server.into(), tool: tool.into(), why: "arguments must be a JSON object".into() }),
         };
         for attempt in 0..2 {
-            let live = self.connect(server).await?;
+            let live = self.connect(server, owner).await?;
             let mut params = CallToolRequestParams::new(tool.to_owned());
             params.arguments = args.clone();
             match live.service.call_tool(params).await {
                 Ok(result) => return Ok(render(&serde_json::to_value(&result).unwrap_or(Value::Null))),
                 Err(e) if attempt == 0 && live.service.is_transport_closed() => {
                     tracing::warn!(server, error = %e, "MCP server went away; starting it again");
-                    self.live.lock().await.remove(server);
+                    self.live.lock().await.remove(&self.instance(server, owner));
                 }
                 Err(e) => return Err(McpError::Call { server: server.into(), tool: tool.into(), why: e.to_string() }),
             }

@@ -48,9 +48,18 @@ impl Keys {
         Ok(())
     }
 
-    /// The owners' concurrency limits the keys file sets, as `owner:<name>` limit keys.
-    pub fn owner_limits(&self) -> Vec<(String, u32)> {
-        self.limits.iter().map(|(o, n)| (format!("owner:{o}"), *n)).collect()
+    /// The owners' concurrency limits, as `owner:<name>` limit keys: what the keys file sets,
+    /// and `default` (0: none) for every other owner with a key, so that no key can hold every
+    /// worker of the fleet.
+    pub fn owner_limits(&self, default: u32) -> Vec<(String, u32)> {
+        let mut out: std::collections::BTreeMap<&str, u32> = std::collections::BTreeMap::new();
+        if default > 0 {
+            for o in self.by_hash.values() {
+                out.insert(o, default);
+            }
+        }
+        out.extend(self.limits.iter().map(|(o, n)| (o.as_str(), *n)));
+        out.into_iter().map(|(o, n)| (format!("owner:{o}"), n)).collect()
     }
 
     /// Whether `owner` is an operator (`admin` on its line of the keys file): it may list and
@@ -151,7 +160,9 @@ mod tests {
         std::fs::write(&path, format!("# owners\nacme {hex} concurrency=4 rpm=500 tpm=200000\nsolo {hex}2 admin\n").replace(&format!("{hex}2"), &"cd".repeat(32))).unwrap();
         let mut keys = Keys::default();
         keys.add_file(&path).unwrap();
-        assert_eq!(keys.owner_limits(), [("owner:acme".to_owned(), 4)]);
+        assert_eq!(keys.owner_limits(0), [("owner:acme".to_owned(), 4)]);
+        // Every other keyed owner gets the default; the file's own limit wins.
+        assert_eq!(keys.owner_limits(32), [("owner:acme".to_owned(), 4), ("owner:solo".to_owned(), 32)]);
         assert_eq!(keys.owner_budgets(), [("acme".to_owned(), crate::store::OwnerBudget { rpm: Some(500), tpm: Some(200_000) })]);
         assert!(keys.is_admin("solo") && !keys.is_admin("acme"));
         for (line, says) in [

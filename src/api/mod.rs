@@ -227,7 +227,7 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
         // The owners' concurrency limits from the keys file, for every worker's claims.
-        if let Err(e) = app.store.set_limits("owner:", &keys.owner_limits()).await {
+        if let Err(e) = app.store.set_limits("owner:", &keys.owner_limits(app.settings.key_concurrency)).await {
             tracing::warn!(error = %e, "could not record the owners' concurrency limits");
         }
         // And their model budgets, for every worker's model calls.

@@ -484,7 +484,7 @@ impl Engine {
     /// tools, else the servers and tools it names (`mcp__server`, `mcp__server__tool`). A server
     /// that cannot be reached offers nothing this time; a tool named explicitly is still offered,
     /// so a call of it tells the model what is wrong.
-    async fn add_mcp_tools(&self, agent: &AgentDef, names: &mut Vec<String>, specs: &mut Vec<crate::model::ToolSpec>) {
+    async fn add_mcp_tools(&self, agent: &AgentDef, owner: &str, names: &mut Vec<String>, specs: &mut Vec<crate::model::ToolSpec>) {
         let hub = &self.settings.mcp;
         let visible = hub.visible(&agent.name);
         let wanted: Vec<(String, Option<String>)> = match &agent.tools {
@@ -496,7 +496,7 @@ impl Engine {
                 .collect(),
         };
         for (server, only) in wanted {
-            match hub.specs(&server, only.as_deref()).await {
+            match hub.specs(&server, only.as_deref(), owner).await {
                 Ok(found) => {
                     for s in found {
                         if !names.contains(&s.function.name) {
@@ -524,8 +524,8 @@ impl Engine {
         }
     }
 
-    /// Runs a built-in tool or an MCP server's.
-    async fn execute_tool(&self, name: &str, arguments: &str, ctx: &ToolCtx) -> Result<String, crate::tools::ToolError> {
+    /// Runs a built-in tool or an MCP server's (the owner's own process of a stdio server).
+    async fn execute_tool(&self, name: &str, arguments: &str, ctx: &ToolCtx, owner: &str) -> Result<String, crate::tools::ToolError> {
         let Some((server, Some(tool))) = crate::mcp::split(name) else {
             return self.tools.execute(name, arguments, ctx).await;
         };
@@ -534,7 +534,7 @@ impl Engine {
         } else {
             serde_json::from_str(arguments).map_err(|e| crate::tools::ToolError::new("bad_arguments", format!("arguments are not valid JSON ({e}); send a JSON object")))?
         };
-        match self.settings.mcp.call(server, tool, args).await {
+        match self.settings.mcp.call(server, tool, args, owner).await {
             Ok((text, true)) => Ok(text),
             Ok((text, false)) => Err(crate::tools::ToolError::new("mcp_tool_error", text)),
             Err(e) => Err(crate::tools::ToolError::new("mcp_unavailable", e.to_string())),
@@ -567,7 +567,7 @@ impl Engine {
             tool_specs.extend(crate::delegation::specs(&agent, &self.agents));
             tool_names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
-        self.add_mcp_tools(&agent, &mut tool_names, &mut tool_specs).await;
+        self.add_mcp_tools(&agent, &run.owner, &mut tool_names, &mut tool_specs).await;
         // A subagent never gets a tool an ancestor's `tools:` list leaves out (delegation is
         // bounded by depth instead).
         if run.parent_run_id.is_some() {
@@ -1001,7 +1001,7 @@ impl Engine {
                             let ctx = ToolCtx { workspace: workspace.to_owned(), idempotency_key: key.clone(), output_limit: budget.page_bytes(), readable };
                             let t0 = std::time::Instant::now();
                             let limit = self.settings.tool_timeout;
-                            let out = tokio::time::timeout(limit, self.execute_tool(&call.function.name, &arguments, &ctx)).await;
+                            let out = tokio::time::timeout(limit, self.execute_tool(&call.function.name, &arguments, &ctx, &run.owner)).await;
                             // A tool that held its thread past the limit returns late rather
                             // than being cut: it still timed out.
                             let late = t0.elapsed() > limit;

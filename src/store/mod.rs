@@ -1094,8 +1094,9 @@ pub enum StoreError {
     /// The caller's lease epoch is stale: another worker owns the run now.
     #[error("lease lost: another worker owns run {0} now")]
     LeaseLost(RunId),
-    /// The thread exists under another owner.
-    #[error("thread {0} belongs to another owner")]
+    /// The thread exists under another owner. Its message is a missing thread's, so that no
+    /// front end (the API, MCP, the CLI) tells one owner what another's ids are.
+    #[error("thread {0} was not found; start a new thread, or continue one of yours")]
     ThreadOwnedElsewhere(ThreadId),
     /// A stored value could not be read back.
     #[error("corrupt row: {0}")]
@@ -1119,12 +1120,14 @@ impl StoreError {
                 sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
                 sqlx::Error::Database(d) => {
                     let code = d.code().unwrap_or_default();
-                    match code.parse::<i64>() {
-                        // SQLite: the primary result code is the low byte (BUSY, LOCKED, IOERR, FULL, CANTOPEN, PROTOCOL).
-                        Ok(n) => matches!(n & 0xff, 5 | 6 | 10 | 13 | 14 | 15),
-                        // PostgreSQL: connection, resources, operator intervention, system errors;
-                        // serialization failures, deadlocks and lock timeouts.
-                        Err(_) => ["08", "53", "57", "58"].iter().any(|c| code.starts_with(c)) || ["40001", "40P01", "55P03"].contains(&code.as_ref()),
+                    if d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() {
+                        // PostgreSQL: connection, resources, operator intervention, system
+                        // errors; serialization failures, deadlocks and lock timeouts.
+                        ["08", "53", "57", "58"].iter().any(|c| code.starts_with(c)) || ["40001", "40P01", "55P03"].contains(&code.as_ref())
+                    } else {
+                        // SQLite: the primary result code is the low byte (BUSY, LOCKED, IOERR,
+                        // FULL, CANTOPEN, PROTOCOL).
+                        code.parse::<i64>().is_ok_and(|n| matches!(n & 0xff, 5 | 6 | 10 | 13 | 14 | 15))
                     }
                 }
                 _ => false,

@@ -470,6 +470,6 @@ mod tests {
         let normal = html_text(b"<html><body><h1>Title</h1><p>Hello &amp; welcome</p><script>x()</script></body></html>".to_vec(), Duration::from_secs(10)).await;
         assert!(normal.contains("Title") && normal.contains("Hello & welcome") && !normal.contains("x()"), "{normal}");
         let stripped = strip_tags(b"<p>a &lt;b&gt; &#65;&#x42;</p><style>p{}</style><!-- c --><div>d</div>");
-        assert_eq!(stripped.trim(), "a <b> AB\nd");
+        assert_eq!(stripped.trim(), "a <b> AB\n\nd");
     }
 }

@@ -16,6 +16,7 @@ mod mcp_server;
 mod policy;
 mod redis;
 mod runs;
+mod security;
 mod store;
 mod support;
 mod tools;

@@ -284,7 +284,7 @@ async fn denied_and_expired_approvals_reach_the_model() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_for_the_run_tree_is_not_asked_again_in_children() {
-    let parent = "---\nname: boss\ndescription: delegates twice\ntools: [Task]\n---\nYou delegate. MOCK:boss\n";
+    let parent = "---\nname: boss\ndescription: delegates twice\ntools: [Task, echo]\n---\nYou delegate. MOCK:boss\n";
     let f = approvals_fleet(vec![("asker".into(), ASKER.into()), ("boss".into(), parent.into())]).await;
     f.t.mock.state.set_script(subagents::model::mock::Script::from([(
         "boss".to_owned(),
