@@ -198,14 +198,15 @@ async fn local_only_without_keys(axum::extract::State(state): axum::extract::Sta
     next.run(req).await
 }
 
-/// Whether `host[:port]` names this machine by a loopback name or address.
+/// Whether `host[:port]` names this machine by a loopback name or address (or `0.0.0.0`, which
+/// a name on another site cannot be made to send).
 fn is_local_authority(authority: &str) -> bool {
     let host = match authority.strip_prefix('[') {
         Some(rest) => rest.split(']').next().unwrap_or(""),
         None => authority.rsplit_once(':').map_or(authority, |(h, port)| if port.chars().all(|c| c.is_ascii_digit()) { h } else { authority }),
     };
     let host = host.trim_end_matches('.').to_ascii_lowercase();
-    host == "localhost" || host.ends_with(".localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    host == "localhost" || host.ends_with(".localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified())
 }
 
 /// Authenticates an `/mcp` request like any other and hands its owner to the MCP handler.
