@@ -307,22 +307,25 @@ impl Engine {
     }
 
     /// A write or read of the run failed. Data the database refuses fails the run (replaying
-    /// would fail the same way, paying for a model call each time); a passing failure gives the
-    /// run back at once so a retry resumes it from the last checkpoint, counted as a crash, so
-    /// a run that keeps failing ends after `SUBAGENTS_MAX_ATTEMPTS` like one that keeps crashing.
+    /// would fail the same way, paying for a model call each time). Any other failure gives the
+    /// run back at once so a retry resumes it from the last checkpoint; one that is not the
+    /// database being away (a deadlock, a lock or statement timeout, a full disk) counts as a
+    /// crash, so a run that keeps failing that way ends after `SUBAGENTS_MAX_ATTEMPTS` like one
+    /// that keeps crashing, while a run survives any number of database restarts.
     async fn storage_failed(&self, lease: &Lease, run: &RunRecord, e: StoreError) -> Result<Executed, StoreError> {
         if !e.is_transient() {
             tracing::error!(error = %e, "the database refused this run's data; failing the run");
             let message = format!("the database refused this run's data, and replaying it would fail the same way: {e}");
             return self.finish(lease, run, Finish::Failed(RunError { kind: ErrorKind::Internal, message })).await;
         }
-        if run.crashes.saturating_add(1) >= self.settings.max_attempts {
+        let counted = !e.is_outage();
+        if counted && run.crashes.saturating_add(1) >= self.settings.max_attempts {
             tracing::error!(error = %e, crashes = run.crashes, "storage kept failing for this run; giving up");
             let message = format!("storage kept failing; gave up after {} attempts: {e}", run.crashes + 1);
             return self.finish(lease, run, Finish::Failed(RunError { kind: ErrorKind::Lost, message })).await;
         }
-        tracing::error!(error = %e, "storage failed mid-run; releasing the run for a retry");
-        let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), true).await;
+        tracing::error!(error = %e, counted, "storage failed mid-run; releasing the run for a retry");
+        let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), counted).await;
         Err(e)
     }
 
@@ -353,7 +356,7 @@ impl Engine {
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
-                let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), true).await;
+                let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), !e.is_outage()).await;
                 Err(e)
             }
         }

@@ -1110,6 +1110,23 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the database was out of reach (a broken or refused connection, a restart): the
+    /// failure says nothing about the run, and a run goes on when the database is back however
+    /// often that happens. A subset of [`StoreError::is_transient`].
+    pub fn is_outage(&self) -> bool {
+        match self {
+            StoreError::Db(e) => match e {
+                sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(d) if d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() => {
+                    let code = d.code().unwrap_or_default();
+                    code.starts_with("08") || ["57P01", "57P02", "57P03"].contains(&code.as_ref())
+                }
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
     /// Whether trying again later may succeed: the database was out of reach, busy, restarting,
     /// or chose this transaction to abort (a deadlock, a serialization failure). Anything else
     /// (data the database refuses, a constraint, a broken statement) fails the same way on

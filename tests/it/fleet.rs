@@ -402,7 +402,7 @@ async fn parents_and_children_survive_random_kills() {
 
 /// Hole 10: a rolling restart. Every worker is SIGTERMed in turn under load and replaced; the
 /// step in flight finishes (no step is asked for twice) and a released run is claimed by
-/// another worker within a second.
+/// another worker at once (well within its lease, which is what tells a release from a crash).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_abandons_no_step() {
     let mut f = fleet(300, 0, 1).await;
@@ -449,7 +449,10 @@ async fn a_rolling_restart_abandons_no_step() {
                 released += 1;
                 let gap = pair[1].created_at - pair[0].created_at;
                 worst = worst.max(gap);
-                assert!(gap <= chrono::Duration::milliseconds(1000), "run {} was released and resumed {gap} later", d.id);
+                // Pushed at once by the release, not found by the reaper after the 10 s lease:
+                // half the lease tells the two apart on a loaded machine (1.02 s was seen with
+                // the whole suite on two cores).
+                assert!(gap <= chrono::Duration::milliseconds(5000), "run {} was released and resumed {gap} later", d.id);
             }
         }
     }

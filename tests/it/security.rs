@@ -379,11 +379,24 @@ async fn a_nul_is_refused_at_the_api_and_scrubbed_from_model_and_tool_text_on_po
 async fn data_the_database_refuses_is_not_taken_for_a_passing_failure() {
     let db = fresh_postgres_database().await;
     let pool = sqlx::PgPool::connect(&db).await.unwrap();
-    let refused = sqlx::query("SELECT $1::text").bind("a\u{0}b").execute(&pool).await.unwrap_err();
-    assert!(!subagents::store::StoreError::Db(refused).is_transient());
+    let refused = subagents::store::StoreError::Db(sqlx::query("SELECT $1::text").bind("a\u{0}b").execute(&pool).await.unwrap_err());
+    assert!(!refused.is_transient() && !refused.is_outage(), "{refused}");
+    // A lock timeout is worth a retry, counted: a run that meets it every time must end.
+    let mut a = pool.begin().await.unwrap();
+    sqlx::query("CREATE TABLE t (id int primary key)").execute(&mut *a).await.unwrap();
+    a.commit().await.unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE t IN ACCESS EXCLUSIVE MODE").execute(&mut *holder).await.unwrap();
+    let mut waiter = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '50ms'").execute(&mut *waiter).await.unwrap();
+    let timed_out = subagents::store::StoreError::Db(sqlx::query("SELECT * FROM t").execute(&mut *waiter).await.unwrap_err());
+    assert!(timed_out.is_transient() && !timed_out.is_outage(), "{timed_out}");
+    drop(waiter);
+    drop(holder);
     pool.close().await;
-    let gone = sqlx::PgPool::connect("postgres://postgres@127.0.0.1:1/none").await.unwrap_err();
-    assert!(subagents::store::StoreError::Db(gone).is_transient());
+    // The database away is an outage: a run waits it out, however often.
+    let gone = subagents::store::StoreError::Db(sqlx::PgPool::connect("postgres://postgres@127.0.0.1:1/none").await.unwrap_err());
+    assert!(gone.is_transient() && gone.is_outage(), "{gone}");
 }
 
 // 9. One owner's overview streams cost one computation, and a key holds a bounded number.
