@@ -100,7 +100,11 @@ enum ListOrString {
 impl ListOrString {
     fn into_vec(self) -> Vec<String> {
         match self {
-            ListOrString::List(v) => v.into_iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+            ListOrString::List(v) => v
+                .into_iter()
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+                .collect(),
             ListOrString::Str(s) => split_top_level(&s),
         }
     }
@@ -132,7 +136,13 @@ fn named_subagents(tool: &str) -> Option<Vec<String>> {
     if !matches!(name.trim(), "Task" | "Agent") {
         return None;
     }
-    Some(rest.trim_end_matches(')').split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect())
+    Some(
+        rest.trim_end_matches(')')
+            .split(',')
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .collect(),
+    )
 }
 
 /// Claude Code's model names, which an OpenAI-compatible endpoint does not know.
@@ -152,13 +162,19 @@ pub fn resolve_model(
         None | Some("") => (default.to_owned(), None),
         Some("inherit") => match parent_model {
             Some(p) => (p.to_owned(), Some("inherited from the parent run".into())),
-            None => (default.to_owned(), Some("inherit: a top-level run uses the default model".into())),
+            None => (
+                default.to_owned(),
+                Some("inherit: a top-level run uses the default model".into()),
+            ),
         },
         Some(m) => match aliases.get(m) {
             Some(to) => (to.clone(), Some(format!("alias {m} -> {to}"))),
-            None if CLAUDE_ALIASES.contains(&m) => {
-                (default.to_owned(), Some(format!("{m}: no alias in SUBAGENTS_MODEL_ALIASES, so the default model")))
-            }
+            None if CLAUDE_ALIASES.contains(&m) => (
+                default.to_owned(),
+                Some(format!(
+                    "{m}: no alias in SUBAGENTS_MODEL_ALIASES, so the default model"
+                )),
+            ),
             None => (m.to_owned(), None),
         },
     }
@@ -215,20 +231,29 @@ fn parse_tokens(v: &serde_yaml_ng::Value) -> Result<u64, String> {
         .ok()
         .and_then(|n| n.checked_mul(unit))
         .filter(|n| (1024..=100_000_000).contains(n))
-        .ok_or_else(|| format!("context_window `{text}` must be 1024 to 100000000 tokens (e.g. 8000 or 200k)"))
+        .ok_or_else(|| {
+            format!("context_window `{text}` must be 1024 to 100000000 tokens (e.g. 8000 or 200k)")
+        })
 }
 
 /// Parses a share of the window: `85`, `85%` or `0.85`, within 10..=95 percent.
 fn parse_percent(v: &serde_yaml_ng::Value) -> Result<u8, String> {
     let n = match v {
         serde_yaml_ng::Value::Number(n) => n.as_f64(),
-        serde_yaml_ng::Value::String(s) => s.trim().trim_end_matches('%').trim().parse::<f64>().ok(),
+        serde_yaml_ng::Value::String(s) => {
+            s.trim().trim_end_matches('%').trim().parse::<f64>().ok()
+        }
         _ => None,
     }
-    .ok_or_else(|| "compact_at must be a percent (85 or 85%) or a fraction (0.85) of the context window".to_owned())?;
+    .ok_or_else(|| {
+        "compact_at must be a percent (85 or 85%) or a fraction (0.85) of the context window"
+            .to_owned()
+    })?;
     let percent = if n <= 1.0 { n * 100.0 } else { n };
     if !percent.is_finite() || !(10.0..=95.0).contains(&percent.round()) {
-        return Err(format!("compact_at {n} is out of range: use 10% to 95% of the context window"));
+        return Err(format!(
+            "compact_at {n} is out of range: use 10% to 95% of the context window"
+        ));
     }
     Ok(percent.round() as u8)
 }
@@ -246,25 +271,40 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             num.push(c);
             continue;
         }
-        let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a duration (use e.g. 90s, 30m, 2h)"))?;
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("`{s}` is not a duration (use e.g. 90s, 30m, 2h)"))?;
         num.clear();
         let unit = match c {
             's' => 1,
             'm' => 60,
             'h' => 3600,
-            _ => return Err(format!("`{s}` is not a duration: unknown unit `{c}` (use s, m or h)")),
+            _ => {
+                return Err(format!(
+                    "`{s}` is not a duration: unknown unit `{c}` (use s, m or h)"
+                ));
+            }
         };
-        total = n.checked_mul(unit).and_then(|x| x.checked_add(total)).ok_or_else(|| format!("`{s}` is too long"))?;
+        total = n
+            .checked_mul(unit)
+            .and_then(|x| x.checked_add(total))
+            .ok_or_else(|| format!("`{s}` is too long"))?;
     }
     if !num.is_empty() {
-        return Err(format!("`{s}` is not a duration: `{num}` has no unit (use s, m or h)"));
+        return Err(format!(
+            "`{s}` is not a duration: `{num}` has no unit (use s, m or h)"
+        ));
     }
     Ok(Duration::from_secs(total))
 }
 
 /// As Claude Code: anything but `:`, `/` and whitespace (collections use `.` and capitals).
 fn valid_name(n: &str) -> bool {
-    !n.is_empty() && n.chars().count() <= 64 && !n.chars().any(|c| c == ':' || c == '/' || c.is_whitespace() || c.is_control())
+    !n.is_empty()
+        && n.chars().count() <= 64
+        && !n
+            .chars()
+            .any(|c| c == ':' || c == '/' || c.is_whitespace() || c.is_control())
 }
 
 /// Claude Code reads a one-line value such as `description: Use it when X. Examples: …` as
@@ -277,9 +317,13 @@ fn quote_plain_values(yaml: &str) -> String {
         let plain = body.split_once(": ").filter(|(key, value)| {
             !key.is_empty()
                 && !key.starts_with([' ', '\t', '-', '#'])
-                && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                && key
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
                 && value.contains(": ")
-                && !value.trim_start().starts_with(['"', '\'', '|', '>', '[', '{'])
+                && !value
+                    .trim_start()
+                    .starts_with(['"', '\'', '|', '>', '[', '{'])
         });
         match plain {
             Some((key, value)) => {
@@ -294,12 +338,19 @@ fn quote_plain_values(yaml: &str) -> String {
 
 /// Parses one definition file's text. `path` is for messages and the fallback name.
 pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> {
-    let err = |line: usize, message: String| AgentFileError { path: path.to_owned(), line, message };
+    let err = |line: usize, message: String| AgentFileError {
+        path: path.to_owned(),
+        line,
+        message,
+    };
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut lines = text.split_inclusive('\n');
     let first = lines.next().unwrap_or("");
     if first.trim_end() != "---" {
-        return Err(err(1, "expected YAML front matter: the file must start with a line `---`".into()));
+        return Err(err(
+            1,
+            "expected YAML front matter: the file must start with a line `---`".into(),
+        ));
     }
     let mut yaml = String::new();
     let mut body_start = None;
@@ -313,10 +364,16 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         offset += l.len();
     }
     let Some((body_at, close_line)) = body_start else {
-        return Err(err(1, "front matter is not closed: add a line `---` after the YAML".into()));
+        return Err(err(
+            1,
+            "front matter is not closed: add a line `---` after the YAML".into(),
+        ));
     };
     let fm: FrontMatter = if yaml.trim().is_empty() {
-        return Err(err(2, "front matter is empty: it needs at least `description:`".into()));
+        return Err(err(
+            2,
+            "front matter is empty: it needs at least `description:`".into(),
+        ));
     } else {
         match serde_yaml_ng::from_str(&yaml) {
             Ok(fm) => fm,
@@ -336,37 +393,72 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         tracing::debug!(path = %path.display(), key, "ignoring unknown front matter key");
     }
     let line_of = |key: &str| {
-        yaml.lines().position(|l| l.trim_start().starts_with(&format!("{key}:"))).map(|i| i + 2).unwrap_or(2)
+        yaml.lines()
+            .position(|l| l.trim_start().starts_with(&format!("{key}:")))
+            .map(|i| i + 2)
+            .unwrap_or(2)
     };
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("").to_owned();
+    let stem = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("")
+        .to_owned();
     let name = fm.name.unwrap_or(stem);
     if !valid_name(&name) {
-        return Err(err(line_of("name"), format!("name `{name}` is not valid: use 1 to 64 characters, without `:`, `/` or spaces")));
+        return Err(err(
+            line_of("name"),
+            format!(
+                "name `{name}` is not valid: use 1 to 64 characters, without `:`, `/` or spaces"
+            ),
+        ));
     }
     let description = fm.description.unwrap_or_default().trim().to_owned();
     if description.is_empty() {
-        return Err(err(line_of("description"), "`description` is missing: say in one line what this agent is for".into()));
+        return Err(err(
+            line_of("description"),
+            "`description` is missing: say in one line what this agent is for".into(),
+        ));
     }
     let max_steps = match fm.max_steps {
         None => DEFAULT_MAX_STEPS,
         Some(n) if (1..=10_000).contains(&n) => n as u32,
-        Some(n) => return Err(err(line_of("max_steps"), format!("max_steps {n} is out of range 1..=10000"))),
+        Some(n) => {
+            return Err(err(
+                line_of("max_steps"),
+                format!("max_steps {n} is out of range 1..=10000"),
+            ));
+        }
     };
     let max_concurrency = match fm.max_concurrency {
         None => None,
         Some(n) if (1..=100_000).contains(&n) => Some(n as u32),
-        Some(n) => return Err(err(line_of("max_concurrency"), format!("max_concurrency {n} is out of range 1..=100000 (runs of this agent at once, fleet-wide)"))),
+        Some(n) => {
+            return Err(err(
+                line_of("max_concurrency"),
+                format!(
+                    "max_concurrency {n} is out of range 1..=100000 (runs of this agent at once, fleet-wide)"
+                ),
+            ));
+        }
     };
     let timeout = match fm.timeout {
         None => DEFAULT_TIMEOUT,
         Some(TimeoutValue::Secs(s)) => Duration::from_secs(s),
-        Some(TimeoutValue::Text(t)) => parse_duration(&t).map_err(|m| err(line_of("timeout"), m))?,
+        Some(TimeoutValue::Text(t)) => {
+            parse_duration(&t).map_err(|m| err(line_of("timeout"), m))?
+        }
     };
     if timeout.is_zero() || timeout.as_secs() > MAX_TIMEOUT_SECS {
-        return Err(err(line_of("timeout"), "timeout must be between 1 second and 7 days".into()));
+        return Err(err(
+            line_of("timeout"),
+            "timeout must be between 1 second and 7 days".into(),
+        ));
     }
     // Kept as written: `inherit` and aliases are resolved per run (see `resolve_model`).
-    let model = fm.model.map(|m| m.trim().to_owned()).filter(|m| !m.is_empty());
+    let model = fm
+        .model
+        .map(|m| m.trim().to_owned())
+        .filter(|m| !m.is_empty());
     let tools = fm.tools.map(ListOrString::into_vec);
     let mut subagents = fm.subagents.map(ListOrString::into_vec).unwrap_or_default();
     if subagents.is_empty() {
@@ -385,24 +477,36 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
     let json = |v: &serde_yaml_ng::Value| serde_json::to_value(v).map_err(|e| e.to_string());
     let mut policy = crate::policy::Policy::default();
     if let Some(h) = &fm.hooks {
-        policy.hooks = json(h).and_then(|v| crate::policy::parse_hooks(&v)).map_err(|m| err(line_of("hooks"), m))?;
+        policy.hooks = json(h)
+            .and_then(|v| crate::policy::parse_hooks(&v))
+            .map_err(|m| err(line_of("hooks"), m))?;
     }
     if let Some(p) = &fm.permissions {
-        policy.rules = json(p).and_then(|v| crate::policy::parse_permissions(&v)).map_err(|m| err(line_of("permissions"), m))?;
+        policy.rules = json(p)
+            .and_then(|v| crate::policy::parse_permissions(&v))
+            .map_err(|m| err(line_of("permissions"), m))?;
     }
     if let Some(m) = &fm.permission_mode {
-        policy.rules.mode = Some(crate::policy::Mode::parse(m).map_err(|m| err(line_of("permissionMode"), m))?);
+        policy.rules.mode =
+            Some(crate::policy::Mode::parse(m).map_err(|m| err(line_of("permissionMode"), m))?);
     }
     policy.approval_timeout = match fm.approval_timeout {
         None => None,
         Some(TimeoutValue::Secs(s)) => Some(Duration::from_secs(s)),
-        Some(TimeoutValue::Text(t)) => Some(parse_duration(&t).map_err(|m| err(line_of("approval_timeout"), m))?),
+        Some(TimeoutValue::Text(t)) => {
+            Some(parse_duration(&t).map_err(|m| err(line_of("approval_timeout"), m))?)
+        }
     };
     let mcp_servers = match &fm.mcp_servers {
         None => None,
         Some(v) => match json(v) {
             Ok(v @ serde_json::Value::Object(_)) => Some(v),
-            _ => return Err(err(line_of("mcpServers"), "mcpServers must be an object of servers by name, as in .mcp.json".into())),
+            _ => {
+                return Err(err(
+                    line_of("mcpServers"),
+                    "mcpServers must be an object of servers by name, as in .mcp.json".into(),
+                ));
+            }
         },
     };
     let system_prompt = text[body_at..].trim().to_owned();
@@ -441,7 +545,8 @@ impl AgentRegistry {
             name: "echo".into(),
             description: "Benchmark and smoke-test agent: may only call the echo tool.".into(),
             tools: Some(vec!["echo".into()]),
-            system_prompt: "You test the executor. Call the echo tool when asked, then answer.".into(),
+            system_prompt: "You test the executor. Call the echo tool when asked, then answer."
+                .into(),
             ..AgentDef::general_purpose()
         };
         agents.insert(echo.name.clone(), echo);
@@ -457,13 +562,20 @@ impl AgentRegistry {
         let mut paths: Vec<PathBuf> = vec![];
         let mut dirs = vec![dir.to_owned()];
         while let Some(d) = dirs.pop() {
-            let Ok(rd) = std::fs::read_dir(&d) else { continue };
+            let Ok(rd) = std::fs::read_dir(&d) else {
+                continue;
+            };
             for e in rd.flatten() {
                 let p = e.path();
-                let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+                let hidden = p
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with('.'));
                 match e.file_type() {
                     Ok(t) if t.is_dir() && !hidden => dirs.push(p),
-                    Ok(t) if t.is_file() && p.extension().is_some_and(|x| x == "md") && !hidden => paths.push(p),
+                    Ok(t) if t.is_file() && p.extension().is_some_and(|x| x == "md") && !hidden => {
+                        paths.push(p)
+                    }
                     _ => {}
                 }
             }
@@ -474,7 +586,11 @@ impl AgentRegistry {
             let text = match std::fs::read_to_string(&path) {
                 Ok(t) => t,
                 Err(e) => {
-                    errors.push(AgentFileError { path, line: 1, message: format!("cannot read: {e}") });
+                    errors.push(AgentFileError {
+                        path,
+                        line: 1,
+                        message: format!("cannot read: {e}"),
+                    });
                     continue;
                 }
             };
@@ -484,7 +600,11 @@ impl AgentRegistry {
                         let line_in = |p: &Path| {
                             std::fs::read_to_string(p)
                                 .ok()
-                                .and_then(|t| t.lines().position(|l| l.trim_start().starts_with("name:")).map(|i| i + 1))
+                                .and_then(|t| {
+                                    t.lines()
+                                        .position(|l| l.trim_start().starts_with("name:"))
+                                        .map(|i| i + 1)
+                                })
                                 .unwrap_or(1)
                         };
                         errors.push(AgentFileError {
@@ -542,7 +662,10 @@ mod tests {
         let text = "---\nname: code-reviewer\ndescription: Reviews code\ntools: Read, Grep, Glob\nmodel: sonnet\ncolor: blue\n---\nYou review code.\n";
         let a = parse_agent(&p(), text).unwrap();
         assert_eq!(a.name, "code-reviewer");
-        assert_eq!(a.tools, Some(vec!["Read".into(), "Grep".into(), "Glob".into()]));
+        assert_eq!(
+            a.tools,
+            Some(vec!["Read".into(), "Grep".into(), "Glob".into()])
+        );
         assert_eq!(a.model.as_deref(), Some("sonnet"));
         assert_eq!(a.system_prompt, "You review code.");
         assert_eq!(a.max_steps, DEFAULT_MAX_STEPS);
@@ -552,19 +675,36 @@ mod tests {
     fn task_forms_name_subagents_and_commas_in_parentheses_do_not_split() {
         let text = "---\nname: lead\ndescription: d\ntools: Read, Task(researcher, reviewer), Bash(git status:*, git log:*)\n---\nbody";
         let a = parse_agent(&p(), text).unwrap();
-        assert_eq!(a.tools.unwrap(), ["Read", "Task(researcher, reviewer)", "Bash(git status:*, git log:*)"]);
+        assert_eq!(
+            a.tools.unwrap(),
+            [
+                "Read",
+                "Task(researcher, reviewer)",
+                "Bash(git status:*, git log:*)"
+            ]
+        );
         assert_eq!(a.subagents, ["researcher", "reviewer"]);
     }
 
     #[test]
     fn models_resolve_through_aliases_and_inherit() {
-        let aliases: BTreeMap<String, String> = [("sonnet".to_owned(), "gpt-4.1".to_owned())].into();
+        let aliases: BTreeMap<String, String> =
+            [("sonnet".to_owned(), "gpt-4.1".to_owned())].into();
         assert_eq!(resolve_model(None, Some("p"), "d", &aliases).0, "d");
-        assert_eq!(resolve_model(Some("inherit"), Some("p"), "d", &aliases).0, "p");
+        assert_eq!(
+            resolve_model(Some("inherit"), Some("p"), "d", &aliases).0,
+            "p"
+        );
         assert_eq!(resolve_model(Some("inherit"), None, "d", &aliases).0, "d");
-        assert_eq!(resolve_model(Some("sonnet"), None, "d", &aliases).0, "gpt-4.1");
+        assert_eq!(
+            resolve_model(Some("sonnet"), None, "d", &aliases).0,
+            "gpt-4.1"
+        );
         assert_eq!(resolve_model(Some("opus"), None, "d", &aliases).0, "d");
-        assert_eq!(resolve_model(Some("gpt-4o"), None, "d", &aliases), ("gpt-4o".to_owned(), None));
+        assert_eq!(
+            resolve_model(Some("gpt-4o"), None, "d", &aliases),
+            ("gpt-4o".to_owned(), None)
+        );
     }
 
     #[test]
@@ -573,7 +713,10 @@ mod tests {
         let text = "---\nname: api.designer\ndescription: Use this agent for APIs. Examples: <example>Context: a REST API</example>\ntools: Read\n---\nbody";
         let a = parse_agent(&p(), text).unwrap();
         assert_eq!(a.name, "api.designer");
-        assert_eq!(a.description, "Use this agent for APIs. Examples: <example>Context: a REST API</example>");
+        assert_eq!(
+            a.description,
+            "Use this agent for APIs. Examples: <example>Context: a REST API</example>"
+        );
         // Still refused: what Claude Code refuses.
         assert!(parse_agent(&p(), "name: x\n---\n").is_err());
         assert!(parse_agent(&p(), "---\nname: a/b\ndescription: d\n---\n").is_err());
@@ -585,9 +728,21 @@ mod tests {
     fn subdirectories_load_and_duplicates_name_both_files() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("collection/engineering")).unwrap();
-        std::fs::write(dir.path().join("a.md"), "---\nname: dup\ndescription: first\n---\nx").unwrap();
-        std::fs::write(dir.path().join("collection/engineering/b.md"), "---\ndescription: second\nname: dup\n---\nx").unwrap();
-        std::fs::write(dir.path().join("collection/engineering/deep.md"), "---\ndescription: nested\n---\nx").unwrap();
+        std::fs::write(
+            dir.path().join("a.md"),
+            "---\nname: dup\ndescription: first\n---\nx",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("collection/engineering/b.md"),
+            "---\ndescription: second\nname: dup\n---\nx",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("collection/engineering/deep.md"),
+            "---\ndescription: nested\n---\nx",
+        )
+        .unwrap();
         let (reg, errors) = AgentRegistry::load_dir(dir.path());
         assert_eq!(reg.get("dup").unwrap().description, "first");
         assert!(reg.get("deep").is_some(), "files in subdirectories load");
@@ -610,9 +765,20 @@ mod tests {
 
     #[test]
     fn context_keys_load_and_refuse_nonsense() {
-        for (window, at, want) in [("8000", "85", (8000, 85)), ("200k", "70%", (200_000, 70)), ("1m", "0.5", (1_000_000, 50))] {
-            let a = parse_agent(&p(), &format!("---\ndescription: d\ncontext_window: {window}\ncompact_at: {at}\n---\n")).unwrap();
-            assert_eq!((a.context_window, a.compact_at), (Some(want.0), Some(want.1)));
+        for (window, at, want) in [
+            ("8000", "85", (8000, 85)),
+            ("200k", "70%", (200_000, 70)),
+            ("1m", "0.5", (1_000_000, 50)),
+        ] {
+            let a = parse_agent(
+                &p(),
+                &format!("---\ndescription: d\ncontext_window: {window}\ncompact_at: {at}\n---\n"),
+            )
+            .unwrap();
+            assert_eq!(
+                (a.context_window, a.compact_at),
+                (Some(want.0), Some(want.1))
+            );
         }
         let e = parse_agent(&p(), "---\ndescription: d\ncontext_window: 12\n---\n").unwrap_err();
         assert_eq!(e.line, 3);

@@ -64,7 +64,10 @@ pub struct StreamedEvent {
 impl StreamedEvent {
     /// The event with its JSON.
     pub fn new(record: crate::store::EventRecord) -> Self {
-        StreamedEvent { json: serde_json::to_string(&record).unwrap_or_default(), record }
+        StreamedEvent {
+            json: serde_json::to_string(&record).unwrap_or_default(),
+            record,
+        }
     }
 }
 
@@ -83,7 +86,9 @@ pub enum OpenError {
         source: StoreError,
     },
     /// Redis could not be reached.
-    #[error("cannot reach Redis at {url}: {source} (check REDIS_URL, or unset it to serve events from the database)")]
+    #[error(
+        "cannot reach Redis at {url}: {source} (check REDIS_URL, or unset it to serve events from the database)"
+    )]
     Redis {
         /// Redacted URL.
         url: String,
@@ -118,7 +123,10 @@ impl App {
         Arc::new(OpenAiClient::new(OpenAiConfig {
             base_url: settings.openai_base_url.clone(),
             api_key: settings.openai_api_key.clone().unwrap_or_default(),
-            retry: RetryPolicy { retries: settings.model_retries, ..RetryPolicy::default() },
+            retry: RetryPolicy {
+                retries: settings.model_retries,
+                ..RetryPolicy::default()
+            },
             request_timeout: settings.model_timeout(),
         }))
     }
@@ -126,14 +134,23 @@ impl App {
     /// The MCP servers of `SUBAGENTS_MCP_CONFIG` plus those agent files declare (each visible
     /// to its agent only). A broken `.mcp.json` stops start-up; a broken `mcpServers:` in an agent
     /// file is logged and that agent gets none.
-    pub fn mcp_hub(settings: &Settings, agents: &AgentRegistry) -> Result<crate::mcp::Hub, OpenError> {
-        let servers = crate::mcp::load(&settings.mcp_config).map_err(|e| OpenError::Config(format!("SUBAGENTS_MCP_CONFIG: {e}")))?;
-        let mut hub = crate::mcp::Hub::new(servers, Duration::from_secs_f64(settings.mcp_timeout_secs.clamp(0.1, 600.0)));
+    pub fn mcp_hub(
+        settings: &Settings,
+        agents: &AgentRegistry,
+    ) -> Result<crate::mcp::Hub, OpenError> {
+        let servers = crate::mcp::load(&settings.mcp_config)
+            .map_err(|e| OpenError::Config(format!("SUBAGENTS_MCP_CONFIG: {e}")))?;
+        let mut hub = crate::mcp::Hub::new(
+            servers,
+            Duration::from_secs_f64(settings.mcp_timeout_secs.clamp(0.1, 600.0)),
+        );
         for a in agents.all() {
             if let Some(v) = &a.mcp_servers {
                 match crate::mcp::parse_servers(v) {
                     Ok(s) => hub.add_private(&a.name, s),
-                    Err(e) => tracing::warn!(agent = %a.name, error = %e, "the agent's mcpServers cannot be used"),
+                    Err(e) => {
+                        tracing::warn!(agent = %a.name, error = %e, "the agent's mcpServers cannot be used")
+                    }
                 }
             }
         }
@@ -142,58 +159,100 @@ impl App {
 
     /// Permission rules (of the settings file and of each agent) that name no tool this server
     /// has, with where they are: they never match.
-    pub fn rules_naming_no_tool(settings: &Settings, agents: &AgentRegistry, policy: &crate::policy::Policy) -> Vec<(String, String)> {
-        let configured: Vec<String> = crate::mcp::load(&settings.mcp_config).map(|s| s.keys().cloned().collect()).unwrap_or_default();
-        let mut out: Vec<(String, String)> =
-            crate::permissions::unknown_tools(&policy.rules, &configured.iter().map(String::as_str).collect::<Vec<_>>()).into_iter().map(|r| (settings.settings_file.display().to_string(), r)).collect();
+    pub fn rules_naming_no_tool(
+        settings: &Settings,
+        agents: &AgentRegistry,
+        policy: &crate::policy::Policy,
+    ) -> Vec<(String, String)> {
+        let configured: Vec<String> = crate::mcp::load(&settings.mcp_config)
+            .map(|s| s.keys().cloned().collect())
+            .unwrap_or_default();
+        let mut out: Vec<(String, String)> = crate::permissions::unknown_tools(
+            &policy.rules,
+            &configured.iter().map(String::as_str).collect::<Vec<_>>(),
+        )
+        .into_iter()
+        .map(|r| (settings.settings_file.display().to_string(), r))
+        .collect();
         for a in agents.all() {
             let mut servers: Vec<&str> = configured.iter().map(String::as_str).collect();
             if let Some(serde_json::Value::Object(own)) = &a.mcp_servers {
                 servers.extend(own.keys().map(String::as_str));
             }
-            out.extend(crate::permissions::unknown_tools(&a.policy.rules, &servers).into_iter().map(|r| (format!("agent `{}`", a.name), r)));
+            out.extend(
+                crate::permissions::unknown_tools(&a.policy.rules, &servers)
+                    .into_iter()
+                    .map(|r| (format!("agent `{}`", a.name), r)),
+            );
         }
         out
     }
 
     /// The built-in tools' settings.
     pub fn tool_settings(settings: &Settings) -> crate::tools::ToolSettings {
-        let clean = |v: &[String]| v.iter().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty()).collect();
+        let clean = |v: &[String]| {
+            v.iter()
+                .map(|h| h.trim().to_owned())
+                .filter(|h| !h.is_empty())
+                .collect()
+        };
         crate::tools::ToolSettings {
             journal: settings.tool_journal.clone(),
             allow_bash: settings.allow_bash,
-            fetch: crate::tools::FetchPolicy { allow_hosts: clean(&settings.fetch_allow), deny_hosts: clean(&settings.fetch_deny), ..Default::default() },
+            fetch: crate::tools::FetchPolicy {
+                allow_hosts: clean(&settings.fetch_allow),
+                deny_hosts: clean(&settings.fetch_deny),
+                ..Default::default()
+            },
             search_url: settings.search_url.clone(),
         }
     }
 
     /// Opens everything with the given model and the built-in tools.
-    pub async fn open_with_model(settings: Settings, model: Arc<dyn ChatModel>) -> Result<App, OpenError> {
+    pub async fn open_with_model(
+        settings: Settings,
+        model: Arc<dyn ChatModel>,
+    ) -> Result<App, OpenError> {
         let tools = ToolRegistry::with_settings(Self::tool_settings(&settings));
         Self::open_custom(settings, model, tools).await
     }
 
     /// Opens everything with the given model and tools (tests, embedders with their own tools).
-    pub async fn open_custom(settings: Settings, model: Arc<dyn ChatModel>, tools: ToolRegistry) -> Result<App, OpenError> {
+    pub async fn open_custom(
+        settings: Settings,
+        model: Arc<dyn ChatModel>,
+        tools: ToolRegistry,
+    ) -> Result<App, OpenError> {
         let url = settings.database_url.clone();
-        let db_err = |source| OpenError::Database { url: redact(&url), source };
+        let db_err = |source| OpenError::Database {
+            url: redact(&url),
+            source,
+        };
         let heartbeat = Duration::from_secs(5);
         // A process without Redis has no relay: its events are written as relayed, so the
         // outbox holds only what a relay will take.
         let relays = settings.redis_url.is_some();
         let (store, queue): (Arc<dyn Store>, Queue) = if url.starts_with("sqlite:") {
-            let s = SqliteStore::connect(&url).await.map_err(db_err)?.relaying(relays);
+            let s = SqliteStore::connect(&url)
+                .await
+                .map_err(db_err)?
+                .relaying(relays);
             let q = Queue::sqlite(s.pool(), heartbeat);
             (Arc::new(s), q)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let s = crate::store::PgStore::connect(&url).await.map_err(db_err)?.relaying(relays);
+            let s = crate::store::PgStore::connect(&url)
+                .await
+                .map_err(db_err)?
+                .relaying(relays);
             let q = Queue::postgres(s.pool(), heartbeat);
             (Arc::new(s), q)
         } else {
             return Err(OpenError::UnsupportedDatabase(redact(&url)));
         };
-        std::fs::create_dir_all(&settings.workspace)
-            .map_err(|source| OpenError::Workspace { path: settings.workspace.display().to_string(), source })?;
+        std::fs::create_dir_all(&settings.workspace).map_err(|source| OpenError::Workspace {
+            path: settings.workspace.display().to_string(),
+            source,
+        })?;
         let (agents, agent_errors) = AgentRegistry::load_dir(&settings.jobs_dir);
         for e in &agent_errors {
             tracing::warn!("agent definition skipped: {e}");
@@ -204,7 +263,8 @@ impl App {
                 tracing::warn!(agent = %a.name, tool = %name, "agent lists a tool it will not get: {why}");
             }
         }
-        let policy = crate::policy::load_settings(&settings.settings_file).map_err(OpenError::Config)?;
+        let policy =
+            crate::policy::load_settings(&settings.settings_file).map_err(OpenError::Config)?;
         for (source, rule) in Self::rules_naming_no_tool(&settings, &agents, &policy) {
             tracing::warn!(source = %source, rule = %rule, "a permission rule names no tool this server has (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…); it never matches");
         }
@@ -217,7 +277,10 @@ impl App {
                     retention: Duration::from_secs(settings.redis_retention_secs),
                 })
                 .await
-                .map_err(|source| OpenError::Redis { url: redact(url), source })?,
+                .map_err(|source| OpenError::Redis {
+                    url: redact(url),
+                    source,
+                })?,
             ),
         };
         let agents = Arc::new(agents);
@@ -235,8 +298,12 @@ impl App {
                 tool_timeout: settings.tool_timeout(),
                 context: crate::engine::ContextSettings {
                     table: crate::model::tokens::ModelTable::new(
-                        crate::model::tokens::ModelTable::parse_overrides(&settings.context_windows)
-                            .map_err(|e| OpenError::Config(format!("SUBAGENTS_CONTEXT_WINDOWS: {e}")))?,
+                        crate::model::tokens::ModelTable::parse_overrides(
+                            &settings.context_windows,
+                        )
+                        .map_err(|e| {
+                            OpenError::Config(format!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))
+                        })?,
                         settings.default_context_window.max(1024),
                     ),
                     compact_at: settings.compact_at,
@@ -246,17 +313,30 @@ impl App {
                 },
                 policy: crate::engine::PolicySettings {
                     settings: Arc::new(policy),
-                    approval_timeout: Duration::from_secs(settings.approval_timeout_secs.clamp(1, 30 * 86_400)),
-                    http: reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build().expect("reqwest client with static settings"),
+                    approval_timeout: Duration::from_secs(
+                        settings.approval_timeout_secs.clamp(1, 30 * 86_400),
+                    ),
+                    http: reqwest::Client::builder()
+                        .connect_timeout(Duration::from_secs(10))
+                        .build()
+                        .expect("reqwest client with static settings"),
                     hook_cwd: settings.hook_cwd.clone(),
-                    hook_env_pass: settings.hook_env.iter().map(|v| v.trim().to_owned()).filter(|v| !v.is_empty()).collect(),
+                    hook_env_pass: settings
+                        .hook_env
+                        .iter()
+                        .map(|v| v.trim().to_owned())
+                        .filter(|v| !v.is_empty())
+                        .collect(),
                 },
                 mcp: Arc::new(Self::mcp_hub(&settings, &agents)?),
                 rate_limits: crate::engine::RateLimits {
                     by_model: settings.model_limit_map().map_err(OpenError::Config)?,
                     window: Duration::from_millis(settings.rate_window_ms.max(100)),
                 },
-                prices: Arc::new(crate::model::prices::PriceTable::parse(&settings.prices).map_err(|e| OpenError::Config(format!("SUBAGENTS_PRICES: {e}")))?),
+                prices: Arc::new(
+                    crate::model::prices::PriceTable::parse(&settings.prices)
+                        .map_err(|e| OpenError::Config(format!("SUBAGENTS_PRICES: {e}")))?,
+                ),
                 delegation: crate::delegation::DelegationSettings {
                     max_depth: settings.max_depth,
                     result_limit: settings.child_result_limit,
@@ -271,7 +351,17 @@ impl App {
             deltas: redis.clone(),
             budgets: crate::engine::budget::Budgets::new(store.clone(), redis.clone()),
         });
-        Ok(App { settings, store, queue, engine, agents, agent_errors, redis, run_reads: Default::default(), event_reads: Default::default() })
+        Ok(App {
+            settings,
+            store,
+            queue,
+            engine,
+            agents,
+            agent_errors,
+            redis,
+            run_reads: Default::default(),
+            event_reads: Default::default(),
+        })
     }
 
     /// Validates, records and enqueues a run (the run and its job in one transaction). Once
@@ -282,35 +372,69 @@ impl App {
 
     /// [`App::start_run`], also telling whether an idempotency key matched an earlier start.
     pub async fn start(&self, req: StartRun) -> Result<Created, StartError> {
-        start_run(self.store.as_ref(), &self.agents, self.settings.max_input_bytes, req).await
+        start_run(
+            self.store.as_ref(),
+            &self.agents,
+            self.settings.max_input_bytes,
+            req,
+        )
+        .await
     }
 
     /// The concurrency limits this process configures, by the key prefix it owns: the
     /// default for every owner (`*`) and the agents' `max_concurrency:`. Owners' own limits
     /// come from the keys file, which only `serve` reads.
     pub fn concurrency_limits(&self) -> Vec<(&'static str, Vec<(String, u32)>)> {
-        let agents = self.agents.all().filter_map(|a| a.max_concurrency.map(|n| (format!("agent:{}", a.name), n))).collect();
-        vec![("*", vec![("*".to_owned(), self.settings.owner_concurrency)]), ("agent:", agents)]
+        let agents = self
+            .agents
+            .all()
+            .filter_map(|a| a.max_concurrency.map(|n| (format!("agent:{}", a.name), n)))
+            .collect();
+        vec![
+            ("*", vec![("*".to_owned(), self.settings.owner_concurrency)]),
+            ("agent:", agents),
+        ]
     }
 
     /// Retries a failed or cancelled root run ([`crate::runs::retry`]).
     pub async fn retry(&self, original: &RunRecord) -> Result<Created, StartError> {
-        crate::runs::retry(self.store.as_ref(), &self.agents, self.settings.max_input_bytes, original).await
+        crate::runs::retry(
+            self.store.as_ref(),
+            &self.agents,
+            self.settings.max_input_bytes,
+            original,
+        )
+        .await
     }
 
     /// Waits until the run is terminal or `timeout` passes; returns its latest state. Sleeps
     /// on the run's notification (no polling loop); a slow re-check covers writers in other
     /// processes.
-    pub async fn wait(&self, run: RunId, timeout: Duration) -> Result<Option<RunRecord>, StoreError> {
-        Ok(self.wait_shared(run, timeout).await?.0.map(|r| (*r).clone()))
+    pub async fn wait(
+        &self,
+        run: RunId,
+        timeout: Duration,
+    ) -> Result<Option<RunRecord>, StoreError> {
+        Ok(self
+            .wait_shared(run, timeout)
+            .await?
+            .0
+            .map(|r| (*r).clone()))
     }
 
     /// [`App::wait`], sharing reads with every other waiter on the run: one commit wakes them
     /// all, and they share one read made after it. Also returns when the answering read
     /// started, so what the caller reads next can be shared the same way.
-    pub async fn wait_shared(&self, run: RunId, timeout: Duration) -> Result<(Option<Arc<RunRecord>>, std::time::Instant), StoreError> {
+    pub async fn wait_shared(
+        &self,
+        run: RunId,
+        timeout: Duration,
+    ) -> Result<(Option<Arc<RunRecord>>, std::time::Instant), StoreError> {
         let read = || async { Ok::<_, StoreError>(self.store.get_run(run).await?.map(Arc::new)) };
-        self.wait_with(run, timeout, &self.run_reads, read, |r| r.as_ref().is_none_or(|r| r.status.is_terminal())).await
+        self.wait_with(run, timeout, &self.run_reads, read, |r| {
+            r.as_ref().is_none_or(|r| r.status.is_terminal())
+        })
+        .await
     }
 
     /// The wait loop of [`App::wait_shared`], for callers that want more than the run from the
@@ -331,7 +455,11 @@ impl App {
         Fut: std::future::Future<Output = Result<V, StoreError>>,
     {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut watch = crate::notify::Watch::new(self.store.subscribe(run), CROSS_PROCESS_RECHECK, SHARED_READ_AGE);
+        let mut watch = crate::notify::Watch::new(
+            self.store.subscribe(run),
+            CROSS_PROCESS_RECHECK,
+            SHARED_READ_AGE,
+        );
         // The first read starts after this call: it must see whatever the caller did before.
         let mut not_before = Some(std::time::Instant::now());
         let until = tokio::time::sleep_until(deadline);
@@ -353,16 +481,33 @@ impl App {
     /// [`App::events_after`] for a stream, sharing one read with the other streams at the same
     /// cursor that need no fresher one (see [`crate::notify::Fresh`]), and each event's JSON
     /// serialized once for all of them.
-    pub async fn events_after_shared(&self, run: RunId, after: u64, limit: u32, fresh: crate::notify::Fresh) -> Result<Arc<Vec<StreamedEvent>>, StoreError> {
+    pub async fn events_after_shared(
+        &self,
+        run: RunId,
+        after: u64,
+        limit: u32,
+        fresh: crate::notify::Fresh,
+    ) -> Result<Arc<Vec<StreamedEvent>>, StoreError> {
         let read = || async {
             let events = self.events_after(run, after, limit).await?;
-            Ok::<_, StoreError>(Arc::new(events.into_iter().map(StreamedEvent::new).collect()))
+            Ok::<_, StoreError>(Arc::new(
+                events.into_iter().map(StreamedEvent::new).collect(),
+            ))
         };
-        Ok(self.event_reads.read((run, after, limit), fresh, read).await?.0)
+        Ok(self
+            .event_reads
+            .read((run, after, limit), fresh, read)
+            .await?
+            .0)
     }
 
     /// Answers a pending approval of `owner` (see [`crate::runs::answer_approval`]).
-    pub async fn answer_approval(&self, id: &str, owner: &str, answer: crate::store::ApprovalAnswer) -> Result<crate::store::Answered, StoreError> {
+    pub async fn answer_approval(
+        &self,
+        id: &str,
+        owner: &str,
+        answer: crate::store::ApprovalAnswer,
+    ) -> Result<crate::store::Answered, StoreError> {
         crate::runs::answer_approval(self.store.as_ref(), &self.queue, id, owner, answer).await
     }
 
@@ -381,7 +526,12 @@ impl App {
 
     /// Events of a run after a cursor: from Redis when configured (falling back to the outbox
     /// for any range Redis lacks), else from the outbox.
-    pub async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<crate::store::EventRecord>, StoreError> {
+    pub async fn events_after(
+        &self,
+        run: RunId,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<crate::store::EventRecord>, StoreError> {
         match &self.redis {
             Some(r) => r.events_after(self.store.as_ref(), run, after, limit).await,
             None => self.store.events_after(run, after, limit).await,
@@ -390,7 +540,9 @@ impl App {
 
     /// Starts the Redis relay and wake-up subscriber, if Redis is configured.
     pub fn spawn_relay(&self, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
-        self.redis.clone().map(|r| r.spawn(self.store.clone(), shutdown))
+        self.redis
+            .clone()
+            .map(|r| r.spawn(self.store.clone(), shutdown))
     }
 
     /// Runs workers and the reaper in this process until `shutdown`.

@@ -83,7 +83,11 @@ fn owner_of(i: usize, n: usize, owners: usize, skew: f64) -> usize {
     if owners <= 1 {
         return 0;
     }
-    let heavy = if skew > 0.0 { ((n as f64) * skew.clamp(0.0, 1.0)).round() as usize } else { n / owners };
+    let heavy = if skew > 0.0 {
+        ((n as f64) * skew.clamp(0.0, 1.0)).round() as usize
+    } else {
+        n / owners
+    };
     if i < heavy {
         return 0;
     }
@@ -119,14 +123,19 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
                 MockOptions {
                     latency: Duration::from_millis(args.latency_ms),
                     // Over the workers' window (a minute unless SUBAGENTS_RATE_WINDOW_MS says).
-                    rate_limit: args.rate_limit.map(|n| (n as usize, Duration::from_millis(rate_window_ms))),
+                    rate_limit: args
+                        .rate_limit
+                        .map(|n| (n as usize, Duration::from_millis(rate_window_ms))),
                     ..Default::default()
                 },
             )
             .await?,
         ),
     };
-    let base_url = args.base_url.clone().unwrap_or_else(|| mock.as_ref().unwrap().base_url());
+    let base_url = args
+        .base_url
+        .clone()
+        .unwrap_or_else(|| mock.as_ref().unwrap().base_url());
     settings.database_url = args.dsn.clone();
     settings.openai_base_url = base_url.clone();
     settings.openai_api_key = Some("x".into());
@@ -138,7 +147,10 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     }
     let app = App::open(settings).await?;
     app.store.wipe().await?;
-    let stats_url = format!("{}/_mock/stats", base_url.trim_end_matches('/').trim_end_matches("/v1"));
+    let stats_url = format!(
+        "{}/_mock/stats",
+        base_url.trim_end_matches('/').trim_end_matches("/v1")
+    );
     let http = reqwest::Client::new();
     let requests_before = mock_requests(&http, &stats_url).await;
     let refused_before = mock_stat(&http, &stats_url, "refused_429").await;
@@ -148,17 +160,35 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     let mut failures = 0usize;
     let start = |i: usize| {
         // The latency rides in the scenario, so a mock in another process applies it too.
-        let latency = if args.latency_ms > 0 { format!(" latency_ms={}", args.latency_ms) } else { String::new() };
-        let input = format!("Subagent task {i}.\nSCENARIO steps={} tool=echo run={tag}-{i}{latency}", args.steps);
-        let owner = (args.owners > 1).then(|| format!("o{}", owner_of(i, args.runs, args.owners, args.skew)));
-        app.start_run(StartRun { agent: Some("echo".into()), input, max_steps: Some(args.steps + 1), owner, ..Default::default() })
+        let latency = if args.latency_ms > 0 {
+            format!(" latency_ms={}", args.latency_ms)
+        } else {
+            String::new()
+        };
+        let input = format!(
+            "Subagent task {i}.\nSCENARIO steps={} tool=echo run={tag}-{i}{latency}",
+            args.steps
+        );
+        let owner = (args.owners > 1)
+            .then(|| format!("o{}", owner_of(i, args.runs, args.owners, args.skew)));
+        app.start_run(StartRun {
+            agent: Some("echo".into()),
+            input,
+            max_steps: Some(args.steps + 1),
+            owner,
+            ..Default::default()
+        })
     };
     let mut ids = Vec::with_capacity(args.runs);
     let mut preload_s = 0.0;
     if args.preload {
         use futures::StreamExt;
         let t = std::time::Instant::now();
-        let started: Vec<_> = futures::stream::iter(0..args.runs).map(start).buffered(64).collect().await;
+        let started: Vec<_> = futures::stream::iter(0..args.runs)
+            .map(start)
+            .buffered(64)
+            .collect()
+            .await;
         for r in started {
             ids.push(r?.id);
         }
@@ -181,7 +211,11 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     } else {
         // Enqueue as a busy caller would: many starts in flight at once.
         use futures::StreamExt;
-        let started: Vec<_> = futures::stream::iter(0..args.runs).map(start).buffered(args.concurrency.clamp(1, 64)).collect().await;
+        let started: Vec<_> = futures::stream::iter(0..args.runs)
+            .map(start)
+            .buffered(args.concurrency.clamp(1, 64))
+            .collect()
+            .await;
         for r in started {
             ids.push(r?.id);
         }
@@ -200,22 +234,37 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
     let (mut peak_in_flight, mut rss_at_peak) = (0i64, 0u64);
     loop {
         let counts = app.store.status_counts().await?;
-        let running: i64 = counts.iter().filter(|(s, _)| *s == RunStatus::Running).map(|(_, n)| n).sum();
+        let running: i64 = counts
+            .iter()
+            .filter(|(s, _)| *s == RunStatus::Running)
+            .map(|(_, n)| n)
+            .sum();
         if running > peak_in_flight {
             (peak_in_flight, rss_at_peak) = (running, rss_kb(std::process::id(), "VmRSS:"));
         }
-        let live: i64 = counts.iter().filter(|(s, _)| !s.is_terminal()).map(|(_, n)| n).sum();
+        let live: i64 = counts
+            .iter()
+            .filter(|(s, _)| !s.is_terminal())
+            .map(|(_, n)| n)
+            .sum();
         if live == 0 {
             break;
         }
-        anyhow::ensure!(std::time::Instant::now() < deadline, "{live} runs still going after an hour");
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "{live} runs still going after an hour"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let cpu = cpu_seconds() - cpu0;
     let expected = format!("DONE after {} steps", args.steps);
     let mut to_check = Vec::with_capacity(ids.len());
     for id in &ids {
-        let r = app.store.get_run(*id).await?.ok_or_else(|| anyhow::anyhow!("run {id} vanished"))?;
+        let r = app
+            .store
+            .get_run(*id)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("run {id} vanished"))?;
         if r.status == RunStatus::Succeeded && r.result.as_deref() == Some(expected.as_str()) {
             to_check.push((r.id, r.thread_id.clone()));
         } else {
@@ -229,16 +278,25 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
         if let Some(s) = r.started_at {
             let wait = (s - r.created_at).as_seconds_f64() * 1000.0;
             pickups.push(wait);
-            waits_by_owner.entry(r.owner.clone()).or_default().push(wait);
+            waits_by_owner
+                .entry(r.owner.clone())
+                .or_default()
+                .push(wait);
         }
     }
     let wall = (last_end - t0).as_seconds_f64().max(1e-9);
     for (id, thread) in &to_check {
         let msgs = app.store.thread_messages(thread, 100_000).await?;
-        let tools = msgs.iter().filter(|m| matches!(m.message, Message::Tool { .. })).count();
+        let tools = msgs
+            .iter()
+            .filter(|m| matches!(m.message, Message::Tool { .. }))
+            .count();
         if tools != args.steps as usize - 1 {
             failures += 1;
-            eprintln!("run {id}: {tools} tool results, expected {}", args.steps - 1);
+            eprintln!(
+                "run {id}: {tools} tool results, expected {}",
+                args.steps - 1
+            );
         }
     }
     shutdown.cancel();
@@ -250,7 +308,10 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
         (Some(a), Some(b)) => json!(a - b),
         _ => json!(null),
     };
-    let refused_429 = match (mock_stat(&http, &stats_url, "refused_429").await, refused_before) {
+    let refused_429 = match (
+        mock_stat(&http, &stats_url, "refused_429").await,
+        refused_before,
+    ) {
         (Some(a), Some(b)) => Some(a - b),
         _ => None,
     };
@@ -291,7 +352,9 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
         out["rate_limit_rpm"] = json!(n);
         out["refused_429"] = json!(refused_429);
         // Requests the model answered, per window of the limit, over the whole run.
-        let answered = out["mock_requests"].as_i64().map(|r| r - refused_429.unwrap_or(0) as i64);
+        let answered = out["mock_requests"]
+            .as_i64()
+            .map(|r| r - refused_429.unwrap_or(0) as i64);
         let window_s = rate_window_ms as f64 / 1000.0;
         out["rate_window_ms"] = json!(rate_window_ms);
         out["model_calls_per_window"] = json!(answered.map(|a| round(a as f64 * window_s / wall)));
@@ -303,14 +366,21 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
         out["rss_mb_before_workers"] = json!(round(rss_before as f64 / 1024.0));
         out["rss_mb_at_peak"] = json!(round(rss_at_peak as f64 / 1024.0));
         out["rss_mb_max"] = json!(round(rss_kb(std::process::id(), "VmHWM:") as f64 / 1024.0));
-        out["kb_per_run_in_flight"] = json!(round(rss_at_peak.saturating_sub(rss_before) as f64 / peak_in_flight.max(1) as f64));
+        out["kb_per_run_in_flight"] = json!(round(
+            rss_at_peak.saturating_sub(rss_before) as f64 / peak_in_flight.max(1) as f64
+        ));
     }
     if args.sequential {
         out["pickup_p50_ms"] = json!(round(percentile(&pickups, 0.5)));
         out["pickup_p99_ms"] = json!(round(percentile(&pickups, 0.99)));
     }
     if args.calibrate {
-        let commits = commit_ceiling(&args.dsn, args.concurrency, Duration::from_secs(args.calibrate_secs)).await?;
+        let commits = commit_ceiling(
+            &args.dsn,
+            args.concurrency,
+            Duration::from_secs(args.calibrate_secs),
+        )
+        .await?;
         out["commits_per_s"] = json!(round(commits));
         out["commit_ratio"] = json!(round(steps as f64 / wall / commits.max(1e-9)));
     }
@@ -336,9 +406,15 @@ async fn commit_ceiling(dsn: &str, concurrency: usize, during: Duration) -> anyh
                     tokio::spawn(async move {
                         // Each client keeps its connection, as pgbench's do: going through the
                         // pool per insert would add sqlx's two connection tests to every commit.
-                        let Ok(mut conn) = pool.acquire().await else { return };
+                        let Ok(mut conn) = pool.acquire().await else {
+                            return;
+                        };
                         while tokio::time::Instant::now() < deadline {
-                            if sqlx::query("INSERT INTO sa_bench_commits (v) VALUES ('x')").execute(&mut *conn).await.is_ok() {
+                            if sqlx::query("INSERT INTO sa_bench_commits (v) VALUES ('x')")
+                                .execute(&mut *conn)
+                                .await
+                                .is_ok()
+                            {
                                 count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             }
                         }
@@ -346,12 +422,20 @@ async fn commit_ceiling(dsn: &str, concurrency: usize, during: Duration) -> anyh
                 })
                 .collect();
             futures::future::join_all(tasks).await;
-            sqlx::query("DROP TABLE sa_bench_commits").execute(&pool).await?;
+            sqlx::query("DROP TABLE sa_bench_commits")
+                .execute(&pool)
+                .await?;
         }};
     }
     if dsn.starts_with("postgres") {
-        let pool = sqlx::postgres::PgPoolOptions::new().max_connections(n as u32).connect_with(crate::store::postgres::connect_options(dsn)?).await?;
-        hammer!(pool, "CREATE TABLE IF NOT EXISTS sa_bench_commits (id BIGSERIAL PRIMARY KEY, v TEXT NOT NULL)");
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(n as u32)
+            .connect_with(crate::store::postgres::connect_options(dsn)?)
+            .await?;
+        hammer!(
+            pool,
+            "CREATE TABLE IF NOT EXISTS sa_bench_commits (id BIGSERIAL PRIMARY KEY, v TEXT NOT NULL)"
+        );
     } else {
         // The same settings as the store: WAL with synchronous=NORMAL.
         let opts: sqlx::sqlite::SqliteConnectOptions = dsn.parse()?;
@@ -360,8 +444,14 @@ async fn commit_ceiling(dsn: &str, concurrency: usize, during: Duration) -> anyh
             .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
             .synchronous(sqlx::sqlite::SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(30));
-        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(n as u32).connect_with(opts).await?;
-        hammer!(pool, "CREATE TABLE IF NOT EXISTS sa_bench_commits (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL)");
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(n as u32)
+            .connect_with(opts)
+            .await?;
+        hammer!(
+            pool,
+            "CREATE TABLE IF NOT EXISTS sa_bench_commits (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT NOT NULL)"
+        );
     }
     Ok(count.load(std::sync::atomic::Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64())
 }
@@ -411,13 +501,31 @@ fn rss_kb(pid: u32, field: &str) -> u64 {
 pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
     use futures::StreamExt;
     use tokio::io::AsyncBufReadExt;
-    let mock = MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions::default()).await?;
-    let dir = std::env::temp_dir().join(format!("subagents-bench-api-{}", uuid::Uuid::now_v7().simple()));
+    let mock = MockServer::start(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        MockOptions::default(),
+    )
+    .await?;
+    let dir = std::env::temp_dir().join(format!(
+        "subagents-bench-api-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
     std::fs::create_dir_all(&dir)?;
     let mut child = tokio::process::Command::new(std::env::current_exe()?)
-        .args(["serve", "--host", "127.0.0.1", "--port", "0", "--workers", "2"])
+        .args([
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--workers",
+            "2",
+        ])
         .current_dir(&dir)
-        .env("DATABASE_URL", format!("sqlite://{}", dir.join("bench.db").display()))
+        .env(
+            "DATABASE_URL",
+            format!("sqlite://{}", dir.join("bench.db").display()),
+        )
         .env("OPENAI_BASE_URL", mock.base_url())
         .env("OPENAI_API_KEY", "x")
         .env("SUBAGENTS_MODEL", "mock-model")
@@ -426,26 +534,48 @@ pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
-    let pid = child.id().ok_or_else(|| anyhow::anyhow!("server exited at once"))?;
+    let pid = child
+        .id()
+        .ok_or_else(|| anyhow::anyhow!("server exited at once"))?;
     let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
     let base = loop {
-        let line = lines.next_line().await?.ok_or_else(|| anyhow::anyhow!("server exited before listening"))?;
+        let line = lines
+            .next_line()
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("server exited before listening"))?;
         if let Some(rest) = line.split("listening on ").nth(1) {
             break rest.split_whitespace().next().unwrap_or("").to_owned();
         }
     };
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()?;
     let rss_idle = rss_kb(pid, "VmRSS:");
-    let input = format!("API bench.\nSCENARIO steps=2 latency_ms={}", args.latency_ms);
-    let run: serde_json::Value = http.post(format!("{base}/v1/runs")).json(&json!({"input": input})).send().await?.json().await?;
-    let id = run["id"].as_str().ok_or_else(|| anyhow::anyhow!("start failed: {run}"))?.to_owned();
+    let input = format!(
+        "API bench.\nSCENARIO steps=2 latency_ms={}",
+        args.latency_ms
+    );
+    let run: serde_json::Value = http
+        .post(format!("{base}/v1/runs"))
+        .json(&json!({"input": input}))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let id = run["id"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("start failed: {run}"))?
+        .to_owned();
 
     let mut tasks = tokio::task::JoinSet::new();
     // Waits and streams connect in turn, as clients of both kinds would arrive.
     for i in 0..args.waiters.max(args.streams) {
         if i < args.waiters {
-            let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/wait?timeout_s=600"));
+            let (http, url) = (
+                http.clone(),
+                format!("{base}/v1/runs/{id}/wait?timeout_s=600"),
+            );
             tasks.spawn(async move {
                 let r = http.get(url).send().await.ok()?;
                 let body = r.bytes().await.ok()?;
@@ -462,7 +592,12 @@ pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
         if i < args.streams {
             let (http, url) = (http.clone(), format!("{base}/v1/runs/{id}/events"));
             tasks.spawn(async move {
-                let r = http.get(url).header("accept", "text/event-stream").send().await.ok()?;
+                let r = http
+                    .get(url)
+                    .header("accept", "text/event-stream")
+                    .send()
+                    .await
+                    .ok()?;
                 let mut s = eventsource_stream::Eventsource::eventsource(r.bytes_stream());
                 while let Some(Ok(ev)) = s.next().await {
                     if ev.event == "run.succeeded" {
@@ -487,10 +622,19 @@ pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
         }
     }
     let hwm = rss_kb(pid, "VmHWM:");
-    let done: serde_json::Value = http.get(format!("{base}/v1/runs/{id}")).send().await?.json().await?;
-    let finished: chrono::DateTime<chrono::Utc> = serde_json::from_value(done["finished_at"].clone())?;
+    let done: serde_json::Value = http
+        .get(format!("{base}/v1/runs/{id}"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let finished: chrono::DateTime<chrono::Utc> =
+        serde_json::from_value(done["finished_at"].clone())?;
     let lat = |v: &[chrono::DateTime<chrono::Utc>]| {
-        let mut ms: Vec<f64> = v.iter().map(|t| (*t - finished).as_seconds_f64() * 1000.0).collect();
+        let mut ms: Vec<f64> = v
+            .iter()
+            .map(|t| (*t - finished).as_seconds_f64() * 1000.0)
+            .collect();
         ms.sort_by(f64::total_cmp);
         json!({"min_ms": round(ms.first().copied().unwrap_or(0.0)), "p10_ms": round(percentile(&ms, 0.1)), "p50_ms": round(percentile(&ms, 0.5)), "p90_ms": round(percentile(&ms, 0.9)), "p99_ms": round(percentile(&ms, 0.99)), "max_ms": round(ms.last().copied().unwrap_or(0.0))})
     };
@@ -531,7 +675,10 @@ pub struct ContextBenchArgs {
 /// most the child's final text plus 60 tokens (beyond the task statement it wrote).
 pub async fn run_context(mut settings: Settings, args: ContextBenchArgs) -> anyhow::Result<bool> {
     use crate::model::tokens::Counter;
-    let dir = std::env::temp_dir().join(format!("subagents-bench-context-{}", uuid::Uuid::now_v7().simple()));
+    let dir = std::env::temp_dir().join(format!(
+        "subagents-bench-context-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
     std::fs::create_dir_all(dir.join("jobs"))?;
     std::fs::write(
         dir.join("jobs/delegator.md"),
@@ -548,12 +695,25 @@ pub async fn run_context(mut settings: Settings, args: ContextBenchArgs) -> anyh
         vec![
             crate::model::mock::Turn {
                 content: None,
-                tool_calls: vec![crate::model::mock::ScriptCall { name: "task".into(), arguments: json!({"description": work, "subagent": "general-purpose"}) }],
+                tool_calls: vec![crate::model::mock::ScriptCall {
+                    name: "task".into(),
+                    arguments: json!({"description": work, "subagent": "general-purpose"}),
+                }],
             },
-            crate::model::mock::Turn { content: Some("Reported.".into()), tool_calls: vec![] },
+            crate::model::mock::Turn {
+                content: Some("Reported.".into()),
+                tool_calls: vec![],
+            },
         ],
     )]);
-    let mock = MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions { script: Some(std::sync::Arc::new(script)), ..Default::default() }).await?;
+    let mock = MockServer::start(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        MockOptions {
+            script: Some(std::sync::Arc::new(script)),
+            ..Default::default()
+        },
+    )
+    .await?;
     settings.database_url = format!("sqlite://{}", dir.join("bench.db").display());
     settings.jobs_dir = dir.join("jobs");
     settings.workspace = dir.join("workspace");
@@ -565,25 +725,73 @@ pub async fn run_context(mut settings: Settings, args: ContextBenchArgs) -> anyh
     let workers = app.spawn_workers(shutdown.clone());
     let counter = Counter::for_model("gpt-4o");
 
-    let inline = app.start_run(StartRun { input: work.clone(), ..Default::default() }).await?;
-    let parent = app.start_run(StartRun { agent: Some("delegator".into()), input: "Get the figures.".into(), ..Default::default() }).await?;
-    let inline = app.wait(inline.id, Duration::from_secs(300)).await?.ok_or_else(|| anyhow::anyhow!("inline run vanished"))?;
-    let parent = app.wait(parent.id, Duration::from_secs(300)).await?.ok_or_else(|| anyhow::anyhow!("parent run vanished"))?;
+    let inline = app
+        .start_run(StartRun {
+            input: work.clone(),
+            ..Default::default()
+        })
+        .await?;
+    let parent = app
+        .start_run(StartRun {
+            agent: Some("delegator".into()),
+            input: "Get the figures.".into(),
+            ..Default::default()
+        })
+        .await?;
+    let inline = app
+        .wait(inline.id, Duration::from_secs(300))
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("inline run vanished"))?;
+    let parent = app
+        .wait(parent.id, Duration::from_secs(300))
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("parent run vanished"))?;
     shutdown.cancel();
     let _ = workers.await;
     if inline.status != RunStatus::Succeeded || parent.status != RunStatus::Succeeded {
-        anyhow::bail!("the benchmark's runs did not succeed: inline {:?} {:?}, delegated {:?} {:?}", inline.status, inline.error, parent.status, parent.error);
+        anyhow::bail!(
+            "the benchmark's runs did not succeed: inline {:?} {:?}, delegated {:?} {:?}",
+            inline.status,
+            inline.error,
+            parent.status,
+            parent.error
+        );
     }
     // What the work added to the context that ran it: everything after its input.
-    let inline_msgs = app.store.thread_messages(&inline.thread_id, 100_000).await?;
-    let inline_added: usize = inline_msgs.iter().skip(1).map(|m| counter.message(&m.message)).sum();
-    let parent_msgs = app.store.thread_messages(&parent.thread_id, 100_000).await?;
-    let call = parent_msgs.iter().find(|m| matches!(&m.message, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()));
-    let result = parent_msgs.iter().find(|m| matches!(m.message, Message::Tool { .. }));
-    let (Some(call), Some(result)) = (call, result) else { anyhow::bail!("the parent did not delegate") };
-    let child = app.store.children(parent.id).await?.into_iter().next().ok_or_else(|| anyhow::anyhow!("no child run"))?;
+    let inline_msgs = app
+        .store
+        .thread_messages(&inline.thread_id, 100_000)
+        .await?;
+    let inline_added: usize = inline_msgs
+        .iter()
+        .skip(1)
+        .map(|m| counter.message(&m.message))
+        .sum();
+    let parent_msgs = app
+        .store
+        .thread_messages(&parent.thread_id, 100_000)
+        .await?;
+    let call = parent_msgs.iter().find(
+        |m| matches!(&m.message, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()),
+    );
+    let result = parent_msgs
+        .iter()
+        .find(|m| matches!(m.message, Message::Tool { .. }));
+    let (Some(call), Some(result)) = (call, result) else {
+        anyhow::bail!("the parent did not delegate")
+    };
+    let child = app
+        .store
+        .children(parent.id)
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no child run"))?;
     let final_text = counter.text(child.result.as_deref().unwrap_or(""));
-    let (call_tokens, result_tokens) = (counter.message(&call.message), counter.message(&result.message));
+    let (call_tokens, result_tokens) = (
+        counter.message(&call.message),
+        counter.message(&result.message),
+    );
     let added = call_tokens + result_tokens;
     let tool_outputs: Vec<usize> = inline_msgs
         .iter()
@@ -641,10 +849,20 @@ pub struct DashboardBenchArgs {
 /// `/v1/overview`), then the runs table's first page, a text search and a filtered page.
 /// Prints one JSON line; true when the overview's first render took under 500 ms of server
 /// time (median).
-pub async fn run_dashboard(mut settings: Settings, args: DashboardBenchArgs) -> anyhow::Result<bool> {
-    let dir = std::env::temp_dir().join(format!("subagents-bench-dashboard-{}", uuid::Uuid::now_v7().simple()));
+pub async fn run_dashboard(
+    mut settings: Settings,
+    args: DashboardBenchArgs,
+) -> anyhow::Result<bool> {
+    let dir = std::env::temp_dir().join(format!(
+        "subagents-bench-dashboard-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
     std::fs::create_dir_all(&dir)?;
-    settings.database_url = if args.dsn.is_empty() { format!("sqlite://{}", dir.join("bench.db").display()) } else { args.dsn.clone() };
+    settings.database_url = if args.dsn.is_empty() {
+        format!("sqlite://{}", dir.join("bench.db").display())
+    } else {
+        args.dsn.clone()
+    };
     settings.jobs_dir = dir.join("jobs");
     settings.workspace = dir.join("workspace");
     settings.concurrency = 0;
@@ -652,11 +870,19 @@ pub async fn run_dashboard(mut settings: Settings, args: DashboardBenchArgs) -> 
     app.store.wipe().await?;
     let owner = crate::app::LOCAL_OWNER;
     let t0 = Instant::now();
-    app.store.seed_history(owner, args.runs, chrono::Utc::now()).await?;
+    app.store
+        .seed_history(owner, args.runs, chrono::Utc::now())
+        .await?;
     let seed_s = t0.elapsed().as_secs_f64();
     eprintln!("seeded {} runs in {seed_s:.1}s", args.runs);
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let server = crate::api::Server::start(app.clone(), crate::api::auth::Keys::default(), SocketAddr::from(([127, 0, 0, 1], 0)), shutdown.clone()).await?;
+    let server = crate::api::Server::start(
+        app.clone(),
+        crate::api::auth::Keys::default(),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        shutdown.clone(),
+    )
+    .await?;
     let base = format!("http://{}", server.addr);
     let http = reqwest::Client::new();
     let mut figures = serde_json::Map::new();
@@ -674,10 +900,22 @@ pub async fn run_dashboard(mut settings: Settings, args: DashboardBenchArgs) -> 
         samples.sort_by(f64::total_cmp);
         let p50 = samples[samples.len() / 2];
         figures.insert(format!("{name}_ms_p50"), json!((p50 * 10.0).round() / 10.0));
-        figures.insert(format!("{name}_ms_max"), json!((samples[samples.len() - 1] * 10.0).round() / 10.0));
+        figures.insert(
+            format!("{name}_ms_max"),
+            json!((samples[samples.len() - 1] * 10.0).round() / 10.0),
+        );
         Ok(p50)
     };
-    let first_render = time("overview_first_render", &["/ui/", "/ui/assets/app.js", "/ui/assets/app.css", "/v1/overview"]).await?;
+    let first_render = time(
+        "overview_first_render",
+        &[
+            "/ui/",
+            "/ui/assets/app.js",
+            "/ui/assets/app.css",
+            "/v1/overview",
+        ],
+    )
+    .await?;
     time("overview_api", &["/v1/overview"]).await?;
     time("runs_page", &["/v1/runs?limit=50"]).await?;
     time("runs_failed_page", &["/v1/runs?limit=50&status=failed"]).await?;

@@ -176,7 +176,10 @@ pub fn main() -> ExitCode {
     // The settings are read: take the secrets out of what the process's children could read,
     // before any thread starts.
     crate::secrets::protect();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     let code = match rt.block_on(dispatch(cli)) {
         Ok(code) => code,
         Err(e) => {
@@ -199,7 +202,13 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::from(2))
             }
         },
-        Command::Serve { port, host, workers, api_keys, keys_file } => {
+        Command::Serve {
+            port,
+            host,
+            workers,
+            api_keys,
+            keys_file,
+        } => {
             let mut keys = crate::api::auth::Keys::default();
             if let Some(k) = api_keys {
                 keys.add_pairs(&k).map_err(anyhow::Error::msg)?;
@@ -208,7 +217,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 keys.add_file(&f).map_err(anyhow::Error::msg)?;
             }
             let host = if keys.is_empty() && !host.is_loopback() {
-                eprintln!("no API keys configured (SUBAGENTS_API_KEYS or --keys-file): serving on 127.0.0.1 only, every request as owner `local`");
+                eprintln!(
+                    "no API keys configured (SUBAGENTS_API_KEYS or --keys-file): serving on 127.0.0.1 only, every request as owner `local`"
+                );
                 std::net::IpAddr::from([127, 0, 0, 1])
             } else {
                 host
@@ -224,11 +235,23 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 _ = signal.recv() => return Ok(stopped_while_starting()),
             };
             let shutdown = CancellationToken::new();
-            let workers = if app.settings.concurrency > 0 { Some(app.spawn_workers(shutdown.clone())) } else { app.spawn_relay(shutdown.clone()) };
-            let server = crate::api::Server::start(app.clone(), keys, SocketAddr::new(host, port), shutdown.clone())
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
-            eprintln!("subagents serve: listening on http://{} ({} embedded workers)", server.addr, app.settings.concurrency);
+            let workers = if app.settings.concurrency > 0 {
+                Some(app.spawn_workers(shutdown.clone()))
+            } else {
+                app.spawn_relay(shutdown.clone())
+            };
+            let server = crate::api::Server::start(
+                app.clone(),
+                keys,
+                SocketAddr::new(host, port),
+                shutdown.clone(),
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
+            eprintln!(
+                "subagents serve: listening on http://{} ({} embedded workers)",
+                server.addr, app.settings.concurrency
+            );
             signal.recv().await;
             tracing::info!("shutdown requested");
             shutdown.cancel();
@@ -238,7 +261,15 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { agent, thread, max_steps, timeout_secs, max_tokens, quiet, prompt } => {
+        Command::Run {
+            agent,
+            thread,
+            max_steps,
+            timeout_secs,
+            max_tokens,
+            quiet,
+            prompt,
+        } => {
             let input = if prompt == ["-"] {
                 let mut s = String::new();
                 std::io::stdin().read_to_string(&mut s)?;
@@ -266,11 +297,18 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 app = App::open(settings) => app?,
                 _ = signal.recv() => return Ok(stopped_while_starting()),
             };
-            eprintln!("subagents worker: {} agents, concurrency {}, database {}", app.agents.all().count(), app.settings.concurrency, crate::app::redact(&app.settings.database_url));
+            eprintln!(
+                "subagents worker: {} agents, concurrency {}, database {}",
+                app.agents.all().count(),
+                app.settings.concurrency,
+                crate::app::redact(&app.settings.database_url)
+            );
             let shutdown = CancellationToken::new();
             let workers = app.spawn_workers(shutdown.clone());
             signal.recv().await;
-            tracing::info!("shutdown requested: finishing the current step boundary and releasing runs");
+            tracing::info!(
+                "shutdown requested: finishing the current step boundary and releasing runs"
+            );
             shutdown.cancel();
             let _ = workers.await;
             Ok(ExitCode::SUCCESS)
@@ -279,38 +317,62 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             let (reg, errors) = crate::agents::AgentRegistry::load_dir(&settings.jobs_dir);
             let tools = crate::tools::ToolRegistry::with_settings(App::tool_settings(&settings));
             let aliases = settings.model_alias_map().map_err(|e| anyhow::anyhow!(e))?;
-            let delegation = crate::delegation::DelegationSettings { max_depth: settings.max_depth, ..Default::default() };
+            let delegation = crate::delegation::DelegationSettings {
+                max_depth: settings.max_depth,
+                ..Default::default()
+            };
             let table = crate::model::tokens::ModelTable::new(
-                crate::model::tokens::ModelTable::parse_overrides(&settings.context_windows).map_err(|e| anyhow::anyhow!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))?,
+                crate::model::tokens::ModelTable::parse_overrides(&settings.context_windows)
+                    .map_err(|e| anyhow::anyhow!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))?,
                 settings.default_context_window.max(1024),
             );
-            let mcp_servers = crate::mcp::load(&settings.mcp_config).map_err(|e| anyhow::anyhow!("SUBAGENTS_MCP_CONFIG: {e}"))?;
+            let mcp_servers = crate::mcp::load(&settings.mcp_config)
+                .map_err(|e| anyhow::anyhow!("SUBAGENTS_MCP_CONFIG: {e}"))?;
             let mut unavailable = 0;
             for a in reg.all() {
                 let r = tools.resolve(a);
                 let mut got = r.tools.clone();
                 if crate::delegation::offered(a, 0, &delegation) {
-                    let to: Vec<&str> = crate::delegation::allowed(a, &reg).iter().map(|d| d.name.as_str()).collect();
+                    let to: Vec<&str> = crate::delegation::allowed(a, &reg)
+                        .iter()
+                        .map(|d| d.name.as_str())
+                        .collect();
                     got.push(format!("task/subagent_* (to: {})", to.join(", ")));
                 }
-                let (model, note) = crate::agents::resolve_model(a.model.as_deref(), None, &settings.default_model, &aliases);
+                let (model, note) = crate::agents::resolve_model(
+                    a.model.as_deref(),
+                    None,
+                    &settings.default_model,
+                    &aliases,
+                );
                 let (known, listed) = table.window(&model);
                 let window = match a.context_window {
                     Some(w) => format!("{w} tokens (context_window:)"),
                     None if listed => format!("{} tokens", known.context),
-                    None => format!("{} tokens (unknown model: SUBAGENTS_DEFAULT_CONTEXT_WINDOW)", known.context),
+                    None => format!(
+                        "{} tokens (unknown model: SUBAGENTS_DEFAULT_CONTEXT_WINDOW)",
+                        known.context
+                    ),
                 };
                 let compact_at = a.compact_at.unwrap_or(settings.compact_at);
                 let model = match note {
                     Some(n) => format!("{model} ({n})"),
                     None => model,
                 };
-                let src = a.source.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in".into());
+                let src = a
+                    .source
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "built-in".into());
                 println!(
                     "{}\n  {}\n  tools: {}\n  model: {model}  max_steps: {}  timeout: {}s  ({src})\n  context: {window}, compacts at {compact_at}%",
                     a.name,
                     a.description,
-                    if got.is_empty() { "(none)".into() } else { got.join(", ") },
+                    if got.is_empty() {
+                        "(none)".into()
+                    } else {
+                        got.join(", ")
+                    },
                     a.max_steps,
                     a.timeout.as_secs()
                 );
@@ -320,19 +382,44 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                         .mcp
                         .iter()
                         .map(|m| match crate::mcp::split(m) {
-                            Some((server, _)) if hub_names.iter().any(|h| h == server) || a.mcp_servers.as_ref().is_some_and(|s| s.get(server).is_some()) => m.clone(),
+                            Some((server, _))
+                                if hub_names.iter().any(|h| h == server)
+                                    || a.mcp_servers
+                                        .as_ref()
+                                        .is_some_and(|s| s.get(server).is_some()) =>
+                            {
+                                m.clone()
+                            }
                             _ => format!("{m} (no such server in SUBAGENTS_MCP_CONFIG)"),
                         })
                         .collect();
-                    unavailable += shown.iter().filter(|m| m.ends_with("(no such server in SUBAGENTS_MCP_CONFIG)")).count();
+                    unavailable += shown
+                        .iter()
+                        .filter(|m| m.ends_with("(no such server in SUBAGENTS_MCP_CONFIG)"))
+                        .count();
                     println!("  mcp: {}", shown.join(", "));
                 }
                 for (name, why) in &r.unavailable {
                     println!("  warning: `{name}` is not available: {why}");
                     unavailable += 1;
                 }
-                for rule in crate::permissions::unknown_tools(&a.policy.rules, &mcp_servers.keys().map(String::as_str).chain(a.mcp_servers.as_ref().and_then(|v| v.as_object()).into_iter().flat_map(|o| o.keys().map(String::as_str))).collect::<Vec<_>>()) {
-                    println!("  warning: the permission rule `{rule}` names no tool this server has; it never matches (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…)");
+                for rule in crate::permissions::unknown_tools(
+                    &a.policy.rules,
+                    &mcp_servers
+                        .keys()
+                        .map(String::as_str)
+                        .chain(
+                            a.mcp_servers
+                                .as_ref()
+                                .and_then(|v| v.as_object())
+                                .into_iter()
+                                .flat_map(|o| o.keys().map(String::as_str)),
+                        )
+                        .collect::<Vec<_>>(),
+                ) {
+                    println!(
+                        "  warning: the permission rule `{rule}` names no tool this server has; it never matches (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…)"
+                    );
                     unavailable += 1;
                 }
                 println!();
@@ -340,48 +427,103 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             for e in &errors {
                 eprintln!("broken definition: {e}");
             }
-            let policy = crate::policy::load_settings(&settings.settings_file).map_err(anyhow::Error::msg)?;
-            for rule in crate::permissions::unknown_tools(&policy.rules, &mcp_servers.keys().map(String::as_str).collect::<Vec<_>>()) {
-                println!("warning: the permission rule `{rule}` in {} names no tool this server has; it never matches", settings.settings_file.display());
+            let policy = crate::policy::load_settings(&settings.settings_file)
+                .map_err(anyhow::Error::msg)?;
+            for rule in crate::permissions::unknown_tools(
+                &policy.rules,
+                &mcp_servers.keys().map(String::as_str).collect::<Vec<_>>(),
+            ) {
+                println!(
+                    "warning: the permission rule `{rule}` in {} names no tool this server has; it never matches",
+                    settings.settings_file.display()
+                );
                 unavailable += 1;
             }
             if strict && unavailable > 0 {
                 eprintln!("{unavailable} tool name(s) cannot be honoured (--strict)");
                 return Ok(ExitCode::from(1));
             }
-            Ok(if errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+            Ok(if errors.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
         Command::Migrate => {
             // Opening applies the migrations of the store and of the queue.
             App::open(settings.clone()).await?;
-            eprintln!("schema is up to date in {}", crate::app::redact(&settings.database_url));
+            eprintln!(
+                "schema is up to date in {}",
+                crate::app::redact(&settings.database_url)
+            );
             Ok(ExitCode::SUCCESS)
         }
-        Command::MockLlm { port, host, latency_ms, log, script, window, rpm } => {
+        Command::MockLlm {
+            port,
+            host,
+            latency_ms,
+            log,
+            script,
+            window,
+            rpm,
+        } => {
             let script = match script {
                 Some(p) => {
-                    let text = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("cannot read script {}: {e}", p.display()))?;
-                    let s: crate::model::mock::Script = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("script {} is not valid: {e}", p.display()))?;
+                    let text = std::fs::read_to_string(&p)
+                        .map_err(|e| anyhow::anyhow!("cannot read script {}: {e}", p.display()))?;
+                    let s: crate::model::mock::Script = serde_json::from_str(&text)
+                        .map_err(|e| anyhow::anyhow!("script {} is not valid: {e}", p.display()))?;
                     Some(Arc::new(s))
                 }
                 None => None,
             };
-            let server = MockServer::start(SocketAddr::new(host, port), MockOptions { latency: Duration::from_millis(latency_ms), log_file: log, script, window, rate_limit: rpm.map(|n| (n, Duration::from_secs(60))) }).await?;
-            println!("mock-llm listening on {} (OPENAI_BASE_URL={})", server.addr, server.base_url());
+            let server = MockServer::start(
+                SocketAddr::new(host, port),
+                MockOptions {
+                    latency: Duration::from_millis(latency_ms),
+                    log_file: log,
+                    script,
+                    window,
+                    rate_limit: rpm.map(|n| (n, Duration::from_secs(60))),
+                },
+            )
+            .await?;
+            println!(
+                "mock-llm listening on {} (OPENAI_BASE_URL={})",
+                server.addr,
+                server.base_url()
+            );
             shutdown_signal().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo => demo(settings).await,
-        Command::BenchApi(args) => Ok(if crate::bench::run_api(args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
-        Command::Mcp { workers, owner, wait_s } => {
+        Command::BenchApi(args) => Ok(if crate::bench::run_api(args).await? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        }),
+        Command::Mcp {
+            workers,
+            owner,
+            wait_s,
+        } => {
             let mut settings = settings;
             if let Some(w) = workers {
                 settings.concurrency = w;
             }
             let app = Arc::new(App::open(settings).await?);
             let shutdown = CancellationToken::new();
-            let running = if app.settings.concurrency > 0 { Some(app.spawn_workers(shutdown.clone())) } else { app.spawn_relay(shutdown.clone()) };
-            let served = crate::mcp_server::serve_stdio(app.clone(), owner, Duration::from_secs_f64(wait_s.clamp(0.0, 3600.0))).await;
+            let running = if app.settings.concurrency > 0 {
+                Some(app.spawn_workers(shutdown.clone()))
+            } else {
+                app.spawn_relay(shutdown.clone())
+            };
+            let served = crate::mcp_server::serve_stdio(
+                app.clone(),
+                owner,
+                Duration::from_secs_f64(wait_s.clamp(0.0, 3600.0)),
+            )
+            .await;
             shutdown.cancel();
             if let Some(w) = running {
                 let _ = w.await;
@@ -389,9 +531,23 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             served?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::BenchContext(args) => Ok(if crate::bench::run_context(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
-        Command::BenchDashboard(args) => Ok(if crate::bench::run_dashboard(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
-        Command::Bench(args) => Ok(if crate::bench::run(settings, args).await? { ExitCode::SUCCESS } else { ExitCode::from(1) }),
+        Command::BenchContext(args) => Ok(if crate::bench::run_context(settings, args).await? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        }),
+        Command::BenchDashboard(args) => {
+            Ok(if crate::bench::run_dashboard(settings, args).await? {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Command::Bench(args) => Ok(if crate::bench::run(settings, args).await? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        }),
     }
 }
 
@@ -407,7 +563,10 @@ async fn run_to_end(app: &App, req: StartRun, quiet: bool) -> anyhow::Result<Exi
     let shutdown = CancellationToken::new();
     let workers = app.spawn_workers(shutdown.clone());
     let progress = Progress::new(quiet);
-    progress.line(format!("run {} · agent {} · thread {}", run.id, run.agent, run.thread_id));
+    progress.line(format!(
+        "run {} · agent {} · thread {}",
+        run.id, run.agent, run.thread_id
+    ));
     let end = tokio::select! {
         r = follow(app, run.id, &progress) => Some(r?),
         _ = shutdown_signal() => None,
@@ -416,7 +575,10 @@ async fn run_to_end(app: &App, req: StartRun, quiet: bool) -> anyhow::Result<Exi
     shutdown.cancel();
     let _ = workers.await;
     let Some(end) = end else {
-        eprintln!("interrupted: run {} is saved at its last checkpoint; `subagents worker` will finish it", run.id);
+        eprintln!(
+            "interrupted: run {} is saved at its last checkpoint; `subagents worker` will finish it",
+            run.id
+        );
         return Ok(ExitCode::from(130));
     };
     Ok(report(&end))
@@ -427,12 +589,25 @@ fn report(run: &RunRecord) -> ExitCode {
     match run.status {
         RunStatus::Succeeded => {
             println!("{}", run.result.as_deref().unwrap_or(""));
-            let forced = if run.forced { " (answer forced by a limit)" } else { "" };
-            eprintln!("succeeded in {} steps{forced}, {} tokens. Continue with: subagents run --thread {} \"...\"", run.step, run.usage.total(), run.thread_id);
+            let forced = if run.forced {
+                " (answer forced by a limit)"
+            } else {
+                ""
+            };
+            eprintln!(
+                "succeeded in {} steps{forced}, {} tokens. Continue with: subagents run --thread {} \"...\"",
+                run.step,
+                run.usage.total(),
+                run.thread_id
+            );
             ExitCode::SUCCESS
         }
         RunStatus::Failed => {
-            let e = run.error.clone().map(|e| format!("[{}] {}", e.kind.as_str(), e.message)).unwrap_or_default();
+            let e = run
+                .error
+                .clone()
+                .map(|e| format!("[{}] {}", e.kind.as_str(), e.message))
+                .unwrap_or_default();
             eprintln!("run {} failed: {e}\nthread: {}", run.id, run.thread_id);
             ExitCode::from(1)
         }
@@ -481,7 +656,9 @@ impl Progress {
     fn new(quiet: bool) -> Self {
         let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
             let b = ProgressBar::new_spinner();
-            b.set_style(ProgressStyle::with_template("{spinner} {elapsed} {msg}").expect("template"));
+            b.set_style(
+                ProgressStyle::with_template("{spinner} {elapsed} {msg}").expect("template"),
+            );
             b.enable_steady_tick(Duration::from_millis(120));
             b
         });
@@ -507,8 +684,15 @@ impl Progress {
     fn event(&self, e: &EventRecord) {
         match e.kind.as_str() {
             "step.started" => {
-                let forced = if e.data["forced"] == true { " (final answer forced)" } else { "" };
-                self.status(format!("step {}: waiting for the model{forced}", e.data["step"]));
+                let forced = if e.data["forced"] == true {
+                    " (final answer forced)"
+                } else {
+                    ""
+                };
+                self.status(format!(
+                    "step {}: waiting for the model{forced}",
+                    e.data["step"]
+                ));
             }
             // The final outcome is reported once, by `report`.
             "run.queued" | "run.succeeded" => {}
@@ -528,17 +712,30 @@ impl Progress {
 }
 
 async fn demo(mut settings: Settings) -> anyhow::Result<ExitCode> {
-    let mock = MockServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), MockOptions { latency: Duration::from_millis(150), ..Default::default() }).await?;
+    let mock = MockServer::start(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        MockOptions {
+            latency: Duration::from_millis(150),
+            ..Default::default()
+        },
+    )
+    .await?;
     settings.openai_base_url = mock.base_url();
     settings.openai_api_key = Some("demo".into());
     settings.default_model = "mock-model".into();
-    eprintln!("demo: mock model at {}, database {}\n", mock.base_url(), settings.database_url);
+    eprintln!(
+        "demo: mock model at {}, database {}\n",
+        mock.base_url(),
+        settings.database_url
+    );
     let app = App::open(settings).await?;
     let first = StartRun {
         input: "Collect three facts about durable execution, checking each one with the echo tool.\nSCENARIO steps=4 tool=echo".into(),
         ..Default::default()
     };
-    eprintln!("1) a 4-step run: three steps call a tool, the fourth answers. Each step is committed before the next.");
+    eprintln!(
+        "1) a 4-step run: three steps call a tool, the fourth answers. Each step is committed before the next."
+    );
     let run = match app.start_run(first).await {
         Ok(r) => r,
         Err(e) => anyhow::bail!("demo could not start: {e}"),
@@ -550,13 +747,18 @@ async fn demo(mut settings: Settings) -> anyhow::Result<ExitCode> {
     let r1 = follow(&app, run.id, &progress).await?;
     progress.finish();
     report(&r1);
-    eprintln!("\n2) the same thread continued by a second run: it starts from the first run's messages.");
+    eprintln!(
+        "\n2) the same thread continued by a second run: it starts from the first run's messages."
+    );
     let second = StartRun {
         input: "Now summarize what you found in one line.\nSCENARIO steps=2 tool=echo".into(),
         thread_id: Some(thread.clone()),
         ..Default::default()
     };
-    let run2 = app.start_run(second).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let run2 = app
+        .start_run(second)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let progress = Progress::new(false);
     let r2 = follow(&app, run2.id, &progress).await?;
     progress.finish();
@@ -599,8 +801,11 @@ impl ShutdownSignal {
     pub fn listen() -> Self {
         #[cfg(unix)]
         {
-            use tokio::signal::unix::{signal, SignalKind};
-            ShutdownSignal { term: signal(SignalKind::terminate()).ok(), int: signal(SignalKind::interrupt()).ok() }
+            use tokio::signal::unix::{SignalKind, signal};
+            ShutdownSignal {
+                term: signal(SignalKind::terminate()).ok(),
+                int: signal(SignalKind::interrupt()).ok(),
+            }
         }
         #[cfg(not(unix))]
         ShutdownSignal {}

@@ -4,15 +4,20 @@
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use futures::StreamExt;
 use eventsource_stream::Eventsource;
+use futures::StreamExt;
 use serde_json::{Value, json};
 
 /// Where the server is.
 #[derive(Args, Clone, Debug)]
 pub struct ClientArgs {
     /// Server base URL.
-    #[arg(long, env = "SUBAGENTS_URL", default_value = "http://127.0.0.1:8080", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_URL",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
     pub url: String,
     /// Bearer key (when the server has keys configured).
     #[arg(long, env = "SUBAGENTS_KEY", hide_env_values = true, global = true)]
@@ -106,7 +111,9 @@ pub enum ClientCommand {
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The server could not be reached.
-    #[error("cannot reach the server at {url}: {source} (is `subagents serve` running? set --url or SUBAGENTS_URL)")]
+    #[error(
+        "cannot reach the server at {url}: {source} (is `subagents serve` running? set --url or SUBAGENTS_URL)"
+    )]
     Unreachable {
         /// URL.
         url: String,
@@ -132,7 +139,10 @@ struct Client {
 
 impl Client {
     fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let mut b = self.http.request(method, format!("{}{path}", self.args.url.trim_end_matches('/')));
+        let mut b = self.http.request(
+            method,
+            format!("{}{path}", self.args.url.trim_end_matches('/')),
+        );
         if let Some(k) = &self.args.key {
             b = b.bearer_auth(k);
         }
@@ -140,13 +150,19 @@ impl Client {
     }
 
     async fn send(&self, b: reqwest::RequestBuilder) -> Result<Value, ClientError> {
-        let resp = b.send().await.map_err(|source| ClientError::Unreachable { url: self.args.url.clone(), source })?;
+        let resp = b.send().await.map_err(|source| ClientError::Unreachable {
+            url: self.args.url.clone(),
+            source,
+        })?;
         let status = resp.status().as_u16();
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         if status >= 400 {
             return Err(ClientError::Api {
                 status,
-                code: body["error"]["code"].as_str().unwrap_or("unknown").to_owned(),
+                code: body["error"]["code"]
+                    .as_str()
+                    .unwrap_or("unknown")
+                    .to_owned(),
                 message: body["error"]["message"].as_str().unwrap_or("").to_owned(),
             });
         }
@@ -156,11 +172,21 @@ impl Client {
 
 /// Runs one client command; returns the exit code.
 pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError> {
-    let c = Client { http: reqwest::Client::new(), args };
+    let c = Client {
+        http: reqwest::Client::new(),
+        args,
+    };
     match cmd {
-        ClientCommand::Start { agent, thread, enqueue, prompt } => {
+        ClientCommand::Start {
+            agent,
+            thread,
+            enqueue,
+            prompt,
+        } => {
             let body = json!({"agent": agent, "input": prompt.join(" "), "thread_id": thread, "if_busy": if enqueue { "enqueue" } else { "reject" }});
-            let v = c.send(c.req(reqwest::Method::POST, "/v1/runs").json(&body)).await?;
+            let v = c
+                .send(c.req(reqwest::Method::POST, "/v1/runs").json(&body))
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
@@ -175,7 +201,10 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
             let v = c.send(c.req(reqwest::Method::GET, &path)).await?;
             let list = v["approvals"].as_array().cloned().unwrap_or_default();
             if list.is_empty() {
-                eprintln!("no {} approvals", if status == "all" { "" } else { status.as_str() });
+                eprintln!(
+                    "no {} approvals",
+                    if status == "all" { "" } else { status.as_str() }
+                );
             }
             for a in list {
                 println!(
@@ -190,37 +219,65 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
             }
             Ok(0)
         }
-        ClientCommand::Approve { id, reason, run_tree } => {
+        ClientCommand::Approve {
+            id,
+            reason,
+            run_tree,
+        } => {
             let body = json!({"decision": "allow", "reason": reason, "scope": if run_tree { "run_tree" } else { "once" }});
-            let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/approvals/{id}")).json(&body)).await?;
+            let v = c
+                .send(
+                    c.req(reqwest::Method::POST, &format!("/v1/approvals/{id}"))
+                        .json(&body),
+                )
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
         ClientCommand::Deny { id, reason } => {
-            let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/approvals/{id}")).json(&json!({"decision": "deny", "reason": reason}))).await?;
+            let v = c
+                .send(
+                    c.req(reqwest::Method::POST, &format!("/v1/approvals/{id}"))
+                        .json(&json!({"decision": "deny", "reason": reason})),
+                )
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
         ClientCommand::Status { run_id } => {
-            let v = c.send(c.req(reqwest::Method::GET, &format!("/v1/runs/{run_id}"))).await?;
+            let v = c
+                .send(c.req(reqwest::Method::GET, &format!("/v1/runs/{run_id}")))
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
         ClientCommand::Cancel { run_id } => {
-            let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel"))).await?;
+            let v = c
+                .send(c.req(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel")))
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
         ClientCommand::Retry { run_id } => {
-            let v = c.send(c.req(reqwest::Method::POST, &format!("/v1/runs/{run_id}/retry"))).await?;
+            let v = c
+                .send(c.req(reqwest::Method::POST, &format!("/v1/runs/{run_id}/retry")))
+                .await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
         ClientCommand::Wait { run_id, timeout_s } => {
             let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(timeout_s);
             loop {
-                let left = deadline.saturating_duration_since(tokio::time::Instant::now()).as_secs_f64().min(300.0);
-                let v = c.send(c.req(reqwest::Method::GET, &format!("/v1/runs/{run_id}/wait?timeout_s={left:.3}"))).await?;
+                let left = deadline
+                    .saturating_duration_since(tokio::time::Instant::now())
+                    .as_secs_f64()
+                    .min(300.0);
+                let v = c
+                    .send(c.req(
+                        reqwest::Method::GET,
+                        &format!("/v1/runs/{run_id}/wait?timeout_s={left:.3}"),
+                    ))
+                    .await?;
                 if v["wait_timed_out"] != true {
                     println!("{}", serde_json::to_string_pretty(&v).unwrap());
                     return Ok(if v["status"] == "succeeded" { 0 } else { 1 });
@@ -231,26 +288,44 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
                 }
             }
         }
-        ClientCommand::Events { run_id, after, follow } => {
+        ClientCommand::Events {
+            run_id,
+            after,
+            follow,
+        } => {
             if !follow {
-                let v = c.send(c.req(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events?after={after}&limit=1000"))).await?;
+                let v = c
+                    .send(c.req(
+                        reqwest::Method::GET,
+                        &format!("/v1/runs/{run_id}/events?after={after}&limit=1000"),
+                    ))
+                    .await?;
                 for e in v["events"].as_array().into_iter().flatten() {
                     println!("{e}");
                 }
                 return Ok(0);
             }
             let resp = c
-                .req(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events?after={after}"))
+                .req(
+                    reqwest::Method::GET,
+                    &format!("/v1/runs/{run_id}/events?after={after}"),
+                )
                 .header("accept", "text/event-stream")
                 .send()
                 .await
-                .map_err(|source| ClientError::Unreachable { url: c.args.url.clone(), source })?;
+                .map_err(|source| ClientError::Unreachable {
+                    url: c.args.url.clone(),
+                    source,
+                })?;
             if !resp.status().is_success() {
                 let status = resp.status().as_u16();
                 let body: Value = resp.json().await.unwrap_or(Value::Null);
                 return Err(ClientError::Api {
                     status,
-                    code: body["error"]["code"].as_str().unwrap_or("unknown").to_owned(),
+                    code: body["error"]["code"]
+                        .as_str()
+                        .unwrap_or("unknown")
+                        .to_owned(),
                     message: body["error"]["message"].as_str().unwrap_or("").to_owned(),
                 });
             }

@@ -14,19 +14,39 @@ pub type ModelLimits = std::collections::BTreeMap<String, (Option<u64>, Option<u
 pub struct Settings {
     /// Where runs, threads and the queue live. `sqlite://FILE` is the embedded default
     /// (created if missing); `sqlite::memory:` keeps nothing.
-    #[arg(long, env = "DATABASE_URL", default_value = "sqlite://subagents.db", global = true)]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "sqlite://subagents.db",
+        global = true
+    )]
     pub database_url: String,
 
     /// Directory of agent definitions (`*.md` with YAML front matter).
-    #[arg(long, env = "SUBAGENTS_JOBS_DIR", default_value = "jobs", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_JOBS_DIR",
+        default_value = "jobs",
+        global = true
+    )]
     pub jobs_dir: PathBuf,
 
     /// The only directory file tools may touch (created if missing).
-    #[arg(long, env = "SUBAGENTS_WORKSPACE", default_value = "workspace", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_WORKSPACE",
+        default_value = "workspace",
+        global = true
+    )]
     pub workspace: PathBuf,
 
     /// OpenAI-compatible endpoint, up to and including `/v1`.
-    #[arg(long, env = "OPENAI_BASE_URL", default_value = "https://api.openai.com/v1", global = true)]
+    #[arg(
+        long,
+        env = "OPENAI_BASE_URL",
+        default_value = "https://api.openai.com/v1",
+        global = true
+    )]
     pub openai_base_url: String,
 
     /// API key for the endpoint (never printed).
@@ -34,92 +54,185 @@ pub struct Settings {
     pub openai_api_key: Option<String>,
 
     /// Model used when an agent definition names none.
-    #[arg(long = "model", env = "SUBAGENTS_MODEL", default_value = "gpt-4o-mini", global = true)]
+    #[arg(
+        long = "model",
+        env = "SUBAGENTS_MODEL",
+        default_value = "gpt-4o-mini",
+        global = true
+    )]
     pub default_model: String,
 
     /// Runs one worker process executes at once.
-    #[arg(long, env = "SUBAGENTS_CONCURRENCY", default_value_t = 4, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_CONCURRENCY",
+        default_value_t = 4,
+        global = true
+    )]
     pub concurrency: usize,
 
     /// Seconds a run's lease lasts without renewal; a crashed worker's runs resume after this.
-    #[arg(long, env = "SUBAGENTS_LEASE_TTL", default_value_t = 15.0, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_LEASE_TTL",
+        default_value_t = 15.0,
+        global = true
+    )]
     pub lease_ttl_secs: f64,
 
     /// Expired leases (its worker crashed, was killed or froze) after which a run fails with
     /// `kind=lost`. Parking, waking and graceful releases do not count.
-    #[arg(long, env = "SUBAGENTS_MAX_ATTEMPTS", default_value_t = 5, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MAX_ATTEMPTS",
+        default_value_t = 5,
+        global = true
+    )]
     pub max_attempts: u32,
 
     /// Seconds a stopping worker (SIGTERM) gives the steps in flight to finish before it
     /// releases their runs to the queue, where another worker resumes them at once.
-    #[arg(long, env = "SUBAGENTS_DRAIN_GRACE", default_value_t = 10.0, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_DRAIN_GRACE",
+        default_value_t = 10.0,
+        global = true
+    )]
     pub drain_grace_secs: f64,
 
     /// Messages of a thread a run reads back to rebuild its context (the newest ones).
-    #[arg(long, env = "SUBAGENTS_CONTEXT_MESSAGES", default_value_t = 2000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_CONTEXT_MESSAGES",
+        default_value_t = 2000,
+        global = true
+    )]
     pub context_messages: u32,
 
     /// Milliseconds between the reaper's passes (expired leases, lost jobs, due wake-ups);
     /// 0 derives it from the lease (half of it). For tests, a very large value turns it off.
-    #[arg(long, env = "SUBAGENTS_REAP_MS", default_value_t = 0, global = true, hide = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_REAP_MS",
+        default_value_t = 0,
+        global = true,
+        hide = true
+    )]
     pub reap_ms: u64,
 
     /// Failure points for tests (`name=sleep(MS)` or `name=crash`, comma-separated); off by
     /// default. See the `failpoints` module.
-    #[arg(long, env = "SUBAGENTS_FAILPOINTS", default_value = "", global = true, hide = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_FAILPOINTS",
+        default_value = "",
+        global = true,
+        hide = true
+    )]
     pub failpoints: String,
 
     /// Seconds one tool call may take; then the model is told it timed out.
-    #[arg(long, env = "SUBAGENTS_TOOL_TIMEOUT", default_value_t = 60.0, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_TOOL_TIMEOUT",
+        default_value_t = 60.0,
+        global = true
+    )]
     pub tool_timeout_secs: f64,
 
     /// Tokens of one tool result the model sees. A longer result is written whole to the
     /// owner's workspace (`.results/<run>/<call>.txt`) and the model gets its head, its size and
     /// that path, which `read_file` pages through; `read_file` itself stops here and says
     /// where to read on. Never more than a quarter of the model's context window.
-    #[arg(long, env = "SUBAGENTS_TOOL_RESULT_TOKENS", default_value_t = 20_000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_TOOL_RESULT_TOKENS",
+        default_value_t = 20_000,
+        global = true
+    )]
     pub tool_result_tokens: usize,
 
     /// MCP servers in Claude Code's `.mcp.json` format (`{"mcpServers": {name: {command, args,
     /// env} | {type: "http", url, headers}}}`, `${VAR}` expanded); their tools are
     /// `mcp__<server>__<tool>`. A missing file declares none.
-    #[arg(long, env = "SUBAGENTS_MCP_CONFIG", default_value = ".mcp.json", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MCP_CONFIG",
+        default_value = ".mcp.json",
+        global = true
+    )]
     pub mcp_config: std::path::PathBuf,
 
     /// Seconds an MCP server may take to start and list its tools (a server that does not is
     /// left alone for 15 s, and its tools give the model an error meanwhile).
-    #[arg(long, env = "SUBAGENTS_MCP_TIMEOUT", default_value_t = 30.0, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MCP_TIMEOUT",
+        default_value_t = 30.0,
+        global = true
+    )]
     pub mcp_timeout_secs: f64,
 
     /// The settings file: `hooks` and `permissions` in Claude Code's settings.json shape, and
     /// `approvalTimeout` (seconds). A missing file means no hooks and no rules.
-    #[arg(long, env = "SUBAGENTS_SETTINGS", default_value = "subagents.json", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_SETTINGS",
+        default_value = "subagents.json",
+        global = true
+    )]
     pub settings_file: std::path::PathBuf,
 
     /// Seconds an approval waits for an answer before it counts as denied (the settings file's
     /// `approvalTimeout` and an agent's `approval_timeout:` override it).
-    #[arg(long, env = "SUBAGENTS_APPROVAL_TIMEOUT", default_value_t = 86_400, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_APPROVAL_TIMEOUT",
+        default_value_t = 86_400,
+        global = true
+    )]
     pub approval_timeout_secs: u64,
 
     /// Model rate limits shared by every worker on the database: `model:rpm=N:tpm=M`,
     /// comma-separated (either part may be left out). Over budget, a run parks until it frees
     /// up instead of provoking the provider's 429s.
-    #[arg(long, env = "SUBAGENTS_MODEL_LIMITS", default_value = "", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MODEL_LIMITS",
+        default_value = "",
+        global = true
+    )]
     pub model_limits: String,
 
     /// The rate-limit window in ms (a minute; tests shorten it).
-    #[arg(long, env = "SUBAGENTS_RATE_WINDOW_MS", default_value_t = 60_000, global = true, hide = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_RATE_WINDOW_MS",
+        default_value_t = 60_000,
+        global = true,
+        hide = true
+    )]
     pub rate_window_ms: u64,
 
     /// Most runs of one owner running at once, fleet-wide (0: no limit); the keys file sets it
     /// per owner (`owner <hash> concurrency=N`). More wait queued; owners with work queued
     /// take turns for the workers in any case.
-    #[arg(long, env = "SUBAGENTS_OWNER_CONCURRENCY", default_value_t = 0, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_OWNER_CONCURRENCY",
+        default_value_t = 0,
+        global = true
+    )]
     pub owner_concurrency: u32,
 
     /// Most runs of one API key's owner running at once, fleet-wide, when the keys file sets no
     /// `concurrency=N` for it (0: no limit). Without keys (one local owner) it does not apply.
-    #[arg(long, env = "SUBAGENTS_KEY_CONCURRENCY", default_value_t = 32, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_KEY_CONCURRENCY",
+        default_value_t = 32,
+        global = true
+    )]
     pub key_concurrency: u32,
 
     /// Model prices in dollars per million tokens, `model=INPUT:OUTPUT`, comma-separated; a
@@ -131,11 +244,21 @@ pub struct Settings {
     /// Context windows of models the built-in table does not know, or overrides of it:
     /// `name=WINDOW[:MAX_OUTPUT]`, comma-separated; a name also matches as a prefix
     /// (`my-llama=32768:4096`).
-    #[arg(long, env = "SUBAGENTS_CONTEXT_WINDOWS", default_value = "", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_CONTEXT_WINDOWS",
+        default_value = "",
+        global = true
+    )]
     pub context_windows: String,
 
     /// Context window assumed for a model nobody knows (tokens).
-    #[arg(long, env = "SUBAGENTS_DEFAULT_CONTEXT_WINDOW", default_value_t = 128_000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_DEFAULT_CONTEXT_WINDOW",
+        default_value_t = 128_000,
+        global = true
+    )]
     pub default_context_window: u64,
 
     /// Percent of the context window at which a run compacts its context before the next
@@ -148,11 +271,21 @@ pub struct Settings {
     pub compact_keep: u8,
 
     /// Retries of a model call on 429, 5xx or a broken connection.
-    #[arg(long, env = "SUBAGENTS_MODEL_RETRIES", default_value_t = 5, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MODEL_RETRIES",
+        default_value_t = 5,
+        global = true
+    )]
     pub model_retries: u32,
 
     /// Seconds one model call attempt may take in all.
-    #[arg(long, env = "SUBAGENTS_MODEL_TIMEOUT", default_value_t = 300.0, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MODEL_TIMEOUT",
+        default_value_t = 300.0,
+        global = true
+    )]
     pub model_timeout_secs: f64,
 
     /// Milliseconds between an idle worker's looks at the queue.
@@ -171,7 +304,12 @@ pub struct Settings {
     /// Bytes of a child's final text handed to its parent; a longer text is written whole to
     /// `.results/<child run>/result.txt` in the workspace and the parent gets its head and the
     /// path.
-    #[arg(long, env = "SUBAGENTS_CHILD_RESULT_LIMIT", default_value_t = 4000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_CHILD_RESULT_LIMIT",
+        default_value_t = 4000,
+        global = true
+    )]
     pub child_result_limit: usize,
 
     /// Redis for event streams and cross-process wake-ups (`redis://HOST:PORT`); without it,
@@ -180,11 +318,21 @@ pub struct Settings {
     pub redis_url: Option<String>,
 
     /// Approximate length kept of the global event stream (`MAXLEN ~`).
-    #[arg(long, env = "SUBAGENTS_REDIS_MAXLEN", default_value_t = 100_000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_REDIS_MAXLEN",
+        default_value_t = 100_000,
+        global = true
+    )]
     pub redis_maxlen: u64,
 
     /// Seconds a finished run's event stream stays in Redis (the outbox keeps it for good).
-    #[arg(long, env = "SUBAGENTS_REDIS_RETENTION", default_value_t = 86_400, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_REDIS_RETENTION",
+        default_value_t = 86_400,
+        global = true
+    )]
     pub redis_retention_secs: u64,
 
     /// Offer the `bash` tool (to agents that list it). A shell is not confined to the
@@ -195,11 +343,21 @@ pub struct Settings {
 
     /// Hosts `web_fetch` may reach even though they resolve to a private or local address
     /// (comma-separated names or addresses).
-    #[arg(long, env = "SUBAGENTS_FETCH_ALLOW", value_delimiter = ',', global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_FETCH_ALLOW",
+        value_delimiter = ',',
+        global = true
+    )]
     pub fetch_allow: Vec<String>,
 
     /// Hosts `web_fetch` never reaches (comma-separated).
-    #[arg(long, env = "SUBAGENTS_FETCH_DENY", value_delimiter = ',', global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_FETCH_DENY",
+        value_delimiter = ',',
+        global = true
+    )]
     pub fetch_deny: Vec<String>,
 
     /// The search backend of `web_search`: an endpoint answering SearXNG's JSON format
@@ -210,7 +368,12 @@ pub struct Settings {
     /// Model names agent files use, mapped onto the endpoint's models:
     /// `sonnet=gpt-4.1,haiku=gpt-4.1-mini`. Claude's `sonnet`, `opus` and `haiku` without an
     /// entry use the default model.
-    #[arg(long, env = "SUBAGENTS_MODEL_ALIASES", default_value = "", global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MODEL_ALIASES",
+        default_value = "",
+        global = true
+    )]
     pub model_aliases: String,
 
     /// The directory command hooks run in. Default: the owner's workspace (as Claude Code runs
@@ -227,22 +390,42 @@ pub struct Settings {
 
     /// Most event streams (SSE: a run's events, the overview) one API key may hold open on a
     /// server at once (0: no cap); past it, 429 `too_many_streams`.
-    #[arg(long, env = "SUBAGENTS_MAX_STREAMS_PER_KEY", default_value_t = 2000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MAX_STREAMS_PER_KEY",
+        default_value_t = 2000,
+        global = true
+    )]
     pub max_streams_per_key: usize,
 
     /// Most waits (`/v1/runs/wait`, `/v1/runs/{id}/wait`) one API key may hold open on a
     /// server at once (0: no cap); past it, 429 `too_many_waits`.
-    #[arg(long, env = "SUBAGENTS_MAX_WAITS_PER_KEY", default_value_t = 2000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MAX_WAITS_PER_KEY",
+        default_value_t = 2000,
+        global = true
+    )]
     pub max_waits_per_key: usize,
 
     /// Most runs one owner may have queued for a start through the API to be accepted (0: no
     /// cap); past it, 429 `queue_full`.
-    #[arg(long, env = "SUBAGENTS_MAX_QUEUED_PER_KEY", default_value_t = 100_000, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_MAX_QUEUED_PER_KEY",
+        default_value_t = 100_000,
+        global = true
+    )]
     pub max_queued_per_key: u64,
 
     /// A token that opens `/metrics` (and `/readyz`'s details) to a scraper without an API key
     /// (`Authorization: Bearer TOKEN`); with API keys configured, those need a key or this.
-    #[arg(long, env = "SUBAGENTS_METRICS_TOKEN", hide_env_values = true, global = true)]
+    #[arg(
+        long,
+        env = "SUBAGENTS_METRICS_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
     pub metrics_token: Option<String>,
 
     /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
@@ -257,7 +440,10 @@ impl std::fmt::Debug for Settings {
             .field("jobs_dir", &self.jobs_dir)
             .field("workspace", &self.workspace)
             .field("openai_base_url", &self.openai_base_url)
-            .field("openai_api_key", &self.openai_api_key.as_ref().map(|_| "<redacted>"))
+            .field(
+                "openai_api_key",
+                &self.openai_api_key.as_ref().map(|_| "<redacted>"),
+            )
             .field("default_model", &self.default_model)
             .field("concurrency", &self.concurrency)
             .field("lease_ttl_secs", &self.lease_ttl_secs)
@@ -275,9 +461,10 @@ impl Settings {
             s: Settings,
         }
         // Parsing an empty command line keeps the declared defaults the single source of truth.
-        let mut s = <Only as clap::Parser>::try_parse_from(["subagents", "--database-url", database_url])
-            .map(|o| o.s)
-            .expect("defaults parse");
+        let mut s =
+            <Only as clap::Parser>::try_parse_from(["subagents", "--database-url", database_url])
+                .map(|o| o.s)
+                .expect("defaults parse");
         s.database_url = database_url.to_owned();
         s
     }
@@ -290,24 +477,41 @@ impl Settings {
     /// `SUBAGENTS_MODEL_LIMITS` parsed: model → (requests, tokens) per window.
     pub fn model_limit_map(&self) -> Result<ModelLimits, String> {
         let mut map = std::collections::BTreeMap::new();
-        for item in self.model_limits.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for item in self
+            .model_limits
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             let mut parts = item.split(':');
             let model = parts.next().unwrap_or("").trim();
             if model.is_empty() {
-                return Err(format!("SUBAGENTS_MODEL_LIMITS: `{item}` does not start with a model name (e.g. gpt-4.1:rpm=500:tpm=200000)"));
+                return Err(format!(
+                    "SUBAGENTS_MODEL_LIMITS: `{item}` does not start with a model name (e.g. gpt-4.1:rpm=500:tpm=200000)"
+                ));
             }
             let (mut rpm, mut tpm) = (None, None);
             for p in parts {
-                let (k, v) = p.split_once('=').ok_or_else(|| format!("SUBAGENTS_MODEL_LIMITS: `{p}` in `{item}` is not rpm=N or tpm=N"))?;
-                let n: u64 = v.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| format!("SUBAGENTS_MODEL_LIMITS: `{p}` needs a whole number above 0"))?;
+                let (k, v) = p.split_once('=').ok_or_else(|| {
+                    format!("SUBAGENTS_MODEL_LIMITS: `{p}` in `{item}` is not rpm=N or tpm=N")
+                })?;
+                let n: u64 = v.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    format!("SUBAGENTS_MODEL_LIMITS: `{p}` needs a whole number above 0")
+                })?;
                 match k.trim() {
                     "rpm" => rpm = Some(n),
                     "tpm" => tpm = Some(n),
-                    other => return Err(format!("SUBAGENTS_MODEL_LIMITS: `{other}` is not rpm or tpm")),
+                    other => {
+                        return Err(format!(
+                            "SUBAGENTS_MODEL_LIMITS: `{other}` is not rpm or tpm"
+                        ));
+                    }
                 }
             }
             if rpm.is_none() && tpm.is_none() {
-                return Err(format!("SUBAGENTS_MODEL_LIMITS: `{item}` sets neither rpm nor tpm"));
+                return Err(format!(
+                    "SUBAGENTS_MODEL_LIMITS: `{item}` sets neither rpm nor tpm"
+                ));
             }
             map.insert(model.to_owned(), (rpm, tpm));
         }
@@ -317,11 +521,20 @@ impl Settings {
     /// The model alias map (`SUBAGENTS_MODEL_ALIASES`), or what is wrong with it.
     pub fn model_alias_map(&self) -> Result<std::collections::BTreeMap<String, String>, String> {
         let mut map = std::collections::BTreeMap::new();
-        for item in self.model_aliases.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for item in self
+            .model_aliases
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             let (from, to) = item
                 .split_once('=')
                 .filter(|(f, t)| !f.trim().is_empty() && !t.trim().is_empty())
-                .ok_or_else(|| format!("SUBAGENTS_MODEL_ALIASES: `{item}` is not NAME=MODEL (e.g. sonnet=gpt-4.1)"))?;
+                .ok_or_else(|| {
+                    format!(
+                        "SUBAGENTS_MODEL_ALIASES: `{item}` is not NAME=MODEL (e.g. sonnet=gpt-4.1)"
+                    )
+                })?;
             map.insert(from.trim().to_owned(), to.trim().to_owned());
         }
         Ok(map)

@@ -14,12 +14,15 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::agents::{AgentDef, AgentRegistry};
-use crate::runs::{StartError, StartRun};
 use crate::events::progress_line;
 use crate::ids::{RunId, ThreadId};
 use crate::model::{FunctionSpec, ToolSpec};
 use crate::queue::Queue;
-use crate::store::{CancelOutcome, EventKind, IfBusy, NewEvent, RunRecord, RunLog, RunStatus, StoreError, TreePosition};
+use crate::runs::{StartError, StartRun};
+use crate::store::{
+    CancelOutcome, EventKind, IfBusy, NewEvent, RunLog, RunRecord, RunStatus, StoreError,
+    TreePosition,
+};
 
 /// A delegation call's result for the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,8 +68,14 @@ impl Wait {
 }
 
 /// Names of the delegation tools.
-pub const TOOL_NAMES: [&str; 6] =
-    ["task", "subagent_start", "subagent_status", "subagent_events", "subagent_cancel", "subagent_await"];
+pub const TOOL_NAMES: [&str; 6] = [
+    "task",
+    "subagent_start",
+    "subagent_status",
+    "subagent_events",
+    "subagent_cancel",
+    "subagent_await",
+];
 
 /// Settings of delegation.
 #[derive(Clone, Debug)]
@@ -82,7 +91,11 @@ pub struct DelegationSettings {
 
 impl Default for DelegationSettings {
     fn default() -> Self {
-        Self { max_depth: 1, result_limit: 4000, workspace: None }
+        Self {
+            max_depth: 1,
+            result_limit: 4000,
+            workspace: None,
+        }
     }
 }
 
@@ -128,17 +141,29 @@ pub fn offered(agent: &AgentDef, depth: u32, settings: &DelegationSettings) -> b
         None => true,
         // An explicit tool list delegates only if it names `task` (Claude Code writes `Task`,
         // `Agent`, or `Task(a, b)` naming the sub-agents).
-        Some(list) => list.iter().any(|t| crate::tools::lookup(t) == crate::tools::Named::Delegation),
+        Some(list) => list
+            .iter()
+            .any(|t| crate::tools::lookup(t) == crate::tools::Named::Delegation),
     }
 }
 
 /// The agents this agent may delegate to: its `subagents:` list, or every agent.
 pub fn allowed<'a>(agent: &AgentDef, agents: &'a AgentRegistry) -> Vec<&'a AgentDef> {
-    agents.all().filter(|a| agent.subagents.is_empty() || agent.subagents.iter().any(|s| s == &a.name)).collect()
+    agents
+        .all()
+        .filter(|a| agent.subagents.is_empty() || agent.subagents.iter().any(|s| s == &a.name))
+        .collect()
 }
 
 fn spec(name: &str, description: String, parameters: Value) -> ToolSpec {
-    ToolSpec { kind: "function".into(), function: FunctionSpec { name: name.into(), description, parameters } }
+    ToolSpec {
+        kind: "function".into(),
+        function: FunctionSpec {
+            name: name.into(),
+            description,
+            parameters,
+        },
+    }
 }
 
 /// Specs of the delegation tools; descriptions list the allowed subagents so the model can choose.
@@ -147,7 +172,10 @@ pub fn specs(agent: &AgentDef, agents: &AgentRegistry) -> Vec<ToolSpec> {
     let names: Vec<&str> = allowed.iter().map(|a| a.name.as_str()).collect();
     // The menu goes in `task` only (`subagent_start` points to it), each entry cut short: it
     // is sent with every request of the run.
-    let menu: String = allowed.iter().map(|a| format!("\n- {}: {}", a.name, menu_entry(&a.description))).collect();
+    let menu: String = allowed
+        .iter()
+        .map(|a| format!("\n- {}: {}", a.name, menu_entry(&a.description)))
+        .collect();
     let start_params = |extra: Value| {
         let mut p = json!({
             "type": "object",
@@ -194,7 +222,10 @@ fn menu_entry(description: &str) -> String {
 const MENU_ENTRY_CHARS: usize = 200;
 
 fn err(code: &str, message: impl std::fmt::Display) -> Call {
-    Call::Done(Answer { text: format!("error[{code}]: {message}"), ok: false })
+    Call::Done(Answer {
+        text: format!("error[{code}]: {message}"),
+        ok: false,
+    })
 }
 
 /// A child's final text as its parent sees it: whole when short; otherwise its head and the
@@ -207,14 +238,28 @@ async fn child_text(settings: &DelegationSettings, child: &RunRecord, text: &str
     while !text.is_char_boundary(head) {
         head -= 1;
     }
-    if let Some(nl) = text[..head].rfind('\n').filter(|nl| *nl + 1 >= head.saturating_sub(400) && *nl > 0) {
+    if let Some(nl) = text[..head]
+        .rfind('\n')
+        .filter(|nl| *nl + 1 >= head.saturating_sub(400) && *nl > 0)
+    {
         head = nl + 1;
     }
-    let Some(root) = &settings.workspace else { return crate::tools::truncate_output(text.to_owned(), settings.result_limit) };
+    let Some(root) = &settings.workspace else {
+        return crate::tools::truncate_output(text.to_owned(), settings.result_limit);
+    };
     let workspace = crate::tools::owner_workspace(root, &child.owner);
     let rel = format!(".results/{}/result.txt", child.id);
     let tokens = text.len() / 4;
-    match crate::tools::offload(&workspace, rel, text.to_owned(), head, tokens, settings.result_limit / 4).await {
+    match crate::tools::offload(
+        &workspace,
+        rel,
+        text.to_owned(),
+        head,
+        tokens,
+        settings.result_limit / 4,
+    )
+    .await
+    {
         Ok(o) => o.notice,
         Err(e) => {
             tracing::warn!(error = %e, "could not save a long child result; cutting it instead");
@@ -224,26 +269,52 @@ async fn child_text(settings: &DelegationSettings, child: &RunRecord, text: &str
 }
 
 /// The child thread a call names: `<parent_thread>_sub_<agent>_<8 hex>`.
-pub fn child_thread(parent_thread: &ThreadId, parent_run: RunId, call_id: &str, agent: &str) -> ThreadId {
+pub fn child_thread(
+    parent_thread: &ThreadId,
+    parent_run: RunId,
+    call_id: &str,
+    agent: &str,
+) -> ThreadId {
     let h = Sha256::digest(format!("{parent_run}:{call_id}").as_bytes());
     let hex: String = h.iter().take(4).map(|b| format!("{b:02x}")).collect();
     // Agent names may hold characters a thread id cannot (Claude Code allows most): those
     // become `-`, so every name yields a valid id.
-    let agent: String =
-        agent.chars().take(64).map(|c| if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') { c } else { '-' }).collect();
+    let agent: String = agent
+        .chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
     let id = format!("{parent_thread}_sub_{agent}_{hex}");
     id.parse().unwrap_or_else(|_| {
         // A parent thread id near the length limit: fall back to a hash of the whole name.
         let h = Sha256::digest(id.as_bytes());
         let hex: String = h.iter().take(8).map(|b| format!("{b:02x}")).collect();
-        format!("sub_{agent}_{hex}").parse().expect("short thread id is valid")
+        format!("sub_{agent}_{hex}")
+            .parse()
+            .expect("short thread id is valid")
     })
 }
 
 /// A snapshot fit for a model's context: status, 3 progress lines, the (cut) result or error.
-pub async fn snapshot(store: &dyn RunLog, r: &RunRecord, settings: &DelegationSettings) -> Result<Value, StoreError> {
-    let recent = store.events_after(r.id, r.event_seq.saturating_sub(12), 12).await?;
-    let mut progress: Vec<String> = recent.iter().filter_map(progress_line).map(|l| l.trim().to_owned()).collect();
+pub async fn snapshot(
+    store: &dyn RunLog,
+    r: &RunRecord,
+    settings: &DelegationSettings,
+) -> Result<Value, StoreError> {
+    let recent = store
+        .events_after(r.id, r.event_seq.saturating_sub(12), 12)
+        .await?;
+    let mut progress: Vec<String> = recent
+        .iter()
+        .filter_map(progress_line)
+        .map(|l| l.trim().to_owned())
+        .collect();
     let n = progress.len();
     progress.drain(..n.saturating_sub(3));
     let mut v = json!({"run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "status": r.status, "progress": progress});
@@ -258,8 +329,17 @@ pub async fn snapshot(store: &dyn RunLog, r: &RunRecord, settings: &DelegationSe
 
 impl Ctx<'_> {
     /// Runs one delegation call (or replays it after a park).
-    pub async fn call(&self, name: &str, raw_args: &str, call_id: &str) -> Result<Call, StoreError> {
-        let args: Value = match serde_json::from_str(if raw_args.trim().is_empty() { "{}" } else { raw_args }) {
+    pub async fn call(
+        &self,
+        name: &str,
+        raw_args: &str,
+        call_id: &str,
+    ) -> Result<Call, StoreError> {
+        let args: Value = match serde_json::from_str(if raw_args.trim().is_empty() {
+            "{}"
+        } else {
+            raw_args
+        }) {
             Ok(v @ Value::Object(_)) => v,
             _ => return Ok(err("bad_arguments", "arguments must be a JSON object")),
         };
@@ -267,60 +347,107 @@ impl Ctx<'_> {
             "task" => self.task(&args, call_id).await,
             "subagent_start" => self.start(&args, call_id).await,
             "subagent_status" => {
-                let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
-                Ok(Call::done(snapshot(self.store, &run, self.settings).await?.to_string()))
+                let Some(run) = self.owned(&args["run_id"]).await? else {
+                    return Ok(self.no_such(&args["run_id"]));
+                };
+                Ok(Call::done(
+                    snapshot(self.store, &run, self.settings).await?.to_string(),
+                ))
             }
             "subagent_events" => {
-                let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
+                let Some(run) = self.owned(&args["run_id"]).await? else {
+                    return Ok(self.no_such(&args["run_id"]));
+                };
                 let after = args["after_seq"].as_u64().unwrap_or(0);
                 let limit = args["limit"].as_u64().unwrap_or(20).clamp(1, 50) as u32;
                 let events = self.store.events_after(run.id, after, limit).await?;
                 let lines: Vec<String> = events
                     .iter()
-                    .map(|e| format!("{} {}", e.seq, progress_line(e).map(|l| l.trim().to_owned()).unwrap_or_else(|| e.kind.clone())))
+                    .map(|e| {
+                        format!(
+                            "{} {}",
+                            e.seq,
+                            progress_line(e)
+                                .map(|l| l.trim().to_owned())
+                                .unwrap_or_else(|| e.kind.clone())
+                        )
+                    })
                     .collect();
                 let next = events.last().map(|e| e.seq).unwrap_or(after);
                 Ok(Call::done(json!({"run_id": run.id, "status": run.status, "events": lines, "next_after_seq": next}).to_string()))
             }
             "subagent_cancel" => {
-                let Some(run) = self.owned(&args["run_id"]).await? else { return Ok(self.no_such(&args["run_id"])) };
+                let Some(run) = self.owned(&args["run_id"]).await? else {
+                    return Ok(self.no_such(&args["run_id"]));
+                };
                 let outcome = crate::runs::cancel(self.store, self.queue, run.id).await?;
                 let text = match outcome {
                     CancelOutcome::Cancelled => "cancelled".to_owned(),
-                    CancelOutcome::Requested => "cancel requested; it stops within a second".to_owned(),
-                    CancelOutcome::AlreadyFinished(s) => format!("already finished: {}", s.as_str()),
+                    CancelOutcome::Requested => {
+                        "cancel requested; it stops within a second".to_owned()
+                    }
+                    CancelOutcome::AlreadyFinished(s) => {
+                        format!("already finished: {}", s.as_str())
+                    }
                     CancelOutcome::NotFound => return Ok(self.no_such(&args["run_id"])),
                 };
-                Ok(Call::done(json!({"run_id": run.id, "result": text}).to_string()))
+                Ok(Call::done(
+                    json!({"run_id": run.id, "result": text}).to_string(),
+                ))
             }
             "subagent_await" => self.await_runs(&args, call_id).await,
-            other => Ok(err("unknown_tool", format!("`{other}` is not a delegation tool"))),
+            other => Ok(err(
+                "unknown_tool",
+                format!("`{other}` is not a delegation tool"),
+            )),
         }
     }
 
     fn no_such(&self, id: &Value) -> Call {
-        err("no_such_run", format!("there is no run {} among your subagents", id.as_str().unwrap_or("(missing run_id)")))
+        err(
+            "no_such_run",
+            format!(
+                "there is no run {} among your subagents",
+                id.as_str().unwrap_or("(missing run_id)")
+            ),
+        )
     }
 
     /// The run, if it is a child of a run on the caller's thread (so a later run of the same
     /// parent thread may reach a child started earlier); otherwise `None`, as for a missing id.
     async fn owned(&self, id: &Value) -> Result<Option<RunRecord>, StoreError> {
-        let Some(id) = id.as_str().and_then(|s| s.parse::<RunId>().ok()) else { return Ok(None) };
-        let Some(run) = self.store.get_run(id).await? else { return Ok(None) };
-        let Some(parent) = run.parent_run_id else { return Ok(None) };
+        let Some(id) = id.as_str().and_then(|s| s.parse::<RunId>().ok()) else {
+            return Ok(None);
+        };
+        let Some(run) = self.store.get_run(id).await? else {
+            return Ok(None);
+        };
+        let Some(parent) = run.parent_run_id else {
+            return Ok(None);
+        };
         if parent == self.parent.id {
             return Ok(Some(run));
         }
         Ok(match self.store.get_run(parent).await? {
-            Some(p) if p.thread_id == self.parent.thread_id && p.owner == self.parent.owner => Some(run),
+            Some(p) if p.thread_id == self.parent.thread_id && p.owner == self.parent.owner => {
+                Some(run)
+            }
             _ => None,
         })
     }
 
     /// Starts (or finds) the child a call names.
-    async fn start_child(&self, args: &Value, call_id: &str, detached: bool) -> Result<Result<RunRecord, Call>, StoreError> {
+    async fn start_child(
+        &self,
+        args: &Value,
+        call_id: &str,
+        detached: bool,
+    ) -> Result<Result<RunRecord, Call>, StoreError> {
         let Some(description) = args["description"].as_str() else {
-            return Ok(Err(err("bad_arguments", "`description` (the task for the subagent) is required")));
+            return Ok(Err(err(
+                "bad_arguments",
+                "`description` (the task for the subagent) is required",
+            )));
         };
         let Some(subagent) = args["subagent"].as_str() else {
             return Ok(Err(err("bad_arguments", "`subagent` is required")));
@@ -328,18 +455,41 @@ impl Ctx<'_> {
         let allowed = allowed(self.agent, self.agents);
         if !allowed.iter().any(|a| a.name == subagent) {
             let names: Vec<&str> = allowed.iter().map(|a| a.name.as_str()).collect();
-            return Ok(Err(err("unknown_subagent", format!("`{subagent}` is not available; choose one of: {}", names.join(", ")))));
+            return Ok(Err(err(
+                "unknown_subagent",
+                format!(
+                    "`{subagent}` is not available; choose one of: {}",
+                    names.join(", ")
+                ),
+            )));
         }
         let thread = match args["thread_id"].as_str() {
             // `task` hands back the short form (`sub_…`, within this parent's thread).
-            Some(t) => match (if t.starts_with("sub_") { format!("{}_{t}", self.parent.thread_id) } else { t.to_owned() }).parse::<ThreadId>() {
-                Ok(t) if t.as_str().starts_with(&format!("{}_sub_", self.parent.thread_id)) => t,
-                _ => return Ok(Err(err("no_such_thread", format!("there is no subagent thread {t} of yours")))),
+            Some(t) => match (if t.starts_with("sub_") {
+                format!("{}_{t}", self.parent.thread_id)
+            } else {
+                t.to_owned()
+            })
+            .parse::<ThreadId>()
+            {
+                Ok(t)
+                    if t.as_str()
+                        .starts_with(&format!("{}_sub_", self.parent.thread_id)) =>
+                {
+                    t
+                }
+                _ => {
+                    return Ok(Err(err(
+                        "no_such_thread",
+                        format!("there is no subagent thread {t} of yours"),
+                    )));
+                }
             },
             None => child_thread(&self.parent.thread_id, self.parent.id, call_id, subagent),
         };
         // With traces on, the child's spans continue this tool call's trace.
-        let metadata = crate::telemetry::traceparent(&tracing::Span::current()).map(|tp| serde_json::json!({ "traceparent": tp }));
+        let metadata = crate::telemetry::traceparent(&tracing::Span::current())
+            .map(|tp| serde_json::json!({ "traceparent": tp }));
         let req = StartRun {
             agent: Some(subagent.to_owned()),
             input: description.to_owned(),
@@ -372,9 +522,12 @@ impl Ctx<'_> {
                 }
                 Ok(Ok(created.run))
             }
-            Err(StartError::Store(StoreError::Busy { active_run, .. })) => {
-                Ok(Err(err("busy", format!("that thread is busy with run {active_run}; await it or use another thread"))))
-            }
+            Err(StartError::Store(StoreError::Busy { active_run, .. })) => Ok(Err(err(
+                "busy",
+                format!(
+                    "that thread is busy with run {active_run}; await it or use another thread"
+                ),
+            ))),
             Err(StartError::Store(e)) => Err(e),
             Err(e) => Ok(Err(err(e.code(), e))),
         }
@@ -386,14 +539,25 @@ impl Ctx<'_> {
             Err(answer) => return Ok(answer),
         };
         if !child.status.is_terminal() {
-            return Ok(Call::Park(Wait { on: vec![child.id], ..Default::default() }));
+            return Ok(Call::Park(Wait {
+                on: vec![child.id],
+                ..Default::default()
+            }));
         }
         // A success is its text and the thread to continue, nothing more: this result stays in
         // the parent's context for the rest of its run.
-        let short = child.thread_id.as_str().strip_prefix(&format!("{}_", self.parent.thread_id)).unwrap_or(child.thread_id.as_str());
+        let short = child
+            .thread_id
+            .as_str()
+            .strip_prefix(&format!("{}_", self.parent.thread_id))
+            .unwrap_or(child.thread_id.as_str());
         let mut v = json!({"thread_id": short});
         match child.status {
-            RunStatus::Succeeded => v["result"] = json!(child_text(self.settings, &child, child.result.as_deref().unwrap_or("")).await),
+            RunStatus::Succeeded => {
+                v["result"] = json!(
+                    child_text(self.settings, &child, child.result.as_deref().unwrap_or("")).await
+                )
+            }
             _ => {
                 v["run_id"] = json!(child.id);
                 v["status"] = json!(child.status);
@@ -408,19 +572,29 @@ impl Ctx<'_> {
     async fn start(&self, args: &Value, call_id: &str) -> Result<Call, StoreError> {
         let detached = args["detached"].as_bool().unwrap_or(false);
         Ok(match self.start_child(args, call_id, detached).await? {
-            Ok(c) => Call::done(json!({"run_id": c.id, "thread_id": c.thread_id, "status": c.status}).to_string()),
+            Ok(c) => Call::done(
+                json!({"run_id": c.id, "thread_id": c.thread_id, "status": c.status}).to_string(),
+            ),
             Err(answer) => answer,
         })
     }
 
     async fn await_runs(&self, args: &Value, call_id: &str) -> Result<Call, StoreError> {
-        let Some(ids) = args["run_ids"].as_array().filter(|a| !a.is_empty() && a.len() <= 50) else {
+        let Some(ids) = args["run_ids"]
+            .as_array()
+            .filter(|a| !a.is_empty() && a.len() <= 50)
+        else {
             return Ok(err("bad_arguments", "`run_ids` must list 1 to 50 run ids"));
         };
         let any = match args["mode"].as_str().unwrap_or("all") {
             "all" => false,
             "any" => true,
-            other => return Ok(err("bad_arguments", format!("mode `{other}` is not all or any"))),
+            other => {
+                return Ok(err(
+                    "bad_arguments",
+                    format!("mode `{other}` is not all or any"),
+                ));
+            }
         };
         let mut runs = vec![];
         for id in ids {
@@ -430,12 +604,20 @@ impl Ctx<'_> {
             }
         }
         let done = |r: &RunRecord| r.status.is_terminal();
-        let ready = if any { runs.iter().any(done) } else { runs.iter().all(done) };
+        let ready = if any {
+            runs.iter().any(done)
+        } else {
+            runs.iter().all(done)
+        };
         // The deadline is fixed at the first attempt, so a replay waits for the same end.
         let deadline = match args["timeout_s"].as_f64() {
             Some(t) if t.is_finite() && t >= 0.0 => {
                 let proposed = crate::store::now_ms() + (t.min(86_400.0) * 1000.0) as i64;
-                Some(self.store.wait_deadline(&format!("{}:{call_id}", self.parent.id), proposed).await?)
+                Some(
+                    self.store
+                        .wait_deadline(&format!("{}:{call_id}", self.parent.id), proposed)
+                        .await?,
+                )
             }
             _ => None,
         };
@@ -443,13 +625,19 @@ impl Ctx<'_> {
         if !ready && !timed_out {
             // Wait on the ones still going: the end of any of them replays this call.
             let on = runs.iter().filter(|r| !done(r)).map(|r| r.id).collect();
-            return Ok(Call::Park(Wait { on, wake_at: deadline, ..Default::default() }));
+            return Ok(Call::Park(Wait {
+                on,
+                wake_at: deadline,
+                ..Default::default()
+            }));
         }
         let mut snaps = vec![];
         for r in &runs {
             snaps.push(snapshot(self.store, r, self.settings).await?);
         }
-        Ok(Call::done(json!({"runs": snaps, "wait_timed_out": !ready}).to_string()))
+        Ok(Call::done(
+            json!({"runs": snaps, "wait_timed_out": !ready}).to_string(),
+        ))
     }
 }
 
@@ -467,12 +655,28 @@ mod tests {
         };
         agents.insert(long.clone());
         let specs = specs(&AgentDef::general_purpose(), &agents);
-        let task = &specs.iter().find(|s| s.function.name == "task").unwrap().function.description;
-        let start = &specs.iter().find(|s| s.function.name == "subagent_start").unwrap().function.description;
+        let task = &specs
+            .iter()
+            .find(|s| s.function.name == "task")
+            .unwrap()
+            .function
+            .description;
+        let start = &specs
+            .iter()
+            .find(|s| s.function.name == "subagent_start")
+            .unwrap()
+            .function
+            .description;
         assert!(task.contains("\n- researcher: Finds things."), "{task}");
         assert!(!start.contains("researcher"), "{start}");
-        let entry = task.lines().find(|l| l.starts_with("- researcher")).unwrap();
-        assert!(entry.chars().count() <= "- researcher: ".len() + 201, "{entry}");
+        let entry = task
+            .lines()
+            .find(|l| l.starts_with("- researcher"))
+            .unwrap();
+        assert!(
+            entry.chars().count() <= "- researcher: ".len() + 201,
+            "{entry}"
+        );
         assert!(entry.ends_with('…'));
         assert_eq!(menu_entry("short\n  and   spaced"), "short and spaced");
     }

@@ -42,7 +42,9 @@ pub struct Failpoints {
 
 /// A `SUBAGENTS_FAILPOINTS` value that does not parse.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("bad failure point `{0}`: write name=sleep(MS), name=wait(PATH) or name=crash, separated by commas")]
+#[error(
+    "bad failure point `{0}`: write name=sleep(MS), name=wait(PATH) or name=crash, separated by commas"
+)]
 pub struct BadFailpoint(pub String);
 
 impl Failpoints {
@@ -50,10 +52,14 @@ impl Failpoints {
     pub fn parse(spec: &str) -> Result<Failpoints, BadFailpoint> {
         let mut points = HashMap::new();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (name, action) = item.split_once('=').ok_or_else(|| BadFailpoint(item.into()))?;
+            let (name, action) = item
+                .split_once('=')
+                .ok_or_else(|| BadFailpoint(item.into()))?;
             let action = match action.trim() {
                 "crash" => Action::Crash,
-                a if a.starts_with("wait(") && a.ends_with(')') && a.len() > 6 => Action::WaitFor(a[5..a.len() - 1].into()),
+                a if a.starts_with("wait(") && a.ends_with(')') && a.len() > 6 => {
+                    Action::WaitFor(a[5..a.len() - 1].into())
+                }
                 a => {
                     let ms = a
                         .strip_prefix("sleep(")
@@ -78,7 +84,11 @@ impl Failpoints {
         match self.points.get(name) {
             None => {}
             Some(Action::Sleep(d)) => {
-                tracing::warn!(failpoint = name, ms = d.as_millis() as u64, "failure point: sleeping");
+                tracing::warn!(
+                    failpoint = name,
+                    ms = d.as_millis() as u64,
+                    "failure point: sleeping"
+                );
                 tokio::time::sleep(*d).await;
             }
             Some(Action::WaitFor(path)) => {

@@ -71,13 +71,18 @@ pub fn claude_name(tool: &str) -> &str {
 }
 
 /// The hooks of `event` that apply to `tool` (empty for events without a tool), in order.
-pub fn matching<'a>(configs: &[&'a HookConfig], event: HookEvent, tool: Option<&str>) -> Vec<&'a Hook> {
+pub fn matching<'a>(
+    configs: &[&'a HookConfig],
+    event: HookEvent,
+    tool: Option<&str>,
+) -> Vec<&'a Hook> {
     let mut out = vec![];
     for c in configs {
         for g in c.get(&event).into_iter().flatten() {
             let fits = match tool {
                 None => true,
-                Some(t) => regex_for(&g.matcher).is_ok_and(|re| re.is_match(t) || re.is_match(claude_name(t))),
+                Some(t) => regex_for(&g.matcher)
+                    .is_ok_and(|re| re.is_match(t) || re.is_match(claude_name(t))),
             };
             if fits {
                 out.extend(g.hooks.iter());
@@ -118,23 +123,38 @@ impl HookEnv {
     /// `CLAUDE_PROJECT_DIR`, the operator's `pass` variables (their values from the worker's
     /// start), and git's overrides; it runs in `cwd` (default: the workspace).
     pub fn new(workspace: &Path, cwd: Option<&Path>, pass: &[String]) -> HookEnv {
-        let mut extra: Vec<(String, String)> = vec![("CLAUDE_PROJECT_DIR".into(), workspace.display().to_string())];
-        extra.extend(pass.iter().filter_map(|k| crate::secrets::var(k).map(|v| (k.clone(), v))));
+        let mut extra: Vec<(String, String)> =
+            vec![("CLAUDE_PROJECT_DIR".into(), workspace.display().to_string())];
+        extra.extend(
+            pass.iter()
+                .filter_map(|k| crate::secrets::var(k).map(|v| (k.clone(), v))),
+        );
         extra.push(("GIT_CONFIG_COUNT".into(), GIT_OVERRIDES.len().to_string()));
         for (i, (k, v)) in GIT_OVERRIDES.iter().enumerate() {
             extra.push((format!("GIT_CONFIG_KEY_{i}"), (*k).into()));
             extra.push((format!("GIT_CONFIG_VALUE_{i}"), (*v).into()));
         }
         // Attributes (and so filter drivers) from the empty tree, not the working tree.
-        extra.push(("GIT_ATTR_SOURCE".into(), "4b825dc642cb6eb9a060e54bf8d69288fbee4904".into()));
+        extra.push((
+            "GIT_ATTR_SOURCE".into(),
+            "4b825dc642cb6eb9a060e54bf8d69288fbee4904".into(),
+        ));
         extra.push(("GIT_TERMINAL_PROMPT".into(), "0".into()));
-        HookEnv { cwd: cwd.unwrap_or(workspace).to_owned(), vars: crate::procs::child_env(&extra) }
+        HookEnv {
+            cwd: cwd.unwrap_or(workspace).to_owned(),
+            vars: crate::procs::child_env(&extra),
+        }
     }
 }
 
 /// Runs `hooks` in order with `input` (the event's JSON), in `env`. A rewritten input is
 /// passed on to the next hook; a block or a deny stops the chain.
-pub async fn run(hooks: &[&Hook], mut input: Value, env: &HookEnv, http: &reqwest::Client) -> Outcome {
+pub async fn run(
+    hooks: &[&Hook],
+    mut input: Value,
+    env: &HookEnv,
+    http: &reqwest::Client,
+) -> Outcome {
     let mut out = Outcome::default();
     for hook in hooks {
         out.ran += 1;
@@ -154,9 +174,19 @@ pub async fn run(hooks: &[&Hook], mut input: Value, env: &HookEnv, http: &reqwes
             }
             Answer::Json(v) => {
                 let specific = v.get("hookSpecificOutput").unwrap_or(&Value::Null);
-                let field = |k: &str| specific.get(k).or_else(|| v.get(k)).filter(|x| !x.is_null());
+                let field = |k: &str| {
+                    specific
+                        .get(k)
+                        .or_else(|| v.get(k))
+                        .filter(|x| !x.is_null())
+                };
                 if v.get("decision").and_then(Value::as_str) == Some("block") {
-                    out.blocked = Some(v.get("reason").and_then(Value::as_str).unwrap_or("blocked by a hook").to_owned());
+                    out.blocked = Some(
+                        v.get("reason")
+                            .and_then(Value::as_str)
+                            .unwrap_or("blocked by a hook")
+                            .to_owned(),
+                    );
                     return out;
                 }
                 if let Some(ctx) = field("additionalContext").and_then(Value::as_str) {
@@ -168,14 +198,35 @@ pub async fn run(hooks: &[&Hook], mut input: Value, env: &HookEnv, http: &reqwes
                         *ti = updated.clone();
                     }
                 }
-                let reason = field("permissionDecisionReason").and_then(Value::as_str).unwrap_or("").to_owned();
+                let reason = field("permissionDecisionReason")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned();
                 match field("permissionDecision").and_then(Value::as_str) {
                     Some("deny") => {
-                        out.decision = Some((HookDecision::Deny, if reason.is_empty() { "denied by a hook".into() } else { reason }));
+                        out.decision = Some((
+                            HookDecision::Deny,
+                            if reason.is_empty() {
+                                "denied by a hook".into()
+                            } else {
+                                reason
+                            },
+                        ));
                         return out;
                     }
-                    Some("ask") => out.decision = Some((HookDecision::Ask, if reason.is_empty() { "a hook asks for approval".into() } else { reason })),
-                    Some("allow") if out.decision.is_none() => out.decision = Some((HookDecision::Allow, reason)),
+                    Some("ask") => {
+                        out.decision = Some((
+                            HookDecision::Ask,
+                            if reason.is_empty() {
+                                "a hook asks for approval".into()
+                            } else {
+                                reason
+                            },
+                        ))
+                    }
+                    Some("allow") if out.decision.is_none() => {
+                        out.decision = Some((HookDecision::Allow, reason))
+                    }
                     _ => {}
                 }
             }
@@ -192,9 +243,17 @@ enum Answer {
     Error(String),
 }
 
-async fn run_command(cmd: &str, timeout: std::time::Duration, input: &Value, env: &HookEnv) -> Answer {
+async fn run_command(
+    cmd: &str,
+    timeout: std::time::Duration,
+    input: &Value,
+    env: &HookEnv,
+) -> Answer {
     if let Err(e) = std::fs::create_dir_all(&env.cwd) {
-        return Answer::Error(format!("hook `{cmd}`: directory {}: {e}", env.cwd.display()));
+        return Answer::Error(format!(
+            "hook `{cmd}`: directory {}: {e}",
+            env.cwd.display()
+        ));
     }
     let mut command = tokio::process::Command::new("bash");
     command
@@ -225,7 +284,10 @@ async fn run_command(cmd: &str, timeout: std::time::Duration, input: &Value, env
             if let Some(pid) = pid {
                 let _ = crate::procs::kill_group(pid);
             }
-            Answer::Error(format!("hook `{cmd}` did not finish within {}s and was killed", timeout.as_secs_f64()))
+            Answer::Error(format!(
+                "hook `{cmd}` did not finish within {}s and was killed",
+                timeout.as_secs_f64()
+            ))
         }
         Ok(Err(e)) => Answer::Error(format!("hook `{cmd}`: {e}")),
         Ok(Ok(out)) => {
@@ -233,11 +295,20 @@ async fn run_command(cmd: &str, timeout: std::time::Duration, input: &Value, env
             crate::model::scrub_nul(&mut stderr);
             match out.status.code() {
                 Some(0) => parse_stdout(&out.stdout),
-                Some(2) => Answer::Block(if stderr.is_empty() { format!("blocked by the hook `{cmd}`") } else { stderr }),
+                Some(2) => Answer::Block(if stderr.is_empty() {
+                    format!("blocked by the hook `{cmd}`")
+                } else {
+                    stderr
+                }),
                 code => Answer::Error(format!(
                     "hook `{cmd}` exited with {}{}",
-                    code.map(|c| c.to_string()).unwrap_or_else(|| "a signal".into()),
-                    if stderr.is_empty() { String::new() } else { format!(": {}", stderr.chars().take(300).collect::<String>()) }
+                    code.map(|c| c.to_string())
+                        .unwrap_or_else(|| "a signal".into()),
+                    if stderr.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", stderr.chars().take(300).collect::<String>())
+                    }
                 )),
             }
         }
@@ -271,7 +342,12 @@ fn parse_stdout(stdout: &[u8]) -> Answer {
     }
 }
 
-async fn run_http(url: &str, timeout: std::time::Duration, input: &Value, http: &reqwest::Client) -> Answer {
+async fn run_http(
+    url: &str,
+    timeout: std::time::Duration,
+    input: &Value,
+    http: &reqwest::Client,
+) -> Answer {
     let resp = match http.post(url).timeout(timeout).json(input).send().await {
         Ok(r) => r,
         Err(e) => return Answer::Error(format!("hook {url}: {e}")),
@@ -307,7 +383,10 @@ mod tests {
     use std::time::Duration;
 
     fn hook(cmd: &str) -> Hook {
-        Hook { kind: HookKind::Command(cmd.into()), timeout: Duration::from_secs(5) }
+        Hook {
+            kind: HookKind::Command(cmd.into()),
+            timeout: Duration::from_secs(5),
+        }
     }
 
     #[tokio::test]
@@ -320,7 +399,13 @@ mod tests {
             let (input, http, env) = (input.clone(), http.clone(), env.clone());
             async move { run(&[&h], input, &env, &http).await }
         };
-        assert_eq!(run1(hook("cat > /dev/null; exit 0")).await, Outcome { ran: 1, ..Default::default() });
+        assert_eq!(
+            run1(hook("cat > /dev/null; exit 0")).await,
+            Outcome {
+                ran: 1,
+                ..Default::default()
+            }
+        );
         let o = run1(hook("echo 'no rm here' >&2; exit 2")).await;
         assert_eq!(o.blocked.as_deref(), Some("no rm here"));
         let o = run1(hook("exit 7")).await;
@@ -341,9 +426,18 @@ mod tests {
     #[tokio::test]
     async fn a_hanging_hook_is_killed_with_its_children() {
         let dir = tempfile::tempdir().unwrap();
-        let h = Hook { kind: HookKind::Command("sleep 30 & sleep 30".into()), timeout: Duration::from_millis(300) };
+        let h = Hook {
+            kind: HookKind::Command("sleep 30 & sleep 30".into()),
+            timeout: Duration::from_millis(300),
+        };
         let t0 = std::time::Instant::now();
-        let o = run(&[&h], json!({}), &HookEnv::new(dir.path(), None, &[]), &reqwest::Client::new()).await;
+        let o = run(
+            &[&h],
+            json!({}),
+            &HookEnv::new(dir.path(), None, &[]),
+            &reqwest::Client::new(),
+        )
+        .await;
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert!(o.errors[0].contains("was killed"), "{o:?}");
     }
@@ -351,9 +445,18 @@ mod tests {
     #[test]
     fn matchers_fit_our_names_and_claude_codes() {
         let c = parse_hooks(&json!({"PreToolUse": [{"matcher": "Bash|Edit", "hooks": [{"command": "a"}]}, {"matcher": "", "hooks": [{"command": "b"}]}]})).unwrap();
-        assert_eq!(matching(&[&c], HookEvent::PreToolUse, Some("bash")).len(), 2);
-        assert_eq!(matching(&[&c], HookEvent::PreToolUse, Some("edit_file")).len(), 2);
-        assert_eq!(matching(&[&c], HookEvent::PreToolUse, Some("read_file")).len(), 1);
+        assert_eq!(
+            matching(&[&c], HookEvent::PreToolUse, Some("bash")).len(),
+            2
+        );
+        assert_eq!(
+            matching(&[&c], HookEvent::PreToolUse, Some("edit_file")).len(),
+            2
+        );
+        assert_eq!(
+            matching(&[&c], HookEvent::PreToolUse, Some("read_file")).len(),
+            1
+        );
         assert!(matching(&[&c], HookEvent::PostToolUse, Some("bash")).is_empty());
     }
 }

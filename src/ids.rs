@@ -8,7 +8,19 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 /// The id of one run: a UUID v7, so ids sort by creation time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(transparent)]
 #[schema(value_type = String, format = Uuid)]
 pub struct RunId(pub Uuid);
@@ -44,14 +56,18 @@ impl fmt::Display for RunId {
 impl FromStr for RunId {
     type Err = IdError;
     fn from_str(s: &str) -> Result<Self, IdError> {
-        Uuid::parse_str(s).map(Self).map_err(|_| IdError::BadRunId(s.to_owned()))
+        Uuid::parse_str(s)
+            .map(Self)
+            .map_err(|_| IdError::BadRunId(s.to_owned()))
     }
 }
 
 /// The id of a thread: free-form text chosen by the caller (or generated), because callers want
 /// to name conversations after their own entities (`ticket-4711`). Limited to a safe alphabet so
 /// it can appear in URLs, stream keys and file names unescaped.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(try_from = "String", into = "String")]
 #[schema(value_type = String, pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
 pub struct ThreadId(String);
@@ -82,8 +98,13 @@ impl FromStr for ThreadId {
     fn from_str(s: &str) -> Result<Self, IdError> {
         let ok = !s.is_empty()
             && s.len() <= MAX_THREAD_ID_LEN
-            && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
-        if ok { Ok(Self(s.to_owned())) } else { Err(IdError::BadThreadId(s.to_owned())) }
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
+        if ok {
+            Ok(Self(s.to_owned()))
+        } else {
+            Err(IdError::BadThreadId(s.to_owned()))
+        }
     }
 }
 

@@ -62,13 +62,18 @@ impl RunStatus {
 
     /// A terminal state never changes again.
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Succeeded | RunStatus::Failed | RunStatus::Cancelled)
+        matches!(
+            self,
+            RunStatus::Succeeded | RunStatus::Failed | RunStatus::Cancelled
+        )
     }
 
     /// Whether some event moves a run from `self` to `to`. Derived from [`next_status`], so it
     /// can never disagree with the rule.
     pub fn can_become(self, to: RunStatus) -> bool {
-        Transition::ALL.into_iter().any(|t| next_status(self, t) == Ok(to))
+        Transition::ALL
+            .into_iter()
+            .any(|t| next_status(self, t) == Ok(to))
     }
 }
 
@@ -190,7 +195,10 @@ pub fn next_status(from: RunStatus, event: Transition) -> Result<RunStatus, Ille
         (Waiting, Cancel) => Cancelled,
 
         // Every other pair is illegal, spelled out so a new status or event must be placed.
-        (Queued, Heartbeat | Park | Wake | Release | Finish(_) | RequestCancel | Expire | GiveUp)
+        (
+            Queued,
+            Heartbeat | Park | Wake | Release | Finish(_) | RequestCancel | Expire | GiveUp,
+        )
         | (Running, Claim | Wake | Cancel)
         | (Waiting, Heartbeat | Park | Release | Finish(_) | RequestCancel | Expire | GiveUp)
         | (Succeeded | Failed | Cancelled, _) => return Err(IllegalTransition { from, event }),
@@ -200,19 +208,29 @@ pub fn next_status(from: RunStatus, event: Transition) -> Result<RunStatus, Ille
 
 /// The statuses from which `event` is legal: what a store's `WHERE status IN (…)` may contain.
 pub fn sources(event: Transition) -> Vec<RunStatus> {
-    RunStatus::ALL.into_iter().filter(|s| next_status(*s, event).is_ok()).collect()
+    RunStatus::ALL
+        .into_iter()
+        .filter(|s| next_status(*s, event).is_ok())
+        .collect()
 }
 
 /// [`sources`] as an SQL list literal, e.g. `'queued','waiting'`, for building guards.
 pub fn sql_sources(event: Transition) -> String {
-    sources(event).iter().map(|s| format!("'{}'", s.as_str())).collect::<Vec<_>>().join(",")
+    sources(event)
+        .iter()
+        .map(|s| format!("'{}'", s.as_str()))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The target of `event` for stores that only apply events from their legal sources; panics
 /// (a bug in the caller) if `event` has more than one target among its sources, which only
 /// `Finish` callers avoid by naming the terminal status.
 pub fn target(event: Transition) -> RunStatus {
-    let mut targets: Vec<RunStatus> = sources(event).into_iter().filter_map(|s| next_status(s, event).ok()).collect();
+    let mut targets: Vec<RunStatus> = sources(event)
+        .into_iter()
+        .filter_map(|s| next_status(s, event).ok())
+        .collect();
     targets.dedup();
     assert_eq!(targets.len(), 1, "{} has no single target", event.name());
     targets[0]
@@ -227,7 +245,23 @@ mod tests {
     fn the_documented_table_is_the_rule() {
         use RunStatus::*;
         let table: [(RunStatus, [Option<RunStatus>; 12]); 6] = [
-            (Queued, [Some(Running), None, None, None, None, None, None, None, None, Some(Cancelled), None, None]),
+            (
+                Queued,
+                [
+                    Some(Running),
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    Some(Cancelled),
+                    None,
+                    None,
+                ],
+            ),
             (
                 Running,
                 [
@@ -245,14 +279,36 @@ mod tests {
                     Some(Failed),
                 ],
             ),
-            (Waiting, [Some(Running), None, None, Some(Waiting), None, None, None, None, None, Some(Cancelled), None, None]),
+            (
+                Waiting,
+                [
+                    Some(Running),
+                    None,
+                    None,
+                    Some(Waiting),
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    Some(Cancelled),
+                    None,
+                    None,
+                ],
+            ),
             (Succeeded, [None; 12]),
             (Failed, [None; 12]),
             (Cancelled, [None; 12]),
         ];
         for (from, row) in table {
             for (event, want) in Transition::ALL.into_iter().zip(row) {
-                assert_eq!(next_status(from, event).ok(), want, "{} on {}", from.as_str(), event.name());
+                assert_eq!(
+                    next_status(from, event).ok(),
+                    want,
+                    "{} on {}",
+                    from.as_str(),
+                    event.name()
+                );
             }
         }
     }
@@ -275,7 +331,11 @@ mod tests {
         assert!(!RunStatus::Queued.can_become(RunStatus::Waiting));
         assert!(!RunStatus::Waiting.can_become(RunStatus::Failed));
         assert_eq!(
-            IllegalTransition { from: RunStatus::Succeeded, event: Transition::Claim }.to_string(),
+            IllegalTransition {
+                from: RunStatus::Succeeded,
+                event: Transition::Claim
+            }
+            .to_string(),
             "a succeeded run cannot claim"
         );
     }

@@ -56,7 +56,9 @@ pub fn expand(s: &str) -> Result<String, String> {
     while let Some(i) = rest.find("${") {
         out.push_str(&rest[..i]);
         let after = &rest[i + 2..];
-        let end = after.find('}').ok_or_else(|| format!("`{s}`: `${{` without a closing `}}`"))?;
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("`{s}`: `${{` without a closing `}}`"))?;
         let inner = &after[..end];
         let (name, default) = match inner.split_once(":-") {
             Some((n, d)) => (n, Some(d)),
@@ -65,7 +67,11 @@ pub fn expand(s: &str) -> Result<String, String> {
         match (crate::secrets::var(name), default) {
             (Some(v), _) => out.push_str(&v),
             (None, Some(d)) => out.push_str(d),
-            (None, None) => return Err(format!("`{s}` uses ${{{name}}}, which is not set (give a default with ${{{name}:-…}})")),
+            (None, None) => {
+                return Err(format!(
+                    "`{s}` uses ${{{name}}}, which is not set (give a default with ${{{name}:-…}})"
+                ));
+            }
         }
         rest = &after[end + 1..];
     }
@@ -75,41 +81,83 @@ pub fn expand(s: &str) -> Result<String, String> {
 
 /// Parses an `mcpServers` object (the value under `mcpServers` in `.mcp.json`).
 pub fn parse_servers(v: &Value) -> Result<Servers, String> {
-    let Value::Object(map) = v else { return Err("`mcpServers` must be an object of servers by name".into()) };
+    let Value::Object(map) = v else {
+        return Err("`mcpServers` must be an object of servers by name".into());
+    };
     let mut out = Servers::new();
     for (name, s) in map {
-        if name.is_empty() || name.contains("__") || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            return Err(format!("MCP server name `{name}` must be letters, digits, `-` and `_`, without `__`"));
+        if name.is_empty()
+            || name.contains("__")
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(format!(
+                "MCP server name `{name}` must be letters, digits, `-` and `_`, without `__`"
+            ));
         }
         let strings = |key: &str| -> Result<BTreeMap<String, String>, String> {
             match s.get(key) {
                 None | Some(Value::Null) => Ok(BTreeMap::new()),
                 Some(Value::Object(o)) => o
                     .iter()
-                    .map(|(k, v)| v.as_str().ok_or_else(|| format!("{name}.{key}.{k} must be a string")).and_then(expand).map(|v| (k.clone(), v)))
+                    .map(|(k, v)| {
+                        v.as_str()
+                            .ok_or_else(|| format!("{name}.{key}.{k} must be a string"))
+                            .and_then(expand)
+                            .map(|v| (k.clone(), v))
+                    })
                     .collect(),
                 Some(_) => Err(format!("{name}.{key} must be an object of strings")),
             }
         };
-        let kind = s.get("type").and_then(Value::as_str).unwrap_or(if s.get("url").is_some() { "http" } else { "stdio" });
+        let kind = s
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or(if s.get("url").is_some() {
+                "http"
+            } else {
+                "stdio"
+            });
         let config = match kind {
             "stdio" => ServerConfig::Stdio {
-                command: expand(s.get("command").and_then(Value::as_str).ok_or_else(|| format!("MCP server `{name}` needs `command` (or `url` for HTTP)"))?)?,
+                command: expand(s.get("command").and_then(Value::as_str).ok_or_else(|| {
+                    format!("MCP server `{name}` needs `command` (or `url` for HTTP)")
+                })?)?,
                 args: match s.get("args") {
                     None | Some(Value::Null) => vec![],
-                    Some(Value::Array(a)) => a.iter().map(|x| x.as_str().ok_or_else(|| format!("{name}.args must be strings")).and_then(expand)).collect::<Result<_, _>>()?,
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .map(|x| {
+                            x.as_str()
+                                .ok_or_else(|| format!("{name}.args must be strings"))
+                                .and_then(expand)
+                        })
+                        .collect::<Result<_, _>>()?,
                     Some(_) => return Err(format!("{name}.args must be a list of strings")),
                 },
                 env: strings("env")?,
             },
             "http" | "sse" | "streamable-http" => {
-                let url = expand(s.get("url").and_then(Value::as_str).ok_or_else(|| format!("MCP server `{name}` of type {kind} needs `url`"))?)?;
+                let url =
+                    expand(s.get("url").and_then(Value::as_str).ok_or_else(|| {
+                        format!("MCP server `{name}` of type {kind} needs `url`")
+                    })?)?;
                 if !(url.starts_with("http://") || url.starts_with("https://")) {
-                    return Err(format!("MCP server `{name}`: `{url}` is not an http(s) URL"));
+                    return Err(format!(
+                        "MCP server `{name}`: `{url}` is not an http(s) URL"
+                    ));
                 }
-                ServerConfig::Http { url, headers: strings("headers")? }
+                ServerConfig::Http {
+                    url,
+                    headers: strings("headers")?,
+                }
             }
-            other => return Err(format!("MCP server `{name}`: type `{other}` is not stdio, http or sse")),
+            other => {
+                return Err(format!(
+                    "MCP server `{name}`: type `{other}` is not stdio, http or sse"
+                ));
+            }
         };
         out.insert(name.clone(), config);
     }
@@ -123,8 +171,13 @@ pub fn load(path: &std::path::Path) -> Result<Servers, String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Servers::new()),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
-    v.get("mcpServers").map(parse_servers).transpose().map(Option::unwrap_or_default).map_err(|e| format!("{}: {e}", path.display()))
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
+    v.get("mcpServers")
+        .map(parse_servers)
+        .transpose()
+        .map(Option::unwrap_or_default)
+        .map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Splits `mcp__server__tool` (or `mcp__server`) into its parts.
@@ -183,7 +236,9 @@ const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(15);
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Hub").field("servers", &self.servers.keys().collect::<Vec<_>>()).finish()
+        f.debug_struct("Hub")
+            .field("servers", &self.servers.keys().collect::<Vec<_>>())
+            .finish()
     }
 }
 
@@ -191,7 +246,13 @@ impl Hub {
     /// A hub for `servers`; a server must answer its handshake and tool list within
     /// `start_timeout`.
     pub fn new(servers: Servers, start_timeout: Duration) -> Hub {
-        Hub { servers, private: BTreeMap::new(), live: Mutex::new(HashMap::new()), failed: Mutex::new(HashMap::new()), start_timeout }
+        Hub {
+            servers,
+            private: BTreeMap::new(),
+            live: Mutex::new(HashMap::new()),
+            failed: Mutex::new(HashMap::new()),
+            start_timeout,
+        }
     }
 
     /// Adds the servers an agent file declares, visible to that agent only; a name the
@@ -209,7 +270,11 @@ impl Hub {
 
     /// The servers `agent` may use: the operator's and its own.
     pub fn visible(&self, agent: &str) -> Vec<String> {
-        self.servers.keys().filter(|n| self.private.get(*n).is_none_or(|a| a == agent)).cloned().collect()
+        self.servers
+            .keys()
+            .filter(|n| self.private.get(*n).is_none_or(|a| a == agent))
+            .cloned()
+            .collect()
     }
 
     /// The key of `name`'s connection for `owner`: a stdio server's process is the owner's own.
@@ -239,56 +304,95 @@ impl Hub {
             }
             Err(e) => {
                 tracing::warn!(server = name, owner, error = %e, "MCP server could not be started");
-                self.failed.lock().await.insert(key, (std::time::Instant::now(), e.clone()));
+                self.failed
+                    .lock()
+                    .await
+                    .insert(key, (std::time::Instant::now(), e.clone()));
             }
         }
         result
     }
 
     async fn start(&self, name: &str, key: &str) -> Result<Arc<Live>, McpError> {
-        let config = self.servers.get(name).ok_or_else(|| McpError::Unknown(name.to_owned()))?;
-        let unavailable = |why: String| McpError::Unavailable { server: name.to_owned(), why };
+        let config = self
+            .servers
+            .get(name)
+            .ok_or_else(|| McpError::Unknown(name.to_owned()))?;
+        let unavailable = |why: String| McpError::Unavailable {
+            server: name.to_owned(),
+            why,
+        };
         let start = async {
             let service = match config {
                 ServerConfig::Stdio { command, args, env } => {
                     // The server gets its declared `env` and the harmless variables, never the
                     // worker's environment, and keeps no capabilities.
                     let mut cmd = tokio::process::Command::new(command);
-                    let declared: Vec<(String, String)> = env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                    cmd.args(args).env_clear().envs(crate::procs::child_env(&declared)).kill_on_drop(true);
+                    let declared: Vec<(String, String)> =
+                        env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                    cmd.args(args)
+                        .env_clear()
+                        .envs(crate::procs::child_env(&declared))
+                        .kill_on_drop(true);
                     crate::procs::confine(&mut cmd);
                     let (transport, _stderr) = rmcp::transport::TokioChildProcess::builder(cmd)
                         .stderr(std::process::Stdio::null())
                         .spawn()
                         .map_err(|e| unavailable(format!("cannot start `{command}`: {e}")))?;
-                    ().serve(transport).await.map_err(|e| unavailable(format!("the MCP handshake failed: {e}")))?
+                    ().serve(transport)
+                        .await
+                        .map_err(|e| unavailable(format!("the MCP handshake failed: {e}")))?
                 }
                 ServerConfig::Http { url, headers } => {
                     let mut h = HashMap::new();
                     for (k, v) in headers {
-                        let k = reqwest::header::HeaderName::from_bytes(k.as_bytes()).map_err(|e| unavailable(format!("header `{k}`: {e}")))?;
-                        let v = reqwest::header::HeaderValue::from_str(v).map_err(|e| unavailable(format!("header value: {e}")))?;
+                        let k = reqwest::header::HeaderName::from_bytes(k.as_bytes())
+                            .map_err(|e| unavailable(format!("header `{k}`: {e}")))?;
+                        let v = reqwest::header::HeaderValue::from_str(v)
+                            .map_err(|e| unavailable(format!("header value: {e}")))?;
                         h.insert(k, v);
                     }
                     let config = rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.as_str()).custom_headers(h);
-                    let transport = rmcp::transport::StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
-                    ().serve(transport).await.map_err(|e| unavailable(format!("the MCP handshake with {url} failed: {e}")))?
+                    let transport = rmcp::transport::StreamableHttpClientTransport::with_client(
+                        reqwest::Client::new(),
+                        config,
+                    );
+                    ().serve(transport).await.map_err(|e| {
+                        unavailable(format!("the MCP handshake with {url} failed: {e}"))
+                    })?
                 }
             };
-            let tools = service.list_all_tools().await.map_err(|e| unavailable(format!("listing its tools failed: {e}")))?;
+            let tools = service
+                .list_all_tools()
+                .await
+                .map_err(|e| unavailable(format!("listing its tools failed: {e}")))?;
             Ok::<_, McpError>(Live { service, tools })
         };
         let live = tokio::time::timeout(self.start_timeout, start)
             .await
-            .map_err(|_| unavailable(format!("it did not answer within {}s", self.start_timeout.as_secs_f64())))??;
-        tracing::info!(server = name, tools = live.tools.len(), "MCP server connected");
+            .map_err(|_| {
+                unavailable(format!(
+                    "it did not answer within {}s",
+                    self.start_timeout.as_secs_f64()
+                ))
+            })??;
+        tracing::info!(
+            server = name,
+            tools = live.tools.len(),
+            "MCP server connected"
+        );
         let live = Arc::new(live);
         self.live.lock().await.insert(key.to_owned(), live.clone());
         Ok(live)
     }
 
     /// The tools of `server` as the model sees them (`mcp__<server>__<tool>`); `only` keeps one.
-    pub async fn specs(&self, server: &str, only: Option<&str>, owner: &str) -> Result<Vec<ToolSpec>, McpError> {
+    pub async fn specs(
+        &self,
+        server: &str,
+        only: Option<&str>,
+        owner: &str,
+    ) -> Result<Vec<ToolSpec>, McpError> {
         let live = self.connect(server, owner).await?;
         Ok(live
             .tools
@@ -300,8 +404,17 @@ impl Hub {
                     kind: "function".into(),
                     function: FunctionSpec {
                         name: format!("mcp__{server}__{}", t.name),
-                        description: v["description"].as_str().unwrap_or("").chars().take(1024).collect(),
-                        parameters: v.get("inputSchema").cloned().filter(Value::is_object).unwrap_or_else(|| json!({"type": "object"})),
+                        description: v["description"]
+                            .as_str()
+                            .unwrap_or("")
+                            .chars()
+                            .take(1024)
+                            .collect(),
+                        parameters: v
+                            .get("inputSchema")
+                            .cloned()
+                            .filter(Value::is_object)
+                            .unwrap_or_else(|| json!({"type": "object"})),
                     },
                 }
             })
@@ -310,23 +423,45 @@ impl Hub {
 
     /// Calls `tool` on `server`; a server that died is started again and the call sent once
     /// more. Returns the result as text and whether the tool reported success.
-    pub async fn call(&self, server: &str, tool: &str, arguments: Value, owner: &str) -> Result<(String, bool), McpError> {
+    pub async fn call(
+        &self,
+        server: &str,
+        tool: &str,
+        arguments: Value,
+        owner: &str,
+    ) -> Result<(String, bool), McpError> {
         let args = match arguments {
             Value::Object(o) => Some(o),
             Value::Null => None,
-            _ => return Err(McpError::Call { server: server.into(), tool: tool.into(), why: "arguments must be a JSON object".into() }),
+            _ => {
+                return Err(McpError::Call {
+                    server: server.into(),
+                    tool: tool.into(),
+                    why: "arguments must be a JSON object".into(),
+                });
+            }
         };
         for attempt in 0..2 {
             let live = self.connect(server, owner).await?;
             let mut params = CallToolRequestParams::new(tool.to_owned());
             params.arguments = args.clone();
             match live.service.call_tool(params).await {
-                Ok(result) => return Ok(render(&serde_json::to_value(&result).unwrap_or(Value::Null))),
+                Ok(result) => {
+                    return Ok(render(
+                        &serde_json::to_value(&result).unwrap_or(Value::Null),
+                    ));
+                }
                 Err(e) if attempt == 0 && live.service.is_transport_closed() => {
                     tracing::warn!(server, error = %e, "MCP server went away; starting it again");
                     self.live.lock().await.remove(&self.instance(server, owner));
                 }
-                Err(e) => return Err(McpError::Call { server: server.into(), tool: tool.into(), why: e.to_string() }),
+                Err(e) => {
+                    return Err(McpError::Call {
+                        server: server.into(),
+                        tool: tool.into(),
+                        why: e.to_string(),
+                    });
+                }
             }
         }
         unreachable!("the loop returns on its second attempt")
@@ -348,10 +483,21 @@ fn render(result: &Value) -> (String, bool) {
                 block["data"].as_str().map_or(0, str::len)
             ),
             "resource" => match block["resource"]["text"].as_str() {
-                Some(t) => format!("[resource {}]\n{t}", block["resource"]["uri"].as_str().unwrap_or("")),
-                None => format!("[resource {} ({}): binary, not shown]", block["resource"]["uri"].as_str().unwrap_or(""), block["resource"]["mimeType"].as_str().unwrap_or("?")),
+                Some(t) => format!(
+                    "[resource {}]\n{t}",
+                    block["resource"]["uri"].as_str().unwrap_or("")
+                ),
+                None => format!(
+                    "[resource {} ({}): binary, not shown]",
+                    block["resource"]["uri"].as_str().unwrap_or(""),
+                    block["resource"]["mimeType"].as_str().unwrap_or("?")
+                ),
             },
-            "resource_link" => format!("[resource link {} {}]", block["uri"].as_str().unwrap_or(""), block["name"].as_str().unwrap_or("")),
+            "resource_link" => format!(
+                "[resource link {} {}]",
+                block["uri"].as_str().unwrap_or(""),
+                block["name"].as_str().unwrap_or("")
+            ),
             other => format!("[{other} content]"),
         });
     }
@@ -376,11 +522,25 @@ mod tests {
             "remote": {"type": "http", "url": "https://mcp.example.com/mcp", "headers": {"Authorization": "Bearer ${SUBAGENTS_TEST_MCP_TOKEN}"}},
         });
         let s = parse_servers(&v).unwrap();
-        assert!(matches!(&s["fs"], ServerConfig::Stdio { command, args, .. } if command == "npx" && args.len() == 3));
-        assert!(matches!(&s["remote"], ServerConfig::Http { headers, .. } if headers["Authorization"] == "Bearer s3cret"));
-        assert!(parse_servers(&json!({"x": {"type": "http", "url": "https://${NOPE_NOT_SET_ANYWHERE}/"}})).unwrap_err().contains("not set"));
+        assert!(
+            matches!(&s["fs"], ServerConfig::Stdio { command, args, .. } if command == "npx" && args.len() == 3)
+        );
+        assert!(
+            matches!(&s["remote"], ServerConfig::Http { headers, .. } if headers["Authorization"] == "Bearer s3cret")
+        );
+        assert!(
+            parse_servers(
+                &json!({"x": {"type": "http", "url": "https://${NOPE_NOT_SET_ANYWHERE}/"}})
+            )
+            .unwrap_err()
+            .contains("not set")
+        );
         assert!(parse_servers(&json!({"a__b": {"command": "x"}})).is_err());
-        assert!(parse_servers(&json!({"x": {}})).unwrap_err().contains("needs `command`"));
+        assert!(
+            parse_servers(&json!({"x": {}}))
+                .unwrap_err()
+                .contains("needs `command`")
+        );
         assert_eq!(split("mcp__fs__read_file"), Some(("fs", Some("read_file"))));
         assert_eq!(split("mcp__fs"), Some(("fs", None)));
         assert_eq!(split("read_file"), None);
@@ -389,7 +549,13 @@ mod tests {
     #[test]
     fn results_render_as_text() {
         let r = json!({"content": [{"type": "text", "text": "hello"}, {"type": "image", "mimeType": "image/png", "data": "AAAA"}], "isError": false});
-        assert_eq!(render(&r), ("hello\n[image image/png, 4 bytes base64: not shown]".into(), true));
+        assert_eq!(
+            render(&r),
+            (
+                "hello\n[image image/png, 4 bytes base64: not shown]".into(),
+                true
+            )
+        );
         let r = json!({"content": [], "structuredContent": {"a": 1}, "isError": true});
         assert_eq!(render(&r), ("{\"a\":1}".into(), false));
     }

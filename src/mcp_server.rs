@@ -17,8 +17,10 @@ use std::time::Duration;
 use rmcp::ErrorData;
 use rmcp::handler::server::ServerHandler;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock, CreateTaskResult, DetailedTask, GetTaskParams, GetTaskResult,
-    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities, ServerConfig, Task, TaskPayload, TaskStatus, Tool,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
+    CreateTaskResult, DetailedTask, GetTaskParams, GetTaskResult, ListToolsResult,
+    PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities, ServerConfig, Task,
+    TaskPayload, TaskStatus, Tool,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use serde_json::{Value, json};
@@ -48,26 +50,53 @@ impl McpRuns {
 
     fn tools(&self) -> Vec<Tool> {
         let agents: Vec<String> = self.app.agents.all().map(|a| a.name.clone()).collect();
-        let menu: String = self.app.agents.all().map(|a| format!("\n- {}: {}", a.name, a.description.chars().take(200).collect::<String>())).collect();
+        let menu: String = self
+            .app
+            .agents
+            .all()
+            .map(|a| {
+                format!(
+                    "\n- {}: {}",
+                    a.name,
+                    a.description.chars().take(200).collect::<String>()
+                )
+            })
+            .collect();
         let obj = |v: Value| v.as_object().cloned().unwrap_or_default();
-        let run_id = obj(json!({"type": "object", "properties": {"run_id": {"type": "string"}}, "required": ["run_id"]}));
+        let run_id = obj(
+            json!({"type": "object", "properties": {"run_id": {"type": "string"}}, "required": ["run_id"]}),
+        );
         vec![
             Tool::new(
                 "run_agent",
-                format!("Start a durable subagent run: it works on the task in a fresh context, survives restarts, and answers with its final text (or, if it takes longer than this call waits, its run_id to follow with run_wait or run_status). Agents:{menu}"),
+                format!(
+                    "Start a durable subagent run: it works on the task in a fresh context, survives restarts, and answers with its final text (or, if it takes longer than this call waits, its run_id to follow with run_wait or run_status). Agents:{menu}"
+                ),
                 obj(json!({"type": "object", "properties": {
                     "agent": {"type": "string", "enum": agents},
                     "input": {"type": "string", "description": "The complete task."},
                     "thread_id": {"type": "string", "description": "Continue this thread instead of starting a new one."}},
                     "required": ["agent", "input"]})),
             ),
-            Tool::new("run_status", "A run's state, step, progress lines, and its result or error once it ended.", run_id.clone()),
+            Tool::new(
+                "run_status",
+                "A run's state, step, progress lines, and its result or error once it ended.",
+                run_id.clone(),
+            ),
             Tool::new(
                 "run_wait",
                 "Wait until runs end: all of them (mode all) or the first (mode any), at most timeout_s (default 60, at most 600).",
-                obj(json!({"type": "object", "properties": {"run_ids": {"type": "array", "items": {"type": "string"}, "minItems": 1}, "mode": {"type": "string", "enum": ["all", "any"]}, "timeout_s": {"type": "number", "minimum": 0, "maximum": 600}}, "required": ["run_ids"]})),
+                obj(
+                    json!({"type": "object", "properties": {"run_ids": {"type": "array", "items": {"type": "string"}, "minItems": 1}, "mode": {"type": "string", "enum": ["all", "any"]}, "timeout_s": {"type": "number", "minimum": 0, "maximum": 600}}, "required": ["run_ids"]}),
+                ),
             ),
-            Tool::new("run_events", "A run's progress lines after a cursor (seq).", obj(json!({"type": "object", "properties": {"run_id": {"type": "string"}, "after": {"type": "integer", "minimum": 0}}, "required": ["run_id"]}))),
+            Tool::new(
+                "run_events",
+                "A run's progress lines after a cursor (seq).",
+                obj(
+                    json!({"type": "object", "properties": {"run_id": {"type": "string"}, "after": {"type": "integer", "minimum": 0}}, "required": ["run_id"]}),
+                ),
+            ),
             Tool::new("run_cancel", "Cancel a run (and its subagents).", run_id),
         ]
     }
@@ -82,7 +111,10 @@ impl McpRuns {
     }
 
     async fn owned(&self, owner: &str, id: &Value) -> Result<RunRecord, String> {
-        let id: RunId = id.as_str().and_then(|s| s.parse().ok()).ok_or("run_id must be a run id (a UUID)")?;
+        let id: RunId = id
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .ok_or("run_id must be a run id (a UUID)")?;
         match self.app.store.get_run(id).await {
             Ok(Some(r)) if r.owner == owner => Ok(r),
             Ok(_) => Err(format!("there is no run {id}")),
@@ -91,8 +123,16 @@ impl McpRuns {
     }
 
     async fn snapshot(&self, r: &RunRecord) -> Value {
-        let recent = self.app.store.events_after(r.id, r.event_seq.saturating_sub(8), 8).await.unwrap_or_default();
-        let progress: Vec<String> = recent.iter().filter_map(crate::events::progress_line).collect();
+        let recent = self
+            .app
+            .store
+            .events_after(r.id, r.event_seq.saturating_sub(8), 8)
+            .await
+            .unwrap_or_default();
+        let progress: Vec<String> = recent
+            .iter()
+            .filter_map(crate::events::progress_line)
+            .collect();
         let mut v = json!({"run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "status": r.status, "step": r.step, "progress": progress});
         if let Some(res) = &r.result {
             v["result"] = json!(res);
@@ -104,7 +144,15 @@ impl McpRuns {
     }
 
     fn task_of(r: &RunRecord) -> Task {
-        let mut t = Task::new(r.id.to_string(), task_status(r.status), r.created_at.to_rfc3339(), r.finished_at.or(r.heartbeat_at).unwrap_or(r.created_at).to_rfc3339());
+        let mut t = Task::new(
+            r.id.to_string(),
+            task_status(r.status),
+            r.created_at.to_rfc3339(),
+            r.finished_at
+                .or(r.heartbeat_at)
+                .unwrap_or(r.created_at)
+                .to_rfc3339(),
+        );
         t.status_message = Some(format!("{} (step {})", r.status.as_str(), r.step));
         t.poll_interval_ms = Some(500);
         t
@@ -113,26 +161,61 @@ impl McpRuns {
     /// The answer of an ended run as a tool result.
     fn outcome(r: &RunRecord) -> CallToolResult {
         match r.status {
-            RunStatus::Succeeded => CallToolResult::success(vec![ContentBlock::text(r.result.clone().unwrap_or_default())]),
+            RunStatus::Succeeded => CallToolResult::success(vec![ContentBlock::text(
+                r.result.clone().unwrap_or_default(),
+            )]),
             _ => CallToolResult::error(vec![ContentBlock::text(match &r.error {
-                Some(e) => format!("run {} {}: [{}] {}", r.id, r.status.as_str(), e.kind.as_str(), e.message),
+                Some(e) => format!(
+                    "run {} {}: [{}] {}",
+                    r.id,
+                    r.status.as_str(),
+                    e.kind.as_str(),
+                    e.message
+                ),
                 None => format!("run {} {}", r.id, r.status.as_str()),
             })]),
         }
     }
 
-    async fn run_agent(&self, args: &Value, ctx: &RequestContext<RoleServer>) -> Result<CallToolResponse, ErrorData> {
-        let agent = args["agent"].as_str().ok_or_else(|| ErrorData::invalid_params("`agent` is required", None))?;
-        let input = args["input"].as_str().ok_or_else(|| ErrorData::invalid_params("`input` is required", None))?;
-        let thread_id = args["thread_id"].as_str().map(|t| t.parse()).transpose().map_err(|e| ErrorData::invalid_params(format!("thread_id: {e}"), None))?;
-        let req = StartRun { agent: Some(agent.to_owned()), input: input.to_owned(), thread_id, owner: Some(self.owner_of(ctx)), ..Default::default() };
+    async fn run_agent(
+        &self,
+        args: &Value,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let agent = args["agent"]
+            .as_str()
+            .ok_or_else(|| ErrorData::invalid_params("`agent` is required", None))?;
+        let input = args["input"]
+            .as_str()
+            .ok_or_else(|| ErrorData::invalid_params("`input` is required", None))?;
+        let thread_id = args["thread_id"]
+            .as_str()
+            .map(|t| t.parse())
+            .transpose()
+            .map_err(|e| ErrorData::invalid_params(format!("thread_id: {e}"), None))?;
+        let req = StartRun {
+            agent: Some(agent.to_owned()),
+            input: input.to_owned(),
+            thread_id,
+            owner: Some(self.owner_of(ctx)),
+            ..Default::default()
+        };
         // Committed before anything is returned: the run survives this process from here on.
         let run = match self.app.start_run(req).await {
             Ok(r) => r,
-            Err(e) => return Ok(CallToolResult::error(vec![ContentBlock::text(format!("error[{}]: {e}", e.code()))]).into()),
+            Err(e) => {
+                return Ok(CallToolResult::error(vec![ContentBlock::text(format!(
+                    "error[{}]: {e}",
+                    e.code()
+                ))])
+                .into());
+            }
         };
         tracing::info!(run_id = %run.id, agent, "MCP client started a run");
-        let tasks = ctx.peer.peer_info().is_some_and(|i| i.capabilities.supports_tasks());
+        let tasks = ctx
+            .peer
+            .peer_info()
+            .is_some_and(|i| i.capabilities.supports_tasks());
         let token = ctx.meta.get_progress_token();
         if tasks {
             // The task goes back at once; its progress follows while the client is connected.
@@ -142,10 +225,16 @@ impl McpRuns {
                     let mut cursor = 0u64;
                     loop {
                         let r = app.wait(id, Duration::from_secs(1)).await.ok().flatten();
-                        for e in app.store.events_after(id, cursor, 100).await.unwrap_or_default() {
+                        for e in app
+                            .store
+                            .events_after(id, cursor, 100)
+                            .await
+                            .unwrap_or_default()
+                        {
                             cursor = e.seq;
                             if let Some(line) = crate::events::progress_line(&e) {
-                                let mut p = ProgressNotificationParam::new(token.clone(), e.seq as f64);
+                                let mut p =
+                                    ProgressNotificationParam::new(token.clone(), e.seq as f64);
                                 p.message = Some(line);
                                 if peer.notify_progress(p).await.is_err() {
                                     return;
@@ -158,17 +247,31 @@ impl McpRuns {
                     }
                 });
             }
-            return Ok(CallToolResponse::Task(CreateTaskResult::new(Self::task_of(&run))));
+            return Ok(CallToolResponse::Task(CreateTaskResult::new(
+                Self::task_of(&run),
+            )));
         }
         // Without tasks: wait, sending progress, up to the configured time.
         let deadline = tokio::time::Instant::now() + self.wait;
         let mut cursor = 0u64;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let r = self.app.wait(run.id, left.min(Duration::from_secs(1))).await.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-            let Some(r) = r else { return Err(ErrorData::internal_error("the run vanished", None)) };
+            let r = self
+                .app
+                .wait(run.id, left.min(Duration::from_secs(1)))
+                .await
+                .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+            let Some(r) = r else {
+                return Err(ErrorData::internal_error("the run vanished", None));
+            };
             if let Some(token) = &token {
-                for e in self.app.store.events_after(run.id, cursor, 100).await.unwrap_or_default() {
+                for e in self
+                    .app
+                    .store
+                    .events_after(run.id, cursor, 100)
+                    .await
+                    .unwrap_or_default()
+                {
                     cursor = e.seq;
                     if let Some(line) = crate::events::progress_line(&e) {
                         let mut p = ProgressNotificationParam::new(token.clone(), e.seq as f64);
@@ -187,15 +290,25 @@ impl McpRuns {
                     r.status.as_str(),
                     r.step
                 ))]);
-                res.structured_content = Some(json!({"run_id": r.id, "thread_id": r.thread_id, "status": r.status}));
+                res.structured_content =
+                    Some(json!({"run_id": r.id, "thread_id": r.thread_id, "status": r.status}));
                 return Ok(res.into());
             }
         }
     }
 
-    async fn call(&self, name: &str, args: Value, ctx: &RequestContext<RoleServer>) -> Result<CallToolResponse, ErrorData> {
-        let text = |v: Value| -> Result<CallToolResponse, ErrorData> { Ok(CallToolResult::success(vec![ContentBlock::text(v.to_string())]).into()) };
-        let refuse = |m: String| -> Result<CallToolResponse, ErrorData> { Ok(CallToolResult::error(vec![ContentBlock::text(m)]).into()) };
+    async fn call(
+        &self,
+        name: &str,
+        args: Value,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let text = |v: Value| -> Result<CallToolResponse, ErrorData> {
+            Ok(CallToolResult::success(vec![ContentBlock::text(v.to_string())]).into())
+        };
+        let refuse = |m: String| -> Result<CallToolResponse, ErrorData> {
+            Ok(CallToolResult::error(vec![ContentBlock::text(m)]).into())
+        };
         let owner = self.owner_of(ctx);
         match name {
             "run_agent" => self.run_agent(&args, ctx).await,
@@ -206,9 +319,22 @@ impl McpRuns {
             "run_events" => match self.owned(&owner, &args["run_id"]).await {
                 Ok(r) => {
                     let after = args["after"].as_u64().unwrap_or(0);
-                    let events = self.app.store.events_after(r.id, after, 200).await.unwrap_or_default();
-                    let lines: Vec<Value> = events.iter().filter_map(|e| crate::events::progress_line(e).map(|l| json!({"seq": e.seq, "line": l}))).collect();
-                    text(json!({"events": lines, "next_after": events.last().map_or(after, |e| e.seq)}))
+                    let events = self
+                        .app
+                        .store
+                        .events_after(r.id, after, 200)
+                        .await
+                        .unwrap_or_default();
+                    let lines: Vec<Value> = events
+                        .iter()
+                        .filter_map(|e| {
+                            crate::events::progress_line(e)
+                                .map(|l| json!({"seq": e.seq, "line": l}))
+                        })
+                        .collect();
+                    text(
+                        json!({"events": lines, "next_after": events.last().map_or(after, |e| e.seq)}),
+                    )
                 }
                 Err(e) => refuse(e),
             },
@@ -225,7 +351,10 @@ impl McpRuns {
                     return refuse("run_ids must list 1 to 50 run ids".into());
                 }
                 let any = args["mode"].as_str() == Some("any");
-                let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(args["timeout_s"].as_f64().unwrap_or(60.0).clamp(0.0, 600.0));
+                let deadline = tokio::time::Instant::now()
+                    + Duration::from_secs_f64(
+                        args["timeout_s"].as_f64().unwrap_or(60.0).clamp(0.0, 600.0),
+                    );
                 loop {
                     let mut runs = vec![];
                     for id in &ids {
@@ -250,7 +379,10 @@ impl McpRuns {
                     }
                 }
             }
-            other => Err(ErrorData::invalid_params(format!("there is no tool `{other}`"), None)),
+            other => Err(ErrorData::invalid_params(
+                format!("there is no tool `{other}`"),
+                None,
+            )),
         }
     }
 }
@@ -265,23 +397,41 @@ fn task_status(s: RunStatus) -> TaskStatus {
 
 impl ServerHandler for McpRuns {
     fn get_info(&self) -> ServerConfig {
-        let mut info = ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_resources().enable_tasks().build());
+        let mut info = ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_resources()
+                .enable_tasks()
+                .build(),
+        );
         info.server_info.name = "subagents".into();
         info.server_info.version = env!("CARGO_PKG_VERSION").into();
         info.instructions = Some("Durable subagent runs: run_agent starts one (it survives restarts); follow long ones with run_wait or run_status.".into());
         info
     }
 
-    async fn list_tools(&self, _request: Option<PaginatedRequestParams>, _context: RequestContext<RoleServer>) -> Result<ListToolsResult, ErrorData> {
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
         Ok(ListToolsResult::with_all_items(self.tools()))
     }
 
-    async fn call_tool(&self, request: CallToolRequestParams, context: RequestContext<RoleServer>) -> Result<CallToolResponse, ErrorData> {
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
         let args = Value::Object(request.arguments.clone().unwrap_or_default());
         self.call(&request.name, args, &context).await
     }
 
-    async fn list_resources(&self, _request: Option<PaginatedRequestParams>, _context: RequestContext<RoleServer>) -> Result<rmcp::model::ListResourcesResult, ErrorData> {
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::ListResourcesResult, ErrorData> {
         // The agents, as resources: what each is for, its tools and its prompt.
         let resources = self
             .app
@@ -294,33 +444,75 @@ impl ServerHandler for McpRuns {
         Ok(rmcp::model::ListResourcesResult::with_all_items(resources))
     }
 
-    async fn read_resource(&self, request: rmcp::model::ReadResourceRequestParams, _context: RequestContext<RoleServer>) -> Result<rmcp::model::ReadResourceResponse, ErrorData> {
+    async fn read_resource(
+        &self,
+        request: rmcp::model::ReadResourceRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::ReadResourceResponse, ErrorData> {
         let name = request.uri.strip_prefix("agent://").unwrap_or("");
         let Some(a) = self.app.agents.get(name) else {
-            return Err(ErrorData::resource_not_found(format!("no resource {}; agents are agent://<name>", request.uri), None));
+            return Err(ErrorData::resource_not_found(
+                format!("no resource {}; agents are agent://<name>", request.uri),
+                None,
+            ));
         };
-        let tools = a.tools.as_ref().map(|t| t.join(", ")).unwrap_or_else(|| "every built-in tool".into());
-        let text = format!("# {}\n\n{}\n\nTools: {tools}\nModel: {}\n\n## Prompt\n\n{}\n", a.name, a.description, a.model.as_deref().unwrap_or("the default"), a.system_prompt);
-        let result: rmcp::model::ReadResourceResult = serde_json::from_value(json!({"contents": [{"uri": request.uri, "mimeType": "text/markdown", "text": text}]}))
-            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        let tools = a
+            .tools
+            .as_ref()
+            .map(|t| t.join(", "))
+            .unwrap_or_else(|| "every built-in tool".into());
+        let text = format!(
+            "# {}\n\n{}\n\nTools: {tools}\nModel: {}\n\n## Prompt\n\n{}\n",
+            a.name,
+            a.description,
+            a.model.as_deref().unwrap_or("the default"),
+            a.system_prompt
+        );
+        let result: rmcp::model::ReadResourceResult = serde_json::from_value(
+            json!({"contents": [{"uri": request.uri, "mimeType": "text/markdown", "text": text}]}),
+        )
+        .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
         Ok(result.into())
     }
 
-    async fn get_task(&self, request: GetTaskParams, context: RequestContext<RoleServer>) -> Result<GetTaskResult, ErrorData> {
-        let r = self.owned(&self.owner_of(&context), &json!(request.task_id)).await.map_err(|e| ErrorData::invalid_params(e, None))?;
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, ErrorData> {
+        let r = self
+            .owned(&self.owner_of(&context), &json!(request.task_id))
+            .await
+            .map_err(|e| ErrorData::invalid_params(e, None))?;
         let payload = match r.status {
-            RunStatus::Succeeded | RunStatus::Failed => {
-                TaskPayload::Completed { result: serde_json::to_value(Self::outcome(&r)).ok().and_then(|v| v.as_object().cloned()).unwrap_or_default() }
-            }
+            RunStatus::Succeeded | RunStatus::Failed => TaskPayload::Completed {
+                result: serde_json::to_value(Self::outcome(&r))
+                    .ok()
+                    .and_then(|v| v.as_object().cloned())
+                    .unwrap_or_default(),
+            },
             RunStatus::Cancelled => TaskPayload::Cancelled,
             _ => TaskPayload::Working,
         };
-        Ok(GetTaskResult::new(DetailedTask::new(Self::task_of(&r), payload)))
+        Ok(GetTaskResult::new(DetailedTask::new(
+            Self::task_of(&r),
+            payload,
+        )))
     }
 
-    async fn cancel_task(&self, request: CancelTaskParams, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
-        let r = self.owned(&self.owner_of(&context), &json!(request.task_id)).await.map_err(|e| ErrorData::invalid_params(e, None))?;
-        self.app.cancel(r.id).await.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        let r = self
+            .owned(&self.owner_of(&context), &json!(request.task_id))
+            .await
+            .map_err(|e| ErrorData::invalid_params(e, None))?;
+        self.app
+            .cancel(r.id)
+            .await
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
         Ok(())
     }
 }
@@ -328,18 +520,41 @@ impl ServerHandler for McpRuns {
 /// The streamable HTTP service `serve` mounts at `/mcp` (behind its bearer keys: the API puts
 /// the request's owner in its extensions as [`McpOwner`]). Without keys (`keyless`), rmcp's own
 /// guard against DNS rebinding stays on: only a local `Host` is served.
-pub fn http_service(app: Arc<App>, wait: Duration, keyless: bool) -> rmcp::transport::StreamableHttpService<McpRuns, rmcp::transport::streamable_http_server::session::local::LocalSessionManager> {
+pub fn http_service(
+    app: Arc<App>,
+    wait: Duration,
+    keyless: bool,
+) -> rmcp::transport::StreamableHttpService<
+    McpRuns,
+    rmcp::transport::streamable_http_server::session::local::LocalSessionManager,
+> {
     // With keys, a bearer key authenticates every request, and the Host check (meant for
     // unauthenticated local servers) would only refuse legitimate remote clients.
     let config = rmcp::transport::StreamableHttpServerConfig::default();
-    let config = if keyless { config } else { config.disable_allowed_hosts() };
-    rmcp::transport::StreamableHttpService::new(move || Ok(McpRuns::new(app.clone(), crate::app::LOCAL_OWNER.to_owned(), wait)), Default::default(), config)
+    let config = if keyless {
+        config
+    } else {
+        config.disable_allowed_hosts()
+    };
+    rmcp::transport::StreamableHttpService::new(
+        move || {
+            Ok(McpRuns::new(
+                app.clone(),
+                crate::app::LOCAL_OWNER.to_owned(),
+                wait,
+            ))
+        },
+        Default::default(),
+        config,
+    )
 }
 
 /// Serves `app` over stdin/stdout until the client disconnects.
 pub async fn serve_stdio(app: Arc<App>, owner: String, wait: Duration) -> anyhow::Result<()> {
     use rmcp::ServiceExt;
-    let service = McpRuns::new(app, owner, wait).serve(rmcp::transport::stdio()).await?;
+    let service = McpRuns::new(app, owner, wait)
+        .serve(rmcp::transport::stdio())
+        .await?;
     service.waiting().await?;
     Ok(())
 }

@@ -35,7 +35,10 @@ pub struct Signal {
 
 impl Signal {
     fn new() -> Self {
-        Signal { notify: Arc::new(Notify::new()), generation: AtomicU64::new(GENERATIONS.load(Ordering::SeqCst)) }
+        Signal {
+            notify: Arc::new(Notify::new()),
+            generation: AtomicU64::new(GENERATIONS.load(Ordering::SeqCst)),
+        }
     }
 
     /// A wake-up registration that owns its `Notify`, so it can be kept across the steps of a
@@ -51,7 +54,10 @@ impl Signal {
     }
 
     fn fire(&self) {
-        self.generation.store(GENERATIONS.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        self.generation.store(
+            GENERATIONS.fetch_add(1, Ordering::SeqCst) + 1,
+            Ordering::SeqCst,
+        );
         self.notify.notify_waiters();
     }
 }
@@ -89,7 +95,10 @@ impl Notifier {
     pub fn notify(&self, run: RunId) {
         let (n, all) = {
             let map = self.runs.lock().unwrap();
-            (map.get(&run).and_then(Weak::upgrade), map.get(&ANY).and_then(Weak::upgrade))
+            (
+                map.get(&run).and_then(Weak::upgrade),
+                map.get(&ANY).and_then(Weak::upgrade),
+            )
         };
         if let Some(n) = n {
             n.fire();
@@ -124,12 +133,21 @@ impl Watch {
     pub fn new(signal: Arc<Signal>, every: std::time::Duration, age: std::time::Duration) -> Self {
         let mut changed = Box::pin(signal.notified_owned());
         changed.as_mut().enable();
-        Watch { signal, changed, recheck: Box::pin(tokio::time::sleep(every)), every, age }
+        Watch {
+            signal,
+            changed,
+            recheck: Box::pin(tokio::time::sleep(every)),
+            every,
+            age,
+        }
     }
 
     /// What the next read must satisfy: the generation now, and `not_before`.
     pub fn fresh(&self, not_before: Option<Instant>) -> Fresh {
-        Fresh { generation: self.signal.generation(), not_before }
+        Fresh {
+            generation: self.signal.generation(),
+            not_before,
+        }
     }
 
     /// Sleeps until a commit here or the re-check; returns the `not_before` for the next read
@@ -176,7 +194,9 @@ pub struct SharedReads<K, V> {
 
 impl<K, V> Default for SharedReads<K, V> {
     fn default() -> Self {
-        SharedReads { slots: Mutex::new(HashMap::new()) }
+        SharedReads {
+            slots: Mutex::new(HashMap::new()),
+        }
     }
 }
 
@@ -194,7 +214,12 @@ impl<K: Eq + Hash + Clone, V: Clone> SharedReads<K, V> {
         let (cell, started) = {
             let mut slots = self.slots.lock().unwrap();
             match slots.get(&key) {
-                Some(s) if s.generation >= fresh.generation && fresh.not_before.is_none_or(|nb| s.started >= nb) => (s.cell.clone(), s.started),
+                Some(s)
+                    if s.generation >= fresh.generation
+                        && fresh.not_before.is_none_or(|nb| s.started >= nb) =>
+                {
+                    (s.cell.clone(), s.started)
+                }
                 _ => {
                     if slots.len() >= KEEP {
                         let mut ages: Vec<Instant> = slots.values().map(|s| s.started).collect();
@@ -202,7 +227,11 @@ impl<K: Eq + Hash + Clone, V: Clone> SharedReads<K, V> {
                         let cut = ages[ages.len() / 2];
                         slots.retain(|_, s| s.started > cut);
                     }
-                    let slot = Slot { generation: fresh.generation, started: Instant::now(), cell: Arc::new(OnceCell::new()) };
+                    let slot = Slot {
+                        generation: fresh.generation,
+                        started: Instant::now(),
+                        cell: Arc::new(OnceCell::new()),
+                    };
                     let out = (slot.cell.clone(), slot.started);
                     slots.insert(key, slot);
                     out
@@ -232,23 +261,76 @@ mod tests {
             Ok::<_, ()>(7)
         };
         let g = sig.generation();
-        let fresh = Fresh { generation: g, not_before: None };
+        let fresh = Fresh {
+            generation: g,
+            not_before: None,
+        };
         let all = futures::future::join_all((0..100).map(|_| reads.read(1, fresh, read))).await;
         assert!(all.iter().all(|r| r.as_ref().unwrap().0 == 7));
-        assert_eq!(count.load(Ordering::SeqCst), 1, "a hundred callers, one read");
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            1,
+            "a hundred callers, one read"
+        );
         // A commit moves the generation on: the next caller does not get the old read.
         n.notify(run);
         assert!(sig.generation() > g);
-        reads.read(1, Fresh { generation: sig.generation(), not_before: None }, read).await.unwrap();
+        reads
+            .read(
+                1,
+                Fresh {
+                    generation: sig.generation(),
+                    not_before: None,
+                },
+                read,
+            )
+            .await
+            .unwrap();
         assert_eq!(count.load(Ordering::SeqCst), 2);
         // Nor does a caller that needs a read started after now.
-        reads.read(1, Fresh { generation: 0, not_before: Some(Instant::now()) }, read).await.unwrap();
+        reads
+            .read(
+                1,
+                Fresh {
+                    generation: 0,
+                    not_before: Some(Instant::now()),
+                },
+                read,
+            )
+            .await
+            .unwrap();
         assert_eq!(count.load(Ordering::SeqCst), 3);
         // A failed read is not shared.
         let failing = || async { Err::<u32, &str>("down") };
         let g = sig.generation() + 1_000_000;
-        assert!(reads.read(2, Fresh { generation: g, not_before: None }, failing).await.is_err());
-        assert_eq!(reads.read(2, Fresh { generation: g, not_before: None }, || async { Ok::<_, &str>(9) }).await.unwrap().0, 9);
+        assert!(
+            reads
+                .read(
+                    2,
+                    Fresh {
+                        generation: g,
+                        not_before: None
+                    },
+                    failing
+                )
+                .await
+                .is_err()
+        );
+        assert_eq!(
+            reads
+                .read(
+                    2,
+                    Fresh {
+                        generation: g,
+                        not_before: None
+                    },
+                    || async { Ok::<_, &str>(9) }
+                )
+                .await
+                .unwrap()
+                .0,
+            9
+        );
     }
 
     #[tokio::test]
@@ -256,7 +338,11 @@ mod tests {
         let n = Notifier::default();
         let run = RunId(uuid::Uuid::now_v7());
         let every = std::time::Duration::from_millis(250);
-        let mut watch = Watch::new(n.subscribe(run), every, std::time::Duration::from_millis(50));
+        let mut watch = Watch::new(
+            n.subscribe(run),
+            every,
+            std::time::Duration::from_millis(50),
+        );
         let g = watch.fresh(None).generation;
         // A commit while the waiter is busy elsewhere (a stream writing) is not missed.
         n.notify(run);

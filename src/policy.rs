@@ -132,15 +132,30 @@ impl Rule {
         let t = text.trim();
         let (tool, specifier) = match t.split_once('(') {
             Some((tool, rest)) => {
-                let spec = rest.strip_suffix(')').ok_or_else(|| format!("rule `{t}` opens `(` without closing it"))?;
-                (tool.trim(), Some(spec.trim().to_owned()).filter(|s| !s.is_empty() && s != "*"))
+                let spec = rest
+                    .strip_suffix(')')
+                    .ok_or_else(|| format!("rule `{t}` opens `(` without closing it"))?;
+                (
+                    tool.trim(),
+                    Some(spec.trim().to_owned()).filter(|s| !s.is_empty() && s != "*"),
+                )
             }
             None => (t, None),
         };
-        if tool.is_empty() || !tool.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '*') {
-            return Err(format!("rule `{t}` does not start with a tool name (e.g. `Bash(git status:*)`, `Read(./docs/**)`, `WebFetch(domain:example.com)`)"));
+        if tool.is_empty()
+            || !tool
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '*')
+        {
+            return Err(format!(
+                "rule `{t}` does not start with a tool name (e.g. `Bash(git status:*)`, `Read(./docs/**)`, `WebFetch(domain:example.com)`)"
+            ));
         }
-        Ok(Rule { text: t.to_owned(), tool: tool.to_owned(), specifier })
+        Ok(Rule {
+            text: t.to_owned(),
+            tool: tool.to_owned(),
+            specifier,
+        })
     }
 }
 
@@ -177,17 +192,35 @@ pub struct Policy {
 
 /// Parses a `hooks` value (Claude Code's shape).
 pub fn parse_hooks(v: &Value) -> Result<HookConfig, String> {
-    let Value::Object(events) = v else { return Err("`hooks` must be an object of events, e.g. {\"PreToolUse\": [...]}".into()) };
+    let Value::Object(events) = v else {
+        return Err("`hooks` must be an object of events, e.g. {\"PreToolUse\": [...]}".into());
+    };
     let mut out = HookConfig::new();
     for (name, groups) in events {
-        let event = HookEvent::ALL.into_iter().find(|e| e.as_str() == name).ok_or_else(|| {
-            format!("unknown hook event `{name}`; known: {}", HookEvent::ALL.map(HookEvent::as_str).join(", "))
-        })?;
-        let Value::Array(groups) = groups else { return Err(format!("hooks.{name} must be a list of {{matcher, hooks}}")) };
+        let event = HookEvent::ALL
+            .into_iter()
+            .find(|e| e.as_str() == name)
+            .ok_or_else(|| {
+                format!(
+                    "unknown hook event `{name}`; known: {}",
+                    HookEvent::ALL.map(HookEvent::as_str).join(", ")
+                )
+            })?;
+        let Value::Array(groups) = groups else {
+            return Err(format!("hooks.{name} must be a list of {{matcher, hooks}}"));
+        };
         for g in groups {
-            let matcher = g.get("matcher").and_then(Value::as_str).unwrap_or("").to_owned();
-            regex_for(&matcher).map_err(|e| format!("hooks.{name}: matcher `{matcher}` is not a valid pattern: {e}"))?;
-            let Some(Value::Array(hooks)) = g.get("hooks") else { return Err(format!("hooks.{name}: each entry needs a `hooks` list")) };
+            let matcher = g
+                .get("matcher")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned();
+            regex_for(&matcher).map_err(|e| {
+                format!("hooks.{name}: matcher `{matcher}` is not a valid pattern: {e}")
+            })?;
+            let Some(Value::Array(hooks)) = g.get("hooks") else {
+                return Err(format!("hooks.{name}: each entry needs a `hooks` list"));
+            };
             let mut parsed = vec![];
             for h in hooks {
                 let timeout = match h.get("timeout") {
@@ -196,24 +229,40 @@ pub fn parse_hooks(v: &Value) -> Result<HookConfig, String> {
                         .as_f64()
                         .filter(|t| *t > 0.0 && *t <= 3600.0)
                         .map(Duration::from_secs_f64)
-                        .ok_or_else(|| format!("hooks.{name}: timeout must be seconds, 0 < t <= 3600"))?,
+                        .ok_or_else(|| {
+                            format!("hooks.{name}: timeout must be seconds, 0 < t <= 3600")
+                        })?,
                 };
                 let kind = match h.get("type").and_then(Value::as_str).unwrap_or("command") {
                     "command" => HookKind::Command(
-                        h.get("command").and_then(Value::as_str).filter(|c| !c.trim().is_empty()).ok_or_else(|| format!("hooks.{name}: a command hook needs `command`"))?.to_owned(),
+                        h.get("command")
+                            .and_then(Value::as_str)
+                            .filter(|c| !c.trim().is_empty())
+                            .ok_or_else(|| format!("hooks.{name}: a command hook needs `command`"))?
+                            .to_owned(),
                     ),
                     "http" => {
-                        let url = h.get("url").and_then(Value::as_str).ok_or_else(|| format!("hooks.{name}: an http hook needs `url`"))?;
+                        let url = h
+                            .get("url")
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| format!("hooks.{name}: an http hook needs `url`"))?;
                         if !(url.starts_with("http://") || url.starts_with("https://")) {
                             return Err(format!("hooks.{name}: `{url}` is not an http(s) URL"));
                         }
                         HookKind::Http(url.to_owned())
                     }
-                    other => return Err(format!("hooks.{name}: hook type `{other}` is not command or http")),
+                    other => {
+                        return Err(format!(
+                            "hooks.{name}: hook type `{other}` is not command or http"
+                        ));
+                    }
                 };
                 parsed.push(Hook { kind, timeout });
             }
-            out.entry(event).or_default().push(HookGroup { matcher, hooks: parsed });
+            out.entry(event).or_default().push(HookGroup {
+                matcher,
+                hooks: parsed,
+            });
         }
     }
     Ok(out)
@@ -230,24 +279,47 @@ pub fn regex_for(matcher: &str) -> Result<regex::Regex, regex::Error> {
 
 /// Parses a `permissions` value: `{allow, deny, ask, defaultMode}` (lists of rules).
 pub fn parse_permissions(v: &Value) -> Result<Rules, String> {
-    let Value::Object(o) = v else { return Err("`permissions` must be an object with allow, deny, ask and defaultMode".into()) };
+    let Value::Object(o) = v else {
+        return Err("`permissions` must be an object with allow, deny, ask and defaultMode".into());
+    };
     let list = |key: &str| -> Result<Vec<Rule>, String> {
         match o.get(key) {
             None | Some(Value::Null) => Ok(vec![]),
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|r| r.as_str().ok_or_else(|| format!("permissions.{key} must hold strings")).and_then(Rule::parse))
+                .map(|r| {
+                    r.as_str()
+                        .ok_or_else(|| format!("permissions.{key} must hold strings"))
+                        .and_then(Rule::parse)
+                })
                 .collect(),
             Some(_) => Err(format!("permissions.{key} must be a list of rules")),
         }
     };
     for k in o.keys() {
-        if !["allow", "deny", "ask", "defaultMode", "additionalDirectories"].contains(&k.as_str()) {
+        if ![
+            "allow",
+            "deny",
+            "ask",
+            "defaultMode",
+            "additionalDirectories",
+        ]
+        .contains(&k.as_str())
+        {
             tracing::debug!(key = %k, "ignoring unknown permissions key");
         }
     }
-    let mode = o.get("defaultMode").and_then(Value::as_str).map(Mode::parse).transpose()?;
-    Ok(Rules { allow: list("allow")?, deny: list("deny")?, ask: list("ask")?, mode })
+    let mode = o
+        .get("defaultMode")
+        .and_then(Value::as_str)
+        .map(Mode::parse)
+        .transpose()?;
+    Ok(Rules {
+        allow: list("allow")?,
+        deny: list("deny")?,
+        ask: list("ask")?,
+        mode,
+    })
 }
 
 /// The operator's settings file (`SUBAGENTS_SETTINGS`, Claude Code's `settings.json` shape):
@@ -258,19 +330,37 @@ pub fn load_settings(path: &Path) -> Result<Policy, String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Policy::default()),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
     parse_policy(&v).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// `hooks`, `permissions` and `approvalTimeout` out of one JSON object.
 pub fn parse_policy(v: &Value) -> Result<Policy, String> {
-    let hooks = v.get("hooks").map(parse_hooks).transpose()?.unwrap_or_default();
-    let rules = v.get("permissions").map(parse_permissions).transpose()?.unwrap_or_default();
+    let hooks = v
+        .get("hooks")
+        .map(parse_hooks)
+        .transpose()?
+        .unwrap_or_default();
+    let rules = v
+        .get("permissions")
+        .map(parse_permissions)
+        .transpose()?
+        .unwrap_or_default();
     let approval_timeout = match v.get("approvalTimeout") {
         None | Some(Value::Null) => None,
-        Some(t) => Some(t.as_f64().filter(|t| *t >= 1.0 && *t <= 30.0 * 86_400.0).map(Duration::from_secs_f64).ok_or("approvalTimeout must be seconds, 1 to 30 days")?),
+        Some(t) => Some(
+            t.as_f64()
+                .filter(|t| *t >= 1.0 && *t <= 30.0 * 86_400.0)
+                .map(Duration::from_secs_f64)
+                .ok_or("approvalTimeout must be seconds, 1 to 30 days")?,
+        ),
     };
-    Ok(Policy { hooks, rules, approval_timeout })
+    Ok(Policy {
+        hooks,
+        rules,
+        approval_timeout,
+    })
 }
 
 #[cfg(test)]
@@ -283,32 +373,71 @@ mod tests {
         let v = json!({"PreToolUse": [{"matcher": "Bash|Edit", "hooks": [{"type": "command", "command": "./check.sh", "timeout": 5}]}],
                        "PostToolUse": [{"hooks": [{"type": "http", "url": "http://127.0.0.1:9/h"}]}]});
         let h = parse_hooks(&v).unwrap();
-        assert_eq!(h[&HookEvent::PreToolUse][0].hooks[0], Hook { kind: HookKind::Command("./check.sh".into()), timeout: Duration::from_secs(5) });
+        assert_eq!(
+            h[&HookEvent::PreToolUse][0].hooks[0],
+            Hook {
+                kind: HookKind::Command("./check.sh".into()),
+                timeout: Duration::from_secs(5)
+            }
+        );
         assert_eq!(h[&HookEvent::PostToolUse][0].matcher, "");
-        assert!(parse_hooks(&json!({"OnWhatever": []})).unwrap_err().contains("unknown hook event"));
-        assert!(parse_hooks(&json!({"PreToolUse": [{"matcher": "(", "hooks": []}]})).unwrap_err().contains("not a valid pattern"));
-        assert!(parse_hooks(&json!({"PreToolUse": [{"hooks": [{"type": "command"}]}]})).unwrap_err().contains("needs `command`"));
-        assert!(regex_for("Bash").unwrap().is_match("Bash") && !regex_for("Bash").unwrap().is_match("BashX"));
+        assert!(
+            parse_hooks(&json!({"OnWhatever": []}))
+                .unwrap_err()
+                .contains("unknown hook event")
+        );
+        assert!(
+            parse_hooks(&json!({"PreToolUse": [{"matcher": "(", "hooks": []}]}))
+                .unwrap_err()
+                .contains("not a valid pattern")
+        );
+        assert!(
+            parse_hooks(&json!({"PreToolUse": [{"hooks": [{"type": "command"}]}]}))
+                .unwrap_err()
+                .contains("needs `command`")
+        );
+        assert!(
+            regex_for("Bash").unwrap().is_match("Bash")
+                && !regex_for("Bash").unwrap().is_match("BashX")
+        );
         assert!(regex_for("").unwrap().is_match("anything"));
     }
 
     #[test]
     fn rules_and_modes_parse() {
-        assert_eq!(Rule::parse("Bash(git status:*)").unwrap(), Rule { text: "Bash(git status:*)".into(), tool: "Bash".into(), specifier: Some("git status:*".into()) });
+        assert_eq!(
+            Rule::parse("Bash(git status:*)").unwrap(),
+            Rule {
+                text: "Bash(git status:*)".into(),
+                tool: "Bash".into(),
+                specifier: Some("git status:*".into())
+            }
+        );
         assert_eq!(Rule::parse("Read").unwrap().specifier, None);
         assert_eq!(Rule::parse("WebFetch(*)").unwrap().specifier, None);
         assert!(Rule::parse("Bash(ls").is_err());
         assert!(Rule::parse("(ls)").is_err());
         let r = parse_permissions(&json!({"allow": ["Read"], "deny": ["Bash(rm:*)"], "ask": ["WebFetch"], "defaultMode": "acceptEdits"})).unwrap();
-        assert_eq!((r.allow.len(), r.deny.len(), r.ask.len(), r.mode), (1, 1, 1, Some(Mode::AcceptEdits)));
-        assert!(parse_permissions(&json!({"defaultMode": "yolo"})).unwrap_err().contains("not one of"));
+        assert_eq!(
+            (r.allow.len(), r.deny.len(), r.ask.len(), r.mode),
+            (1, 1, 1, Some(Mode::AcceptEdits))
+        );
+        assert!(
+            parse_permissions(&json!({"defaultMode": "yolo"}))
+                .unwrap_err()
+                .contains("not one of")
+        );
         assert!(parse_permissions(&json!({"allow": "Read"})).is_err());
     }
 
     #[test]
     fn a_missing_settings_file_is_no_policy() {
-        assert_eq!(load_settings(Path::new("/nonexistent/subagents.json")).unwrap(), Policy::default());
-        let p = parse_policy(&json!({"approvalTimeout": 60, "permissions": {"deny": ["Bash"]}})).unwrap();
+        assert_eq!(
+            load_settings(Path::new("/nonexistent/subagents.json")).unwrap(),
+            Policy::default()
+        );
+        let p = parse_policy(&json!({"approvalTimeout": 60, "permissions": {"deny": ["Bash"]}}))
+            .unwrap();
         assert_eq!(p.approval_timeout, Some(Duration::from_secs(60)));
         assert!(parse_policy(&json!({"approvalTimeout": 0})).is_err());
     }

@@ -12,7 +12,22 @@
 //!   SIGKILL)`).
 
 /// Variables a child may inherit from the worker: none of them holds a secret.
-pub const INHERITED: &[&str] = &["PATH", "HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL", "TERM", "NODE_PATH"];
+pub const INHERITED: &[&str] = &[
+    "PATH",
+    "HOME",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "TZ",
+    "TMPDIR",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TERM",
+    "NODE_PATH",
+];
 
 /// A child's environment: the [`INHERITED`] variables the worker had at start (never a
 /// secret, whatever its name), plus `extra` (which win).
@@ -62,12 +77,25 @@ unsafe fn drop_capabilities() {
     const VERSION_3: u32 = 0x2008_0522;
     // SAFETY: plain system calls on this process, with pointers to live locals.
     unsafe {
-        libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        );
         for cap in 0..64 {
             libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0);
         }
-        let header = Header { version: VERSION_3, pid: 0 };
-        let data = [Data { effective: 0, permitted: 0, inheritable: 0 }; 2];
+        let header = Header {
+            version: VERSION_3,
+            pid: 0,
+        };
+        let data = [Data {
+            effective: 0,
+            permitted: 0,
+            inheritable: 0,
+        }; 2];
         libc::syscall(libc::SYS_capset, &header as *const Header, data.as_ptr());
     }
 }
@@ -75,12 +103,18 @@ unsafe fn drop_capabilities() {
 /// Sends SIGKILL to the process group `pgid` (a child spawned with `process_group(0)` leads the
 /// group of its own pid). Ids that would mean "every process" (0 and 1) are refused.
 pub fn kill_group(pgid: u32) -> std::io::Result<()> {
-    let Ok(id) = libc::pid_t::try_from(pgid) else { return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput)) };
+    let Ok(id) = libc::pid_t::try_from(pgid) else {
+        return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    };
     if id <= 1 {
         return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
     }
     // SAFETY: killpg takes plain integers and touches no memory of ours.
-    if unsafe { libc::killpg(id, libc::SIGKILL) } == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    if unsafe { libc::killpg(id, libc::SIGKILL) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 #[cfg(test)]
@@ -90,7 +124,12 @@ mod tests {
     #[tokio::test]
     async fn a_confined_child_has_no_capabilities_and_a_minimal_environment() {
         let mut cmd = tokio::process::Command::new("bash");
-        cmd.args(["-c", "grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; env"]).env_clear().envs(super::child_env(&[("EXTRA".into(), "1".into())]));
+        cmd.args([
+            "-c",
+            "grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; env",
+        ])
+        .env_clear()
+        .envs(super::child_env(&[("EXTRA".into(), "1".into())]));
         super::confine(&mut cmd);
         let out = cmd.output().await.unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
@@ -100,14 +139,21 @@ mod tests {
         assert!(text.contains("EXTRA=1"), "{text}");
         for line in text.lines().filter(|l| l.contains('=')) {
             let name = line.split('=').next().unwrap();
-            assert!(super::INHERITED.contains(&name) || ["EXTRA", "PWD", "SHLVL", "_"].contains(&name), "{name} leaked into the child");
+            assert!(
+                super::INHERITED.contains(&name) || ["EXTRA", "PWD", "SHLVL", "_"].contains(&name),
+                "{name} leaked into the child"
+            );
         }
     }
 
     #[test]
     fn a_group_dies_whole_and_nonsense_ids_are_refused() {
         // A shell leading its own group, with a grandchild in it.
-        let mut child = std::process::Command::new("bash").args(["-c", "sleep 30 & wait"]).process_group(0).spawn().unwrap();
+        let mut child = std::process::Command::new("bash")
+            .args(["-c", "sleep 30 & wait"])
+            .process_group(0)
+            .spawn()
+            .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(100));
         super::kill_group(child.id()).unwrap();
         let status = child.wait().unwrap();

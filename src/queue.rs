@@ -61,13 +61,17 @@ pub fn new_job_id() -> String {
 impl Queue {
     /// A queue on the given SQLite pool (the store's), with apalis's worker heartbeat.
     pub fn sqlite(pool: &SqlitePool, heartbeat: Duration) -> Self {
-        let storage = Storage::Sqlite(SqliteStorage::new(pool).with_config(Self::sqlite_config(heartbeat, 4)));
+        let storage = Storage::Sqlite(
+            SqliteStorage::new(pool).with_config(Self::sqlite_config(heartbeat, 4)),
+        );
         Self { storage, heartbeat }
     }
 
     /// A queue on the given PostgreSQL pool (the store's).
     pub fn postgres(pool: &PgPool, heartbeat: Duration) -> Self {
-        let storage = Storage::Postgres(PostgresStorage::new(pool).with_config(Self::pg_config(heartbeat, 4)));
+        let storage = Storage::Postgres(
+            PostgresStorage::new(pool).with_config(Self::pg_config(heartbeat, 4)),
+        );
         Self { storage, heartbeat }
     }
 
@@ -82,14 +86,22 @@ impl Queue {
     /// (`next_queued`, `fetched_not_started`, the reaper) go by; none of them tells `Queued`
     /// from `Running`, since apalis wrote `Running` through a channel after the handler began.
     pub(crate) fn sqlite_config(heartbeat: Duration, concurrency: usize) -> SqliteQueueConfig {
-        SqliteQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(concurrency.clamp(1, 4)).lock_tasks(false)
+        SqliteQueueConfig::default()
+            .queue(QUEUE_NAME)
+            .heartbeat_interval(heartbeat)
+            .batch_size(concurrency.clamp(1, 4))
+            .lock_tasks(false)
     }
 
     /// `batch`: jobs fetched per query. As many as the worker can run at once: fewer costs
     /// round trips (measured: 4 → 32 took 880 to 1,000+ steps/s), more would hoard jobs that
     /// other workers could start.
     pub(crate) fn pg_config(heartbeat: Duration, batch: usize) -> PgQueueConfig {
-        PgQueueConfig::default().queue(QUEUE_NAME).heartbeat_interval(heartbeat).batch_size(batch.clamp(1, 64)).lock_tasks(false)
+        PgQueueConfig::default()
+            .queue(QUEUE_NAME)
+            .heartbeat_interval(heartbeat)
+            .batch_size(batch.clamp(1, 64))
+            .lock_tasks(false)
     }
 
     /// Pushes the job for `run` under `job_id` (already recorded on the run).
@@ -98,8 +110,17 @@ impl Queue {
     /// priority (1–5): jobs are fetched by rank first, so owners with work queued take turns
     /// however long one owner's queue is (the k-th run of every owner before the (k+1)-th of
     /// any); the priority breaks ties within a rank. `delay` holds the job back, never less.
-    pub async fn push(&self, run: RunId, job_id: &str, (rank, priority): (u32, u8), delay: std::time::Duration) -> Result<(), QueueError> {
-        let id: ulid::Ulid = job_id.parse().map_err(|e| QueueError::Push { run, message: format!("bad job id: {e}") })?;
+    pub async fn push(
+        &self,
+        run: RunId,
+        job_id: &str,
+        (rank, priority): (u32, u8),
+        delay: std::time::Duration,
+    ) -> Result<(), QueueError> {
+        let id: ulid::Ulid = job_id.parse().map_err(|e| QueueError::Push {
+            run,
+            message: format!("bad job id: {e}"),
+        })?;
         let mut task = TaskBuilder::new(RunJob { run_id: run })
             .task_id(TaskId::from_string(id.to_string()))
             .max_attempts(JOB_MAX_ATTEMPTS)
@@ -109,8 +130,14 @@ impl Queue {
         }
         let task = task.build();
         match self.storage.clone() {
-            Storage::Sqlite(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() }),
-            Storage::Postgres(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push { run, message: e.to_string() }),
+            Storage::Sqlite(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push {
+                run,
+                message: e.to_string(),
+            }),
+            Storage::Postgres(mut s) => s.push_task(task).await.map_err(|e| QueueError::Push {
+                run,
+                message: e.to_string(),
+            }),
         }
     }
 }
@@ -135,7 +162,11 @@ impl Wakeups {
     /// Every `period` (at least a millisecond).
     pub fn every(period: Duration) -> Self {
         let period = period.max(Duration::from_millis(1));
-        Wakeups { period, timer: Box::pin(tokio::time::sleep(period)), notifications: None }
+        Wakeups {
+            period,
+            timer: Box::pin(tokio::time::sleep(period)),
+            notifications: None,
+        }
     }
 
     /// Also whenever `stream` yields (its items are only a signal).
@@ -147,7 +178,11 @@ impl Wakeups {
 }
 
 impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
-    fn poll_drive(&mut self, cx: &mut std::task::Context<'_>, _: &apalis_core::backend::ext::poll_strategy::PollSnapshot) -> std::task::Poll<Option<()>> {
+    fn poll_drive(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        _: &apalis_core::backend::ext::poll_strategy::PollSnapshot,
+    ) -> std::task::Poll<Option<()>> {
         use futures::StreamExt;
         let mut woke = false;
         if let Some(n) = &self.notifications {
@@ -167,7 +202,11 @@ impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
             let next = tokio::time::Instant::now() + self.period;
             self.timer.as_mut().reset(next);
         }
-        if woke { std::task::Poll::Ready(Some(())) } else { std::task::Poll::Pending }
+        if woke {
+            std::task::Poll::Ready(Some(()))
+        } else {
+            std::task::Poll::Pending
+        }
     }
 }
 
@@ -187,7 +226,9 @@ mod tests {
 
     #[test]
     fn a_held_back_job_is_never_due_before_its_time() {
-        let at = |s: u64, ms: u64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(s * 1000 + ms);
+        let at = |s: u64, ms: u64| {
+            std::time::UNIX_EPOCH + std::time::Duration::from_millis(s * 1000 + ms)
+        };
         assert_eq!(due_second(at(100, 0)), 100, "a whole second stays");
         assert_eq!(due_second(at(100, 1)), 101);
         assert_eq!(due_second(at(100, 999)), 101);
@@ -206,7 +247,9 @@ mod tests {
     /// later; apalis's own interval leaves nothing armed then.
     #[tokio::test]
     async fn the_timer_is_armed_again_whenever_it_fired() {
-        use apalis_core::backend::ext::poll_strategy::{IntervalStrategy, PollSnapshot, PollStrategy};
+        use apalis_core::backend::ext::poll_strategy::{
+            IntervalStrategy, PollSnapshot, PollStrategy,
+        };
         use std::sync::atomic::Ordering::SeqCst;
         let period = std::time::Duration::from_millis(20);
         let wakes = |s: &mut dyn PollStrategy| {
@@ -214,10 +257,14 @@ mod tests {
             let waker = std::task::Waker::from(count.clone());
             let mut cx = std::task::Context::from_waker(&waker);
             let snapshot = PollSnapshot::default();
-            (s.poll_drive(&mut cx, &snapshot).is_pending(), count, move |s: &mut dyn PollStrategy| {
-                let mut cx = std::task::Context::from_waker(&waker);
-                s.poll_drive(&mut cx, &snapshot).is_ready()
-            })
+            (
+                s.poll_drive(&mut cx, &snapshot).is_pending(),
+                count,
+                move |s: &mut dyn PollStrategy| {
+                    let mut cx = std::task::Context::from_waker(&waker);
+                    s.poll_drive(&mut cx, &snapshot).is_ready()
+                },
+            )
         };
         let mut ours = super::Wakeups::every(period);
         let (pending, count, poll) = wakes(&mut ours);
@@ -226,7 +273,11 @@ mod tests {
         assert_eq!(count.0.load(SeqCst), 1, "woken when the period passed");
         assert!(poll(&mut ours), "and fired");
         tokio::time::sleep(period * 3).await;
-        assert_eq!(count.0.load(SeqCst), 2, "woken again a period later, with no poll between");
+        assert_eq!(
+            count.0.load(SeqCst),
+            2,
+            "woken again a period later, with no poll between"
+        );
         // apalis's interval, the same way: fired once, then nothing.
         let mut theirs = IntervalStrategy::new(period);
         let (pending, count, poll) = wakes(&mut theirs);
@@ -234,13 +285,20 @@ mod tests {
         tokio::time::sleep(period * 3).await;
         assert!(poll(&mut theirs));
         tokio::time::sleep(period * 3).await;
-        assert_eq!(count.0.load(SeqCst), 1, "apalis's interval no longer wakes (if it does, apalis fixed it)");
+        assert_eq!(
+            count.0.load(SeqCst),
+            1,
+            "apalis's interval no longer wakes (if it does, apalis fixed it)"
+        );
     }
 
     #[test]
     fn rank_comes_first_and_priority_breaks_ties() {
         assert!(job_priority(0, 1) > job_priority(1, 5), "rank dominates");
         assert!(job_priority(0, 5) > job_priority(0, 3), "then the priority");
-        assert!(job_priority(u32::MAX, 5) > 0 && job_priority(0, 5) <= i32::MAX as usize, "fits PostgreSQL's int4");
+        assert!(
+            job_priority(u32::MAX, 5) > 0 && job_priority(0, 5) <= i32::MAX as usize,
+            "fits PostgreSQL's int4"
+        );
     }
 }

@@ -165,9 +165,12 @@ impl RedisEvents {
         let client = redis::Client::open(settings.url.as_str())?;
         // A plain connection first: a refused connection fails at once with its cause (the
         // managed connection below would keep retrying).
-        let mut probe = tokio::time::timeout(Duration::from_secs(5), client.get_multiplexed_async_connection())
-            .await
-            .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
+        let mut probe = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "connect timed out")))??;
         redis::cmd("PING").query_async::<String>(&mut probe).await?;
         let conn = tokio::time::timeout(Duration::from_secs(5), client.get_connection_manager())
             .await
@@ -186,9 +189,12 @@ impl RedisEvents {
     /// Whether Redis answers now (for `/readyz`).
     pub async fn ping(&self) -> bool {
         let mut c = self.conn.clone();
-        tokio::time::timeout(Duration::from_secs(1), redis::cmd("PING").query_async::<String>(&mut c))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            redis::cmd("PING").query_async::<String>(&mut c),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok())
     }
 
     /// Adds the publication of one event to `pipe`; `allow_gap` when every earlier event of the
@@ -273,7 +279,14 @@ impl RedisEvents {
             let mut c = me.conn.clone();
             while let Some(text) = rx.recv().await {
                 k += 1;
-                let r: Result<i64, _> = me.delta.key(run_stream(run)).arg(after_seq).arg(k).arg(text).invoke_async(&mut c).await;
+                let r: Result<i64, _> = me
+                    .delta
+                    .key(run_stream(run))
+                    .arg(after_seq)
+                    .arg(k)
+                    .arg(text)
+                    .invoke_async(&mut c)
+                    .await;
                 if let Err(e) = r {
                     tracing::debug!(error = %e, "token delta not published");
                 }
@@ -284,7 +297,14 @@ impl RedisEvents {
 
     /// Takes one call from the budget `key` held in Redis, as `RunLog::take_budget` does in the
     /// database: `None` when taken, else when to try again (ms since the epoch).
-    pub async fn take_budget(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>, RelayError> {
+    pub async fn take_budget(
+        &self,
+        key: &str,
+        window_ms: i64,
+        max_requests: Option<u64>,
+        max_tokens: Option<u64>,
+        tokens: u64,
+    ) -> Result<Option<i64>, RelayError> {
         let mut c = self.conn.clone();
         let at: i64 = self
             .budget
@@ -312,7 +332,13 @@ impl RedisEvents {
     /// Nobody takes from the budget `key` until `until_ms` (the provider said so).
     pub async fn block_budget(&self, key: &str, until_ms: i64) -> Result<(), RelayError> {
         let mut c = self.conn.clone();
-        let _: i64 = self.block.key(format!("{PREFIX}:budget:{key}:blocked")).arg(until_ms).arg(crate::store::now_ms()).invoke_async(&mut c).await?;
+        let _: i64 = self
+            .block
+            .key(format!("{PREFIX}:budget:{key}:blocked"))
+            .arg(until_ms)
+            .arg(crate::store::now_ms())
+            .invoke_async(&mut c)
+            .await?;
         Ok(())
     }
 
@@ -324,7 +350,13 @@ impl RedisEvents {
 
     /// Events of `run` after `after`, from Redis when it holds a gap-free continuation of the
     /// cursor, otherwise from the outbox.
-    pub async fn events_after(&self, store: &dyn Store, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
+    pub async fn events_after(
+        &self,
+        store: &dyn Store,
+        run: RunId,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<EventRecord>, StoreError> {
         match self.from_redis(run, after, limit).await {
             Ok(Some(events)) => Ok(events),
             Ok(None) => store.events_after(run, after, limit).await,
@@ -335,16 +367,38 @@ impl RedisEvents {
         }
     }
 
-    async fn from_redis(&self, run: RunId, after: u64, limit: u32) -> Result<Option<Vec<EventRecord>>, redis::RedisError> {
+    async fn from_redis(
+        &self,
+        run: RunId,
+        after: u64,
+        limit: u32,
+    ) -> Result<Option<Vec<EventRecord>>, redis::RedisError> {
         let mut c = self.conn.clone();
-        let reply: redis::streams::StreamRangeReply =
-            c.xrange_count(run_stream(run), format!("{}-0", after + 1), "+", limit as usize).await?;
+        let reply: redis::streams::StreamRangeReply = c
+            .xrange_count(
+                run_stream(run),
+                format!("{}-0", after + 1),
+                "+",
+                limit as usize,
+            )
+            .await?;
         let mut out = Vec::with_capacity(reply.ids.len());
         // Token deltas (`N-k`, k > 0) share the stream; durable readers skip them.
-        for (i, entry) in reply.ids.iter().filter(|e| e.id.ends_with("-0")).enumerate() {
-            let Some(payload) = entry.get::<String>("event") else { return Ok(None) };
-            let Ok(e) = serde_json::from_str::<serde_json::Value>(&payload) else { return Ok(None) };
-            let Some(seq) = e["seq"].as_u64() else { return Ok(None) };
+        for (i, entry) in reply
+            .ids
+            .iter()
+            .filter(|e| e.id.ends_with("-0"))
+            .enumerate()
+        {
+            let Some(payload) = entry.get::<String>("event") else {
+                return Ok(None);
+            };
+            let Ok(e) = serde_json::from_str::<serde_json::Value>(&payload) else {
+                return Ok(None);
+            };
+            let Some(seq) = e["seq"].as_u64() else {
+                return Ok(None);
+            };
             if seq != after + 1 + i as u64 {
                 return Ok(None); // a gap: trimmed, lost or not yet relayed; the outbox decides
             }
@@ -352,17 +406,26 @@ impl RedisEvents {
                 seq,
                 kind: e["type"].as_str().unwrap_or_default().to_owned(),
                 run_id: run,
-                created_at: serde_json::from_value(e["created_at"].clone()).unwrap_or_else(|_| chrono::Utc::now()),
+                created_at: serde_json::from_value(e["created_at"].clone())
+                    .unwrap_or_else(|_| chrono::Utc::now()),
                 data: e["data"].clone(),
             });
         }
         // Nothing in Redis may mean "nothing new" or "not relayed yet": the outbox knows.
-        if out.is_empty() { Ok(None) } else { Ok(Some(out)) }
+        if out.is_empty() {
+            Ok(None)
+        } else {
+            Ok(Some(out))
+        }
     }
 
     /// Runs the relay and the wake-up subscriber until `shutdown`. Redis being down only
     /// delays them: they retry with backoff.
-    pub fn spawn(self, store: Arc<dyn Store>, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+    pub fn spawn(
+        self,
+        store: Arc<dyn Store>,
+        shutdown: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
         let relay = {
             let (me, store, shutdown) = (self.clone(), store.clone(), shutdown.clone());
             async move {
@@ -416,7 +479,9 @@ impl RedisEvents {
                             }
                         }
                     }
-                    Err(e) => tracing::debug!(error = %e, "wake-up subscriber cannot reach Redis; retrying"),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "wake-up subscriber cannot reach Redis; retrying")
+                    }
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => return,

@@ -11,7 +11,10 @@ use serde_json::Value;
 use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
 use crate::ids::{RunId, ThreadId};
 use crate::queue::{Queue, new_job_id};
-use crate::store::{CancelOutcome, Created, IfBusy, NewRun, RunLimits, RunLog, RunRecord, RunStatus, StoreError, TreePosition};
+use crate::store::{
+    CancelOutcome, Created, IfBusy, NewRun, RunLimits, RunLog, RunRecord, RunStatus, StoreError,
+    TreePosition,
+};
 
 pub use crate::agents::MAX_TIMEOUT_SECS;
 
@@ -121,37 +124,55 @@ pub async fn start_run(
     req: StartRun,
 ) -> Result<Created, StartError> {
     let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
-    let agent = agents.get(&agent_name).ok_or_else(|| StartError::UnknownAgent { name: agent_name.clone(), known: agents.names() })?;
+    let agent = agents
+        .get(&agent_name)
+        .ok_or_else(|| StartError::UnknownAgent {
+            name: agent_name.clone(),
+            known: agents.names(),
+        })?;
     if req.input.trim().is_empty() {
         return Err(StartError::EmptyInput);
     }
     if req.input.len() > max_input_bytes {
-        return Err(StartError::InputTooLarge { limit: max_input_bytes, got: req.input.len() });
+        return Err(StartError::InputTooLarge {
+            limit: max_input_bytes,
+            got: req.input.len(),
+        });
     }
     if req.input.contains('\0') {
         return Err(StartError::NulCharacter);
     }
     let max_steps = req.max_steps.unwrap_or(agent.max_steps);
     if max_steps == 0 || max_steps > 10_000 {
-        return Err(StartError::BadLimit(format!("max_steps {max_steps} is out of range 1..=10000")));
+        return Err(StartError::BadLimit(format!(
+            "max_steps {max_steps} is out of range 1..=10000"
+        )));
     }
     let timeout_secs = req.timeout_secs.unwrap_or(agent.timeout.as_secs().max(1));
     if !(1..=MAX_TIMEOUT_SECS).contains(&timeout_secs) {
-        return Err(StartError::BadLimit(format!("timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)")));
+        return Err(StartError::BadLimit(format!(
+            "timeout must be 1 to {MAX_TIMEOUT_SECS} seconds (7 days)"
+        )));
     }
     if let Some(p) = req.compact_at
         && !(10..=95).contains(&p)
     {
-        return Err(StartError::BadLimit(format!("compact_at {p}% is out of range 10..=95 (percent of the context window)")));
+        return Err(StartError::BadLimit(format!(
+            "compact_at {p}% is out of range 10..=95 (percent of the context window)"
+        )));
     }
     if let Some(k) = &req.idempotency_key {
         if k.is_empty() || k.len() > 200 {
-            return Err(StartError::BadLimit("idempotency_key must be 1 to 200 characters".into()));
+            return Err(StartError::BadLimit(
+                "idempotency_key must be 1 to 200 characters".into(),
+            ));
         }
     }
     let priority = req.priority.unwrap_or(DEFAULT_PRIORITY);
     if !(1..=5).contains(&priority) {
-        return Err(StartError::BadLimit(format!("priority {priority} is out of range 1..=5 (5 runs first)")));
+        return Err(StartError::BadLimit(format!(
+            "priority {priority} is out of range 1..=5 (5 runs first)"
+        )));
     }
     let created = store
         .create_run(NewRun {
@@ -160,8 +181,16 @@ pub async fn start_run(
             owner: req.owner.unwrap_or_else(|| LOCAL_OWNER.to_owned()),
             agent: agent_name,
             input: req.input,
-            metadata: req.metadata.unwrap_or_else(|| Value::Object(Default::default())),
-            limits: RunLimits { max_steps, timeout_secs, max_total_tokens: req.max_total_tokens, max_total_steps: req.max_total_steps, compact_at: req.compact_at },
+            metadata: req
+                .metadata
+                .unwrap_or_else(|| Value::Object(Default::default())),
+            limits: RunLimits {
+                max_steps,
+                timeout_secs,
+                max_total_tokens: req.max_total_tokens,
+                max_total_steps: req.max_total_steps,
+                compact_at: req.compact_at,
+            },
             parent_run_id: req.parent_run_id,
             tree: req.tree,
             job_id: new_job_id(),
@@ -171,7 +200,11 @@ pub async fn start_run(
             priority,
             // A child continues work its parent already started, parked and holding its context:
             // it goes ahead of its owner's new work.
-            place: if req.parent_run_id.is_some() { crate::store::QueuePlace::Front } else { crate::store::QueuePlace::Back },
+            place: if req.parent_run_id.is_some() {
+                crate::store::QueuePlace::Front
+            } else {
+                crate::store::QueuePlace::Back
+            },
         })
         .await?;
     Ok(created)
@@ -198,7 +231,12 @@ pub async fn retry(
         return Err(StartError::NotRetryable(format!(
             "run {} is a sub-agent run; retry its root run {} (its parent decides what its children do)",
             original.id,
-            original.tree.root_run_id.or(original.parent_run_id).map(|r| r.to_string()).unwrap_or_default()
+            original
+                .tree
+                .root_run_id
+                .or(original.parent_run_id)
+                .map(|r| r.to_string())
+                .unwrap_or_default()
         )));
     }
     let l = &original.limits;
@@ -231,7 +269,11 @@ pub async fn retry(
 /// Cancels a run and, below it, every attached (non-detached) descendant still going; a run
 /// that ends here (queued or parked) frees its thread and wakes its waiters at once. The
 /// child's `child.finished` event and its parent's wake-up commit with the cancel itself.
-pub async fn cancel(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<CancelOutcome, StoreError> {
+pub async fn cancel(
+    store: &dyn RunLog,
+    queue: &Queue,
+    run: RunId,
+) -> Result<CancelOutcome, StoreError> {
     let outcome = store.request_cancel(run).await?;
     if outcome == CancelOutcome::Cancelled {
         after_end_of(store, queue, run).await?;
@@ -242,15 +284,30 @@ pub async fn cancel(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<Can
 
 /// Cancels the attached children (and theirs) of a run: what happens when a parent ends or is
 /// cancelled.
-pub async fn cancel_attached_children(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), StoreError> {
+pub async fn cancel_attached_children(
+    store: &dyn RunLog,
+    queue: &Queue,
+    run: RunId,
+) -> Result<(), StoreError> {
     let mut stack = vec![run];
     while let Some(r) = stack.pop() {
         for c in store.children(r).await? {
             if c.tree.detached {
                 continue;
             }
-            if !c.status.is_terminal() && store.request_cancel(c.id).await? == CancelOutcome::Cancelled {
-                after_end(store, queue, &Ended { run_id: c.id, thread_id: c.thread_id.clone(), is_child: true }).await?;
+            if !c.status.is_terminal()
+                && store.request_cancel(c.id).await? == CancelOutcome::Cancelled
+            {
+                after_end(
+                    store,
+                    queue,
+                    &Ended {
+                        run_id: c.id,
+                        thread_id: c.thread_id.clone(),
+                        is_child: true,
+                    },
+                )
+                .await?;
             }
             stack.push(c.id);
         }
@@ -287,16 +344,37 @@ pub async fn after_end(store: &dyn RunLog, queue: &Queue, ended: &Ended) -> Resu
 
 /// [`after_end`] for a run the caller has not read (a cancel, the reaper).
 pub async fn after_end_of(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), StoreError> {
-    let Some(r) = store.get_run(run).await? else { return Ok(()) };
-    after_end(store, queue, &Ended { run_id: r.id, thread_id: r.thread_id, is_child: r.parent_run_id.is_some() }).await
+    let Some(r) = store.get_run(run).await? else {
+        return Ok(());
+    };
+    after_end(
+        store,
+        queue,
+        &Ended {
+            run_id: r.id,
+            thread_id: r.thread_id,
+            is_child: r.parent_run_id.is_some(),
+        },
+    )
+    .await
 }
 
 /// Answers an approval and, when its run is parked on it, pushes the run's job (a run still on
 /// its way to the park finds the answer there and is due at once).
-pub async fn answer_approval(store: &dyn crate::store::Store, queue: &Queue, id: &str, owner: &str, answer: crate::store::ApprovalAnswer) -> Result<crate::store::Answered, StoreError> {
+pub async fn answer_approval(
+    store: &dyn crate::store::Store,
+    queue: &Queue,
+    id: &str,
+    owner: &str,
+    answer: crate::store::ApprovalAnswer,
+) -> Result<crate::store::Answered, StoreError> {
     let outcome = store.answer_approval(id, owner, answer).await?;
     if let crate::store::Answered::Done { run_id } = &outcome {
-        if store.get_run(*run_id).await?.is_some_and(|r| r.status == crate::store::RunStatus::Waiting) {
+        if store
+            .get_run(*run_id)
+            .await?
+            .is_some_and(|r| r.status == crate::store::RunStatus::Waiting)
+        {
             push(store, queue, *run_id).await?;
         }
     }
@@ -312,10 +390,17 @@ pub async fn push(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), S
 /// [`push`], the job due after `delay` (a run its owner's concurrency limit held back). Every
 /// run pushed here already had its turn, so it goes ahead of its owner's newer work of the same
 /// priority ([`QueuePlace::Front`](crate::store::QueuePlace::Front)).
-pub async fn push_after(store: &dyn RunLog, queue: &Queue, run: RunId, delay: std::time::Duration) -> Result<(), StoreError> {
+pub async fn push_after(
+    store: &dyn RunLog,
+    queue: &Queue,
+    run: RunId,
+    delay: std::time::Duration,
+) -> Result<(), StoreError> {
     let job = new_job_id();
     store.set_job(run, &job).await?;
-    let rank = store.queue_rank(run, crate::store::QueuePlace::Front).await?;
+    let rank = store
+        .queue_rank(run, crate::store::QueuePlace::Front)
+        .await?;
     if let Err(e) = queue.push(run, &job, rank, delay).await {
         tracing::warn!(run_id = %run, error = %e, "could not push the run's job; the reaper will");
     }

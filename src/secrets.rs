@@ -17,14 +17,33 @@ use std::sync::OnceLock;
 static START_ENV: OnceLock<BTreeMap<String, String>> = OnceLock::new();
 
 /// Variables that hold secrets by name, beyond the patterns of [`is_secret`].
-const SECRET_NAMES: &[&str] = &["DATABASE_URL", "REDIS_URL", "SUBAGENTS_API_KEYS", "PGPASSWORD", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"];
+const SECRET_NAMES: &[&str] = &[
+    "DATABASE_URL",
+    "REDIS_URL",
+    "SUBAGENTS_API_KEYS",
+    "PGPASSWORD",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+];
 
 /// Whether a variable's value is a secret: a listed name, or a name that says key, token,
 /// secret, password or credential.
 pub fn is_secret(name: &str) -> bool {
     let upper = name.to_ascii_uppercase();
     SECRET_NAMES.contains(&upper.as_str())
-        || ["KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "_AUTH", "COOKIE"].iter().any(|p| upper.contains(p)) && !upper.ends_with("_FILE")
+        || [
+            "KEY",
+            "TOKEN",
+            "SECRET",
+            "PASSWORD",
+            "PASSWD",
+            "CREDENTIAL",
+            "_AUTH",
+            "COOKIE",
+        ]
+        .iter()
+        .any(|p| upper.contains(p))
+            && !upper.ends_with("_FILE")
 }
 
 /// The value `name` had when the process started (secrets included), for lookups made after
@@ -40,10 +59,15 @@ pub fn var(name: &str) -> Option<String> {
 /// environment, and makes the process non-dumpable. Call it once, before any thread starts
 /// (changing the environment is not thread-safe), after the settings have been read.
 pub fn protect() {
-    let env: BTreeMap<String, String> = std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))).collect();
+    let env: BTreeMap<String, String> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect();
     let _ = START_ENV.set(env);
     wipe_initial_environment();
-    let names: Vec<String> = START_ENV.get().map(|e| e.keys().filter(|k| is_secret(k)).cloned().collect()).unwrap_or_default();
+    let names: Vec<String> = START_ENV
+        .get()
+        .map(|e| e.keys().filter(|k| is_secret(k)).cloned().collect())
+        .unwrap_or_default();
     for name in names {
         // SAFETY: called at start, before the runtime's threads exist (see the doc).
         unsafe { std::env::remove_var(&name) };
@@ -87,10 +111,28 @@ fn wipe_initial_environment() {
 mod tests {
     #[test]
     fn secret_names_are_recognised() {
-        for s in ["OPENAI_API_KEY", "ANTHROPIC_API_KEY", "DATABASE_URL", "REDIS_URL", "SUBAGENTS_API_KEYS", "GITHUB_TOKEN", "MY_SECRET", "PGPASSWORD", "aws_secret_access_key"] {
+        for s in [
+            "OPENAI_API_KEY",
+            "ANTHROPIC_API_KEY",
+            "DATABASE_URL",
+            "REDIS_URL",
+            "SUBAGENTS_API_KEYS",
+            "GITHUB_TOKEN",
+            "MY_SECRET",
+            "PGPASSWORD",
+            "aws_secret_access_key",
+        ] {
             assert!(super::is_secret(s), "{s}");
         }
-        for s in ["PATH", "HOME", "LANG", "SUBAGENTS_KEYS_FILE", "SUBAGENTS_WORKSPACE", "RUST_LOG", "OPENAI_BASE_URL"] {
+        for s in [
+            "PATH",
+            "HOME",
+            "LANG",
+            "SUBAGENTS_KEYS_FILE",
+            "SUBAGENTS_WORKSPACE",
+            "RUST_LOG",
+            "OPENAI_BASE_URL",
+        ] {
             assert!(!super::is_secret(s), "{s}");
         }
     }

@@ -26,8 +26,14 @@ type BoxedLayer = Box<dyn Layer<Registry> + Send + Sync>;
 pub fn init(default: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let json = std::env::var("SUBAGENTS_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false);
-    let logs: BoxedLayer = if json { fmt.json().with_filter(filter).boxed() } else { fmt.with_filter(filter).boxed() };
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    let logs: BoxedLayer = if json {
+        fmt.json().with_filter(filter).boxed()
+    } else {
+        fmt.with_filter(filter).boxed()
+    };
     let mut layers = vec![logs];
     match otlp_layer() {
         Ok(Some(l)) => layers.push(l),
@@ -44,16 +50,26 @@ fn otlp_layer() -> Result<Option<BoxedLayer>, String> {
     if !set("OTEL_EXPORTER_OTLP_ENDPOINT") && !set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
         return Ok(None);
     }
-    let exporter = opentelemetry_otlp::SpanExporter::builder().with_http().build().map_err(|e| e.to_string())?;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .build()
+        .map_err(|e| e.to_string())?;
     let mut resource = opentelemetry_sdk::Resource::builder();
     if !set("OTEL_SERVICE_NAME") {
         resource = resource.with_service_name("subagents");
     }
-    let provider = SdkTracerProvider::builder().with_resource(resource.build()).with_batch_exporter(exporter).build();
+    let provider = SdkTracerProvider::builder()
+        .with_resource(resource.build())
+        .with_batch_exporter(exporter)
+        .build();
     let tracer = provider.tracer("subagents");
     let _ = TRACES.set(provider);
     let only_ours = Targets::new().with_target("subagents", LevelFilter::INFO);
-    let layer = tracing_opentelemetry::layer().with_tracer(tracer).with_tracked_inactivity(false).with_location(false).with_threads(false);
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_tracked_inactivity(false)
+        .with_location(false)
+        .with_threads(false);
     Ok(Some(layer.with_filter(only_ours).boxed()))
 }
 
@@ -91,8 +107,6 @@ pub fn adopt(span: &tracing::Span, traceparent: &str) {
     }
 }
 
-
-
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 static METRICS: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
@@ -104,7 +118,10 @@ pub fn init_metrics() {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(
                 Matcher::Suffix("_seconds".into()),
-                &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0],
+                &[
+                    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0,
+                ],
             )
             .ok()?
             .build_recorder();
@@ -116,5 +133,9 @@ pub fn init_metrics() {
 
 /// The recorder's metrics in Prometheus text format (empty before [`init_metrics`]).
 pub fn render_metrics() -> String {
-    METRICS.get().and_then(|h| h.as_ref()).map(|h| h.render()).unwrap_or_default()
+    METRICS
+        .get()
+        .and_then(|h| h.as_ref())
+        .map(|h| h.render())
+        .unwrap_or_default()
 }

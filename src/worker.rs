@@ -123,18 +123,32 @@ pub struct WorkerSettings {
 
 /// Runs a worker (restarted on failure) and the reaper until `shutdown`, then drains: the runs
 /// in flight finish their current step (within `drain_grace`) and go back to the queue.
-pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutdown: CancellationToken) {
+pub async fn run_workers(
+    engine: Arc<Engine>,
+    queue: Queue,
+    settings: WorkerSettings,
+    shutdown: CancellationToken,
+) {
     // The tokenizers load once per process (tens of ms, more in debug builds): before the first
     // claim, off the async threads, so no run's heartbeat waits on it.
     let model = engine.settings.default_model.clone();
     let _ = tokio::task::spawn_blocking(move || crate::model::tokens::Counter::warm(&model)).await;
-    let reaper = tokio::spawn(reap(engine.clone(), queue.clone(), settings.clone(), shutdown.clone()));
+    let reaper = tokio::spawn(reap(
+        engine.clone(),
+        queue.clone(),
+        settings.clone(),
+        shutdown.clone(),
+    ));
     let in_flight = TaskTracker::new();
     let mut restarts = 0u32;
     // Every queue worker name this process used: its fetched jobs are handed back at the end.
     let mut names = vec![];
     loop {
-        let name = format!("subagents-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let name = format!(
+            "subagents-{}-{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
         names.push(name.clone());
         let ctx = Arc::new(WorkerContext {
             engine: engine.clone(),
@@ -163,17 +177,23 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
         }
         let res = match &queue.storage {
             // SQLite has no notifications: an idle worker polls.
-            Storage::Sqlite(s) => run_worker!(SqliteStorage::<RunJob>::new(s.pool())
-                .with_config(Queue::sqlite_config(queue.heartbeat, settings.concurrency))
-                .poll_with_strategy(Wakeups::every(settings.poll_interval))),
+            Storage::Sqlite(s) => run_worker!(
+                SqliteStorage::<RunJob>::new(s.pool())
+                    .with_config(Queue::sqlite_config(queue.heartbeat, settings.concurrency))
+                    .poll_with_strategy(Wakeups::every(settings.poll_interval))
+            ),
             // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
             // notification that was missed (seen: a job waiting for the 5 s heartbeat).
             Storage::Postgres(s) => {
-                let wakeups = Wakeups::every(settings.poll_interval.max(Duration::from_millis(250)))
-                    .and_on(apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()));
-                run_worker!(PostgresStorage::<RunJob>::new(s.pool())
-                    .with_config(Queue::pg_config(queue.heartbeat, settings.concurrency))
-                    .poll_with_strategy(wakeups))
+                let wakeups =
+                    Wakeups::every(settings.poll_interval.max(Duration::from_millis(250))).and_on(
+                        apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()),
+                    );
+                run_worker!(
+                    PostgresStorage::<RunJob>::new(s.pool())
+                        .with_config(Queue::pg_config(queue.heartbeat, settings.concurrency))
+                        .poll_with_strategy(wakeups)
+                )
             }
         };
         if shutdown.is_cancelled() {
@@ -183,7 +203,9 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
         let wait = Duration::from_millis(500 * u64::from(restarts.min(10)));
         match res {
             Ok(()) => tracing::warn!(worker = %name, "worker stopped unexpectedly; restarting"),
-            Err(e) => tracing::error!(worker = %name, error = %e, ?wait, "worker failed (database unavailable?); restarting"),
+            Err(e) => {
+                tracing::error!(worker = %name, error = %e, ?wait, "worker failed (database unavailable?); restarting")
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
@@ -194,10 +216,22 @@ pub async fn run_workers(engine: Arc<Engine>, queue: Queue, settings: WorkerSett
     in_flight.close();
     let n = in_flight.len();
     if n > 0 {
-        tracing::info!(runs = n, grace_s = settings.drain_grace.as_secs_f64(), "draining: finishing the steps in flight");
+        tracing::info!(
+            runs = n,
+            grace_s = settings.drain_grace.as_secs_f64(),
+            "draining: finishing the steps in flight"
+        );
     }
-    if tokio::time::timeout(settings.drain_grace + Duration::from_secs(2), in_flight.wait()).await.is_err() {
-        tracing::warn!("drain did not finish in time; the remaining runs resume when their leases expire");
+    if tokio::time::timeout(
+        settings.drain_grace + Duration::from_secs(2),
+        in_flight.wait(),
+    )
+    .await
+    .is_err()
+    {
+        tracing::warn!(
+            "drain did not finish in time; the remaining runs resume when their leases expire"
+        );
     }
     hand_back_fetched(&engine, &queue, &names).await;
     let _ = reaper.await;
@@ -219,14 +253,21 @@ async fn hand_back_fetched(engine: &Engine, queue: &Queue, names: &[String]) {
                     }
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "could not look for fetched, unstarted runs; the reaper will give them new jobs"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not look for fetched, unstarted runs; the reaper will give them new jobs")
+            }
         }
     }
 }
 
 /// One reaper pass every `reap_every`: expired leases, queued runs without a live job, due
 /// parked runs.
-async fn reap(engine: Arc<Engine>, queue: Queue, settings: WorkerSettings, shutdown: CancellationToken) {
+async fn reap(
+    engine: Arc<Engine>,
+    queue: Queue,
+    settings: WorkerSettings,
+    shutdown: CancellationToken,
+) {
     let store = engine.store.as_ref();
     loop {
         tokio::select! {

@@ -55,38 +55,84 @@ pub struct AnswerBody {
 /// `GET /v1/approvals`: the owner's approvals, newest first (a child's show with its root run).
 #[utoipa::path(get, path = "/v1/approvals", tag = "approvals", params(ApprovalsQuery),
     responses((status = 200, body = ApprovalsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(q): ApiQuery<ApprovalsQuery>) -> Result<Json<ApprovalsPage>, ApiError> {
+pub async fn list(
+    State(state): State<ApiState>,
+    owner: Owner,
+    ApiQuery(q): ApiQuery<ApprovalsQuery>,
+) -> Result<Json<ApprovalsPage>, ApiError> {
     let status = q
         .status
         .as_deref()
-        .map(|s| ApprovalStatus::parse(s).ok_or_else(|| ApiError::bad_request("invalid_status", format!("status `{s}` is not pending, allowed, denied or expired"))))
+        .map(|s| {
+            ApprovalStatus::parse(s).ok_or_else(|| {
+                ApiError::bad_request(
+                    "invalid_status",
+                    format!("status `{s}` is not pending, allowed, denied or expired"),
+                )
+            })
+        })
         .transpose()?;
-    let run = q.run_id.as_deref().map(|r| r.parse().map_err(|_| ApiError::bad_request("invalid_id", format!("`{r}` is not a run id")))).transpose()?;
+    let run = q
+        .run_id
+        .as_deref()
+        .map(|r| {
+            r.parse()
+                .map_err(|_| ApiError::bad_request("invalid_id", format!("`{r}` is not a run id")))
+        })
+        .transpose()?;
     let limit = q.limit.unwrap_or(50);
     if !(1..=200).contains(&limit) {
-        return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 200"));
+        return Err(ApiError::bad_request(
+            "invalid_limit",
+            "limit must be 1 to 200",
+        ));
     }
     if let Some(c) = &q.cursor {
         if !c.starts_with("apr_") || c.len() > 64 {
-            return Err(ApiError::bad_request("invalid_cursor", "cursor must be the next_cursor of an earlier page"));
+            return Err(ApiError::bad_request(
+                "invalid_cursor",
+                "cursor must be the next_cursor of an earlier page",
+            ));
         }
     }
-    let approvals = state.app.store.list_approvals(&owner.0, status, run, q.cursor.as_deref(), limit).await?;
-    let next_cursor = (approvals.len() == limit as usize).then(|| approvals.last().map(|a| a.id.clone())).flatten();
-    Ok(Json(ApprovalsPage { approvals, next_cursor }))
+    let approvals = state
+        .app
+        .store
+        .list_approvals(&owner.0, status, run, q.cursor.as_deref(), limit)
+        .await?;
+    let next_cursor = (approvals.len() == limit as usize)
+        .then(|| approvals.last().map(|a| a.id.clone()))
+        .flatten();
+    Ok(Json(ApprovalsPage {
+        approvals,
+        next_cursor,
+    }))
 }
 
 /// `GET /v1/approvals/{id}`
 #[utoipa::path(get, path = "/v1/approvals/{id}", tag = "approvals", params(("id" = String, Path, description = "approval id")),
     responses((status = 200, body = Approval), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Json<Approval>, ApiError> {
+pub async fn get(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Json<Approval>, ApiError> {
     owned(&state, &owner, &id).await.map(Json)
 }
 
 async fn owned(state: &ApiState, owner: &Owner, id: &str) -> Result<Approval, ApiError> {
     // Another owner's approval answers exactly like a missing one.
     match state.app.store.approval(id).await? {
-        Some(a) if state.app.store.get_run(a.run_id).await?.is_some_and(|r| r.owner == owner.0) => Ok(a),
+        Some(a)
+            if state
+                .app
+                .store
+                .get_run(a.run_id)
+                .await?
+                .is_some_and(|r| r.owner == owner.0) =>
+        {
+            Ok(a)
+        }
         _ => Err(ApiError::not_found("approval")),
     }
 }
@@ -95,31 +141,69 @@ async fn owned(state: &ApiState, owner: &Owner, id: &str) -> Result<Approval, Ap
 /// was answered, expired, or its run ended.
 #[utoipa::path(post, path = "/v1/approvals/{id}", tag = "approvals", params(("id" = String, Path, description = "approval id")), request_body = AnswerBody,
     responses((status = 200, body = Approval), (status = 409, description = "already_resolved", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn answer(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiJson(body): ApiJson<AnswerBody>) -> Result<Json<Approval>, ApiError> {
+pub async fn answer(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<AnswerBody>,
+) -> Result<Json<Approval>, ApiError> {
     let allow = match body.decision.as_str() {
         "allow" => true,
         "deny" => false,
-        other => return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", format!("decision `{other}` is not allow or deny"))),
+        other => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                format!("decision `{other}` is not allow or deny"),
+            ));
+        }
     };
     let run_tree = match body.scope.as_deref().unwrap_or("once") {
         "once" => false,
         "run_tree" => true,
-        other => return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", format!("scope `{other}` is not once or run_tree"))),
+        other => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                format!("scope `{other}` is not once or run_tree"),
+            ));
+        }
     };
-    if body.updated_input.as_ref().is_some_and(|u| !u.is_object() || !allow) {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "updated_input must be a JSON object, and only with allow"));
+    if body
+        .updated_input
+        .as_ref()
+        .is_some_and(|u| !u.is_object() || !allow)
+    {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            "updated_input must be a JSON object, and only with allow",
+        ));
     }
     if body.reason.as_ref().is_some_and(|r| r.len() > 4000) {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "reason is longer than 4000 bytes"));
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            "reason is longer than 4000 bytes",
+        ));
     }
-    let answer = ApprovalAnswer { allow, reason: body.reason, updated_input: body.updated_input, run_tree, by: owner.0.clone() };
+    let answer = ApprovalAnswer {
+        allow,
+        reason: body.reason,
+        updated_input: body.updated_input,
+        run_tree,
+        by: owner.0.clone(),
+    };
     match state.app.answer_approval(&id, &owner.0, answer).await? {
         Answered::Done { .. } => owned(&state, &owner, &id).await.map(Json),
         Answered::NotFound => Err(ApiError::not_found("approval")),
         Answered::Closed(status) => Err(ApiError {
             status: StatusCode::CONFLICT,
             code: "already_resolved",
-            message: format!("approval {id} is {} already; it cannot be answered", status.as_str()),
+            message: format!(
+                "approval {id} is {} already; it cannot be answered",
+                status.as_str()
+            ),
             details: Some(json!({"status": status})),
         }),
     }

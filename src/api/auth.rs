@@ -39,9 +39,13 @@ impl Keys {
     /// Adds `owner:key` pairs from a comma-separated list (`SUBAGENTS_API_KEYS`).
     pub fn add_pairs(&mut self, list: &str) -> Result<(), String> {
         for pair in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (owner, key) = pair.split_once(':').ok_or_else(|| "SUBAGENTS_API_KEYS must be owner:key pairs separated by commas".to_owned())?;
+            let (owner, key) = pair.split_once(':').ok_or_else(|| {
+                "SUBAGENTS_API_KEYS must be owner:key pairs separated by commas".to_owned()
+            })?;
             if owner.is_empty() || key.len() < 8 {
-                return Err(format!("bad entry for owner `{owner}`: owners must be named and keys at least 8 characters"));
+                return Err(format!(
+                    "bad entry for owner `{owner}`: owners must be named and keys at least 8 characters"
+                ));
             }
             self.by_hash.insert(hash(key), owner.to_owned());
         }
@@ -59,7 +63,9 @@ impl Keys {
             }
         }
         out.extend(self.limits.iter().map(|(o, n)| (o.as_str(), *n)));
-        out.into_iter().map(|(o, n)| (format!("owner:{o}"), n)).collect()
+        out.into_iter()
+            .map(|(o, n)| (format!("owner:{o}"), n))
+            .collect()
     }
 
     /// Whether `owner` is an operator (`admin` on its line of the keys file): it may list and
@@ -76,23 +82,42 @@ impl Keys {
     /// Adds entries from a keys file: one `owner sha256-hex-of-key [concurrency=N] [rpm=N]
     /// [tpm=N] [admin]` per line, `#` comments.
     pub fn add_file(&mut self, path: &Path) -> Result<(), String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read keys file {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read keys file {}: {e}", path.display()))?;
         for (i, line) in text.lines().enumerate() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let bad = || format!("{}:{}: expected `owner <sha256 hex of the key> [concurrency=N] [rpm=N] [tpm=N] [admin]`", path.display(), i + 1);
+            let bad = || {
+                format!(
+                    "{}:{}: expected `owner <sha256 hex of the key> [concurrency=N] [rpm=N] [tpm=N] [admin]`",
+                    path.display(),
+                    i + 1
+                )
+            };
             let mut words = line.split_whitespace();
-            let (Some(owner), Some(hex)) = (words.next(), words.next()) else { return Err(bad()) };
+            let (Some(owner), Some(hex)) = (words.next(), words.next()) else {
+                return Err(bad());
+            };
             for extra in words {
                 let (name, value) = extra.split_once('=').unwrap_or((extra, ""));
-                let refuse = |range: &str| Err(format!("{}:{}: `{extra}` is not `{name}=N` (N from {range})", path.display(), i + 1));
+                let refuse = |range: &str| {
+                    Err(format!(
+                        "{}:{}: `{extra}` is not `{name}=N` (N from {range})",
+                        path.display(),
+                        i + 1
+                    ))
+                };
                 match name {
                     "admin" if value.is_empty() => {
                         self.admins.insert(owner.to_owned());
                     }
-                    "concurrency" => match value.parse::<u32>().ok().filter(|n| (1..=100_000).contains(n)) {
+                    "concurrency" => match value
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|n| (1..=100_000).contains(n))
+                    {
                         Some(n) => {
                             self.limits.insert(owner.to_owned(), n);
                         }
@@ -101,11 +126,21 @@ impl Keys {
                     "rpm" | "tpm" => match value.parse::<u64>().ok().filter(|n| *n > 0) {
                         Some(n) => {
                             let b = self.budgets.entry(owner.to_owned()).or_default();
-                            if name == "rpm" { b.rpm = Some(n) } else { b.tpm = Some(n) }
+                            if name == "rpm" {
+                                b.rpm = Some(n)
+                            } else {
+                                b.tpm = Some(n)
+                            }
                         }
                         None => return refuse("1 up"),
                     },
-                    _ => return Err(format!("{}:{}: `{extra}` is not one of concurrency=N, rpm=N, tpm=N, admin", path.display(), i + 1)),
+                    _ => {
+                        return Err(format!(
+                            "{}:{}: `{extra}` is not one of concurrency=N, rpm=N, tpm=N, admin",
+                            path.display(),
+                            i + 1
+                        ));
+                    }
                 }
             }
             if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -142,9 +177,17 @@ impl FromRequestParts<ApiState> for Owner {
             .headers
             .get(axum::http::header::AUTHORIZATION)
             .ok_or_else(|| unauthorized("send Authorization: Bearer <key>"))?;
-        let value = header.to_str().map_err(|_| unauthorized("the Authorization header is not text"))?;
-        let key = value.strip_prefix("Bearer ").ok_or_else(|| unauthorized("use the Bearer scheme: Authorization: Bearer <key>"))?;
-        state.keys.owner_of(key.trim()).map(|o| Owner(o.to_owned())).ok_or_else(|| unauthorized("unknown key"))
+        let value = header
+            .to_str()
+            .map_err(|_| unauthorized("the Authorization header is not text"))?;
+        let key = value
+            .strip_prefix("Bearer ")
+            .ok_or_else(|| unauthorized("use the Bearer scheme: Authorization: Bearer <key>"))?;
+        state
+            .keys
+            .owner_of(key.trim())
+            .map(|o| Owner(o.to_owned()))
+            .ok_or_else(|| unauthorized("unknown key"))
     }
 }
 
@@ -157,22 +200,51 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keys");
         let hex = "ab".repeat(32);
-        std::fs::write(&path, format!("# owners\nacme {hex} concurrency=4 rpm=500 tpm=200000\nsolo {hex}2 admin\n").replace(&format!("{hex}2"), &"cd".repeat(32))).unwrap();
+        std::fs::write(
+            &path,
+            format!("# owners\nacme {hex} concurrency=4 rpm=500 tpm=200000\nsolo {hex}2 admin\n")
+                .replace(&format!("{hex}2"), &"cd".repeat(32)),
+        )
+        .unwrap();
         let mut keys = Keys::default();
         keys.add_file(&path).unwrap();
         assert_eq!(keys.owner_limits(0), [("owner:acme".to_owned(), 4)]);
         // Every other keyed owner gets the default; the file's own limit wins.
-        assert_eq!(keys.owner_limits(32), [("owner:acme".to_owned(), 4), ("owner:solo".to_owned(), 32)]);
-        assert_eq!(keys.owner_budgets(), [("acme".to_owned(), crate::store::OwnerBudget { rpm: Some(500), tpm: Some(200_000) })]);
+        assert_eq!(
+            keys.owner_limits(32),
+            [("owner:acme".to_owned(), 4), ("owner:solo".to_owned(), 32)]
+        );
+        assert_eq!(
+            keys.owner_budgets(),
+            [(
+                "acme".to_owned(),
+                crate::store::OwnerBudget {
+                    rpm: Some(500),
+                    tpm: Some(200_000)
+                }
+            )]
+        );
         assert!(keys.is_admin("solo") && !keys.is_admin("acme"));
         for (line, says) in [
-            (format!("acme {hex} rpm=0"), "`rpm=0` is not `rpm=N` (N from 1 up)"),
+            (
+                format!("acme {hex} rpm=0"),
+                "`rpm=0` is not `rpm=N` (N from 1 up)",
+            ),
             (format!("acme {hex} tpm=lots"), "`tpm=lots` is not `tpm=N`"),
             (format!("acme {hex} concurrency=0"), "N from 1 to 100000"),
-            (format!("acme {hex} burst=3"), "is not one of concurrency=N, rpm=N, tpm=N, admin"),
+            (
+                format!("acme {hex} burst=3"),
+                "is not one of concurrency=N, rpm=N, tpm=N, admin",
+            ),
             (format!("acme {hex} admin=yes"), "is not one of"),
-            (format!("acme {}aéb", "ab".repeat(30)), "expected `owner <sha256 hex of the key>"),
-            (format!("acme {}", "zz".repeat(32)), "expected `owner <sha256 hex of the key>"),
+            (
+                format!("acme {}aéb", "ab".repeat(30)),
+                "expected `owner <sha256 hex of the key>",
+            ),
+            (
+                format!("acme {}", "zz".repeat(32)),
+                "expected `owner <sha256 hex of the key>",
+            ),
         ] {
             std::fs::write(&path, &line).unwrap();
             let err = Keys::default().add_file(&path).unwrap_err();

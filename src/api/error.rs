@@ -26,12 +26,21 @@ pub struct ApiError {
 impl ApiError {
     /// Shorthand.
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into(), details: None }
+        Self {
+            status,
+            code,
+            message: message.into(),
+            details: None,
+        }
     }
 
     /// 404 `not_found`: also what another owner's ids answer, so they cannot be probed.
     pub fn not_found(what: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", format!("no {what} with that id"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no {what} with that id"),
+        )
     }
 
     /// 400 for a malformed parameter.
@@ -55,7 +64,10 @@ impl IntoResponse for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Busy { thread_id, active_run } => ApiError {
+            StoreError::Busy {
+                thread_id,
+                active_run,
+            } => ApiError {
                 status: StatusCode::CONFLICT,
                 code: "thread_busy",
                 message: format!(
@@ -66,7 +78,11 @@ impl From<StoreError> for ApiError {
             StoreError::ThreadOwnedElsewhere(_) => ApiError::not_found("thread"),
             other => {
                 tracing::error!(error = %other, "storage error");
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_unavailable", "the database is unavailable; retry shortly")
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "storage_unavailable",
+                    "the database is unavailable; retry shortly",
+                )
             }
         }
     }
@@ -77,8 +93,12 @@ impl From<StartError> for ApiError {
         let code = e.code();
         match e {
             StartError::Store(s) => s.into(),
-            StartError::UnknownAgent { .. } => ApiError::new(StatusCode::NOT_FOUND, code, e.to_string()),
-            StartError::InputTooLarge { .. } => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, code, e.to_string()),
+            StartError::UnknownAgent { .. } => {
+                ApiError::new(StatusCode::NOT_FOUND, code, e.to_string())
+            }
+            StartError::InputTooLarge { .. } => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, code, e.to_string())
+            }
             StartError::NotRetryable(_) => ApiError::new(StatusCode::CONFLICT, code, e.to_string()),
             _ => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, e.to_string()),
         }
@@ -88,11 +108,29 @@ impl From<StartError> for ApiError {
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
         match r {
-            JsonRejection::JsonDataError(e) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", format!("the request body does not match the schema: {}", e.body_text())),
-            JsonRejection::JsonSyntaxError(e) => ApiError::bad_request("malformed_json", format!("the request body is not valid JSON: {}", e.body_text())),
-            JsonRejection::MissingJsonContentType(_) => ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", "send the body as JSON with Content-Type: application/json"),
+            JsonRejection::JsonDataError(e) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                format!(
+                    "the request body does not match the schema: {}",
+                    e.body_text()
+                ),
+            ),
+            JsonRejection::JsonSyntaxError(e) => ApiError::bad_request(
+                "malformed_json",
+                format!("the request body is not valid JSON: {}", e.body_text()),
+            ),
+            JsonRejection::MissingJsonContentType(_) => ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the body as JSON with Content-Type: application/json",
+            ),
             JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "the request body is larger than the server accepts (SUBAGENTS_MAX_INPUT_BYTES)")
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "payload_too_large",
+                    "the request body is larger than the server accepts (SUBAGENTS_MAX_INPUT_BYTES)",
+                )
             }
             other => ApiError::bad_request("bad_body", other.body_text()),
         }
@@ -101,7 +139,10 @@ impl From<JsonRejection> for ApiError {
 
 impl From<QueryRejection> for ApiError {
     fn from(r: QueryRejection) -> Self {
-        ApiError::bad_request("invalid_query", format!("bad query parameters: {}", r.body_text()))
+        ApiError::bad_request(
+            "invalid_query",
+            format!("bad query parameters: {}", r.body_text()),
+        )
     }
 }
 

@@ -14,19 +14,19 @@ pub mod views;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::Router;
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
-use axum::Router;
 use axum::routing::get;
-use utoipa::OpenApi as _;
-use utoipa_axum::router::OpenApiRouter;
-use utoipa_axum::routes;
 use serde::de::DeserializeOwned;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
+use utoipa::OpenApi as _;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-pub use error::ApiError;
 use auth::Keys;
+pub use error::ApiError;
 
 use crate::app::App;
 
@@ -57,9 +57,15 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         if !json_content_type(req.headers()) {
-            return Err(ApiError::new(axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", "send the body as JSON with Content-Type: application/json"));
+            return Err(ApiError::new(
+                axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the body as JSON with Content-Type: application/json",
+            ));
         }
-        let bytes = axum::body::Bytes::from_request(req, state).await.map_err(|e| ApiError::from(axum::extract::rejection::JsonRejection::from(e)))?;
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| ApiError::from(axum::extract::rejection::JsonRejection::from(e)))?;
         if holds_nul_escape(&bytes) {
             return Err(ApiError::new(
                 axum::http::StatusCode::UNPROCESSABLE_ENTITY,
@@ -67,16 +73,30 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
                 "the request holds a NUL character (\\u0000), which cannot be stored; remove it and send the request again",
             ));
         }
-        axum::Json::<T>::from_bytes(&bytes).map(|j| ApiJson(j.0)).map_err(ApiError::from)
+        axum::Json::<T>::from_bytes(&bytes)
+            .map(|j| ApiJson(j.0))
+            .map_err(ApiError::from)
     }
 }
 
 /// Whether the request says its body is JSON (`application/json` or `…+json`), as axum's
 /// `Json` requires.
 fn json_content_type(headers: &axum::http::HeaderMap) -> bool {
-    let Some(ct) = headers.get(axum::http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else { return false };
-    let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    let Some((kind, sub)) = essence.split_once('/') else { return false };
+    let Some(ct) = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let Some((kind, sub)) = essence.split_once('/') else {
+        return false;
+    };
     kind == "application" && (sub == "json" || sub.ends_with("+json"))
 }
 
@@ -97,7 +117,10 @@ pub struct ApiQuery<T>(pub T);
 impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
     type Rejection = ApiError;
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        axum::extract::Query::<T>::from_request_parts(parts, state).await.map(|q| ApiQuery(q.0)).map_err(ApiError::from)
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| ApiQuery(q.0))
+            .map_err(ApiError::from)
     }
 }
 
@@ -143,7 +166,10 @@ impl utoipa::Modify for BearerAuth {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
         let components = openapi.components.get_or_insert_with(Default::default);
-        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
     }
 }
 
@@ -155,8 +181,18 @@ pub fn router(state: ApiState) -> Router {
     // MCP clients (streamable HTTP) behind the same keys and owners as the rest of the API.
     let keyless = state.keys.is_empty();
     let mcp = Router::new()
-        .nest_service("/mcp", crate::mcp_server::http_service(state.app.clone(), std::time::Duration::from_secs(60), keyless))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), mcp_owner));
+        .nest_service(
+            "/mcp",
+            crate::mcp_server::http_service(
+                state.app.clone(),
+                std::time::Duration::from_secs(60),
+                keyless,
+            ),
+        )
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            mcp_owner,
+        ));
     router
         .merge(mcp)
         .merge(ui::routes())
@@ -178,16 +214,35 @@ pub fn router(state: ApiState) -> Router {
 /// only a local `Host` and a local `Origin` (when a browser sends one) are accepted: a page on
 /// another site cannot reach the server through a name that resolves to 127.0.0.1 (DNS
 /// rebinding), nor call it from the browser of someone who runs it.
-async fn local_only_without_keys(axum::extract::State(state): axum::extract::State<ApiState>, req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+async fn local_only_without_keys(
+    axum::extract::State(state): axum::extract::State<ApiState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
     use axum::response::IntoResponse;
     if !state.keys.is_empty() {
         return next.run(req).await;
     }
-    let host = req.headers().get(axum::http::header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
-    let origin = req.headers().get(axum::http::header::ORIGIN).map(|o| o.to_str().unwrap_or("?"));
-    let origin_ok = origin.is_none_or(|o| o.split_once("://").is_some_and(|(scheme, rest)| matches!(scheme, "http" | "https") && is_local_authority(rest)));
+    let host = req
+        .headers()
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    let origin = req
+        .headers()
+        .get(axum::http::header::ORIGIN)
+        .map(|o| o.to_str().unwrap_or("?"));
+    let origin_ok = origin.is_none_or(|o| {
+        o.split_once("://").is_some_and(|(scheme, rest)| {
+            matches!(scheme, "http" | "https") && is_local_authority(rest)
+        })
+    });
     if !is_local_authority(host) || !origin_ok {
-        tracing::warn!(host, origin, "refused a request with a non-local Host or Origin (no API keys are configured)");
+        tracing::warn!(
+            host,
+            origin,
+            "refused a request with a non-local Host or Origin (no API keys are configured)"
+        );
         return ApiError::new(
             axum::http::StatusCode::FORBIDDEN,
             "forbidden_host",
@@ -203,15 +258,30 @@ async fn local_only_without_keys(axum::extract::State(state): axum::extract::Sta
 fn is_local_authority(authority: &str) -> bool {
     let host = match authority.strip_prefix('[') {
         Some(rest) => rest.split(']').next().unwrap_or(""),
-        None => authority.rsplit_once(':').map_or(authority, |(h, port)| if port.chars().all(|c| c.is_ascii_digit()) { h } else { authority }),
+        None => authority.rsplit_once(':').map_or(authority, |(h, port)| {
+            if port.chars().all(|c| c.is_ascii_digit()) {
+                h
+            } else {
+                authority
+            }
+        }),
     };
     let host = host.trim_end_matches('.').to_ascii_lowercase();
-    host == "localhost" || host.ends_with(".localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified())
+    host == "localhost"
+        || host.ends_with(".localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified())
 }
 
 /// Authenticates an `/mcp` request like any other and hands its owner to the MCP handler.
-async fn mcp_owner(owner: auth::Owner, mut req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
-    req.extensions_mut().insert(crate::mcp_server::McpOwner(owner.0));
+async fn mcp_owner(
+    owner: auth::Owner,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    req.extensions_mut()
+        .insert(crate::mcp_server::McpOwner(owner.0));
     next.run(req).await
 }
 
@@ -224,11 +294,20 @@ pub struct Server {
 
 impl Server {
     /// Binds and serves until `shutdown` fires.
-    pub async fn start(app: Arc<App>, keys: Keys, bind: SocketAddr, shutdown: tokio_util::sync::CancellationToken) -> std::io::Result<Server> {
+    pub async fn start(
+        app: Arc<App>,
+        keys: Keys,
+        bind: SocketAddr,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> std::io::Result<Server> {
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
         // The owners' concurrency limits from the keys file, for every worker's claims.
-        if let Err(e) = app.store.set_limits("owner:", &keys.owner_limits(app.settings.key_concurrency)).await {
+        if let Err(e) = app
+            .store
+            .set_limits("owner:", &keys.owner_limits(app.settings.key_concurrency))
+            .await
+        {
             tracing::warn!(error = %e, "could not record the owners' concurrency limits");
         }
         // And their model budgets, for every worker's model calls.
@@ -236,21 +315,35 @@ impl Server {
             tracing::warn!(error = %e, "could not record the owners' model budgets");
         }
         let s = &app.settings;
-        let quotas = quota::Quotas::new(quota::Limits { streams: s.max_streams_per_key, waits: s.max_waits_per_key, queued: s.max_queued_per_key });
-        let router = router(ApiState { app, keys: Arc::new(keys), waits: Default::default(), views: Default::default(), overviews: Default::default(), quotas });
+        let quotas = quota::Quotas::new(quota::Limits {
+            streams: s.max_streams_per_key,
+            waits: s.max_waits_per_key,
+            queued: s.max_queued_per_key,
+        });
+        let router = router(ApiState {
+            app,
+            keys: Arc::new(keys),
+            waits: Default::default(),
+            views: Default::default(),
+            overviews: Default::default(),
+            quotas,
+        });
         // `into_make_service` turns every route into a service once; serving the `Router` itself
         // rebuilds the whole route table for each connection and drops it at the end (measured:
         // most of the server's time when a run's end answers 1,000 waits, each its own connection).
         let router = router.into_make_service();
         // Events go out as soon as they are written: without TCP_NODELAY a stream's next small
         // write waits for the peer's acknowledgement of the one before.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "could not set TCP_NODELAY");
-            }
-        });
+        let listener =
+            axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "could not set TCP_NODELAY");
+                }
+            });
         let task = tokio::spawn(async move {
-            axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move { shutdown.cancelled().await })
+                .await
         });
         Ok(Server { addr, task })
     }

@@ -135,11 +135,16 @@ fn percentile(sorted: &[u64], p: f64) -> Option<u64> {
 impl Overview {
     /// Folds the store's rows into the view (pure: tested without a database).
     pub fn build(d: OverviewData, now: DateTime<Utc>) -> Overview {
-        let mut runs: BTreeMap<String, u64> = RunStatus::ALL.iter().map(|s| (s.as_str().to_owned(), 0)).collect();
+        let mut runs: BTreeMap<String, u64> = RunStatus::ALL
+            .iter()
+            .map(|s| (s.as_str().to_owned(), 0))
+            .collect();
         for (s, n) in &d.by_status {
             runs.insert(s.as_str().to_owned(), *n);
         }
-        let this_minute = now.duration_trunc(chrono::Duration::minutes(1)).unwrap_or(now);
+        let this_minute = now
+            .duration_trunc(chrono::Duration::minutes(1))
+            .unwrap_or(now);
         let first = this_minute - chrono::Duration::minutes(59);
         let mut minutes: Vec<Minute> = (0..60)
             .map(|i| Minute {
@@ -164,7 +169,8 @@ impl Overview {
                 "model.completed" => {
                     m.steps += 1;
                     let u = &data["usage"];
-                    m.tokens += u["prompt_tokens"].as_u64().unwrap_or(0) + u["completion_tokens"].as_u64().unwrap_or(0);
+                    m.tokens += u["prompt_tokens"].as_u64().unwrap_or(0)
+                        + u["completion_tokens"].as_u64().unwrap_or(0);
                     m.cost_usd += data["cost_usd"].as_f64().unwrap_or(0.0);
                     if let Some(ms) = data["ms"].as_u64() {
                         latencies[i as usize].push(ms);
@@ -213,7 +219,8 @@ impl Overview {
             queue: QueueView {
                 depth: runs.get("queued").copied().unwrap_or(0),
                 oldest_queued_at,
-                oldest_age_s: oldest_queued_at.map(|t| ((now - t).num_milliseconds().max(0) as f64) / 1000.0),
+                oldest_age_s: oldest_queued_at
+                    .map(|t| ((now - t).num_milliseconds().max(0) as f64) / 1000.0),
             },
             runs,
             minutes,
@@ -231,10 +238,18 @@ async fn compute(state: &ApiState, owner: &str) -> Result<Overview, ApiError> {
     let data = state
         .app
         .store
-        .overview(owner, now - chrono::Duration::hours(1) - chrono::Duration::minutes(1), now - chrono::Duration::days(1), EVENT_CAP)
+        .overview(
+            owner,
+            now - chrono::Duration::hours(1) - chrono::Duration::minutes(1),
+            now - chrono::Duration::days(1),
+            EVENT_CAP,
+        )
         .await?;
     let mut o = Overview::build(data, now);
-    o.viewer = Viewer { owner: owner.to_owned(), admin: state.keys.is_admin(owner) };
+    o.viewer = Viewer {
+        owner: owner.to_owned(),
+        admin: state.keys.is_admin(owner),
+    };
     Ok(o)
 }
 
@@ -259,29 +274,49 @@ pub async fn stream(State(state): State<ApiState>, owner: Owner) -> Result<Respo
         None => Arc::new(compute(&state, &owner.0).await?),
     };
     let stream = overview_events(feed, first, held);
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
 }
 
 /// What changes between two sends; `now` and ages always move, so they are not compared.
 fn change_key(o: &Overview) -> Value {
-    serde_json::json!([o.runs, o.minutes, o.failures_24h, o.workers.iter().map(|w| (&w.name, w.alive, &w.runs)).collect::<Vec<_>>()])
+    serde_json::json!([
+        o.runs,
+        o.minutes,
+        o.failures_24h,
+        o.workers
+            .iter()
+            .map(|w| (&w.name, w.alive, &w.runs))
+            .collect::<Vec<_>>()
+    ])
 }
 
-fn overview_events(feed: watch::Receiver<Option<Arc<Overview>>>, first: Arc<Overview>, held: super::quota::Held) -> impl futures::Stream<Item = Result<Event, Infallible>> {
-    futures::stream::unfold((feed, Some(first), None::<Value>, held), |(mut feed, mut pending, last, held)| async move {
-        loop {
-            if let Some(o) = pending.take() {
-                let k = change_key(&o);
-                if last.as_ref() != Some(&k) {
-                    let ev = Event::default().event("overview").json_data(&*o).unwrap_or_default();
-                    return Some((Ok(ev), (feed, None, Some(k), held)));
+fn overview_events(
+    feed: watch::Receiver<Option<Arc<Overview>>>,
+    first: Arc<Overview>,
+    held: super::quota::Held,
+) -> impl futures::Stream<Item = Result<Event, Infallible>> {
+    futures::stream::unfold(
+        (feed, Some(first), None::<Value>, held),
+        |(mut feed, mut pending, last, held)| async move {
+            loop {
+                if let Some(o) = pending.take() {
+                    let k = change_key(&o);
+                    if last.as_ref() != Some(&k) {
+                        let ev = Event::default()
+                            .event("overview")
+                            .json_data(&*o)
+                            .unwrap_or_default();
+                        return Some((Ok(ev), (feed, None, Some(k), held)));
+                    }
                 }
+                // The feed ends only with the server; a stream that outlives it ends too.
+                feed.changed().await.ok()?;
+                pending = feed.borrow_and_update().clone();
             }
-            // The feed ends only with the server; a stream that outlives it ends too.
-            feed.changed().await.ok()?;
-            pending = feed.borrow_and_update().clone();
-        }
-    })
+        },
+    )
 }
 
 /// The overview of each owner that has a stream open, computed once every 2 s however many
@@ -294,7 +329,11 @@ pub struct Feeds {
 
 impl Feeds {
     /// The owner's feed, started if it is not running.
-    fn subscribe(self: &Arc<Self>, state: &ApiState, owner: &str) -> watch::Receiver<Option<Arc<Overview>>> {
+    fn subscribe(
+        self: &Arc<Self>,
+        state: &ApiState,
+        owner: &str,
+    ) -> watch::Receiver<Option<Arc<Overview>>> {
         let mut map = self.by_owner.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(rx) = map.get(owner) {
             return rx.clone();
@@ -313,7 +352,10 @@ impl Feeds {
                 // starts a new feed.
                 let mut map = feeds.by_owner.lock().unwrap_or_else(|e| e.into_inner());
                 if tx.receiver_count() <= 1 {
-                    if map.get(&owner).is_some_and(|rx| rx.same_channel(&tx.subscribe())) {
+                    if map
+                        .get(&owner)
+                        .is_some_and(|rx| rx.same_channel(&tx.subscribe()))
+                    {
                         map.remove(&owner);
                     }
                     break;
@@ -325,7 +367,10 @@ impl Feeds {
 
     /// Owners whose overview is being computed now.
     pub fn running(&self) -> usize {
-        self.by_owner.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.by_owner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 }
 
@@ -391,18 +436,29 @@ pub struct BulkResult {
     responses((status = 200, body = BulkResult), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 422, body = ErrorBody), (status = 503, body = ErrorBody)))]
 /// `POST /v1/runs/bulk`: cancel or retry listed runs, or every run a filter matches; each run is
 /// reported as done or skipped with the code a single request would have answered.
-pub async fn bulk(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<BulkBody>) -> Result<Json<BulkResult>, ApiError> {
+pub async fn bulk(
+    State(state): State<ApiState>,
+    owner: Owner,
+    ApiJson(body): ApiJson<BulkBody>,
+) -> Result<Json<BulkResult>, ApiError> {
     let (ids, truncated): (Vec<String>, bool) = match (body.run_ids, body.filter) {
         (Some(ids), None) => {
             if ids.is_empty() || ids.len() > BULK_MAX {
-                return Err(ApiError::bad_request("invalid_run_ids", format!("run_ids must list 1 to {BULK_MAX} runs")));
+                return Err(ApiError::bad_request(
+                    "invalid_run_ids",
+                    format!("run_ids must list 1 to {BULK_MAX} runs"),
+                ));
             }
             (ids, false)
         }
         (None, Some(filter)) => {
-            let q: ListQuery = serde_json::from_value(filter).map_err(|e| ApiError::bad_request("invalid_filter", format!("filter: {e}")))?;
+            let q: ListQuery = serde_json::from_value(filter)
+                .map_err(|e| ApiError::bad_request("invalid_filter", format!("filter: {e}")))?;
             if q.owner().is_some_and(|o| o != owner.0) {
-                return Err(ApiError::bad_request("invalid_filter", "a bulk action works on your own runs: leave owner out of the filter"));
+                return Err(ApiError::bad_request(
+                    "invalid_filter",
+                    "a bulk action works on your own runs: leave owner out of the filter",
+                ));
             }
             let mut f = q.filter()?;
             let mut ids = vec![];
@@ -419,12 +475,21 @@ pub async fn bulk(State(state): State<ApiState>, owner: Owner, ApiJson(body): Ap
             ids.truncate(BULK_MAX);
             (ids, truncated)
         }
-        _ => return Err(ApiError::bad_request("invalid_request", "give either run_ids or filter")),
+        _ => {
+            return Err(ApiError::bad_request(
+                "invalid_request",
+                "give either run_ids or filter",
+            ));
+        }
     };
     let mut done = vec![];
     let mut skipped = vec![];
     for raw in ids {
-        let skip = |code: &str, message: String| BulkSkipped { run_id: raw.clone(), code: code.to_owned(), message };
+        let skip = |code: &str, message: String| BulkSkipped {
+            run_id: raw.clone(),
+            code: code.to_owned(),
+            message,
+        };
         let Ok(id) = raw.parse::<RunId>() else {
             skipped.push(skip("invalid_id", format!("`{raw}` is not a run id")));
             continue;
@@ -438,18 +503,36 @@ pub async fn bulk(State(state): State<ApiState>, owner: Owner, ApiJson(body): Ap
         };
         match body.action {
             BulkAction::Cancel => match state.app.cancel(id).await? {
-                crate::store::CancelOutcome::AlreadyFinished(s) => skipped.push(skip("already_finished", format!("already ended as {}", s.as_str()))),
-                crate::store::CancelOutcome::NotFound => skipped.push(skip("not_found", "no such run".into())),
-                _ => done.push(BulkDone { run_id: id, new_run_id: None }),
+                crate::store::CancelOutcome::AlreadyFinished(s) => skipped.push(skip(
+                    "already_finished",
+                    format!("already ended as {}", s.as_str()),
+                )),
+                crate::store::CancelOutcome::NotFound => {
+                    skipped.push(skip("not_found", "no such run".into()))
+                }
+                _ => done.push(BulkDone {
+                    run_id: id,
+                    new_run_id: None,
+                }),
             },
             BulkAction::Retry => match state.app.retry(&run).await {
-                Ok(created) => done.push(BulkDone { run_id: id, new_run_id: Some(created.run.id) }),
-                Err(e @ crate::runs::StartError::Store(crate::store::StoreError::Db(_))) => return Err(e.into()),
+                Ok(created) => done.push(BulkDone {
+                    run_id: id,
+                    new_run_id: Some(created.run.id),
+                }),
+                Err(e @ crate::runs::StartError::Store(crate::store::StoreError::Db(_))) => {
+                    return Err(e.into());
+                }
                 Err(e) => skipped.push(skip(e.code(), e.to_string())),
             },
         }
     }
-    Ok(Json(BulkResult { action: body.action, done, skipped, truncated }))
+    Ok(Json(BulkResult {
+        action: body.action,
+        done,
+        skipped,
+        truncated,
+    }))
 }
 
 #[cfg(test)]
@@ -459,7 +542,9 @@ mod tests {
 
     #[test]
     fn minutes_fold_latency_tokens_cost_and_ends() {
-        let now = DateTime::parse_from_rfc3339("2026-12-01T10:30:20Z").unwrap().with_timezone(&Utc);
+        let now = DateTime::parse_from_rfc3339("2026-12-01T10:30:20Z")
+            .unwrap()
+            .with_timezone(&Utc);
         let at = |s: &str| DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc);
         let run = RunId::new();
         let call = |ms: u64| json!({"ms": ms, "usage": {"prompt_tokens": 10, "completion_tokens": 5}, "cost_usd": 0.5});
@@ -467,14 +552,42 @@ mod tests {
             by_status: vec![(RunStatus::Queued, 3), (RunStatus::Failed, 1)],
             oldest_queued_ms: Some(at("2026-12-01T10:30:00Z").timestamp_millis()),
             events: vec![
-                (run, "model.completed".into(), call(100), at("2026-12-01T10:30:05Z")),
-                (run, "model.completed".into(), call(300), at("2026-12-01T10:30:06Z")),
-                (run, "model.completed".into(), call(200), at("2026-12-01T10:30:07Z")),
-                (run, "run.failed".into(), json!({}), at("2026-12-01T10:29:59Z")),
-                (run, "run.succeeded".into(), json!({}), at("2026-12-01T09:00:00Z")),
+                (
+                    run,
+                    "model.completed".into(),
+                    call(100),
+                    at("2026-12-01T10:30:05Z"),
+                ),
+                (
+                    run,
+                    "model.completed".into(),
+                    call(300),
+                    at("2026-12-01T10:30:06Z"),
+                ),
+                (
+                    run,
+                    "model.completed".into(),
+                    call(200),
+                    at("2026-12-01T10:30:07Z"),
+                ),
+                (
+                    run,
+                    "run.failed".into(),
+                    json!({}),
+                    at("2026-12-01T10:29:59Z"),
+                ),
+                (
+                    run,
+                    "run.succeeded".into(),
+                    json!({}),
+                    at("2026-12-01T09:00:00Z"),
+                ),
             ],
             failures: vec![("model".into(), 1)],
-            workers: vec![("w1".into(), at("2026-12-01T10:30:10Z")), ("w0".into(), at("2026-12-01T10:00:00Z"))],
+            workers: vec![
+                ("w1".into(), at("2026-12-01T10:30:10Z")),
+                ("w0".into(), at("2026-12-01T10:00:00Z")),
+            ],
             running: vec![(run, Some("w1".into()), None)],
             ..Default::default()
         };
@@ -486,10 +599,19 @@ mod tests {
         assert_eq!(o.minutes.len(), 60);
         let last = o.minutes.last().unwrap();
         assert_eq!(last.at, at("2026-12-01T10:30:00Z"));
-        assert_eq!((last.steps, last.tokens, last.step_ms_p50, last.step_ms_p95), (3, 45, Some(200), Some(300)));
+        assert_eq!(
+            (last.steps, last.tokens, last.step_ms_p50, last.step_ms_p95),
+            (3, 45, Some(200), Some(300))
+        );
         assert!((last.cost_usd - 1.5).abs() < 1e-9);
-        assert_eq!((o.minutes[58].runs_finished, o.minutes[58].runs_failed), (1, 1));
-        assert_eq!(o.last_hour.runs_finished, 1, "the 09:00 end is outside the hour");
+        assert_eq!(
+            (o.minutes[58].runs_finished, o.minutes[58].runs_failed),
+            (1, 1)
+        );
+        assert_eq!(
+            o.last_hour.runs_finished, 1,
+            "the 09:00 end is outside the hour"
+        );
         assert_eq!(o.failures_24h["model"], 1);
         assert!(o.workers[0].alive && !o.workers[1].alive);
         assert_eq!(o.workers[0].runs, vec![run]);

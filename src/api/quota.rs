@@ -59,28 +59,51 @@ impl Drop for Held {
 impl Quotas {
     /// Caps as given.
     pub fn new(limits: Limits) -> Arc<Quotas> {
-        Arc::new(Quotas { limits, held: Mutex::default() })
+        Arc::new(Quotas {
+            limits,
+            held: Mutex::default(),
+        })
     }
 
     /// Counts one more `kind` for `owner`, or refuses it (429) when the owner is at its cap.
     pub fn take(self: &Arc<Self>, owner: &str, kind: Kind) -> Result<Held, ApiError> {
         let (cap, code, what) = match kind {
-            Kind::Stream => (self.limits.streams, "too_many_streams", "open event streams (SUBAGENTS_MAX_STREAMS_PER_KEY)"),
-            Kind::Wait => (self.limits.waits, "too_many_waits", "open waits (SUBAGENTS_MAX_WAITS_PER_KEY)"),
+            Kind::Stream => (
+                self.limits.streams,
+                "too_many_streams",
+                "open event streams (SUBAGENTS_MAX_STREAMS_PER_KEY)",
+            ),
+            Kind::Wait => (
+                self.limits.waits,
+                "too_many_waits",
+                "open waits (SUBAGENTS_MAX_WAITS_PER_KEY)",
+            ),
         };
         let key = (owner.to_owned(), kind);
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let n = held.entry(key.clone()).or_default();
         if cap > 0 && *n >= cap {
-            return Err(ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, format!("this key already holds {cap} {what}; close one first")));
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                code,
+                format!("this key already holds {cap} {what}; close one first"),
+            ));
         }
         *n += 1;
-        Ok(Held { quotas: self.clone(), key })
+        Ok(Held {
+            quotas: self.clone(),
+            key,
+        })
     }
 
     /// How many of `kind` `owner` holds now.
     pub fn held(&self, owner: &str, kind: Kind) -> usize {
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).get(&(owner.to_owned(), kind)).copied().unwrap_or(0)
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(owner.to_owned(), kind))
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -90,14 +113,23 @@ mod tests {
 
     #[test]
     fn a_cap_refuses_the_next_one_and_a_drop_frees_a_place() {
-        let q = Quotas::new(Limits { streams: 2, waits: 0, queued: 0 });
+        let q = Quotas::new(Limits {
+            streams: 2,
+            waits: 0,
+            queued: 0,
+        });
         let a = q.take("alice", Kind::Stream).unwrap();
         let _b = q.take("alice", Kind::Stream).unwrap();
         let e = q.take("alice", Kind::Stream).unwrap_err();
-        assert_eq!((e.status, e.code), (StatusCode::TOO_MANY_REQUESTS, "too_many_streams"));
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::TOO_MANY_REQUESTS, "too_many_streams")
+        );
         // Another owner, and another kind without a cap, are not affected.
         let _c = q.take("bob", Kind::Stream).unwrap();
-        let _w: Vec<Held> = (0..100).map(|_| q.take("alice", Kind::Wait).unwrap()).collect();
+        let _w: Vec<Held> = (0..100)
+            .map(|_| q.take("alice", Kind::Wait).unwrap())
+            .collect();
         drop(a);
         assert_eq!(q.held("alice", Kind::Stream), 1);
         let _d = q.take("alice", Kind::Stream).unwrap();

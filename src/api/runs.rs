@@ -5,22 +5,22 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::auth::Owner;
 use super::views::{ErrorBody, EventsPage, RunView, RunsPage};
-use utoipa::{IntoParams, ToSchema};
 use super::{ApiError, ApiJson, ApiQuery, ApiState};
 use crate::app::{CROSS_PROCESS_RECHECK, StartRun};
 use crate::events::is_terminal;
 use crate::ids::{RunId, ThreadId};
 use crate::store::{CancelOutcome, IfBusy, RunFilter, RunRecord, RunStatus};
+use utoipa::{IntoParams, ToSchema};
 
 /// Largest cursor accepted (2^53 - 1: exact in every JSON client).
 const MAX_SEQ: u64 = 9_007_199_254_740_991;
@@ -62,18 +62,30 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D
         None => Ok(None),
         Some(n) => n
             .as_u64()
-            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 18_446_744_073_709_551_616.0).map(|f| f as u64))
+            .or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 18_446_744_073_709_551_616.0)
+                    .map(|f| f as u64)
+            })
             .map(Some)
-            .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number >= 0, got {n}"))),
+            .ok_or_else(|| {
+                serde::de::Error::custom(format!("expected a whole number >= 0, got {n}"))
+            }),
     }
 }
 
 /// serde accepts a struct written as an array; the API takes objects only.
-fn object_only<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(d: D) -> Result<Option<T>, D::Error> {
+fn object_only<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
     match Option::<Value>::deserialize(d)? {
         None | Some(Value::Null) => Ok(None),
-        Some(v @ Value::Object(_)) => serde_json::from_value(v).map(Some).map_err(serde::de::Error::custom),
-        Some(other) => Err(serde::de::Error::custom(format!("expected an object, got {other}"))),
+        Some(v @ Value::Object(_)) => serde_json::from_value(v)
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+        Some(other) => Err(serde::de::Error::custom(format!(
+            "expected an object, got {other}"
+        ))),
     }
 }
 
@@ -150,13 +162,17 @@ impl From<WaitStartBody> for StartBody {
 }
 
 fn parse_run_id(s: &str) -> Result<RunId, ApiError> {
-    s.parse().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))
+    s.parse()
+        .map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))
 }
 
 fn wait_duration(t: Option<f64>) -> Result<Duration, ApiError> {
     let t = t.unwrap_or(DEFAULT_WAIT_S);
     if !(0.0..=MAX_WAIT_S).contains(&t) {
-        return Err(ApiError::bad_request("invalid_timeout", format!("timeout_s must be between 0 and {MAX_WAIT_S}")));
+        return Err(ApiError::bad_request(
+            "invalid_timeout",
+            format!("timeout_s must be between 0 and {MAX_WAIT_S}"),
+        ));
     }
     Ok(Duration::from_secs_f64(t))
 }
@@ -170,7 +186,11 @@ pub async fn owned_run(state: &ApiState, owner: &Owner, id: RunId) -> Result<Run
     }
 }
 
-async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<(RunRecord, bool), ApiError> {
+async fn start_from(
+    state: &ApiState,
+    owner: &Owner,
+    body: StartBody,
+) -> Result<(RunRecord, bool), ApiError> {
     let thread_id = body
         .thread_id
         .map(|t| t.parse::<ThreadId>())
@@ -178,19 +198,37 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
         .map_err(|e| ApiError::bad_request("invalid_id", e.to_string()))?;
     if let Some(m) = &body.metadata {
         if !m.is_object() {
-            return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "metadata must be a JSON object"));
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                "metadata must be a JSON object",
+            ));
         }
     }
     let limits = body.limits.unwrap_or_default();
-    if limits.max_total_tokens.is_some_and(|t| t == 0 || t > MAX_SEQ) || limits.max_total_steps.is_some_and(|t| t == 0 || t > MAX_SEQ) {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_limit", "max_total_tokens and max_total_steps must be 1 to 9007199254740991"));
+    if limits
+        .max_total_tokens
+        .is_some_and(|t| t == 0 || t > MAX_SEQ)
+        || limits
+            .max_total_steps
+            .is_some_and(|t| t == 0 || t > MAX_SEQ)
+    {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "bad_limit",
+            "max_total_tokens and max_total_steps must be 1 to 9007199254740991",
+        ));
     }
     let compact_at = match limits.compact_at {
         None => None,
         Some(f) => {
             let percent = if f <= 1.0 { f * 100.0 } else { f };
             if !percent.is_finite() || !(10.0..=95.0).contains(&percent.round()) {
-                return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_limit", "compact_at must be a fraction 0.1 to 0.95 or a percent 10 to 95 of the context window"));
+                return Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "bad_limit",
+                    "compact_at must be a fraction 0.1 to 0.95 or a percent 10 to 95 of the context window",
+                ));
             }
             Some(percent.round() as u8)
         }
@@ -202,7 +240,9 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
             input: body.input,
             thread_id,
             owner: Some(owner.0.clone()),
-            max_steps: limits.max_steps.map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
+            max_steps: limits
+                .max_steps
+                .map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
             timeout_secs: limits.timeout_s,
             max_total_tokens: limits.max_total_tokens,
             max_total_steps: limits.max_total_steps,
@@ -220,7 +260,11 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
 /// `POST /v1/runs`
 #[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = StartBody,
     responses((status = 202, description = "queued", body = RunView), (status = 409, description = "thread_busy", body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<StartBody>) -> Result<Response, ApiError> {
+pub async fn start(
+    State(state): State<ApiState>,
+    owner: Owner,
+    ApiJson(body): ApiJson<StartBody>,
+) -> Result<Response, ApiError> {
     queue_room(&state, &owner).await?;
     let (run, _existing) = start_from(&state, &owner, body).await?;
     let view = RunView::build(state.app.store.as_ref(), run).await?;
@@ -230,7 +274,11 @@ pub async fn start(State(state): State<ApiState>, owner: Owner, ApiJson(body): A
 /// `POST /v1/runs/wait`: start, then wait for the end (`timeout_s`, default 30).
 #[utoipa::path(post, path = "/v1/runs/wait", tag = "runs", request_body = WaitStartBody,
     responses((status = 200, description = "the finished run, or its snapshot with wait_timed_out", body = RunView), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody), (status = 415, body = ErrorBody), (status = 422, body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn start_and_wait(State(state): State<ApiState>, owner: Owner, ApiJson(body): ApiJson<WaitStartBody>) -> Result<Response, ApiError> {
+pub async fn start_and_wait(
+    State(state): State<ApiState>,
+    owner: Owner,
+    ApiJson(body): ApiJson<WaitStartBody>,
+) -> Result<Response, ApiError> {
     let timeout = wait_duration(body.timeout_s)?;
     let _held = state.quotas.take(&owner.0, super::quota::Kind::Wait)?;
     queue_room(&state, &owner).await?;
@@ -245,7 +293,9 @@ async fn queue_room(state: &ApiState, owner: &Owner) -> Result<(), ApiError> {
         return Err(ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "queue_full",
-            format!("this key already has {cap} runs queued (SUBAGENTS_MAX_QUEUED_PER_KEY); wait for some to start, or cancel some"),
+            format!(
+                "this key already has {cap} runs queued (SUBAGENTS_MAX_QUEUED_PER_KEY); wait for some to start, or cancel some"
+            ),
         ));
     }
     Ok(())
@@ -273,7 +323,9 @@ pub struct RunSnapshot {
 impl RunSnapshot {
     async fn read(state: &ApiState, id: RunId) -> crate::store::Result<RunSnapshot> {
         let store = state.app.store.as_ref();
-        let Some(r) = store.get_run(id).await? else { return Ok(RunSnapshot::default()) };
+        let Some(r) = store.get_run(id).await? else {
+            return Ok(RunSnapshot::default());
+        };
         let events_after = r.event_seq.saturating_sub(SNAPSHOT_EVENTS);
         let body = async {
             match r.status.is_terminal() {
@@ -281,9 +333,24 @@ impl RunSnapshot {
                 false => Ok(None),
             }
         };
-        let (events, body) = futures::try_join!(state.app.events_after(id, events_after, SNAPSHOT_EVENTS as u32), body)?;
-        let events = Arc::new(events.into_iter().map(crate::app::StreamedEvent::new).collect());
-        Ok(RunSnapshot { run: Some(Arc::new(r)), body, events_after, events })
+        let (events, body) = futures::try_join!(
+            state
+                .app
+                .events_after(id, events_after, SNAPSHOT_EVENTS as u32),
+            body
+        )?;
+        let events = Arc::new(
+            events
+                .into_iter()
+                .map(crate::app::StreamedEvent::new)
+                .collect(),
+        );
+        Ok(RunSnapshot {
+            run: Some(Arc::new(r)),
+            body,
+            events_after,
+            events,
+        })
     }
 
     /// The events after `cursor`, when this snapshot holds every one the run had when it was
@@ -291,7 +358,10 @@ impl RunSnapshot {
     /// then the stream reads them itself.
     fn events_for(&self, cursor: u64) -> Option<&[crate::app::StreamedEvent]> {
         let run = self.run.as_ref()?;
-        let last = self.events.last().map_or(self.events_after, |e| e.record.seq);
+        let last = self
+            .events
+            .last()
+            .map_or(self.events_after, |e| e.record.seq);
         if cursor < self.events_after || last < run.event_seq {
             return None;
         }
@@ -299,23 +369,41 @@ impl RunSnapshot {
     }
 }
 
-async fn view_body(store: &dyn crate::store::Store, r: RunRecord, timed_out: bool) -> crate::store::Result<axum::body::Bytes> {
+async fn view_body(
+    store: &dyn crate::store::Store,
+    r: RunRecord,
+    timed_out: bool,
+) -> crate::store::Result<axum::body::Bytes> {
     let mut view = RunView::build(store, r).await?;
     view.wait_timed_out = Some(timed_out);
-    Ok(axum::body::Bytes::from(serde_json::to_vec(&view).expect("a view serializes")))
+    Ok(axum::body::Bytes::from(
+        serde_json::to_vec(&view).expect("a view serializes"),
+    ))
 }
 
 async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Response, ApiError> {
     let store = state.app.store.as_ref();
     let read = || RunSnapshot::read(state, id);
-    let (RunSnapshot { run: r, body, .. }, started) = state.app.wait_with(id, timeout, &state.waits, read, |s: &RunSnapshot| s.run.is_none() || s.body.is_some()).await?;
+    let (RunSnapshot { run: r, body, .. }, started) = state
+        .app
+        .wait_with(id, timeout, &state.waits, read, |s: &RunSnapshot| {
+            s.run.is_none() || s.body.is_some()
+        })
+        .await?;
     let r = r.ok_or_else(|| ApiError::not_found("run"))?;
     let body = match body {
         Some(body) => body,
         // Timed out: the snapshot, built once for every wait the same read answered.
         None => {
-            let fresh = crate::notify::Fresh { generation: 0, not_before: Some(started) };
-            state.views.read(id, fresh, || view_body(store, (*r).clone(), true)).await?.0
+            let fresh = crate::notify::Fresh {
+                generation: 0,
+                not_before: Some(started),
+            };
+            state
+                .views
+                .read(id, fresh, || view_body(store, (*r).clone(), true))
+                .await?
+                .0
         }
     };
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
@@ -334,7 +422,12 @@ pub struct WaitQuery {
 /// `GET /v1/runs/{id}/wait`
 #[utoipa::path(get, path = "/v1/runs/{id}/wait", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id"), WaitQuery),
     responses((status = 200, body = RunView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<WaitQuery>) -> Result<Response, ApiError> {
+pub async fn wait(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<WaitQuery>,
+) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
     let timeout = wait_duration(q.timeout_s)?;
     owned_run(&state, &owner, id).await?;
@@ -345,7 +438,11 @@ pub async fn wait(State(state): State<ApiState>, owner: Owner, Path(id): Path<St
 /// `GET /v1/runs/{id}`
 #[utoipa::path(get, path = "/v1/runs/{id}", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")),
     responses((status = 200, body = RunView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Json<RunView>, ApiError> {
+pub async fn get(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Json<RunView>, ApiError> {
     let r = owned_run(&state, &owner, parse_run_id(&id)?).await?;
     Ok(Json(RunView::build(state.app.store.as_ref(), r).await?))
 }
@@ -356,7 +453,9 @@ pub async fn get(State(state): State<ApiState>, owner: Owner, Path(id): Path<Str
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Comma-separated states (queued, running, waiting, succeeded, failed, cancelled).
-    #[param(pattern = "^(queued|running|waiting|succeeded|failed|cancelled)(,(queued|running|waiting|succeeded|failed|cancelled))*$")]
+    #[param(
+        pattern = "^(queued|running|waiting|succeeded|failed|cancelled)(,(queued|running|waiting|succeeded|failed|cancelled))*$"
+    )]
     status: Option<String>,
     /// Agent name.
     agent: Option<String>,
@@ -398,15 +497,26 @@ impl ListQuery {
     /// The store filter this query asks for, or the 400 that says what is wrong with it.
     pub fn filter(self) -> Result<RunFilter, ApiError> {
         if self.status.as_deref().is_some_and(|s| s.trim().is_empty()) {
-            return Err(ApiError::bad_request("invalid_status", "status must name at least one state"));
+            return Err(ApiError::bad_request(
+                "invalid_status",
+                "status must name at least one state",
+            ));
         }
         let mut status = vec![];
-        for s in self.status.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
+        for s in self
+            .status
+            .iter()
+            .flat_map(|s| s.split(','))
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             status.push(RunStatus::parse(s).ok_or_else(|| {
                 ApiError::bad_request("invalid_status", format!("unknown status `{s}`; use queued, running, waiting, succeeded, failed or cancelled"))
             })?);
         }
-        let time = |name: &str, v: Option<String>| -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {
+        let time = |name: &str,
+                    v: Option<String>|
+         -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {
             v.map(|t| {
                 chrono::DateTime::parse_from_rfc3339(&t)
                     .map(|d| d.with_timezone(&chrono::Utc))
@@ -414,20 +524,37 @@ impl ListQuery {
             })
             .transpose()
         };
-        let text = self.q.map(|q| q.trim().to_owned()).filter(|q| !q.is_empty());
+        let text = self
+            .q
+            .map(|q| q.trim().to_owned())
+            .filter(|q| !q.is_empty());
         if text.as_ref().is_some_and(|t| t.chars().count() > 200) {
-            return Err(ApiError::bad_request("invalid_query", "q must be at most 200 characters"));
+            return Err(ApiError::bad_request(
+                "invalid_query",
+                "q must be at most 200 characters",
+            ));
         }
         let oldest_first = match self.order.as_deref() {
             None | Some("newest") => false,
             Some("oldest") => true,
-            Some(o) => return Err(ApiError::bad_request("invalid_order", format!("order must be newest or oldest, not `{o}`"))),
+            Some(o) => {
+                return Err(ApiError::bad_request(
+                    "invalid_order",
+                    format!("order must be newest or oldest, not `{o}`"),
+                ));
+            }
         };
         Ok(RunFilter {
             status,
             agent: self.agent,
-            thread_id: self.thread_id.map(|t| t.parse()).transpose().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?,
-            parent_run_id: self.parent_run_id.as_deref().map(parse_run_id).transpose()?,
+            thread_id: self.thread_id.map(|t| t.parse()).transpose().map_err(
+                |e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()),
+            )?,
+            parent_run_id: self
+                .parent_run_id
+                .as_deref()
+                .map(parse_run_id)
+                .transpose()?,
             text,
             created_after: time("since", self.since)?,
             created_before: time("until", self.until)?,
@@ -435,7 +562,14 @@ impl ListQuery {
             before: self
                 .cursor
                 .as_deref()
-                .map(|c| c.parse().map_err(|_| ApiError::bad_request("invalid_cursor", "cursor must be a next_cursor from an earlier page")))
+                .map(|c| {
+                    c.parse().map_err(|_| {
+                        ApiError::bad_request(
+                            "invalid_cursor",
+                            "cursor must be a next_cursor from an earlier page",
+                        )
+                    })
+                })
                 .transpose()?,
         })
     }
@@ -443,10 +577,17 @@ impl ListQuery {
 
 /// `GET /v1/runs`: newest first; `next_cursor` pages on.
 #[utoipa::path(get, path = "/v1/runs", tag = "runs", params(ListQuery), responses((status = 200, body = RunsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, description = "forbidden: another owner's runs, asked by a key that is not an admin's", body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(mut q): ApiQuery<ListQuery>) -> Result<Json<RunsPage>, ApiError> {
+pub async fn list(
+    State(state): State<ApiState>,
+    owner: Owner,
+    ApiQuery(mut q): ApiQuery<ListQuery>,
+) -> Result<Json<RunsPage>, ApiError> {
     let limit = q.limit.unwrap_or(20);
     if !(1..=100).contains(&limit) {
-        return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 100"));
+        return Err(ApiError::bad_request(
+            "invalid_limit",
+            "limit must be 1 to 100",
+        ));
     }
     let whose = match q.owner.take() {
         Some(o) if o != owner.0 && !state.keys.is_admin(&owner.0) => {
@@ -461,12 +602,17 @@ pub async fn list(State(state): State<ApiState>, owner: Owner, ApiQuery(mut q): 
     };
     let filter = q.filter()?;
     let runs = state.app.store.list_runs(&whose, &filter, limit).await?;
-    let next_cursor = (runs.len() == limit as usize).then(|| runs.last().map(|r| r.id)).flatten();
+    let next_cursor = (runs.len() == limit as usize)
+        .then(|| runs.last().map(|r| r.id))
+        .flatten();
     let mut views = Vec::with_capacity(runs.len());
     for r in runs {
         views.push(RunView::build(state.app.store.as_ref(), r).await?);
     }
-    Ok(Json(RunsPage { runs: views, next_cursor }))
+    Ok(Json(RunsPage {
+        runs: views,
+        next_cursor,
+    }))
 }
 
 /// Query of `GET /v1/runs/{id}/events`.
@@ -497,12 +643,21 @@ pub async fn events(
     owned_run(&state, &owner, id).await?;
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
-        return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 1000"));
+        return Err(ApiError::bad_request(
+            "invalid_limit",
+            "limit must be 1 to 1000",
+        ));
     }
     if q.after.is_some_and(|a| a > MAX_SEQ) {
-        return Err(ApiError::bad_request("invalid_cursor", "after is larger than any event seq"));
+        return Err(ApiError::bad_request(
+            "invalid_cursor",
+            "after is larger than any event seq",
+        ));
     }
-    let wants_sse = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("text/event-stream"));
+    let wants_sse = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("text/event-stream"));
     if !wants_sse {
         let after = q.after.unwrap_or(0);
         let events = state.app.events_after(id, after, limit).await?;
@@ -512,12 +667,20 @@ pub async fn events(
     let last_event_id = match headers.get("last-event-id") {
         None => None,
         Some(v) => Some(
-            v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()).ok_or_else(|| ApiError::bad_request("invalid_cursor", "Last-Event-ID must be an event seq"))?,
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    ApiError::bad_request("invalid_cursor", "Last-Event-ID must be an event seq")
+                })?,
         ),
     };
     let cursor = last_event_id.or(q.after).unwrap_or(0);
     if cursor > MAX_SEQ {
-        return Err(ApiError::bad_request("invalid_cursor", "Last-Event-ID is larger than any event seq"));
+        return Err(ApiError::bad_request(
+            "invalid_cursor",
+            "Last-Event-ID is larger than any event seq",
+        ));
     }
     let held = state.quotas.take(&owner.0, super::quota::Kind::Stream)?;
     // The stream holds its place against the key's cap until it ends.
@@ -525,12 +688,18 @@ pub async fn events(
         let _ = &held;
         e
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
 }
 
 /// The SSE stream: sleeps on the run's notification between batches; ends after the terminal
 /// event.
-fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream<Item = Result<Event, Infallible>> {
+fn async_stream(
+    state: ApiState,
+    id: RunId,
+    cursor: u64,
+) -> impl futures::Stream<Item = Result<Event, Infallible>> {
     struct St {
         state: ApiState,
         cursor: u64,
@@ -542,9 +711,20 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
         /// waiters by the time it spent writing.
         watch: crate::notify::Watch,
     }
-    let watch = crate::notify::Watch::new(state.app.store.subscribe(id), CROSS_PROCESS_RECHECK * 4, crate::app::SHARED_READ_AGE);
+    let watch = crate::notify::Watch::new(
+        state.app.store.subscribe(id),
+        CROSS_PROCESS_RECHECK * 4,
+        crate::app::SHARED_READ_AGE,
+    );
     // The first read starts after the request came in.
-    let init = St { state, cursor, done: false, buf: VecDeque::new(), not_before: Some(std::time::Instant::now()), watch };
+    let init = St {
+        state,
+        cursor,
+        done: false,
+        buf: VecDeque::new(),
+        not_before: Some(std::time::Instant::now()),
+        watch,
+    };
     futures::stream::unfold(init, move |mut st| async move {
         loop {
             if let Some(e) = st.buf.pop_front() {
@@ -559,11 +739,18 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
                 // stream it does not cover shares a page with the others at its cursor.
                 let fresh = st.watch.fresh(st.not_before);
                 let state = &st.state;
-                let snapshot = state.waits.read(id, fresh, || RunSnapshot::read(state, id)).await;
+                let snapshot = state
+                    .waits
+                    .read(id, fresh, || RunSnapshot::read(state, id))
+                    .await;
                 let page;
                 let events = match snapshot.as_ref().map(|(s, _)| s.events_for(st.cursor)) {
                     Ok(Some(events)) => Ok(events),
-                    Ok(None) => match state.app.events_after_shared(id, st.cursor, 200, fresh).await {
+                    Ok(None) => match state
+                        .app
+                        .events_after_shared(id, st.cursor, 200, fresh)
+                        .await
+                    {
                         Ok(e) => {
                             page = e;
                             Ok(page.as_slice())
@@ -583,7 +770,12 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
                 for e in events {
                     st.cursor = e.record.seq;
                     st.done |= is_terminal(&e.record.kind);
-                    st.buf.push_back(Event::default().id(e.record.seq.to_string()).event(&e.record.kind).data(&e.json));
+                    st.buf.push_back(
+                        Event::default()
+                            .id(e.record.seq.to_string())
+                            .event(&e.record.kind)
+                            .data(&e.json),
+                    );
                 }
                 if !st.buf.is_empty() {
                     // The generation taken before the next read covers what this one missed.
@@ -599,19 +791,32 @@ fn async_stream(state: ApiState, id: RunId, cursor: u64) -> impl futures::Stream
 /// `POST /v1/runs/{id}/cancel`: idempotent; 409 `already_finished` once the run has ended.
 #[utoipa::path(post, path = "/v1/runs/{id}/cancel", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")),
     responses((status = 202, body = RunView), (status = 409, description = "already_finished", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn cancel(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
     let run = owned_run(&state, &owner, id).await?;
     match state.app.cancel(id).await? {
         // Repeating a cancel of a cancelled run is not an error: cancel is idempotent.
-        CancelOutcome::Cancelled | CancelOutcome::Requested | CancelOutcome::AlreadyFinished(RunStatus::Cancelled) => {
+        CancelOutcome::Cancelled
+        | CancelOutcome::Requested
+        | CancelOutcome::AlreadyFinished(RunStatus::Cancelled) => {
             let r = state.app.store.get_run(id).await?.unwrap_or(run);
-            Ok((StatusCode::ACCEPTED, Json(RunView::build(state.app.store.as_ref(), r).await?)).into_response())
+            Ok((
+                StatusCode::ACCEPTED,
+                Json(RunView::build(state.app.store.as_ref(), r).await?),
+            )
+                .into_response())
         }
         CancelOutcome::AlreadyFinished(s) => Err(ApiError {
             status: StatusCode::CONFLICT,
             code: "already_finished",
-            message: format!("run {id} already ended as {}; there is nothing to cancel", s.as_str()),
+            message: format!(
+                "run {id} already ended as {}; there is nothing to cancel",
+                s.as_str()
+            ),
             details: Some(json!({"status": s})),
         }),
         CancelOutcome::NotFound => Err(ApiError::not_found("run")),
@@ -623,10 +828,22 @@ pub async fn cancel(State(state): State<ApiState>, owner: Owner, Path(id): Path<
 /// before). Only a failed or cancelled root run: otherwise 409 `not_retryable`.
 #[utoipa::path(post, path = "/v1/runs/{id}/retry", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")),
     responses((status = 201, body = RunView), (status = 200, description = "retried before: the first retry", body = RunView), (status = 409, description = "not_retryable", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn retry(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn retry(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
     let run = owned_run(&state, &owner, id).await?;
     let created = state.app.retry(&run).await?;
-    let status = if created.existing { StatusCode::OK } else { StatusCode::CREATED };
-    Ok((status, Json(RunView::build(state.app.store.as_ref(), created.run).await?)).into_response())
+    let status = if created.existing {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok((
+        status,
+        Json(RunView::build(state.app.store.as_ref(), created.run).await?),
+    )
+        .into_response())
 }

@@ -8,10 +8,10 @@ use serde::Deserialize;
 
 use super::auth::Owner;
 use super::views::{AgentsList, ErrorBody, Health, MessageView, RunView, ThreadView};
-use utoipa::IntoParams;
 use super::{ApiError, ApiQuery, ApiState};
 use crate::ids::ThreadId;
 use crate::store::{RunFilter, RunStatus};
+use utoipa::IntoParams;
 
 /// Query of `GET /v1/threads/{id}`.
 #[derive(Deserialize, IntoParams)]
@@ -29,15 +29,28 @@ pub struct ThreadQuery {
 /// `GET /v1/threads/{id}`: the thread, its newest runs, and a page of its messages.
 #[utoipa::path(get, path = "/v1/threads/{id}", tag = "threads", params(("id" = String, Path, pattern = "^[A-Za-z0-9_.:-]{1,200}$", description = "thread id"), ThreadQuery),
     responses((status = 200, body = ThreadView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<ThreadQuery>) -> Result<Json<ThreadView>, ApiError> {
-    let id: ThreadId = id.parse().map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?;
+pub async fn thread(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<ThreadQuery>,
+) -> Result<Json<ThreadView>, ApiError> {
+    let id: ThreadId = id
+        .parse()
+        .map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?;
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
-        return Err(ApiError::bad_request("invalid_limit", "limit must be 1 to 1000"));
+        return Err(ApiError::bad_request(
+            "invalid_limit",
+            "limit must be 1 to 1000",
+        ));
     }
     let after = q.after.unwrap_or(0);
     if after < 0 {
-        return Err(ApiError::bad_request("invalid_cursor", "after must be a message id from an earlier page"));
+        return Err(ApiError::bad_request(
+            "invalid_cursor",
+            "after must be a message id from an earlier page",
+        ));
     }
     let store = state.app.store.as_ref();
     let t = match store.get_thread(&id).await? {
@@ -45,27 +58,60 @@ pub async fn thread(State(state): State<ApiState>, owner: Owner, Path(id): Path<
         Some(t) if t.owner == owner.0 || state.keys.is_admin(&owner.0) => t,
         _ => return Err(ApiError::not_found("thread")),
     };
-    let runs = store.list_runs(&t.owner, &RunFilter { thread_id: Some(id.clone()), ..Default::default() }, 50).await?;
+    let runs = store
+        .list_runs(
+            &t.owner,
+            &RunFilter {
+                thread_id: Some(id.clone()),
+                ..Default::default()
+            },
+            50,
+        )
+        .await?;
     let mut run_views = vec![];
     for r in runs {
         run_views.push(RunView::build(store, r).await?);
     }
-    let messages: Vec<MessageView> = store.messages_page(&id, after, limit).await?.into_iter().map(Into::into).collect();
+    let messages: Vec<MessageView> = store
+        .messages_page(&id, after, limit)
+        .await?
+        .into_iter()
+        .map(Into::into)
+        .collect();
     let next_after = messages.last().map(|m| m.id).unwrap_or(after);
     let compactions = store.compactions(&id).await?;
-    Ok(Json(ThreadView { id: t.id, created_at: t.created_at, updated_at: t.updated_at, runs: run_views, messages, next_after, compactions }))
+    Ok(Json(ThreadView {
+        id: t.id,
+        created_at: t.created_at,
+        updated_at: t.updated_at,
+        runs: run_views,
+        messages,
+        next_after,
+        compactions,
+    }))
 }
 
 /// `GET /v1/agents`
 #[utoipa::path(get, path = "/v1/agents", tag = "agents", responses((status = 200, body = AgentsList), (status = 401, body = ErrorBody)))]
 pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<AgentsList> {
-    Json(AgentsList { agents: state.app.agents.all().map(|a| super::views::AgentView::build(a, &state.app.engine)).collect() })
+    Json(AgentsList {
+        agents: state
+            .app
+            .agents
+            .all()
+            .map(|a| super::views::AgentView::build(a, &state.app.engine))
+            .collect(),
+    })
 }
 
 /// `GET /healthz`: the process is up.
 #[utoipa::path(get, path = "/healthz", tag = "system", security(()), responses((status = 200, body = Health)))]
 pub async fn healthz() -> Json<Health> {
-    Json(Health { status: "ok".into(), db: None, redis: None })
+    Json(Health {
+        status: "ok".into(),
+        db: None,
+        redis: None,
+    })
 }
 
 /// Whether a request may see what the operator sees: always without API keys (the server is
@@ -74,11 +120,22 @@ fn operator(state: &ApiState, headers: &axum::http::HeaderMap) -> bool {
     if state.keys.is_empty() {
         return true;
     }
-    let Some(key) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim) else {
+    let Some(key) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+    else {
         return false;
     };
-    let token = state.app.settings.metrics_token.as_deref().filter(|t| !t.is_empty());
-    token.is_some_and(|t| constant_time_eq(t.as_bytes(), key.as_bytes())) || state.keys.owner_of(key).is_some()
+    let token = state
+        .app
+        .settings
+        .metrics_token
+        .as_deref()
+        .filter(|t| !t.is_empty());
+    token.is_some_and(|t| constant_time_eq(t.as_bytes(), key.as_bytes()))
+        || state.keys.owner_of(key).is_some()
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -104,12 +161,29 @@ pub async fn readyz(State(state): State<ApiState>, headers: axum::http::HeaderMa
                 None => None,
                 Some(r) => Some(if r.ping().await { "ok" } else { "unreachable" }),
             };
-            let status = if redis == Some("unreachable") { "degraded" } else { "ready" };
-            Json(redact(Health { status: status.into(), db: Some("ok".into()), redis: redis.map(Into::into) })).into_response()
+            let status = if redis == Some("unreachable") {
+                "degraded"
+            } else {
+                "ready"
+            };
+            Json(redact(Health {
+                status: status.into(),
+                db: Some("ok".into()),
+                redis: redis.map(Into::into),
+            }))
+            .into_response()
         }
         Err(e) => {
             tracing::warn!(error = %e, "readiness check failed");
-            (StatusCode::SERVICE_UNAVAILABLE, Json(redact(Health { status: "unavailable".into(), db: Some("unreachable".into()), redis: None }))).into_response()
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(redact(Health {
+                    status: "unavailable".into(),
+                    db: Some("unreachable".into()),
+                    redis: None,
+                })),
+            )
+                .into_response()
         }
     }
 }
@@ -118,17 +192,43 @@ pub async fn readyz(State(state): State<ApiState>, headers: axum::http::HeaderMa
 /// latency histograms and token counters come from this process's recorder. With API keys
 /// configured it needs `Authorization: Bearer` with a key or `SUBAGENTS_METRICS_TOKEN`.
 #[utoipa::path(get, path = "/metrics", tag = "system", responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String), (status = 401, body = ErrorBody), (status = 503, body = ErrorBody)))]
-pub async fn metrics(State(state): State<ApiState>, headers: axum::http::HeaderMap) -> Result<Response, ApiError> {
+pub async fn metrics(
+    State(state): State<ApiState>,
+    headers: axum::http::HeaderMap,
+) -> Result<Response, ApiError> {
     if !operator(&state, &headers) {
-        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "send Authorization: Bearer with an API key or the metrics token (SUBAGENTS_METRICS_TOKEN)"));
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "send Authorization: Bearer with an API key or the metrics token (SUBAGENTS_METRICS_TOKEN)",
+        ));
     }
     let counts = state.app.store.status_counts().await?;
-    let mut out = String::from("# HELP subagents_runs Runs by status.\n# TYPE subagents_runs gauge\n");
-    for s in [RunStatus::Queued, RunStatus::Running, RunStatus::Waiting, RunStatus::Succeeded, RunStatus::Failed, RunStatus::Cancelled] {
-        let n = counts.iter().find(|(k, _)| *k == s).map(|(_, n)| *n).unwrap_or(0);
-        out.push_str(&format!("subagents_runs{{status=\"{}\"}} {n}\n", s.as_str()));
+    let mut out =
+        String::from("# HELP subagents_runs Runs by status.\n# TYPE subagents_runs gauge\n");
+    for s in [
+        RunStatus::Queued,
+        RunStatus::Running,
+        RunStatus::Waiting,
+        RunStatus::Succeeded,
+        RunStatus::Failed,
+        RunStatus::Cancelled,
+    ] {
+        let n = counts
+            .iter()
+            .find(|(k, _)| *k == s)
+            .map(|(_, n)| *n)
+            .unwrap_or(0);
+        out.push_str(&format!(
+            "subagents_runs{{status=\"{}\"}} {n}\n",
+            s.as_str()
+        ));
     }
-    let queued = counts.iter().find(|(k, _)| *k == RunStatus::Queued).map(|(_, n)| *n).unwrap_or(0);
+    let queued = counts
+        .iter()
+        .find(|(k, _)| *k == RunStatus::Queued)
+        .map(|(_, n)| *n)
+        .unwrap_or(0);
     out.push_str(&format!("# HELP subagents_queue_depth Runs waiting for a worker.\n# TYPE subagents_queue_depth gauge\nsubagents_queue_depth {queued}\n"));
     out.push_str(&crate::telemetry::render_metrics());
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response())

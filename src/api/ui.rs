@@ -20,8 +20,14 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
     let h = r.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
     r
 }
 
@@ -35,7 +41,13 @@ pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
         .route("/", get(|| async { Redirect::temporary("/ui/") }))
         .route("/ui", get(|| async { Redirect::temporary("/ui/") }))
         .route("/ui/", get(index))
-        .route("/ui/assets/app.js", get(|| async { asset(APP_JS, "text/javascript; charset=utf-8") }))
-        .route("/ui/assets/app.css", get(|| async { asset(APP_CSS, "text/css; charset=utf-8") }))
+        .route(
+            "/ui/assets/app.js",
+            get(|| async { asset(APP_JS, "text/javascript; charset=utf-8") }),
+        )
+        .route(
+            "/ui/assets/app.css",
+            get(|| async { asset(APP_CSS, "text/css; charset=utf-8") }),
+        )
         .route("/ui/{*path}", get(index))
 }

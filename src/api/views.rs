@@ -3,8 +3,8 @@
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use crate::agents::AgentDef;
 use crate::events::progress_line;
@@ -115,9 +115,18 @@ impl RunView {
             }
         };
         let tree = async {
-            let children: Vec<RunId> = store.children(r.id).await?.into_iter().map(|c| c.id).collect();
+            let children: Vec<RunId> = store
+                .children(r.id)
+                .await?
+                .into_iter()
+                .map(|c| c.id)
+                .collect();
             let tree = if children.is_empty() {
-                crate::store::TreeTotals { usage: r.usage, steps: u64::from(r.step), cost_nanos: r.cost_nanos }
+                crate::store::TreeTotals {
+                    usage: r.usage,
+                    steps: u64::from(r.step),
+                    cost_nanos: r.cost_nanos,
+                }
             } else {
                 store.tree_totals(r.id).await?
             };
@@ -126,7 +135,17 @@ impl RunView {
         // Only a parked run can be waiting for a person.
         let approvals = async {
             match r.status {
-                RunStatus::Waiting => store.list_approvals(&r.owner, Some(crate::store::ApprovalStatus::Pending), Some(r.id), None, 50).await,
+                RunStatus::Waiting => {
+                    store
+                        .list_approvals(
+                            &r.owner,
+                            Some(crate::store::ApprovalStatus::Pending),
+                            Some(r.id),
+                            None,
+                            50,
+                        )
+                        .await
+                }
                 _ => Ok(vec![]),
             }
         };
@@ -221,7 +240,12 @@ pub struct MessageView {
 
 impl From<StoredMessage> for MessageView {
     fn from(m: StoredMessage) -> Self {
-        Self { id: m.id, run_id: m.run_id, step: m.step, message: m.message }
+        Self {
+            id: m.id,
+            run_id: m.run_id,
+            step: m.step,
+            message: m.message,
+        }
     }
 }
 
@@ -256,7 +280,12 @@ impl AgentView {
         if crate::delegation::offered(a, 0, &engine.settings.delegation) {
             effective_tools.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
-        let (effective_model, _) = crate::agents::resolve_model(a.model.as_deref(), None, &engine.settings.default_model, &engine.settings.model_aliases);
+        let (effective_model, _) = crate::agents::resolve_model(
+            a.model.as_deref(),
+            None,
+            &engine.settings.default_model,
+            &engine.settings.model_aliases,
+        );
         Self {
             name: a.name.clone(),
             description: a.description.clone(),

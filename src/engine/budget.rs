@@ -44,23 +44,36 @@ pub struct Budgets {
 impl Budgets {
     /// Budgets in Redis when `redis` is given, else in `store`.
     pub fn new(store: Arc<dyn RunLog>, redis: Option<RedisEvents>) -> Self {
-        Budgets { store, redis, owners: Mutex::new(HashMap::new()), redis_down_until: Mutex::new(None), blocks: Mutex::new(HashMap::new()), redis_failures: Default::default() }
+        Budgets {
+            store,
+            redis,
+            owners: Mutex::new(HashMap::new()),
+            redis_down_until: Mutex::new(None),
+            blocks: Mutex::new(HashMap::new()),
+            redis_failures: Default::default(),
+        }
     }
 
     /// Redis, unless it failed a moment ago.
     fn redis(&self) -> Option<&RedisEvents> {
-        let down = self.redis_down_until.lock().unwrap().is_some_and(|t| Instant::now() < t);
+        let down = self
+            .redis_down_until
+            .lock()
+            .unwrap()
+            .is_some_and(|t| Instant::now() < t);
         if down { None } else { self.redis.as_ref() }
     }
 
     /// How many budget calls Redis failed in this process: during an outage, one per
     /// [`REDIS_BACKOFF`], not one per model call (also `subagents_budget_redis_failures_total`).
     pub fn redis_failures(&self) -> u64 {
-        self.redis_failures.load(std::sync::atomic::Ordering::Relaxed)
+        self.redis_failures
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn redis_failed(&self, key: &str, error: &dyn std::fmt::Display) {
-        self.redis_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.redis_failures
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         metrics::counter!("subagents_budget_redis_failures_total").increment(1);
         tracing::warn!(%error, key, "Redis holds no budget now; the database counts for the next {}s", REDIS_BACKOFF.as_secs());
         *self.redis_down_until.lock().unwrap() = Some(Instant::now() + REDIS_BACKOFF);
@@ -88,22 +101,46 @@ impl Budgets {
 
     /// Takes one call of `tokens` prompt tokens from the budget `key`: `None` when taken, else
     /// when to try again (ms since the epoch).
-    pub async fn take(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>, StoreError> {
-        if let Some(at) = self.in_redis(key, |r| async move { r.take_budget(key, window_ms, max_requests, max_tokens, tokens).await }).await {
+    pub async fn take(
+        &self,
+        key: &str,
+        window_ms: i64,
+        max_requests: Option<u64>,
+        max_tokens: Option<u64>,
+        tokens: u64,
+    ) -> Result<Option<i64>, StoreError> {
+        if let Some(at) = self
+            .in_redis(key, |r| async move {
+                r.take_budget(key, window_ms, max_requests, max_tokens, tokens)
+                    .await
+            })
+            .await
+        {
             return Ok(at);
         }
-        self.store.take_budget(key, window_ms, max_requests, max_tokens, tokens).await
+        self.store
+            .take_budget(key, window_ms, max_requests, max_tokens, tokens)
+            .await
     }
 
     /// Until when `key` is blocked, if it is now (the provider said so, here or in another
     /// process; read at most every 200 ms per key).
     pub async fn blocked(&self, key: &str) -> Result<Option<i64>, StoreError> {
         let now = crate::store::now_ms();
-        let cached = self.blocks.lock().unwrap().get(key).filter(|(at, _)| at.elapsed() < BLOCK_TTL).map(|(_, until)| *until);
+        let cached = self
+            .blocks
+            .lock()
+            .unwrap()
+            .get(key)
+            .filter(|(at, _)| at.elapsed() < BLOCK_TTL)
+            .map(|(_, until)| *until);
         let until = match cached {
             Some(u) => u,
             None => {
-                let u = match self.in_redis(key, |r| async move { r.budget_blocked_until(key).await }).await {
+                let u = match self
+                    .in_redis(key, |r| async move { r.budget_blocked_until(key).await })
+                    .await
+                {
                     Some(v) => v,
                     None => self.store.budget_blocked_until(key).await?,
                 };
@@ -125,7 +162,11 @@ impl Budgets {
             let e = blocks.entry(key.to_owned()).or_insert((Instant::now(), 0));
             *e = (Instant::now(), e.1.max(until_ms));
         }
-        if self.in_redis(key, |r| async move { r.block_budget(key, until_ms).await }).await.is_some() {
+        if self
+            .in_redis(key, |r| async move { r.block_budget(key, until_ms).await })
+            .await
+            .is_some()
+        {
             return Ok(());
         }
         self.store.block_budget(key, until_ms).await

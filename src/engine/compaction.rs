@@ -25,7 +25,9 @@ use crate::ids::RunId;
 use crate::model::compact::{self, Entry};
 use crate::model::tokens::{Calibration, Counter, ModelTable};
 use crate::model::{ChatRequest, Message, ToolSpec};
-use crate::store::{Compaction, CompactionBody, EventKind, Lease, NewEvent, RunRecord, StoredMessage};
+use crate::store::{
+    Compaction, CompactionBody, EventKind, Lease, NewEvent, RunRecord, StoredMessage,
+};
 
 /// Context settings that do not vary per run.
 #[derive(Clone, Debug)]
@@ -44,7 +46,13 @@ pub struct ContextSettings {
 
 impl Default for ContextSettings {
     fn default() -> Self {
-        Self { table: ModelTable::default(), compact_at: 85, keep: 10, tool_result_tokens: 20_000, calibration: Arc::default() }
+        Self {
+            table: ModelTable::default(),
+            compact_at: 85,
+            keep: 10,
+            tool_result_tokens: 20_000,
+            calibration: Arc::default(),
+        }
     }
 }
 
@@ -83,13 +91,19 @@ fn message_key(m: &Message) -> u64 {
     m.role().hash(&mut h);
     match m {
         Message::System { content } | Message::User { content } => content.hash(&mut h),
-        Message::Assistant { content, tool_calls } => {
+        Message::Assistant {
+            content,
+            tool_calls,
+        } => {
             content.hash(&mut h);
             for c in tool_calls {
                 (&c.id, &c.function.name, &c.function.arguments).hash(&mut h);
             }
         }
-        Message::Tool { tool_call_id, content } => (tool_call_id, content).hash(&mut h),
+        Message::Tool {
+            tool_call_id,
+            content,
+        } => (tool_call_id, content).hash(&mut h),
     }
     h.finish()
 }
@@ -97,14 +111,22 @@ fn message_key(m: &Message) -> u64 {
 impl Budget {
     /// The limits for `run` on `agent` calling `model`: the run's `compact_at`, then the
     /// agent's, then the process's; the agent's `context_window:`, then the model table.
-    pub fn resolve(settings: &ContextSettings, agent: &AgentDef, run_compact_at: Option<u8>, model: &str) -> Budget {
+    pub fn resolve(
+        settings: &ContextSettings,
+        agent: &AgentDef,
+        run_compact_at: Option<u8>,
+        model: &str,
+    ) -> Budget {
         let (known, _) = settings.table.window(model);
         let mut window = agent.context_window.unwrap_or(known.context);
         // A provider that refused a request as too long taught us a smaller window.
         if let Some(learned) = settings.calibration.learned_window(model) {
             window = window.min(learned);
         }
-        let percent = run_compact_at.or(agent.compact_at).unwrap_or(settings.compact_at).clamp(10, 95) as u64;
+        let percent = run_compact_at
+            .or(agent.compact_at)
+            .unwrap_or(settings.compact_at)
+            .clamp(10, 95) as u64;
         let mut b = Budget {
             model: model.to_owned(),
             counter: Counter::for_model(model),
@@ -137,9 +159,15 @@ impl Budget {
         let mut raw = crate::model::tokens::REPLY_PRIMING;
         for m in messages {
             let key = message_key(m);
-            raw += *memo.messages.entry(key).or_insert_with(|| self.counter.message(m));
+            raw += *memo
+                .messages
+                .entry(key)
+                .or_insert_with(|| self.counter.message(m));
         }
-        raw += *memo.tools.entry(tools.len()).or_insert_with(|| self.counter.tools(tools));
+        raw += *memo
+            .tools
+            .entry(tools.len())
+            .or_insert_with(|| self.counter.tools(tools));
         (raw, self.calibration.scale(&self.model, raw))
     }
 
@@ -155,7 +183,9 @@ impl Budget {
     pub fn too_long(&mut self, raw: usize, body: &str) {
         let scaled = self.calibration.scale(&self.model, raw) as u64;
         let stated = stated_window(body).filter(|w| *w >= 256 && *w < self.window);
-        let window = stated.unwrap_or(scaled * 9 / 10).clamp(256, self.window.max(256));
+        let window = stated
+            .unwrap_or(scaled * 9 / 10)
+            .clamp(256, self.window.max(256));
         if window < self.window {
             tracing::warn!(model = %self.model, from = self.window, to = window, "the provider's window is smaller than configured; using it");
             self.calibration.learn_window(&self.model, window);
@@ -173,9 +203,18 @@ impl Budget {
 /// The window a provider's context-length error states, if it does.
 fn stated_window(body: &str) -> Option<u64> {
     let lower = body.to_ascii_lowercase();
-    for marker in ["maximum context length is ", "context window is ", "context length is ", "maximum context length of "] {
+    for marker in [
+        "maximum context length is ",
+        "context window is ",
+        "context length is ",
+        "maximum context length of ",
+    ] {
         if let Some(i) = lower.find(marker) {
-            let digits: String = lower[i + marker.len()..].chars().take_while(|c| c.is_ascii_digit() || *c == ',').filter(|c| *c != ',').collect();
+            let digits: String = lower[i + marker.len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == ',')
+                .filter(|c| *c != ',')
+                .collect();
             if let Ok(n) = digits.parse() {
                 return Some(n);
             }
@@ -199,7 +238,9 @@ pub struct RunContext {
 impl RunContext {
     /// The request's messages: system prompt, task (when restored), summary, the rest.
     pub fn messages(&self, system: &str, run: RunId) -> Vec<Message> {
-        let mut out = vec![Message::System { content: system.to_owned() }];
+        let mut out = vec![Message::System {
+            content: system.to_owned(),
+        }];
         let mut rest = &self.history[..];
         if self.task_restored
             && let Some((task, tail)) = rest.split_first()
@@ -208,7 +249,12 @@ impl RunContext {
             rest = tail;
         }
         if let Some(c) = &self.compaction {
-            out.push(compact::summary_message(&c.summary, c.first_message_id, c.last_message_id, &[]));
+            out.push(compact::summary_message(
+                &c.summary,
+                c.first_message_id,
+                c.last_message_id,
+                &[],
+            ));
         }
         out.extend(context(rest, run));
         out
@@ -233,14 +279,31 @@ pub struct Eviction {
 /// newest group — and that fit `chunk` tokens for the summariser (at least one group). `None`
 /// when nothing can go. `task_key` (the run's own task) is never replaced. Messages appended
 /// locally (id `i64::MAX`) are not committed under a known id and are never replaced.
-pub fn select(history: &[StoredMessage], task_key: &str, tokens: &dyn Fn(&StoredMessage) -> usize, keep: u64, chunk: u64) -> Option<Eviction> {
+pub fn select(
+    history: &[StoredMessage],
+    task_key: &str,
+    tokens: &dyn Fn(&StoredMessage) -> usize,
+    keep: u64,
+    chunk: u64,
+) -> Option<Eviction> {
     // Group starts: every message that is not a tool result.
-    let starts: Vec<usize> = history.iter().enumerate().filter(|(_, m)| !matches!(m.message, Message::Tool { .. })).map(|(i, _)| i).collect();
+    let starts: Vec<usize> = history
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| !matches!(m.message, Message::Tool { .. }))
+        .map(|(i, _)| i)
+        .collect();
     if starts.len() < 2 {
         return None;
     }
     let group_end = |g: usize| starts.get(g + 1).copied().unwrap_or(history.len());
-    let group_tokens = |g: usize| history[starts[g]..group_end(g)].iter().filter(|m| m.key != task_key).map(tokens).sum::<usize>() as u64;
+    let group_tokens = |g: usize| {
+        history[starts[g]..group_end(g)]
+            .iter()
+            .filter(|m| m.key != task_key)
+            .map(tokens)
+            .sum::<usize>() as u64
+    };
     // The kept tail: newest groups until `keep` is reached (at least one).
     let mut kept_from = starts.len() - 1;
     let mut kept = group_tokens(kept_from);
@@ -260,7 +323,10 @@ pub fn select(history: &[StoredMessage], task_key: &str, tokens: &dyn Fn(&Stored
         end_group += 1;
     }
     let end = starts.get(end_group).copied().unwrap_or(history.len());
-    let replaced: Vec<&StoredMessage> = history[..end].iter().filter(|m| m.key != task_key).collect();
+    let replaced: Vec<&StoredMessage> = history[..end]
+        .iter()
+        .filter(|m| m.key != task_key)
+        .collect();
     if replaced.is_empty() || replaced.iter().any(|m| m.id == i64::MAX) {
         return None;
     }
@@ -313,7 +379,10 @@ fn summary_words(window: u64) -> usize {
 impl Engine {
     /// Reads the run's context: the thread's latest compaction and the messages after it.
     pub(super) async fn load_context(&self, run: &RunRecord) -> Result<RunContext, Stop> {
-        let (compaction, mut history) = self.store.context(&run.thread_id, self.settings.context_messages.max(1)).await?;
+        let (compaction, mut history) = self
+            .store
+            .context(&run.thread_id, self.settings.context_messages.max(1))
+            .await?;
         let input_key = format!("{}:input", run.id);
         let mut task_restored = false;
         // The task is missing when it is not committed yet (a fresh run) or when this run's own
@@ -321,11 +390,23 @@ impl Engine {
         // outside the bounded read. Then it is put back in front (the summary follows it).
         let compacted_by_me = compaction.as_ref().is_some_and(|c| c.run_id == run.id);
         if !history.iter().any(|m| m.key == input_key) && (run.step > 0 || compacted_by_me) {
-            let input = StoredMessage { id: 0, run_id: run.id, step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
+            let input = StoredMessage {
+                id: 0,
+                run_id: run.id,
+                step: 0,
+                key: input_key,
+                message: Message::User {
+                    content: run.input.clone(),
+                },
+            };
             history.insert(0, input);
             task_restored = compaction.is_some();
         }
-        Ok(RunContext { compaction, history, task_restored })
+        Ok(RunContext {
+            compaction,
+            history,
+            task_restored,
+        })
     }
 
     /// One compaction step: chooses the oldest part of the context, has the model summarise
@@ -355,14 +436,27 @@ impl Engine {
         let summary_room = summary_words(budget.window) as u64 * 2;
         let chunk = (budget.window.saturating_sub(summary_room) * 6 / 10) >> failures.min(4);
         // The task sits at index 0 when restored; it is never part of a range.
-        let Some(ev) = select(&ctx.history, &input_key, &tokens, budget.keep, chunk.max(256)) else {
+        let Some(ev) = select(
+            &ctx.history,
+            &input_key,
+            &tokens,
+            budget.keep,
+            chunk.max(256),
+        ) else {
             return Ok(Compacted::Nothing);
         };
         self.lifecycle_hooks(run, agent, crate::policy::HookEvent::PreCompact, json!({"trigger": if reason == Reason::Threshold { "auto" } else { reason.as_str() }, "first_message_id": ev.first_id, "last_message_id": ev.last_id})).await;
         let messages_before = ctx.messages(&agent.system_prompt, run.id);
         let (_, tokens_before) = budget.estimate(&messages_before, tools);
         let range = json!({"first_message_id": ev.first_id, "last_message_id": ev.last_id, "messages": ev.count});
-        tracing::info!(reason = reason.as_str(), tokens_before, first = ev.first_id, last = ev.last_id, messages = ev.count, "compacting the context");
+        tracing::info!(
+            reason = reason.as_str(),
+            tokens_before,
+            first = ev.first_id,
+            last = ev.last_id,
+            messages = ev.count,
+            "compacting the context"
+        );
         self.store
             .checkpoint(lease, crate::store::Checkpoint {
                 events: vec![NewEvent::new(
@@ -391,21 +485,44 @@ impl Engine {
         let transcript = compact::transcript(&entries, &counter, per_message);
         let req = ChatRequest {
             model: budget.model.clone(),
-            messages: vec![Message::System { content: compact::prompt(summary_words(budget.window)) }, Message::User { content: transcript }],
+            messages: vec![
+                Message::System {
+                    content: compact::prompt(summary_words(budget.window)),
+                },
+                Message::User {
+                    content: transcript,
+                },
+            ],
             tools: vec![],
             step_key: format!("{}:compact:{}-{}", run.id, ev.first_id, ev.last_id),
         };
         let t0 = std::time::Instant::now();
         let (summary, spent) = match self.model.complete(&req, &|_| {}).await {
             Ok(r) => {
-                let cost = self.settings.prices.cost_nanos(&budget.model, &r.usage).unwrap_or(0);
+                let cost = self
+                    .settings
+                    .prices
+                    .cost_nanos(&budget.model, &r.usage)
+                    .unwrap_or(0);
                 let spent = (r.usage, cost);
-                match r.content.map(|c| c.trim().to_owned()).filter(|c| !c.is_empty()) {
+                match r
+                    .content
+                    .map(|c| c.trim().to_owned())
+                    .filter(|c| !c.is_empty())
+                {
                     Some(s) => (s, spent),
-                    None => return Ok(Compacted::Failed("the model answered the summary request with nothing".into())),
+                    None => {
+                        return Ok(Compacted::Failed(
+                            "the model answered the summary request with nothing".into(),
+                        ));
+                    }
                 }
             }
-            Err(e) => return Ok(Compacted::Failed(format!("the summary request failed: {e}"))),
+            Err(e) => {
+                return Ok(Compacted::Failed(format!(
+                    "the summary request failed: {e}"
+                )));
+            }
         };
         metrics::histogram!("subagents_compaction_seconds").record(t0.elapsed().as_secs_f64());
 
@@ -417,13 +534,28 @@ impl Engine {
             .into_iter()
             .filter(|c| !c.status.is_terminal())
             .map(|c| {
-                let what: String = c.input.lines().next().unwrap_or("").chars().take(80).collect();
-                format!("run_id {} (agent {}, {}): {}", c.id, c.agent, c.status.as_str(), what.trim())
+                let what: String = c
+                    .input
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .chars()
+                    .take(80)
+                    .collect();
+                format!(
+                    "run_id {} (agent {}, {}): {}",
+                    c.id,
+                    c.agent,
+                    c.status.as_str(),
+                    what.trim()
+                )
             })
             .collect();
         let mut summary_text = summary;
         if !pending.is_empty() {
-            let Message::User { content } = compact::summary_message("", 0, 0, &pending) else { unreachable!() };
+            let Message::User { content } = compact::summary_message("", 0, 0, &pending) else {
+                unreachable!()
+            };
             if let Some(i) = content.find("\n\nSub-agent runs") {
                 summary_text.push_str(&content[i..]);
             }
@@ -439,11 +571,24 @@ impl Engine {
             reason: reason.as_str().into(),
         };
         let after = RunContext {
-            compaction: Some(Compaction { id: 0, run_id: run.id, body: body.clone(), created_at: chrono::Utc::now() }),
-            history: ctx.history.iter().enumerate().filter(|(i, m)| *i >= ev.end || m.key == input_key).map(|(_, m)| m.clone()).collect(),
-            task_restored: ctx.history[..ev.end].iter().any(|m| m.key == input_key) || ctx.task_restored,
+            compaction: Some(Compaction {
+                id: 0,
+                run_id: run.id,
+                body: body.clone(),
+                created_at: chrono::Utc::now(),
+            }),
+            history: ctx
+                .history
+                .iter()
+                .enumerate()
+                .filter(|(i, m)| *i >= ev.end || m.key == input_key)
+                .map(|(_, m)| m.clone())
+                .collect(),
+            task_restored: ctx.history[..ev.end].iter().any(|m| m.key == input_key)
+                || ctx.task_restored,
         };
-        let (_, tokens_after) = budget.estimate(&after.messages(&agent.system_prompt, run.id), tools);
+        let (_, tokens_after) =
+            budget.estimate(&after.messages(&agent.system_prompt, run.id), tools);
         body.tokens_after = tokens_after as i64;
         let event = NewEvent::new(
             EventKind::ContextCompacted,
@@ -451,17 +596,37 @@ impl Engine {
                    "usage": {"prompt_tokens": spent.0.prompt_tokens, "completion_tokens": spent.0.completion_tokens},
                    "cost_usd": (spent.1 > 0).then(|| crate::model::prices::dollars(spent.1))}),
         );
-        self.settings.failpoints.hit("before_compaction_commit").await;
-        self.store.commit_compaction(lease, body, spent, vec![event]).await?;
-        self.settings.failpoints.hit("after_compaction_commit").await;
+        self.settings
+            .failpoints
+            .hit("before_compaction_commit")
+            .await;
+        self.store
+            .commit_compaction(lease, body, spent, vec![event])
+            .await?;
+        self.settings
+            .failpoints
+            .hit("after_compaction_commit")
+            .await;
         metrics::counter!("subagents_compactions_total", "reason" => reason.as_str()).increment(1);
-        tracing::info!(tokens_before, tokens_after, ms = t0.elapsed().as_millis() as u64, "context compacted");
+        tracing::info!(
+            tokens_before,
+            tokens_after,
+            ms = t0.elapsed().as_millis() as u64,
+            "context compacted"
+        );
         Ok(Compacted::Done)
     }
 
     /// A tool result as the model gets it: whole when it fits the result budget, otherwise
     /// written to `.results/<run>/<call>.txt` in the workspace, with its head and that path.
-    pub(super) async fn fit_result(&self, budget: &Budget, workspace: &std::path::Path, run: RunId, call_id: &str, text: String) -> (String, bool) {
+    pub(super) async fn fit_result(
+        &self,
+        budget: &Budget,
+        workspace: &std::path::Path,
+        run: RunId,
+        call_id: &str,
+        text: String,
+    ) -> (String, bool) {
         // A token is at least one byte: short texts need no count.
         if text.len() <= budget.result_tokens {
             return (text, false);
@@ -473,7 +638,16 @@ impl Engine {
         let head_tokens = (budget.result_tokens / 4).clamp(64, 2000);
         let head_len = budget.counter.head(&text, head_tokens).0.len();
         let rel = format!(".results/{run}/{call_id}.txt");
-        match crate::tools::offload(workspace, rel, text.clone(), head_len, tokens, budget.result_tokens).await {
+        match crate::tools::offload(
+            workspace,
+            rel,
+            text.clone(),
+            head_len,
+            tokens,
+            budget.result_tokens,
+        )
+        .await
+        {
             Ok(o) => {
                 tracing::info!(tokens, path = %o.path, "tool result offloaded to the workspace");
                 (o.notice, true)
@@ -495,23 +669,54 @@ mod tests {
     use crate::model::{FunctionCall, ToolCall};
 
     fn m(id: i64, run: RunId, key: &str, message: Message) -> StoredMessage {
-        StoredMessage { id, run_id: run, step: 0, key: key.into(), message }
+        StoredMessage {
+            id,
+            run_id: run,
+            step: 0,
+            key: key.into(),
+            message,
+        }
     }
 
     fn call(id: &str) -> Message {
-        Message::Assistant { content: None, tool_calls: vec![ToolCall { id: id.into(), kind: "function".into(), function: FunctionCall { name: "echo".into(), arguments: "{}".into() } }] }
+        Message::Assistant {
+            content: None,
+            tool_calls: vec![ToolCall {
+                id: id.into(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "echo".into(),
+                    arguments: "{}".into(),
+                },
+            }],
+        }
     }
 
     fn result(id: &str) -> Message {
-        Message::Tool { tool_call_id: id.into(), content: "x".into() }
+        Message::Tool {
+            tool_call_id: id.into(),
+            content: "x".into(),
+        }
     }
 
     /// task, then 5 steps of (call, result): ids 1..=11.
     fn history(run: RunId) -> Vec<StoredMessage> {
-        let mut h = vec![m(1, run, "task", Message::User { content: "do it".into() })];
+        let mut h = vec![m(
+            1,
+            run,
+            "task",
+            Message::User {
+                content: "do it".into(),
+            },
+        )];
         for s in 0..5 {
             h.push(m(2 + 2 * s, run, &format!("a{s}"), call(&format!("c{s}"))));
-            h.push(m(3 + 2 * s, run, &format!("r{s}"), result(&format!("c{s}"))));
+            h.push(m(
+                3 + 2 * s,
+                run,
+                &format!("r{s}"),
+                result(&format!("c{s}")),
+            ));
         }
         h
     }
@@ -523,8 +728,19 @@ mod tests {
         // Every message weighs 10: keep 30 tokens = two groups of 20 (the second reaches it).
         let ev = select(&h, "task", &|_| 10, 30, 10_000).unwrap();
         // Replaced: steps 0..3 (ids 2..=7); kept: steps 3 and 4 (ids 8..=11).
-        assert_eq!(ev, Eviction { end: 7, first_id: 2, last_id: 7, count: 6 });
-        assert!(!matches!(h[ev.end].message, Message::Tool { .. }), "the tail starts at a group");
+        assert_eq!(
+            ev,
+            Eviction {
+                end: 7,
+                first_id: 2,
+                last_id: 7,
+                count: 6
+            }
+        );
+        assert!(
+            !matches!(h[ev.end].message, Message::Tool { .. }),
+            "the tail starts at a group"
+        );
     }
 
     #[test]
@@ -552,19 +768,34 @@ mod tests {
 
     #[test]
     fn estimates_are_the_counters_whether_memoised_or_not() {
-        let b = Budget::resolve(&ContextSettings::default(), &AgentDef::general_purpose(), None, "gpt-4o");
+        let b = Budget::resolve(
+            &ContextSettings::default(),
+            &AgentDef::general_purpose(),
+            None,
+            "gpt-4o",
+        );
         let run = RunId::new();
         let msgs: Vec<Message> = history(run).into_iter().map(|m| m.message).collect();
         let want = Counter::for_model("gpt-4o").request(&msgs, &[]);
         assert_eq!(b.estimate(&msgs, &[]).0, want);
-        assert_eq!(b.estimate(&msgs, &[]).0, want, "the second time from the memo");
-        assert_eq!(b.estimate(&msgs[..3], &[]).0, Counter::for_model("gpt-4o").request(&msgs[..3], &[]));
+        assert_eq!(
+            b.estimate(&msgs, &[]).0,
+            want,
+            "the second time from the memo"
+        );
+        assert_eq!(
+            b.estimate(&msgs[..3], &[]).0,
+            Counter::for_model("gpt-4o").request(&msgs[..3], &[])
+        );
     }
 
     #[test]
     fn a_refusal_teaches_the_real_window() {
         let settings = ContextSettings::default();
-        let agent = AgentDef { context_window: Some(16_000), ..AgentDef::general_purpose() };
+        let agent = AgentDef {
+            context_window: Some(16_000),
+            ..AgentDef::general_purpose()
+        };
         let mut b = Budget::resolve(&settings, &agent, None, "m");
         assert_eq!((b.window, b.compact_at, b.keep), (16_000, 13_600, 1_600));
         b.too_long(7_000, r#"{"error":{"message":"This model's maximum context length is 6,000 tokens. However, your messages resulted in 7000 tokens."}}"#);
@@ -589,12 +820,23 @@ mod tests {
             tokens_after: 0,
             reason: "threshold".into(),
         };
-        let c = Compaction { id: 1, run_id: run, body, created_at: chrono::Utc::now() };
-        let ctx = RunContext { compaction: Some(c), history: [&h[..1], &h[7..]].concat(), task_restored: true };
+        let c = Compaction {
+            id: 1,
+            run_id: run,
+            body,
+            created_at: chrono::Utc::now(),
+        };
+        let ctx = RunContext {
+            compaction: Some(c),
+            history: [&h[..1], &h[7..]].concat(),
+            task_restored: true,
+        };
         let msgs = ctx.messages("sys", run);
         assert!(matches!(&msgs[0], Message::System { .. }));
         assert!(matches!(&msgs[1], Message::User { content } if content == "do it"));
-        assert!(matches!(&msgs[2], Message::User { content } if compact::is_summary(content) && content.contains("did steps 0-2")));
+        assert!(
+            matches!(&msgs[2], Message::User { content } if compact::is_summary(content) && content.contains("did steps 0-2"))
+        );
         assert_eq!(msgs.len(), 3 + 4);
     }
 }

@@ -38,7 +38,13 @@ pub struct PolicySettings {
 
 impl Default for PolicySettings {
     fn default() -> Self {
-        Self { settings: Arc::default(), approval_timeout: Duration::from_secs(86_400), http: reqwest::Client::new(), hook_cwd: None, hook_env_pass: vec![] }
+        Self {
+            settings: Arc::default(),
+            approval_timeout: Duration::from_secs(86_400),
+            http: reqwest::Client::new(),
+            hook_cwd: None,
+            hook_env_pass: vec![],
+        }
     }
 }
 
@@ -53,7 +59,10 @@ impl PolicySettings {
 pub(super) enum Gate {
     /// Run it with these arguments (a hook or an approver may have rewritten them); `context`
     /// is added to its result for the model.
-    Run { arguments: String, context: Vec<String> },
+    Run {
+        arguments: String,
+        context: Vec<String>,
+    },
     /// Do not run it; the model gets this text as its result.
     Refuse(String),
     /// Wait for a person: park on this.
@@ -61,7 +70,12 @@ pub(super) enum Gate {
 }
 
 /// Tools that manage children already started: they pass without a decision.
-const UNGATED: &[&str] = &["subagent_status", "subagent_events", "subagent_await", "subagent_cancel"];
+const UNGATED: &[&str] = &[
+    "subagent_status",
+    "subagent_events",
+    "subagent_await",
+    "subagent_cancel",
+];
 
 impl Engine {
     fn hook_configs<'a>(&'a self, agent: &'a AgentDef) -> [&'a crate::policy::HookConfig; 2] {
@@ -70,12 +84,25 @@ impl Engine {
 
     /// Decides whether `call` runs (see the module doc).
     #[allow(clippy::too_many_arguments)]
-    pub(super) async fn gate(&self, lease: &Lease, run: &RunRecord, agent: &AgentDef, step: u32, call: &ToolCall, key: &str, workspace: &Path) -> Result<Gate, Stop> {
+    pub(super) async fn gate(
+        &self,
+        lease: &Lease,
+        run: &RunRecord,
+        agent: &AgentDef,
+        step: u32,
+        call: &ToolCall,
+        key: &str,
+        workspace: &Path,
+    ) -> Result<Gate, Stop> {
         let tool = call.function.name.as_str();
         if UNGATED.contains(&tool) {
-            return Ok(Gate::Run { arguments: call.function.arguments.clone(), context: vec![] });
+            return Ok(Gate::Run {
+                arguments: call.function.arguments.clone(),
+                context: vec![],
+            });
         }
-        let input: Value = serde_json::from_str(&call.function.arguments).unwrap_or_else(|_| json!({}));
+        let input: Value =
+            serde_json::from_str(&call.function.arguments).unwrap_or_else(|_| json!({}));
         let configs = self.hook_configs(agent);
         let pre = hooks::matching(&configs, HookEvent::PreToolUse, Some(tool));
         let chain = self.rule_chain(run).await?;
@@ -84,7 +111,10 @@ impl Engine {
         // saved). A call that an approver answered is asked again by these rules, so it still
         // finds its committed answer below.
         if pre.is_empty() && matches!(chain.verdict(tool, &input, workspace), Verdict::Allow) {
-            return Ok(Gate::Run { arguments: call.function.arguments.clone(), context: vec![] });
+            return Ok(Gate::Run {
+                arguments: call.function.arguments.clone(),
+                context: vec![],
+            });
         }
         if let Some(decided) = self.store.tool_decision(key).await? {
             return self.apply(&decided, call, &chain, workspace).await;
@@ -98,7 +128,13 @@ impl Engine {
                 workspace,
                 json!({"tool_name": hooks::claude_name(tool), "subagents_tool": tool, "tool_use_id": call.id, "tool_input": input}),
             );
-            hooks::run(&pre, payload, &self.settings.policy.hook_env(workspace), &self.settings.policy.http).await
+            hooks::run(
+                &pre,
+                payload,
+                &self.settings.policy.hook_env(workspace),
+                &self.settings.policy.http,
+            )
+            .await
         };
         let used = outcome.updated_input.clone().unwrap_or(input);
         let mut decision = json!({"call_id": call.id, "tool": tool});
@@ -123,7 +159,14 @@ impl Engine {
             (None, Some((HookDecision::Ask, r)), _) => (Some(Verdict::Ask(r.clone())), "hook"),
             (None, Some((HookDecision::Allow, _)), _) => (Some(Verdict::Allow), "hook"),
             (None, None, Verdict::Ask(r)) => {
-                if self.store.has_grant(run.tree.root_run_id.unwrap_or(run.id), &chain.grant_scope(tool, &used)).await? {
+                if self
+                    .store
+                    .has_grant(
+                        run.tree.root_run_id.unwrap_or(run.id),
+                        &chain.grant_scope(tool, &used),
+                    )
+                    .await?
+                {
                     (Some(Verdict::Allow), "grant")
                 } else {
                     (Some(Verdict::Ask(r)), "rules")
@@ -148,42 +191,84 @@ impl Engine {
             }
             Some(Verdict::Ask(reason)) => {
                 let id = format!("apr_{}", uuid::Uuid::now_v7().simple());
-                let timeout = agent.policy.approval_timeout.or(self.settings.policy.settings.approval_timeout).unwrap_or(self.settings.policy.approval_timeout);
-                let expires_at = chrono::Utc::now().timestamp_millis().saturating_add(timeout.as_millis().min(i64::MAX as u128) as i64);
+                let timeout = agent
+                    .policy
+                    .approval_timeout
+                    .or(self.settings.policy.settings.approval_timeout)
+                    .unwrap_or(self.settings.policy.approval_timeout);
+                let expires_at = chrono::Utc::now()
+                    .timestamp_millis()
+                    .saturating_add(timeout.as_millis().min(i64::MAX as u128) as i64);
                 metrics::counter!("subagents_approvals_requested_total").increment(1);
                 events.push(NewEvent::new(
                     EventKind::ApprovalRequested,
                     json!({"step": step, "call_id": call.id, "approval_id": id, "tool": tool, "input": used, "reason": reason, "by": by, "expires_at": expires_at, "answerable_by": run.owner}),
                 ));
                 let grant_scope = chain.grant_scope(tool, &used);
-                approval = Some(NewApproval { id: id.clone(), tool: tool.to_owned(), input: used.clone(), reason: reason.clone(), expires_at, grant_scope });
+                approval = Some(NewApproval {
+                    id: id.clone(),
+                    tool: tool.to_owned(),
+                    input: used.clone(),
+                    reason: reason.clone(),
+                    expires_at,
+                    grant_scope,
+                });
                 decision["verdict"] = json!("ask");
                 decision["reason"] = json!(reason);
                 decision["approval_id"] = json!(id);
             }
         }
         tracing::info!(tool, verdict = %decision["verdict"], by, "tool call decided");
-        self.store.commit_decision(lease, key, decision.clone(), approval, events).await?;
+        self.store
+            .commit_decision(lease, key, decision.clone(), approval, events)
+            .await?;
         self.apply(&decision, call, &chain, workspace).await
     }
 
     /// What a committed decision means now (an approval may have been answered since). Only a
     /// verdict it names runs the call: anything else, missing or misspelt, refuses it. An
     /// approver's rewritten input meets the deny rules again.
-    async fn apply(&self, d: &Value, call: &ToolCall, chain: &RuleChain, workspace: &Path) -> Result<Gate, Stop> {
-        let context: Vec<String> = d["context"].as_array().map(|a| a.iter().filter_map(|c| c.as_str().map(str::to_owned)).collect()).unwrap_or_default();
-        let arguments = |updated: Option<&Value>| updated.filter(|u| u.is_object()).map(|u| u.to_string()).unwrap_or_else(|| call.function.arguments.clone());
+    async fn apply(
+        &self,
+        d: &Value,
+        call: &ToolCall,
+        chain: &RuleChain,
+        workspace: &Path,
+    ) -> Result<Gate, Stop> {
+        let context: Vec<String> = d["context"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| c.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let arguments = |updated: Option<&Value>| {
+            updated
+                .filter(|u| u.is_object())
+                .map(|u| u.to_string())
+                .unwrap_or_else(|| call.function.arguments.clone())
+        };
         let reason = d["reason"].as_str().unwrap_or("").to_owned();
         Ok(match d["verdict"].as_str() {
-            Some("allow") => Gate::Run { arguments: arguments(d.get("updated_input")), context },
+            Some("allow") => Gate::Run {
+                arguments: arguments(d.get("updated_input")),
+                context,
+            },
             Some("blocked") => Gate::Refuse(format!("error[blocked_by_hook]: {reason}")),
-            Some("deny") => Gate::Refuse(format!("error[permission_denied]: {reason}; this call was not run. Do not repeat it: continue without it or answer.")),
+            Some("deny") => Gate::Refuse(format!(
+                "error[permission_denied]: {reason}; this call was not run. Do not repeat it: continue without it or answer."
+            )),
             Some("ask") => {
                 let id = d["approval_id"].as_str().unwrap_or("");
                 let Some(mut a) = self.store.approval(id).await? else {
-                    return Ok(Gate::Refuse(format!("error[permission_denied]: the approval {id} for this call is gone")));
+                    return Ok(Gate::Refuse(format!(
+                        "error[permission_denied]: the approval {id} for this call is gone"
+                    )));
                 };
-                if a.status == ApprovalStatus::Pending && chrono::Utc::now().timestamp_millis() >= a.expires_at {
+                if a.status == ApprovalStatus::Pending
+                    && chrono::Utc::now().timestamp_millis() >= a.expires_at
+                {
                     self.store.expire_approval(id).await?;
                     a = self.store.approval(id).await?.unwrap_or(a);
                 }
@@ -218,31 +303,60 @@ impl Engine {
         let mut names = vec![run.agent.clone()];
         let mut parent = run.parent_run_id;
         while let Some(id) = parent {
-            let Some(p) = self.store.get_run(id).await? else { break };
+            let Some(p) = self.store.get_run(id).await? else {
+                break;
+            };
             names.push(p.agent.clone());
             parent = p.parent_run_id;
         }
-        Ok(RuleChain { settings: self.settings.policy.settings.clone(), agents: self.agents.clone(), names })
+        Ok(RuleChain {
+            settings: self.settings.policy.settings.clone(),
+            agents: self.agents.clone(),
+            names,
+        })
     }
 
     /// PostToolUse (or PostToolUseFailure) hooks on a finished call: their feedback and context
     /// are added to the result the model sees.
     #[allow(clippy::too_many_arguments)]
-    pub(super) async fn after_tool(&self, run: &RunRecord, agent: &AgentDef, call: &ToolCall, arguments: &str, text: String, ok: bool, workspace: &Path) -> String {
+    pub(super) async fn after_tool(
+        &self,
+        run: &RunRecord,
+        agent: &AgentDef,
+        call: &ToolCall,
+        arguments: &str,
+        text: String,
+        ok: bool,
+        workspace: &Path,
+    ) -> String {
         let tool = call.function.name.as_str();
-        let event = if ok { HookEvent::PostToolUse } else { HookEvent::PostToolUseFailure };
+        let event = if ok {
+            HookEvent::PostToolUse
+        } else {
+            HookEvent::PostToolUseFailure
+        };
         let configs = self.hook_configs(agent);
         let post = hooks::matching(&configs, event, Some(tool));
         if post.is_empty() {
             return text;
         }
         let input: Value = serde_json::from_str(arguments).unwrap_or_else(|_| json!({}));
-        let response = if ok { json!({"tool_response": text}) } else { json!({"error": text}) };
+        let response = if ok {
+            json!({"tool_response": text})
+        } else {
+            json!({"error": text})
+        };
         let mut extra = json!({"tool_name": hooks::claude_name(tool), "subagents_tool": tool, "tool_use_id": call.id, "tool_input": input});
         if let (Value::Object(o), Value::Object(r)) = (&mut extra, response) {
             o.extend(r);
         }
-        let outcome = hooks::run(&post, hooks::input(event, run, workspace, extra), &self.settings.policy.hook_env(workspace), &self.settings.policy.http).await;
+        let outcome = hooks::run(
+            &post,
+            hooks::input(event, run, workspace, extra),
+            &self.settings.policy.hook_env(workspace),
+            &self.settings.policy.http,
+        )
+        .await;
         let mut text = text;
         if let Some(reason) = outcome.blocked {
             metrics::counter!("subagents_hook_blocks_total").increment(1);
@@ -256,16 +370,31 @@ impl Engine {
 
     /// Hooks of a run's lifecycle (RunStart, SubagentStart, Stop, SubagentStop, PreCompact):
     /// they observe, they cannot block; failures are logged.
-    pub(super) async fn lifecycle_hooks(&self, run: &RunRecord, agent: &AgentDef, event: HookEvent, extra: Value) {
+    pub(super) async fn lifecycle_hooks(
+        &self,
+        run: &RunRecord,
+        agent: &AgentDef,
+        event: HookEvent,
+        extra: Value,
+    ) {
         let configs = self.hook_configs(agent);
         let list = hooks::matching(&configs, event, None);
         if list.is_empty() {
             return;
         }
         let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
-        let outcome = hooks::run(&list, hooks::input(event, run, &workspace, extra), &self.settings.policy.hook_env(&workspace), &self.settings.policy.http).await;
+        let outcome = hooks::run(
+            &list,
+            hooks::input(event, run, &workspace, extra),
+            &self.settings.policy.hook_env(&workspace),
+            &self.settings.policy.http,
+        )
+        .await;
         if outcome.blocked.is_some() {
-            tracing::info!(event = event.as_str(), "a lifecycle hook asked to block; lifecycle hooks only observe");
+            tracing::info!(
+                event = event.as_str(),
+                "a lifecycle hook asked to block; lifecycle hooks only observe"
+            );
         }
     }
 }
@@ -289,8 +418,17 @@ impl RuleChain {
     /// Whether any source has a rule that names a path: only then is a path worth resolving
     /// through the workspace's links.
     fn names_paths(&self) -> bool {
-        let has = |r: &crate::policy::Rules| [&r.allow, &r.deny, &r.ask].iter().any(|l| l.iter().any(|x| x.specifier.is_some()));
-        has(&self.settings.rules) || self.names.iter().filter_map(|n| self.agents.get(n)).any(|a| has(&a.policy.rules))
+        let has = |r: &crate::policy::Rules| {
+            [&r.allow, &r.deny, &r.ask]
+                .iter()
+                .any(|l| l.iter().any(|x| x.specifier.is_some()))
+        };
+        has(&self.settings.rules)
+            || self
+                .names
+                .iter()
+                .filter_map(|n| self.agents.get(n))
+                .any(|a| has(&a.policy.rules))
     }
 
     /// The strictest verdict of every source on `tool` called with `input`.
@@ -303,9 +441,14 @@ impl RuleChain {
         let settings = &self.settings.rules;
         let mut verdict: Option<Verdict> = None;
         for (i, name) in self.names.iter().enumerate() {
-            let Some(a) = self.agents.get(name) else { continue };
+            let Some(a) = self.agents.get(name) else {
+                continue;
+            };
             let v = match permissions::evaluate(&[settings, &a.policy.rules], call) {
-                Verdict::Deny(r) if i > 0 => Verdict::Deny(format!("{r} (for the parent agent `{}`: a subagent never gets more than its parent)", a.name)),
+                Verdict::Deny(r) if i > 0 => Verdict::Deny(format!(
+                    "{r} (for the parent agent `{}`: a subagent never gets more than its parent)",
+                    a.name
+                )),
                 v => v,
             };
             verdict = Some(match verdict {
@@ -320,7 +463,12 @@ impl RuleChain {
     fn grant_scope(&self, tool: &str, input: &Value) -> String {
         let call = permissions::Call::new(tool, input, None);
         let mut sources: Vec<&crate::policy::Rules> = vec![&self.settings.rules];
-        sources.extend(self.names.iter().filter_map(|n| self.agents.get(n)).map(|a| &a.policy.rules));
+        sources.extend(
+            self.names
+                .iter()
+                .filter_map(|n| self.agents.get(n))
+                .map(|a| &a.policy.rules),
+        );
         permissions::grant_scope(&sources, &call)
     }
 
@@ -329,7 +477,10 @@ impl RuleChain {
         let chain = self.clone();
         crate::tools::Readable(Arc::new(move |path: &str| {
             let input = json!({"path": path});
-            matches!(chain.verdict_of(&permissions::Call::new("read_file", &input, None)), Verdict::Allow)
+            matches!(
+                chain.verdict_of(&permissions::Call::new("read_file", &input, None)),
+                Verdict::Allow
+            )
         }))
     }
 }

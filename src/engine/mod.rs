@@ -35,8 +35,8 @@ use crate::ids::RunId;
 use crate::model::{ChatModel, ChatRequest, Message, ModelError, ToolCall};
 use crate::queue::Queue;
 use crate::store::{
-    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, Park, Parked, RunError, RunLog, RunRecord,
-    StoreError, StoredMessage,
+    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, Park, Parked,
+    RunError, RunLog, RunRecord, StoreError, StoredMessage,
 };
 use crate::tools::{ToolCtx, ToolRegistry};
 pub use compaction::{Budget, ContextSettings};
@@ -197,11 +197,24 @@ struct ToolsOutcome {
 
 impl Engine {
     /// Claims and executes one run until it ends, parks, is handed over, or `shutdown` drains it.
-    pub async fn execute(&self, run_id: RunId, worker: &str, shutdown: &CancellationToken) -> Result<Executed, StoreError> {
-        let (lease, run) = match self.store.claim_run(run_id, worker, self.settings.lease_ttl).await? {
+    pub async fn execute(
+        &self,
+        run_id: RunId,
+        worker: &str,
+        shutdown: &CancellationToken,
+    ) -> Result<Executed, StoreError> {
+        let (lease, run) = match self
+            .store
+            .claim_run(run_id, worker, self.settings.lease_ttl)
+            .await?
+        {
             Claim::Acquired(lease, run) => (lease, *run),
             Claim::NotClaimable(status) => {
-                if matches!(status, Some(crate::store::RunStatus::Queued | crate::store::RunStatus::Waiting)) && self.store.at_limit(run_id).await? {
+                if matches!(
+                    status,
+                    Some(crate::store::RunStatus::Queued | crate::store::RunStatus::Waiting)
+                ) && self.store.at_limit(run_id).await?
+                {
                     tracing::debug!(%run_id, "the run's owner or agent is at its concurrency limit; it waits for a slot");
                     metrics::counter!("subagents_runs_deferred_total").increment(1);
                     return Ok(Executed::Deferred);
@@ -228,10 +241,17 @@ impl Engine {
         if let Some(tp) = run.metadata.get("traceparent").and_then(|v| v.as_str()) {
             crate::telemetry::adopt(&span, tp);
         }
-        self.execute_claimed(lease, run, shutdown).instrument(span).await
+        self.execute_claimed(lease, run, shutdown)
+            .instrument(span)
+            .await
     }
 
-    async fn execute_claimed(&self, lease: Lease, run: RunRecord, shutdown: &CancellationToken) -> Result<Executed, StoreError> {
+    async fn execute_claimed(
+        &self,
+        lease: Lease,
+        run: RunRecord,
+        shutdown: &CancellationToken,
+    ) -> Result<Executed, StoreError> {
         tracing::info!(step = run.step, crashes = run.crashes, "run claimed");
         // A cancel that arrived while its worker was gone is honoured before anything else: no
         // model call, no tool.
@@ -241,11 +261,19 @@ impl Engine {
         }
         let cancel = CancellationToken::new();
         let lost = CancellationToken::new();
-        let heartbeat = AbortOnDrop(tokio::spawn(heartbeat(self.store.clone(), lease.clone(), cancel.clone(), lost.clone())));
+        let heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
+            self.store.clone(),
+            lease.clone(),
+            cancel.clone(),
+            lost.clone(),
+        )));
 
         // Limits are validated at start; still, stored data must never make the engine panic.
         let started = run.started_at.unwrap_or_else(chrono::Utc::now);
-        let limit = chrono::Duration::try_seconds(run.limits.timeout_secs.min(i64::MAX as u64 / 1000) as i64).unwrap_or(chrono::Duration::MAX);
+        let limit = chrono::Duration::try_seconds(
+            run.limits.timeout_secs.min(i64::MAX as u64 / 1000) as i64,
+        )
+        .unwrap_or(chrono::Duration::MAX);
         let deadline_in = started
             .checked_add_signed(limit)
             .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO))
@@ -253,8 +281,20 @@ impl Engine {
         // A run parked past its wall-time limit is claimed at its deadline (see `park`) and
         // ends here, before any other call.
         if deadline_in.is_zero() {
-            let message = format!("the run exceeded its wall-time limit of {}s", run.limits.timeout_secs);
-            return self.finish(&lease, &run, Finish::Failed(RunError { kind: ErrorKind::Timeout, message })).await;
+            let message = format!(
+                "the run exceeded its wall-time limit of {}s",
+                run.limits.timeout_secs
+            );
+            return self
+                .finish(
+                    &lease,
+                    &run,
+                    Finish::Failed(RunError {
+                        kind: ErrorKind::Timeout,
+                        message,
+                    }),
+                )
+                .await;
         }
         // A drain lets the step in flight finish (the loop stops at the next step boundary),
         // but only for so long.
@@ -280,18 +320,36 @@ impl Engine {
             }
             Ok(Ok(LoopEnd::Finish(finish))) => self.finish(&lease, &run, finish).await,
             Ok(Ok(LoopEnd::Park(wait))) => self.park(&lease, &run, wait).await,
-            Ok(Ok(LoopEnd::Drained)) => self.release(&lease, "draining: the step in flight finished").await,
+            Ok(Ok(LoopEnd::Drained)) => {
+                self.release(&lease, "draining: the step in flight finished")
+                    .await
+            }
             Err(Interrupt::DrainCut) => {
                 // The step's model call (if it was answered) is lost and will be asked again:
                 // worth a warning, since the grace is meant to cover a step.
-                tracing::warn!(grace_s = grace.as_secs_f64(), "draining: the grace period ran out mid-step; the step in flight is dropped and runs again elsewhere");
-                self.release(&lease, "draining: the grace period ran out mid-step").await
+                tracing::warn!(
+                    grace_s = grace.as_secs_f64(),
+                    "draining: the grace period ran out mid-step; the step in flight is dropped and runs again elsewhere"
+                );
+                self.release(&lease, "draining: the grace period ran out mid-step")
+                    .await
             }
             Ok(Err(Stop::Fail(e))) => self.finish(&lease, &run, Finish::Failed(e)).await,
             Err(Interrupt::Cancel) => self.finish(&lease, &run, Finish::Cancelled).await,
             Err(Interrupt::Timeout) => {
-                let message = format!("the run exceeded its wall-time limit of {}s", run.limits.timeout_secs);
-                self.finish(&lease, &run, Finish::Failed(RunError { kind: ErrorKind::Timeout, message })).await
+                let message = format!(
+                    "the run exceeded its wall-time limit of {}s",
+                    run.limits.timeout_secs
+                );
+                self.finish(
+                    &lease,
+                    &run,
+                    Finish::Failed(RunError {
+                        kind: ErrorKind::Timeout,
+                        message,
+                    }),
+                )
+                .await
             }
             Ok(Err(Stop::Store(StoreError::LeaseLost(_)))) | Err(Interrupt::LeaseLost) => {
                 tracing::warn!("lease lost: another worker owns this run now; dropping it");
@@ -300,7 +358,15 @@ impl Engine {
             Ok(Err(Stop::Store(StoreError::Corrupt(what)))) => {
                 // Replaying cannot get past unreadable data: fail instead of looping.
                 let message = format!("stored data of this run could not be read: {what}");
-                self.finish(&lease, &run, Finish::Failed(RunError { kind: ErrorKind::Internal, message })).await
+                self.finish(
+                    &lease,
+                    &run,
+                    Finish::Failed(RunError {
+                        kind: ErrorKind::Internal,
+                        message,
+                    }),
+                )
+                .await
             }
             Ok(Err(Stop::Store(e))) => self.storage_failed(&lease, &run, e).await,
         }
@@ -312,51 +378,107 @@ impl Engine {
     /// database being away (a deadlock, a lock or statement timeout, a full disk) counts as a
     /// crash, so a run that keeps failing that way ends after `SUBAGENTS_MAX_ATTEMPTS` like one
     /// that keeps crashing, while a run survives any number of database restarts.
-    async fn storage_failed(&self, lease: &Lease, run: &RunRecord, e: StoreError) -> Result<Executed, StoreError> {
+    async fn storage_failed(
+        &self,
+        lease: &Lease,
+        run: &RunRecord,
+        e: StoreError,
+    ) -> Result<Executed, StoreError> {
         if !e.is_transient() {
             tracing::error!(error = %e, "the database refused this run's data; failing the run");
-            let message = format!("the database refused this run's data, and replaying it would fail the same way: {e}");
-            return self.finish(lease, run, Finish::Failed(RunError { kind: ErrorKind::Internal, message })).await;
+            let message = format!(
+                "the database refused this run's data, and replaying it would fail the same way: {e}"
+            );
+            return self
+                .finish(
+                    lease,
+                    run,
+                    Finish::Failed(RunError {
+                        kind: ErrorKind::Internal,
+                        message,
+                    }),
+                )
+                .await;
         }
         let counted = !e.is_outage();
         if counted && run.crashes.saturating_add(1) >= self.settings.max_attempts {
             tracing::error!(error = %e, crashes = run.crashes, "storage kept failing for this run; giving up");
-            let message = format!("storage kept failing; gave up after {} attempts: {e}", run.crashes + 1);
-            return self.finish(lease, run, Finish::Failed(RunError { kind: ErrorKind::Lost, message })).await;
+            let message = format!(
+                "storage kept failing; gave up after {} attempts: {e}",
+                run.crashes + 1
+            );
+            return self
+                .finish(
+                    lease,
+                    run,
+                    Finish::Failed(RunError {
+                        kind: ErrorKind::Lost,
+                        message,
+                    }),
+                )
+                .await;
         }
         tracing::error!(error = %e, counted, "storage failed mid-run; releasing the run for a retry");
-        let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), counted).await;
+        let _ = self
+            .store
+            .release_lease(lease, &crate::queue::new_job_id(), counted)
+            .await;
         Err(e)
     }
 
     /// Commits the run's end (its event, and the parent's `child.finished` and wake-ups in the
     /// same transaction), then cancels its attached children.
-    async fn finish(&self, lease: &Lease, run: &RunRecord, mut finish: Finish) -> Result<Executed, StoreError> {
+    async fn finish(
+        &self,
+        lease: &Lease,
+        run: &RunRecord,
+        mut finish: Finish,
+    ) -> Result<Executed, StoreError> {
         match &mut finish {
             Finish::Failed(e) => crate::model::scrub_nul(&mut e.message),
             Finish::Succeeded { result, .. } => crate::model::scrub_nul(result),
             Finish::Cancelled => {}
         }
         let event = match &finish {
-            Finish::Succeeded { result, forced } => NewEvent::new(EventKind::RunSucceeded, json!({"result": result, "forced": forced})),
+            Finish::Succeeded { result, forced } => NewEvent::new(
+                EventKind::RunSucceeded,
+                json!({"result": result, "forced": forced}),
+            ),
             Finish::Failed(e) => NewEvent::new(EventKind::RunFailed, json!({"error": e})),
             Finish::Cancelled => NewEvent::new(EventKind::RunCancelled, json!({})),
         };
         let status = finish.terminal().status();
         match &finish {
             Finish::Succeeded { forced, .. } => tracing::info!(forced, "run succeeded"),
-            Finish::Failed(e) => tracing::warn!(kind = e.kind.as_str(), error = %e.message, "run failed"),
+            Finish::Failed(e) => {
+                tracing::warn!(kind = e.kind.as_str(), error = %e.message, "run failed")
+            }
             Finish::Cancelled => tracing::info!("run cancelled"),
         }
-        match self.store.checkpoint(lease, Checkpoint { events: vec![event], finish: Some(finish), ..Default::default() }).await {
+        match self
+            .store
+            .checkpoint(
+                lease,
+                Checkpoint {
+                    events: vec![event],
+                    finish: Some(finish),
+                    ..Default::default()
+                },
+            )
+            .await
+        {
             Ok(()) => {
-                metrics::counter!("subagents_runs_finished_total", "status" => status.as_str()).increment(1);
+                metrics::counter!("subagents_runs_finished_total", "status" => status.as_str())
+                    .increment(1);
                 self.end_children(run).await;
                 Ok(Executed::Finished(ended(run)))
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
-                let _ = self.store.release_lease(lease, &crate::queue::new_job_id(), !e.is_outage()).await;
+                let _ = self
+                    .store
+                    .release_lease(lease, &crate::queue::new_job_id(), !e.is_outage())
+                    .await;
                 Err(e)
             }
         }
@@ -365,7 +487,12 @@ impl Engine {
     /// Parks the run on what its delegation calls wait for. The store records what it waits
     /// on and makes it due at once if any of that already ended, so an end that raced the park
     /// is never missed; a cancel pending at the park finishes the run instead.
-    async fn park(&self, lease: &Lease, run: &RunRecord, mut wait: Wait) -> Result<Executed, StoreError> {
+    async fn park(
+        &self,
+        lease: &Lease,
+        run: &RunRecord,
+        mut wait: Wait,
+    ) -> Result<Executed, StoreError> {
         let fp = &self.settings.failpoints;
         // The wall-time limit holds while parked too: wake at the deadline at the latest.
         if let Some(deadline) = run_deadline_ms(run) {
@@ -384,12 +511,20 @@ impl Engine {
             data["approval_ids"] = json!(wait.approvals);
         }
         let event = NewEvent::new(EventKind::RunWaiting, data);
-        let park = Park { events: vec![event], wake_at: wait.wake_at, waits_on: wait.on.clone(), approvals: wait.approvals.clone() };
+        let park = Park {
+            events: vec![event],
+            wake_at: wait.wake_at,
+            waits_on: wait.on.clone(),
+            approvals: wait.approvals.clone(),
+        };
         match self.store.park(lease, park).await {
             Ok(Parked::Parked { due }) => {
                 fp.hit("after_park_commit").await;
                 tracing::info!(waits_on = ?wait.on, wake_at = ?wait.wake_at, due, "parked: waiting for children");
-                Ok(Executed::Parked { due, wake_at: wait.wake_at })
+                Ok(Executed::Parked {
+                    due,
+                    wake_at: wait.wake_at,
+                })
             }
             Ok(Parked::CancelPending) => {
                 tracing::info!("a cancel arrived before the park: finishing as cancelled");
@@ -407,8 +542,16 @@ impl Engine {
             return Ok(Executed::LeaseLost);
         }
         tracing::info!(why, "run released to the queue");
-        let rank = self.store.queue_rank(lease.run_id, crate::store::QueuePlace::Front).await.unwrap_or((0, crate::runs::DEFAULT_PRIORITY));
-        if let Err(e) = self.queue.push(lease.run_id, &job, rank, Duration::ZERO).await {
+        let rank = self
+            .store
+            .queue_rank(lease.run_id, crate::store::QueuePlace::Front)
+            .await
+            .unwrap_or((0, crate::runs::DEFAULT_PRIORITY));
+        if let Err(e) = self
+            .queue
+            .push(lease.run_id, &job, rank, Duration::ZERO)
+            .await
+        {
             tracing::warn!(error = %e, "could not push the released run; the reaper will");
         }
         Ok(Executed::Released)
@@ -416,7 +559,12 @@ impl Engine {
 
     /// Whether the tree this run belongs to has used up its token or step budget (set on the
     /// root, inherited by every descendant). Only asks the database when a budget is set.
-    async fn over_tree_budget(&self, run: &RunRecord, own: crate::model::Usage, own_steps: u32) -> Result<bool, Stop> {
+    async fn over_tree_budget(
+        &self,
+        run: &RunRecord,
+        own: crate::model::Usage,
+        own_steps: u32,
+    ) -> Result<bool, Stop> {
         let l = &run.limits;
         if l.max_total_tokens.is_none() && l.max_total_steps.is_none() {
             return Ok(false);
@@ -425,14 +573,18 @@ impl Engine {
             // A root counts its own (possibly not yet visible) usage plus its descendants'.
             None => {
                 let (tree, tree_steps) = self.store.tree_usage(run.id).await?;
-                (tree.total().max(own.total()), tree_steps.max(u64::from(own_steps)))
+                (
+                    tree.total().max(own.total()),
+                    tree_steps.max(u64::from(own_steps)),
+                )
             }
             Some(root) => {
                 let (tree, tree_steps) = self.store.tree_usage(root).await?;
                 (tree.total(), tree_steps)
             }
         };
-        Ok(l.max_total_tokens.is_some_and(|m| tokens >= m) || l.max_total_steps.is_some_and(|m| steps >= m))
+        Ok(l.max_total_tokens.is_some_and(|m| tokens >= m)
+            || l.max_total_steps.is_some_and(|m| steps >= m))
     }
 
     /// The `step.started` event of the step after `done`, when it can be known without asking
@@ -441,7 +593,10 @@ impl Engine {
         if run.limits.max_total_tokens.is_some() || run.limits.max_total_steps.is_some() {
             return None;
         }
-        Some(NewEvent::new(EventKind::StepStarted, json!({"step": done + 1, "forced": done >= run.limits.max_steps})))
+        Some(NewEvent::new(
+            EventKind::StepStarted,
+            json!({"step": done + 1, "forced": done >= run.limits.max_steps}),
+        ))
     }
 
     /// A parent that ends cancels its still-running attached children. The terminal commit
@@ -449,14 +604,15 @@ impl Engine {
     /// this is the fast path that wakes their workers in this process at once. A run whose
     /// agent was never offered the delegation tools has none, and costs no query.
     async fn end_children(&self, run: &RunRecord) {
-        let may_delegate = self
-            .agents
-            .get(&run.agent)
-            .is_none_or(|a| crate::delegation::offered(a, run.tree.depth, &self.settings.delegation));
+        let may_delegate = self.agents.get(&run.agent).is_none_or(|a| {
+            crate::delegation::offered(a, run.tree.depth, &self.settings.delegation)
+        });
         if !may_delegate {
             return;
         }
-        if let Err(e) = crate::runs::cancel_attached_children(self.store.as_ref(), &self.queue, run.id).await {
+        if let Err(e) =
+            crate::runs::cancel_attached_children(self.store.as_ref(), &self.queue, run.id).await
+        {
             tracing::warn!(error = %e, "could not cancel the children of a finished run");
         }
     }
@@ -468,13 +624,20 @@ impl Engine {
         let mut parent = run.parent_run_id;
         while chain.last().and_then(|m| m.as_deref()).map(str::trim) == Some("inherit") {
             let Some(id) = parent else { break };
-            let Some(p) = self.store.get_run(id).await? else { break };
+            let Some(p) = self.store.get_run(id).await? else {
+                break;
+            };
             chain.push(self.agents.get(&p.agent).and_then(|a| a.model.clone()));
             parent = p.parent_run_id;
         }
         let mut resolved: Option<String> = None;
         for m in chain.iter().rev() {
-            let (model, note) = crate::agents::resolve_model(m.as_deref(), resolved.as_deref(), &self.settings.default_model, &self.settings.model_aliases);
+            let (model, note) = crate::agents::resolve_model(
+                m.as_deref(),
+                resolved.as_deref(),
+                &self.settings.default_model,
+                &self.settings.model_aliases,
+            );
             if let Some(note) = note {
                 tracing::debug!(%model, note, "model resolved");
             }
@@ -487,7 +650,13 @@ impl Engine {
     /// tools, else the servers and tools it names (`mcp__server`, `mcp__server__tool`). A server
     /// that cannot be reached offers nothing this time; a tool named explicitly is still offered,
     /// so a call of it tells the model what is wrong.
-    async fn add_mcp_tools(&self, agent: &AgentDef, owner: &str, names: &mut Vec<String>, specs: &mut Vec<crate::model::ToolSpec>) {
+    async fn add_mcp_tools(
+        &self,
+        agent: &AgentDef,
+        owner: &str,
+        names: &mut Vec<String>,
+        specs: &mut Vec<crate::model::ToolSpec>,
+    ) {
         let hub = &self.settings.mcp;
         let visible = hub.visible(&agent.name);
         let wanted: Vec<(String, Option<String>)> = match &agent.tools {
@@ -517,7 +686,9 @@ impl Engine {
                             kind: "function".into(),
                             function: crate::model::FunctionSpec {
                                 name,
-                                description: format!("(The MCP server `{server}` is not available right now: {e})"),
+                                description: format!(
+                                    "(The MCP server `{server}` is not available right now: {e})"
+                                ),
                                 parameters: json!({"type": "object"}),
                             },
                         });
@@ -528,23 +699,41 @@ impl Engine {
     }
 
     /// Runs a built-in tool or an MCP server's (the owner's own process of a stdio server).
-    async fn execute_tool(&self, name: &str, arguments: &str, ctx: &ToolCtx, owner: &str) -> Result<String, crate::tools::ToolError> {
+    async fn execute_tool(
+        &self,
+        name: &str,
+        arguments: &str,
+        ctx: &ToolCtx,
+        owner: &str,
+    ) -> Result<String, crate::tools::ToolError> {
         let Some((server, Some(tool))) = crate::mcp::split(name) else {
             return self.tools.execute(name, arguments, ctx).await;
         };
         let args: serde_json::Value = if arguments.trim().is_empty() {
             json!({})
         } else {
-            serde_json::from_str(arguments).map_err(|e| crate::tools::ToolError::new("bad_arguments", format!("arguments are not valid JSON ({e}); send a JSON object")))?
+            serde_json::from_str(arguments).map_err(|e| {
+                crate::tools::ToolError::new(
+                    "bad_arguments",
+                    format!("arguments are not valid JSON ({e}); send a JSON object"),
+                )
+            })?
         };
         match self.settings.mcp.call(server, tool, args, owner).await {
             Ok((text, true)) => Ok(text),
             Ok((text, false)) => Err(crate::tools::ToolError::new("mcp_tool_error", text)),
-            Err(e) => Err(crate::tools::ToolError::new("mcp_unavailable", e.to_string())),
+            Err(e) => Err(crate::tools::ToolError::new(
+                "mcp_unavailable",
+                e.to_string(),
+            )),
         }
     }
 
-    fn delegation_ctx<'a>(&'a self, run: &'a RunRecord, agent: &'a AgentDef) -> crate::delegation::Ctx<'a> {
+    fn delegation_ctx<'a>(
+        &'a self,
+        run: &'a RunRecord,
+        agent: &'a AgentDef,
+    ) -> crate::delegation::Ctx<'a> {
         crate::delegation::Ctx {
             store: self.store.as_ref(),
             queue: &self.queue,
@@ -557,11 +746,19 @@ impl Engine {
     }
 
     /// The executor's loop: ask the planner, do what it says, commit, repeat.
-    async fn run_loop(&self, lease: &Lease, run: &RunRecord, shutdown: &CancellationToken) -> Result<LoopEnd, Stop> {
+    async fn run_loop(
+        &self,
+        lease: &Lease,
+        run: &RunRecord,
+        shutdown: &CancellationToken,
+    ) -> Result<LoopEnd, Stop> {
         let agent = self.agents.get(&run.agent).cloned().ok_or_else(|| {
             Stop::Fail(RunError {
                 kind: ErrorKind::Internal,
-                message: format!("agent `{}` is not defined on this worker; add jobs/{}.md", run.agent, run.agent),
+                message: format!(
+                    "agent `{}` is not defined on this worker; add jobs/{}.md",
+                    run.agent, run.agent
+                ),
             })
         })?;
         let mut tool_names = self.tools.allowed_for(&agent);
@@ -570,16 +767,25 @@ impl Engine {
             tool_specs.extend(crate::delegation::specs(&agent, &self.agents));
             tool_names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
-        self.add_mcp_tools(&agent, &run.owner, &mut tool_names, &mut tool_specs).await;
+        self.add_mcp_tools(&agent, &run.owner, &mut tool_names, &mut tool_specs)
+            .await;
         // A subagent never gets a tool an ancestor's `tools:` list leaves out (delegation is
         // bounded by depth instead).
         if run.parent_run_id.is_some() {
             let chain = self.rule_chain(run).await?;
-            tool_names.retain(|t| crate::delegation::TOOL_NAMES.contains(&t.as_str()) || chain.ancestors().all(|a| lists(a, t)));
+            tool_names.retain(|t| {
+                crate::delegation::TOOL_NAMES.contains(&t.as_str())
+                    || chain.ancestors().all(|a| lists(a, t))
+            });
             tool_specs.retain(|s| tool_names.iter().any(|n| *n == s.function.name));
         }
         let model = self.model_for(run, &agent).await?;
-        let mut budget = Budget::resolve(&self.settings.context, &agent, run.limits.compact_at, &model);
+        let mut budget = Budget::resolve(
+            &self.settings.context,
+            &agent,
+            run.limits.compact_at,
+            &model,
+        );
         let workspace = crate::tools::owner_workspace(&self.settings.workspace, &run.owner);
 
         // One bounded read of the thread per claim, from its latest compaction on; after that
@@ -592,13 +798,44 @@ impl Engine {
         // the input's), saving a commit per step; after a replay it is written on its own.
         let mut prestarted: Option<u32> = None;
         if run.step == 0 && !ctx.history.iter().any(|m| m.key == input_key) {
-            let msg = NewMessage { step: 0, key: input_key, message: Message::User { content: run.input.clone() } };
+            let msg = NewMessage {
+                step: 0,
+                key: input_key,
+                message: Message::User {
+                    content: run.input.clone(),
+                },
+            };
             let events = self.next_step_event(run, 0).into_iter().collect::<Vec<_>>();
             prestarted = (!events.is_empty()).then_some(1);
-            self.store.checkpoint(lease, Checkpoint { messages: vec![msg.clone()], events, ..Default::default() }).await?;
-            ctx.history.push(StoredMessage { id: i64::MAX, run_id: run.id, step: 0, key: msg.key, message: msg.message });
-            let event = if run.parent_run_id.is_some() { crate::policy::HookEvent::SubagentStart } else { crate::policy::HookEvent::RunStart };
-            self.lifecycle_hooks(run, &agent, event, json!({"input": run.input, "parent_run_id": run.parent_run_id})).await;
+            self.store
+                .checkpoint(
+                    lease,
+                    Checkpoint {
+                        messages: vec![msg.clone()],
+                        events,
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            ctx.history.push(StoredMessage {
+                id: i64::MAX,
+                run_id: run.id,
+                step: 0,
+                key: msg.key,
+                message: msg.message,
+            });
+            let event = if run.parent_run_id.is_some() {
+                crate::policy::HookEvent::SubagentStart
+            } else {
+                crate::policy::HookEvent::RunStart
+            };
+            self.lifecycle_hooks(
+                run,
+                &agent,
+                event,
+                json!({"input": run.input, "parent_run_id": run.parent_run_id}),
+            )
+            .await;
         }
         // Compactions that failed in a row (or did not stop the provider refusing the request).
         let mut compaction_failures: u32 = 0;
@@ -614,26 +851,52 @@ impl Engine {
             if shutdown.is_cancelled() {
                 return Ok(LoopEnd::Drained);
             }
-            let mine: Vec<&StoredMessage> = ctx.history.iter().filter(|m| m.run_id == run.id).collect();
+            let mine: Vec<&StoredMessage> =
+                ctx.history.iter().filter(|m| m.run_id == run.id).collect();
             let step = match plan(&mine, steps_done) {
-                Next::Finish { result } => return Ok(LoopEnd::Finish(Finish::Succeeded { result, forced: run.forced })),
-                Next::RunTools { step, calls, pending } => {
+                Next::Finish { result } => {
+                    return Ok(LoopEnd::Finish(Finish::Succeeded {
+                        result,
+                        forced: run.forced,
+                    }));
+                }
+                Next::RunTools {
+                    step,
+                    calls,
+                    pending,
+                } => {
                     let prior = prior_calls(&mine, step);
                     let announced = announced_step == Some(step);
                     let next = self.next_step_event(run, step);
                     let had_next = next.is_some();
-                    let out = self.run_tools(lease, run, &agent, &budget, &workspace, step, &calls, &pending, &prior, &tool_names, announced, next).await?;
+                    let out = self
+                        .run_tools(
+                            lease,
+                            run,
+                            &agent,
+                            &budget,
+                            &workspace,
+                            step,
+                            &calls,
+                            &pending,
+                            &prior,
+                            &tool_names,
+                            announced,
+                            next,
+                        )
+                        .await?;
                     if let Some(wait) = out.wait {
                         return Ok(LoopEnd::Park(wait));
                     }
                     prestarted = had_next.then_some(step + 1);
-                    ctx.history.extend(out.committed.into_iter().map(|m| StoredMessage {
-                        id: i64::MAX,
-                        run_id: run.id,
-                        step: m.step,
-                        key: m.key,
-                        message: m.message,
-                    }));
+                    ctx.history
+                        .extend(out.committed.into_iter().map(|m| StoredMessage {
+                            id: i64::MAX,
+                            run_id: run.id,
+                            step: m.step,
+                            key: m.key,
+                            message: m.message,
+                        }));
                     continue;
                 }
                 Next::CallModel { step } => step,
@@ -651,23 +914,55 @@ impl Engine {
             if model_limit.is_some() || owner_limit.is_some() {
                 // A call counts from when it is taken here, the provider counts it from when it
                 // arrives: a margin keeps the two windows from disagreeing at the edges.
-                let window = self.settings.rate_limits.window.as_millis().min(i64::MAX as u128 / 2) as i64;
+                let window = self
+                    .settings
+                    .rate_limits
+                    .window
+                    .as_millis()
+                    .min(i64::MAX as u128 / 2) as i64;
                 let window = window + window / 10 + 100;
-                let estimate = budget.estimate(&ctx.messages(&agent.system_prompt, run.id), if forced { &[] } else { &tool_specs }).0 as u64;
+                let estimate = budget
+                    .estimate(
+                        &ctx.messages(&agent.system_prompt, run.id),
+                        if forced { &[] } else { &tool_specs },
+                    )
+                    .0 as u64;
                 // The owner's first: a call the owner may not make takes nothing from the model.
                 let mut wake_at = None;
                 if let Some(o) = owner_limit {
-                    wake_at = self.budgets.take(&format!("owner:{}", run.owner), window, o.rpm, o.tpm, estimate).await?;
+                    wake_at = self
+                        .budgets
+                        .take(
+                            &format!("owner:{}", run.owner),
+                            window,
+                            o.rpm,
+                            o.tpm,
+                            estimate,
+                        )
+                        .await?;
                 }
                 if wake_at.is_none()
                     && let Some((requests, tokens)) = model_limit
                 {
-                    wake_at = self.budgets.take(&format!("model:{model}"), window, requests, tokens, estimate).await?;
+                    wake_at = self
+                        .budgets
+                        .take(
+                            &format!("model:{model}"),
+                            window,
+                            requests,
+                            tokens,
+                            estimate,
+                        )
+                        .await?;
                 }
                 if let Some(at) = wake_at {
                     metrics::counter!("subagents_rate_limited_total").increment(1);
                     tracing::info!(model = %model, owner = %run.owner, wake_at = at, "a rate limit is used up; parking until it frees up");
-                    return Ok(LoopEnd::Park(Wait { wake_at: Some(at), rate_limited: true, ..Default::default() }));
+                    return Ok(LoopEnd::Park(Wait {
+                        wake_at: Some(at),
+                        rate_limited: true,
+                        ..Default::default()
+                    }));
                 }
             }
             // A model with no configured limit takes from no budget, but the provider's word
@@ -681,11 +976,24 @@ impl Engine {
                 let at = until + (uuid::Uuid::new_v4().as_u128() % spread) as i64;
                 metrics::counter!("subagents_rate_limited_total").increment(1);
                 tracing::info!(model = %model, wake_at = at, "the provider said the model's rate limit is used up; parking until it resets");
-                return Ok(LoopEnd::Park(Wait { wake_at: Some(at), rate_limited: true, ..Default::default() }));
+                return Ok(LoopEnd::Park(Wait {
+                    wake_at: Some(at),
+                    rate_limited: true,
+                    ..Default::default()
+                }));
             }
             if prestarted != Some(step) {
                 self.store
-                    .checkpoint(lease, Checkpoint { events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": step, "forced": forced}))], ..Default::default() })
+                    .checkpoint(
+                        lease,
+                        Checkpoint {
+                            events: vec![NewEvent::new(
+                                EventKind::StepStarted,
+                                json!({"step": step, "forced": forced}),
+                            )],
+                            ..Default::default()
+                        },
+                    )
                     .instrument(span.clone())
                     .await?;
                 prestarted = Some(step);
@@ -693,13 +1001,18 @@ impl Engine {
             let tools_now: &[crate::model::ToolSpec] = if forced { &[] } else { &tool_specs };
             let mut messages = ctx.messages(&agent.system_prompt, run.id);
             if forced {
-                messages.push(Message::System { content: FORCE_MESSAGE.into() });
+                messages.push(Message::System {
+                    content: FORCE_MESSAGE.into(),
+                });
             }
             let (raw_estimate, estimate) = budget.estimate(&messages, tools_now);
 
             // Compact first when the request would not fit, or a new run starts on a long thread.
-            let first_call = !mine.iter().any(|m| matches!(m.message, Message::Assistant { .. }));
-            let carried = ctx.compaction.is_some() || ctx.history.iter().any(|m| m.run_id != run.id);
+            let first_call = !mine
+                .iter()
+                .any(|m| matches!(m.message, Message::Assistant { .. }));
+            let carried =
+                ctx.compaction.is_some() || ctx.history.iter().any(|m| m.run_id != run.id);
             let reason = if refused_too_long {
                 Some(Reason::ContextLength)
             } else if incompressible_step == Some(step) {
@@ -716,7 +1029,17 @@ impl Engine {
                 // Compaction works on committed ids: read the context back first.
                 ctx = self.load_context(run).await?;
                 let outcome = self
-                    .compact(lease, run, &agent, &budget, &ctx, tools_now, reason, step, compaction_failures)
+                    .compact(
+                        lease,
+                        run,
+                        &agent,
+                        &budget,
+                        &ctx,
+                        tools_now,
+                        reason,
+                        step,
+                        compaction_failures,
+                    )
                     .instrument(span.clone())
                     .await?;
                 match outcome {
@@ -724,7 +1047,9 @@ impl Engine {
                         ctx = self.load_context(run).await?;
                         continue;
                     }
-                    Compacted::Nothing if reason == Reason::ContextLength || estimate as u64 > budget.window => {
+                    Compacted::Nothing
+                        if reason == Reason::ContextLength || estimate as u64 > budget.window =>
+                    {
                         return Err(Stop::Fail(RunError {
                             kind: ErrorKind::Context,
                             message: format!(
@@ -734,7 +1059,10 @@ impl Engine {
                         }));
                     }
                     Compacted::Nothing => {
-                        tracing::debug!(estimate, "nothing to compact yet; calling the model as is");
+                        tracing::debug!(
+                            estimate,
+                            "nothing to compact yet; calling the model as is"
+                        );
                         incompressible_step = Some(step);
                         ctx = self.load_context(run).await?;
                         continue;
@@ -745,7 +1073,9 @@ impl Engine {
                         if compaction_failures >= MAX_COMPACTION_FAILURES {
                             return Err(Stop::Fail(RunError {
                                 kind: ErrorKind::Context,
-                                message: format!("the context could not be compacted: {MAX_COMPACTION_FAILURES} compactions in a row failed; the last one: {why}"),
+                                message: format!(
+                                    "the context could not be compacted: {MAX_COMPACTION_FAILURES} compactions in a row failed; the last one: {why}"
+                                ),
                             }));
                         }
                         ctx = self.load_context(run).await?;
@@ -764,7 +1094,16 @@ impl Engine {
                 let t0 = std::time::Instant::now();
                 // Deltas follow the run's latest durable event (this step's `step.started`).
                 let deltas = match &self.deltas {
-                    Some(r) => Some(r.delta_sink(run.id, self.store.get_run(run.id).await?.map(|r| r.event_seq).unwrap_or(0))),
+                    Some(r) => Some(
+                        r.delta_sink(
+                            run.id,
+                            self.store
+                                .get_run(run.id)
+                                .await?
+                                .map(|r| r.event_seq)
+                                .unwrap_or(0),
+                        ),
+                    ),
                     None => None,
                 };
                 let on_delta = |t: &str| {
@@ -788,7 +1127,11 @@ impl Engine {
                     thread_id = %run.thread_id,
                     step,
                 );
-                let resp = self.model.complete(&req, &on_delta).instrument(chat.clone()).await;
+                let resp = self
+                    .model
+                    .complete(&req, &on_delta)
+                    .instrument(chat.clone())
+                    .await;
                 match &resp {
                     Ok(r) => {
                         chat.record("gen_ai.usage.input_tokens", r.usage.prompt_tokens);
@@ -809,9 +1152,12 @@ impl Engine {
                     Ok(r) => r,
                     Err(e) => return Ok::<_, Stop>(Err(e)),
                 };
-                metrics::histogram!("subagents_model_call_seconds").record(t0.elapsed().as_secs_f64());
-                metrics::counter!("subagents_tokens_total", "kind" => "prompt").increment(resp.usage.prompt_tokens);
-                metrics::counter!("subagents_tokens_total", "kind" => "completion").increment(resp.usage.completion_tokens);
+                metrics::histogram!("subagents_model_call_seconds")
+                    .record(t0.elapsed().as_secs_f64());
+                metrics::counter!("subagents_tokens_total", "kind" => "prompt")
+                    .increment(resp.usage.prompt_tokens);
+                metrics::counter!("subagents_tokens_total", "kind" => "completion")
+                    .increment(resp.usage.completion_tokens);
                 tracing::info!(
                     ms = t0.elapsed().as_millis() as u64,
                     tool_calls = resp.tool_calls.len(),
@@ -830,7 +1176,13 @@ impl Engine {
                     // The model holds less than we thought: learn its window, compact, retry.
                     budget.too_long(raw_estimate, &body);
                     compaction_failures += 1;
-                    tracing::warn!(status, estimate, window = budget.window, failures = compaction_failures, "the provider refused the request as too long; compacting");
+                    tracing::warn!(
+                        status,
+                        estimate,
+                        window = budget.window,
+                        failures = compaction_failures,
+                        "the provider refused the request as too long; compacting"
+                    );
                     if compaction_failures >= MAX_COMPACTION_FAILURES {
                         return Err(Stop::Fail(RunError {
                             kind: ErrorKind::Context,
@@ -845,18 +1197,29 @@ impl Engine {
                 Err(crate::model::ModelError::RateLimited { retry_after, last }) => {
                     // The provider's limit, not our request: wait for it (no slot held), and
                     // tell the fleet when the model's budget is shared.
-                    let at = crate::store::now_ms() + retry_after.as_millis().min(i64::MAX as u128 / 2) as i64;
+                    let at = crate::store::now_ms()
+                        + retry_after.as_millis().min(i64::MAX as u128 / 2) as i64;
                     self.budgets.block(&format!("model:{model}"), at).await?;
                     metrics::counter!("subagents_rate_limited_total").increment(1);
                     tracing::warn!(model = %model, ?retry_after, error = %last, "the provider rate-limited every attempt; parking until it allows again");
-                    return Ok(LoopEnd::Park(Wait { wake_at: Some(at), rate_limited: true, ..Default::default() }));
+                    return Ok(LoopEnd::Park(Wait {
+                        wake_at: Some(at),
+                        rate_limited: true,
+                        ..Default::default()
+                    }));
                 }
-                Err(e) => return Err(Stop::Fail(RunError { kind: ErrorKind::Model, message: model_error_message(&e) })),
+                Err(e) => {
+                    return Err(Stop::Fail(RunError {
+                        kind: ErrorKind::Model,
+                        message: model_error_message(&e),
+                    }));
+                }
             };
             // The provider says this call used up the model's budget: the fleet waits for the
             // reset instead of provoking 429s.
             if let Some(reset) = resp.budget_resets_in {
-                let at = crate::store::now_ms() + reset.as_millis().min(i64::MAX as u128 / 2) as i64;
+                let at =
+                    crate::store::now_ms() + reset.as_millis().min(i64::MAX as u128 / 2) as i64;
                 if let Err(e) = self.budgets.block(&format!("model:{model}"), at).await {
                     tracing::warn!(error = %e, "could not record the provider's rate-limit reset");
                 }
@@ -867,12 +1230,20 @@ impl Engine {
             usage.prompt_tokens += resp.usage.prompt_tokens;
             usage.completion_tokens += resp.usage.completion_tokens;
 
-            let calls = if forced { vec![] } else { unique_call_ids(resp.tool_calls, step) };
-            let message = Message::Assistant { content: resp.content.clone(), tool_calls: calls.clone() };
+            let calls = if forced {
+                vec![]
+            } else {
+                unique_call_ids(resp.tool_calls, step)
+            };
+            let message = Message::Assistant {
+                content: resp.content.clone(),
+                tool_calls: calls.clone(),
+            };
             let key = format!("{}:{}:assistant", run.id, step);
             let cost = self.settings.prices.cost_nanos(&model, &resp.usage);
             if let Some(c) = cost {
-                metrics::counter!("subagents_cost_nanodollars_total", "model" => model.clone()).increment(c);
+                metrics::counter!("subagents_cost_nanodollars_total", "model" => model.clone())
+                    .increment(c);
             }
             let model_event = NewEvent::new(
                 EventKind::ModelCompleted,
@@ -891,23 +1262,42 @@ impl Engine {
             if calls.is_empty() {
                 // The final answer: message, events and terminal state in one commit.
                 let result = resp.content.unwrap_or_default();
-                cp.events.push(NewEvent::new(EventKind::StepCompleted, json!({"step": step})));
-                cp.events.push(NewEvent::new(EventKind::RunSucceeded, json!({"result": result, "forced": forced})));
-                cp.finish = Some(Finish::Succeeded { result: result.clone(), forced });
+                cp.events.push(NewEvent::new(
+                    EventKind::StepCompleted,
+                    json!({"step": step}),
+                ));
+                cp.events.push(NewEvent::new(
+                    EventKind::RunSucceeded,
+                    json!({"result": result, "forced": forced}),
+                ));
+                cp.finish = Some(Finish::Succeeded {
+                    result: result.clone(),
+                    forced,
+                });
                 self.store.checkpoint(lease, cp).instrument(span).await?;
-                metrics::counter!("subagents_runs_finished_total", "status" => "succeeded").increment(1);
+                metrics::counter!("subagents_runs_finished_total", "status" => "succeeded")
+                    .increment(1);
                 tracing::info!(forced, steps = step, "run succeeded");
-                let event = if run.parent_run_id.is_some() { crate::policy::HookEvent::SubagentStop } else { crate::policy::HookEvent::Stop };
-                self.lifecycle_hooks(run, &agent, event, json!({"result": result, "steps": step})).await;
+                let event = if run.parent_run_id.is_some() {
+                    crate::policy::HookEvent::SubagentStop
+                } else {
+                    crate::policy::HookEvent::Stop
+                };
+                self.lifecycle_hooks(run, &agent, event, json!({"result": result, "steps": step}))
+                    .await;
                 return Ok(LoopEnd::Committed);
             }
             // Announce the calls that will run as ordinary tools in the same commit.
             let refused = refusals(&prior_calls(&mine, step), &calls);
             for c in &calls {
                 let name = c.function.name.as_str();
-                let plain = tool_names.iter().any(|t| t == name) && !crate::delegation::TOOL_NAMES.contains(&name);
+                let plain = tool_names.iter().any(|t| t == name)
+                    && !crate::delegation::TOOL_NAMES.contains(&name);
                 if plain && !refused.get(&c.id).copied().unwrap_or(false) {
-                    cp.events.push(NewEvent::new(EventKind::ToolStarted, tool_started(step, c, run.crashes)));
+                    cp.events.push(NewEvent::new(
+                        EventKind::ToolStarted,
+                        tool_started(step, c, run.crashes),
+                    ));
                 }
             }
             let committed = cp.messages[0].clone();
@@ -915,7 +1305,13 @@ impl Engine {
             steps_done = step;
             announced_step = Some(step);
             // The store holds exactly what we just wrote: extend the local copy, no re-read.
-            ctx.history.push(StoredMessage { id: i64::MAX, run_id: run.id, step, key: committed.key, message: committed.message });
+            ctx.history.push(StoredMessage {
+                id: i64::MAX,
+                run_id: run.id,
+                step,
+                key: committed.key,
+                message: committed.message,
+            });
             metrics::histogram!("subagents_step_seconds").record(step_t0.elapsed().as_secs_f64());
         }
     }
@@ -1076,22 +1472,40 @@ impl Engine {
         let events = self.store.events_after(run.id, 0, 100_000).await?;
         let starts: Vec<u32> = events
             .iter()
-            .filter(|e| e.kind == EventKind::ToolStarted.as_str() && e.data["step"] == step && e.data["call_id"] == call_id)
+            .filter(|e| {
+                e.kind == EventKind::ToolStarted.as_str()
+                    && e.data["step"] == step
+                    && e.data["call_id"] == call_id
+            })
             .map(|e| e.data["crashes"].as_u64().unwrap_or(0) as u32)
             .collect();
-        let next = starts.iter().skip(1).copied().chain(std::iter::once(run.crashes));
-        Ok(starts.iter().zip(next).filter(|(at, after)| after > at).count() as u32)
+        let next = starts
+            .iter()
+            .skip(1)
+            .copied()
+            .chain(std::iter::once(run.crashes));
+        Ok(starts
+            .iter()
+            .zip(next)
+            .filter(|(at, after)| after > at)
+            .count() as u32)
     }
 }
 
 fn ended(run: &RunRecord) -> crate::runs::Ended {
-    crate::runs::Ended { run_id: run.id, thread_id: run.thread_id.clone(), is_child: run.parent_run_id.is_some() }
+    crate::runs::Ended {
+        run_id: run.id,
+        thread_id: run.thread_id.clone(),
+        is_child: run.parent_run_id.is_some(),
+    }
 }
 
 /// When the run's wall-time limit ends (Unix ms), counted from its first start.
 fn run_deadline_ms(run: &RunRecord) -> Option<i64> {
     let started = run.started_at?.timestamp_millis();
-    let limit = i64::try_from(run.limits.timeout_secs).ok()?.checked_mul(1000)?;
+    let limit = i64::try_from(run.limits.timeout_secs)
+        .ok()?
+        .checked_mul(1000)?;
     started.checked_add(limit)
 }
 
@@ -1099,7 +1513,12 @@ fn run_deadline_ms(run: &RunRecord) -> Option<i64> {
 /// process is seen within a second; one from this process wakes it at once); trips `cancel`
 /// when a cancel was requested and `lost` when the lease is gone. A failed renewal (database
 /// briefly away) is retried until the lease would have expired.
-async fn heartbeat(store: Arc<dyn RunLog>, lease: Lease, cancel: CancellationToken, lost: CancellationToken) {
+async fn heartbeat(
+    store: Arc<dyn RunLog>,
+    lease: Lease,
+    cancel: CancellationToken,
+    lost: CancellationToken,
+) {
     let every = (lease.ttl / 3).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_ok = std::time::Instant::now();
     let cancel_asked = store.subscribe_cancel(lease.run_id);
@@ -1146,7 +1565,9 @@ pub fn context(history: &[StoredMessage], current: RunId) -> Vec<Message> {
     let results: HashMap<(RunId, u32, &str), &Message> = history
         .iter()
         .filter_map(|m| match &m.message {
-            Message::Tool { tool_call_id, .. } => Some(((m.run_id, m.step, tool_call_id.as_str()), &m.message)),
+            Message::Tool { tool_call_id, .. } => {
+                Some(((m.run_id, m.step, tool_call_id.as_str()), &m.message))
+            }
             _ => None,
         })
         .collect();
@@ -1179,9 +1600,15 @@ fn refusals(prior: &[(String, String)], calls: &[ToolCall]) -> HashMap<String, b
     let mut seq: Vec<(String, String)> = prior.to_vec();
     let mut refused = HashMap::new();
     for c in calls {
-        let sig = (c.function.name.clone(), canonical_args(&c.function.arguments));
+        let sig = (
+            c.function.name.clone(),
+            canonical_args(&c.function.arguments),
+        );
         let n = seq.len();
-        refused.insert(c.id.clone(), n >= 2 && seq[n - 1] == sig && seq[n - 2] == sig);
+        refused.insert(
+            c.id.clone(),
+            n >= 2 && seq[n - 1] == sig && seq[n - 2] == sig,
+        );
         seq.push(sig);
     }
     refused
@@ -1196,13 +1623,20 @@ fn prior_calls(mine: &[&StoredMessage], step: u32) -> Vec<(String, String)> {
             _ => None,
         })
         .flatten()
-        .map(|c| (c.function.name.clone(), canonical_args(&c.function.arguments)))
+        .map(|c| {
+            (
+                c.function.name.clone(),
+                canonical_args(&c.function.arguments),
+            )
+        })
         .collect()
 }
 
 /// Arguments compared as JSON values, so key order and spacing do not hide a repeat.
 fn canonical_args(raw: &str) -> String {
-    serde_json::from_str::<serde_json::Value>(raw).map(|v| v.to_string()).unwrap_or_else(|_| raw.trim().to_owned())
+    serde_json::from_str::<serde_json::Value>(raw)
+        .map(|v| v.to_string())
+        .unwrap_or_else(|_| raw.trim().to_owned())
 }
 
 /// Call ids key the checkpoints of tool results, so they must be unique and non-empty within a
@@ -1213,7 +1647,9 @@ fn unique_call_ids(calls: Vec<ToolCall>, step: u32) -> Vec<ToolCall> {
         .into_iter()
         .enumerate()
         .map(|(i, mut c)| {
-            let ok_chars = c.id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            let ok_chars =
+                c.id.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
             if c.id.is_empty() || !ok_chars || !seen.insert(c.id.clone()) {
                 c.id = format!("call_s{step}_{i}");
                 seen.insert(c.id.clone());
@@ -1225,8 +1661,12 @@ fn unique_call_ids(calls: Vec<ToolCall>, step: u32) -> Vec<ToolCall> {
 
 fn model_error_message(e: &ModelError) -> String {
     match e {
-        ModelError::Rejected { status: 401 | 403, .. } => format!("{e} (check OPENAI_API_KEY)"),
-        ModelError::Rejected { status: 404, .. } => format!("{e} (check OPENAI_BASE_URL and the model name)"),
+        ModelError::Rejected {
+            status: 401 | 403, ..
+        } => format!("{e} (check OPENAI_API_KEY)"),
+        ModelError::Rejected { status: 404, .. } => {
+            format!("{e} (check OPENAI_BASE_URL and the model name)")
+        }
         _ => e.to_string(),
     }
 }
@@ -1238,7 +1678,9 @@ const EVENT_ARGUMENTS_BYTES: usize = 2000;
 /// Whether `agent`'s `tools:` list (none: every tool) names `tool`, directly, through Claude
 /// Code's name, or as one of an MCP server's tools.
 fn lists(agent: &AgentDef, tool: &str) -> bool {
-    let Some(list) = &agent.tools else { return true };
+    let Some(list) = &agent.tools else {
+        return true;
+    };
     list.iter().any(|n| match crate::tools::lookup(n) {
         crate::tools::Named::Tool(t) => t == tool,
         crate::tools::Named::Mcp => {

@@ -37,12 +37,26 @@ pub enum Next {
 /// Decides the next action from the run's own committed messages (in commit order) and the
 /// number of steps it has committed.
 pub fn plan(own: &[&StoredMessage], steps_done: u32) -> Next {
-    let Some(last) = own.iter().rev().find(|m| matches!(m.message, Message::Assistant { .. })) else {
-        return Next::CallModel { step: steps_done + 1 };
+    let Some(last) = own
+        .iter()
+        .rev()
+        .find(|m| matches!(m.message, Message::Assistant { .. }))
+    else {
+        return Next::CallModel {
+            step: steps_done + 1,
+        };
     };
-    let Message::Assistant { content, tool_calls } = &last.message else { unreachable!("filtered above") };
+    let Message::Assistant {
+        content,
+        tool_calls,
+    } = &last.message
+    else {
+        unreachable!("filtered above")
+    };
     if tool_calls.is_empty() {
-        return Next::Finish { result: content.clone().unwrap_or_default() };
+        return Next::Finish {
+            result: content.clone().unwrap_or_default(),
+        };
     }
     let answered: HashSet<&str> = own
         .iter()
@@ -52,11 +66,21 @@ pub fn plan(own: &[&StoredMessage], steps_done: u32) -> Next {
             _ => None,
         })
         .collect();
-    let pending: Vec<ToolCall> = tool_calls.iter().filter(|c| !answered.contains(c.id.as_str())).cloned().collect();
+    let pending: Vec<ToolCall> = tool_calls
+        .iter()
+        .filter(|c| !answered.contains(c.id.as_str()))
+        .cloned()
+        .collect();
     if pending.is_empty() {
-        Next::CallModel { step: steps_done.max(last.step) + 1 }
+        Next::CallModel {
+            step: steps_done.max(last.step) + 1,
+        }
     } else {
-        Next::RunTools { step: last.step, calls: tool_calls.clone(), pending }
+        Next::RunTools {
+            step: last.step,
+            calls: tool_calls.clone(),
+            pending,
+        }
     }
 }
 
@@ -67,25 +91,50 @@ mod tests {
     use crate::model::FunctionCall;
 
     fn call(id: &str) -> ToolCall {
-        ToolCall { id: id.into(), kind: "function".into(), function: FunctionCall { name: "echo".into(), arguments: "{}".into() } }
+        ToolCall {
+            id: id.into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "echo".into(),
+                arguments: "{}".into(),
+            },
+        }
     }
 
     fn msg(run: RunId, step: u32, message: Message) -> StoredMessage {
-        StoredMessage { id: 0, run_id: run, step, key: String::new(), message }
+        StoredMessage {
+            id: 0,
+            run_id: run,
+            step,
+            key: String::new(),
+            message,
+        }
     }
 
     fn assistant(calls: Vec<ToolCall>, text: Option<&str>) -> Message {
-        Message::Assistant { content: text.map(str::to_owned), tool_calls: calls }
+        Message::Assistant {
+            content: text.map(str::to_owned),
+            tool_calls: calls,
+        }
     }
 
     fn result(id: &str) -> Message {
-        Message::Tool { tool_call_id: id.into(), content: "ok".into() }
+        Message::Tool {
+            tool_call_id: id.into(),
+            content: "ok".into(),
+        }
     }
 
     #[test]
     fn a_fresh_run_calls_the_model() {
         let r = RunId::new();
-        let input = msg(r, 0, Message::User { content: "hi".into() });
+        let input = msg(
+            r,
+            0,
+            Message::User {
+                content: "hi".into(),
+            },
+        );
         assert_eq!(plan(&[&input], 0), Next::CallModel { step: 1 });
         assert_eq!(plan(&[], 0), Next::CallModel { step: 1 });
     }
@@ -96,14 +145,20 @@ mod tests {
         let a = msg(r, 1, assistant(vec![call("a"), call("b")], None));
         let ra = msg(r, 1, result("a"));
         match plan(&[&a], 1) {
-            Next::RunTools { step: 1, pending, calls } => {
+            Next::RunTools {
+                step: 1,
+                pending,
+                calls,
+            } => {
                 assert_eq!(pending.len(), 2);
                 assert_eq!(calls.len(), 2);
             }
             other => panic!("{other:?}"),
         }
         match plan(&[&a, &ra], 1) {
-            Next::RunTools { step: 1, pending, .. } => assert_eq!(pending, vec![call("b")]),
+            Next::RunTools {
+                step: 1, pending, ..
+            } => assert_eq!(pending, vec![call("b")]),
             other => panic!("{other:?}"),
         }
         let rb = msg(r, 1, result("b"));
@@ -116,14 +171,22 @@ mod tests {
         let a1 = msg(r, 1, assistant(vec![call("x")], None));
         let r1 = msg(r, 1, result("x"));
         let a2 = msg(r, 2, assistant(vec![call("x")], None));
-        assert!(matches!(plan(&[&a1, &r1, &a2], 2), Next::RunTools { step: 2, .. }));
+        assert!(matches!(
+            plan(&[&a1, &r1, &a2], 2),
+            Next::RunTools { step: 2, .. }
+        ));
     }
 
     #[test]
     fn a_message_without_calls_is_the_final_answer() {
         let r = RunId::new();
         let a = msg(r, 3, assistant(vec![], Some("done")));
-        assert_eq!(plan(&[&a], 3), Next::Finish { result: "done".into() });
+        assert_eq!(
+            plan(&[&a], 3),
+            Next::Finish {
+                result: "done".into()
+            }
+        );
     }
 
     #[test]

@@ -55,7 +55,10 @@ pub fn transcript(entries: &[Entry<'_>], counter: &Counter, per_message: usize) 
         let (kept, whole) = counter.head(body, per_message);
         out.push_str(kept);
         if !whole {
-            out.push_str(&format!("\n[… cut here for the summary: {} more bytes]", body.len() - kept.len()));
+            out.push_str(&format!(
+                "\n[… cut here for the summary: {} more bytes]",
+                body.len() - kept.len()
+            ));
         }
         out.push_str("\n\n");
     };
@@ -65,14 +68,23 @@ pub fn transcript(entries: &[Entry<'_>], counter: &Counter, per_message: usize) 
             Entry::Task => push(TASK, ""),
             Entry::Message(Message::System { content }) => push("### system", content),
             Entry::Message(Message::User { content }) => push(USER, content),
-            Entry::Message(Message::Assistant { content, tool_calls }) => {
+            Entry::Message(Message::Assistant {
+                content,
+                tool_calls,
+            }) => {
                 let mut body = content.clone().unwrap_or_default();
                 for c in tool_calls {
-                    body.push_str(&format!("\n→ called {} {}", c.function.name, c.function.arguments));
+                    body.push_str(&format!(
+                        "\n→ called {} {}",
+                        c.function.name, c.function.arguments
+                    ));
                 }
                 push(ASSISTANT, body.trim_start());
             }
-            Entry::Message(Message::Tool { tool_call_id, content }) => push(&format!("{TOOL_RESULT} ({tool_call_id})"), content),
+            Entry::Message(Message::Tool {
+                tool_call_id,
+                content,
+            }) => push(&format!("{TOOL_RESULT} ({tool_call_id})"), content),
         }
     }
     out
@@ -111,10 +123,29 @@ mod tests {
         let c = Counter::for_model("gpt-4o");
         let call = Message::Assistant {
             content: Some("looking".into()),
-            tool_calls: vec![ToolCall { id: "c1".into(), kind: "function".into(), function: FunctionCall { name: "grep".into(), arguments: "{}".into() } }],
+            tool_calls: vec![ToolCall {
+                id: "c1".into(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "grep".into(),
+                    arguments: "{}".into(),
+                },
+            }],
         };
-        let big = Message::Tool { tool_call_id: "c1".into(), content: "word ".repeat(5000) };
-        let t = transcript(&[Entry::EarlierSummary("before"), Entry::Task, Entry::Message(&call), Entry::Message(&big)], &c, 100);
+        let big = Message::Tool {
+            tool_call_id: "c1".into(),
+            content: "word ".repeat(5000),
+        };
+        let t = transcript(
+            &[
+                Entry::EarlierSummary("before"),
+                Entry::Task,
+                Entry::Message(&call),
+                Entry::Message(&big),
+            ],
+            &c,
+            100,
+        );
         assert!(t.starts_with(EARLIER_SUMMARY));
         assert!(t.contains(TASK));
         assert!(t.contains("→ called grep {}"));
@@ -125,7 +156,11 @@ mod tests {
 
     #[test]
     fn summaries_are_recognisable_and_carry_pending_runs() {
-        let Message::User { content } = summary_message("found X", 3, 9, &["run 0190… (researcher)".into()]) else { panic!() };
+        let Message::User { content } =
+            summary_message("found X", 3, 9, &["run 0190… (researcher)".into()])
+        else {
+            panic!()
+        };
         assert!(is_summary(&content));
         assert!(content.contains("#3–#9"));
         assert!(content.contains("run 0190… (researcher)"));

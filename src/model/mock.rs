@@ -119,7 +119,10 @@ impl Scenario {
             let Some((k, v)) = pair.split_once('=') else {
                 return Some(Err(format!("scenario token `{pair}` is not key=value")));
             };
-            let num = |v: &str| v.parse::<u64>().map_err(|_| format!("scenario key `{k}` needs a whole number, got `{v}`"));
+            let num = |v: &str| {
+                v.parse::<u64>()
+                    .map_err(|_| format!("scenario key `{k}` needs a whole number, got `{v}`"))
+            };
             let r: Result<(), String> = (|| {
                 match k {
                     "steps" => s.steps = num(v)?.clamp(1, 100_000) as u32,
@@ -135,7 +138,11 @@ impl Scenario {
                     "pad_max" => s.pad_max = num(v)?.min(1 << 20) as usize,
                     "read" => s.read = Some(v.to_owned()),
                     "run" => {}
-                    _ => return Err(format!("unknown scenario key `{k}`; known: steps tool parallel loop fail_every fail_status retry_after latency_ms window pad pad_max read run")),
+                    _ => {
+                        return Err(format!(
+                            "unknown scenario key `{k}`; known: steps tool parallel loop fail_every fail_status retry_after latency_ms window pad pad_max read run"
+                        ));
+                    }
                 }
                 Ok(())
             })();
@@ -240,7 +247,11 @@ impl MockState {
     fn record(&self, e: LogEntry) {
         if let Some(path) = &self.options.log_file {
             let line = serde_json::to_string(&e).unwrap();
-            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+            {
                 let _ = writeln!(f, "{line}");
             }
         }
@@ -265,7 +276,11 @@ impl MockServer {
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
         let script = Mutex::new(options.script.clone());
-        let state = Arc::new(MockState { options, script, ..Default::default() });
+        let state = Arc::new(MockState {
+            options,
+            script,
+            ..Default::default()
+        });
         let app = router(state.clone());
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app.into_make_service()).await;
@@ -325,7 +340,9 @@ fn context_length_error(window: u64, tokens: u64) -> Response {
 /// Where a conversation stands: assistant turns and tool results since the latest caller
 /// message, a compaction summary's counts included.
 fn progress(messages: &[Message]) -> (usize, u32, usize) {
-    let last_user = messages.iter().rposition(|m| matches!(m, Message::User { content } if !compact::is_summary(content)));
+    let last_user = messages
+        .iter()
+        .rposition(|m| matches!(m, Message::User { content } if !compact::is_summary(content)));
     let from = last_user.map(|i| i + 1).unwrap_or(0);
     let (mut steps, mut results) = (0u32, 0usize);
     for m in &messages[from..] {
@@ -347,7 +364,12 @@ fn progress(messages: &[Message]) -> (usize, u32, usize) {
 fn summary_counts(text: &str) -> (u32, usize) {
     let field = |name: &str| {
         text.find(&format!("{name}="))
-            .map(|i| text[i + name.len() + 1..].chars().take_while(|c| c.is_ascii_digit()).collect::<String>())
+            .map(|i| {
+                text[i + name.len() + 1..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit())
+                    .collect::<String>()
+            })
             .and_then(|d| d.parse::<usize>().ok())
             .unwrap_or(0)
     };
@@ -358,9 +380,14 @@ fn summary_counts(text: &str) -> (u32, usize) {
 /// its last user turn (an earlier summary before any user turn counts too).
 fn summarise(transcript: &str) -> String {
     let (mut steps, mut results) = (0u32, 0usize);
-    for section in transcript.split("
+    for section in transcript
+        .split(
+            "
 
-").map(str::trim_start) {
+",
+        )
+        .map(str::trim_start)
+    {
         if section.starts_with(compact::USER) || section.starts_with(compact::TASK) {
             (steps, results) = (0, 0);
         } else if section.starts_with(compact::ASSISTANT) {
@@ -379,33 +406,58 @@ fn summarise(transcript: &str) -> String {
 /// Deterministic filler of about `bytes` bytes, varied enough to tokenize like prose.
 fn filler(bytes: usize, seed: u32) -> String {
     const WORDS: &[&str] = &[
-        "alpha", "river", "stone", "quiet", "market", "signal", "orbit", "lantern", "copper", "meadow", "vector", "harbor", "pixel",
-        "summit", "ember", "glacier", "the", "of", "and", "report", "found", "42", "config", "server", "latency", "percent", "user",
-        "error", "returns", "file", "module", "2024", "value", "request", "index", "table", "which", "shows", "that", "between",
+        "alpha", "river", "stone", "quiet", "market", "signal", "orbit", "lantern", "copper",
+        "meadow", "vector", "harbor", "pixel", "summit", "ember", "glacier", "the", "of", "and",
+        "report", "found", "42", "config", "server", "latency", "percent", "user", "error",
+        "returns", "file", "module", "2024", "value", "request", "index", "table", "which",
+        "shows", "that", "between",
     ];
     let mut out = String::with_capacity(bytes + 8);
-    let mut x = u64::from(seed).wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = u64::from(seed)
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     while out.len() < bytes {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let r = (x >> 33) as usize;
         out.push_str(WORDS[r % WORDS.len()]);
-        out.push_str(if r.is_multiple_of(13) { ". " } else if r.is_multiple_of(17) { ", " } else { " " });
+        out.push_str(if r.is_multiple_of(13) {
+            ". "
+        } else if r.is_multiple_of(17) {
+            ", "
+        } else {
+            " "
+        });
     }
     out
 }
 
 /// The next `read=` call: page on where the latest result says to, or `None` when done.
 fn next_read(first: &str, results: &[&str]) -> Option<(String, u64)> {
-    let Some(last) = results.last() else { return Some((first.to_owned(), 1)) };
+    let Some(last) = results.last() else {
+        return Some((first.to_owned(), 1));
+    };
     let at = last.rfind("read_file with path=`")?;
     let rest = &last[at + "read_file with path=`".len()..];
     let (path, rest) = rest.split_once('`')?;
-    let offset = rest.trim_start().strip_prefix("offset=")?.chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().ok()?;
+    let offset = rest
+        .trim_start()
+        .strip_prefix("offset=")?
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<String>()
+        .parse()
+        .ok()?;
     Some((path.to_owned(), offset))
 }
 
 fn oai_error(status: StatusCode, message: &str) -> Response {
-    (status, Json(json!({"error": {"message": message, "type": "invalid_request_error", "code": null}}))).into_response()
+    (
+        status,
+        Json(json!({"error": {"message": message, "type": "invalid_request_error", "code": null}})),
+    )
+        .into_response()
 }
 
 /// What the mock decided to say.
@@ -414,7 +466,11 @@ enum Reply {
     Calls(Vec<(String, String, String)>),
 }
 
-async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+async fn completions(
+    State(state): State<Arc<MockState>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     let mut resp = completions_inner(state.clone(), headers, body).await;
     // A rate-limited mock reports its budget on every answer, as OpenAI does.
     if let Some((max, per)) = state.options.rate_limit
@@ -424,27 +480,50 @@ async fn completions(State(state): State<Arc<MockState>>, headers: HeaderMap, bo
         let (remaining, reset) = {
             let q = state.accepted.lock().unwrap();
             let live: Vec<_> = q.iter().filter(|t| now.duration_since(**t) < per).collect();
-            let reset = live.first().map(|t| per.saturating_sub(now.duration_since(**t))).unwrap_or_default();
+            let reset = live
+                .first()
+                .map(|t| per.saturating_sub(now.duration_since(**t)))
+                .unwrap_or_default();
             (max.saturating_sub(live.len()), reset)
         };
         let h = resp.headers_mut();
-        h.insert("x-ratelimit-limit-requests", max.to_string().parse().unwrap());
-        h.insert("x-ratelimit-remaining-requests", remaining.to_string().parse().unwrap());
-        h.insert("x-ratelimit-reset-requests", format!("{}ms", reset.as_millis()).parse().unwrap());
+        h.insert(
+            "x-ratelimit-limit-requests",
+            max.to_string().parse().unwrap(),
+        );
+        h.insert(
+            "x-ratelimit-remaining-requests",
+            remaining.to_string().parse().unwrap(),
+        );
+        h.insert(
+            "x-ratelimit-reset-requests",
+            format!("{}ms", reset.as_millis()).parse().unwrap(),
+        );
     }
     resp
 }
 
-async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
-    let step_key = headers.get("x-subagents-step").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+async fn completions_inner(
+    state: Arc<MockState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let step_key = headers
+        .get("x-subagents-step")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
     let req: CompletionRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return oai_error(StatusCode::BAD_REQUEST, &format!("bad request body: {e}")),
     };
     let (from, done_steps, tool_results) = progress(&req.messages);
     let after_user = &req.messages[from..];
-    let prompt_tokens = super::tokens::Counter::for_model(&req.model).request(&req.messages, &req.tools) as u64;
-    let is_summary = req.messages.iter().any(|m| matches!(m, Message::System { content } if content.contains(compact::REQUEST_MARKER)));
+    let prompt_tokens =
+        super::tokens::Counter::for_model(&req.model).request(&req.messages, &req.tools) as u64;
+    let is_summary = req.messages.iter().any(
+        |m| matches!(m, Message::System { content } if content.contains(compact::REQUEST_MARKER)),
+    );
     let scenario = req
         .messages
         .iter()
@@ -457,7 +536,18 @@ async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum
     let scenario = match scenario {
         Some(Err(e)) => {
             let (messages, offered_tools) = (req.messages.len(), !req.tools.is_empty());
-            state.record(LogEntry { step_key, scenario: String::new(), step: done_steps + 1, status: 400, messages, offered_tools, prompt_chars: 0, model: req.model.clone(), prompt_tokens, summary: is_summary });
+            state.record(LogEntry {
+                step_key,
+                scenario: String::new(),
+                step: done_steps + 1,
+                status: 400,
+                messages,
+                offered_tools,
+                prompt_chars: 0,
+                model: req.model.clone(),
+                prompt_tokens,
+                summary: is_summary,
+            });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
         Some(Ok(s)) => Some(s),
@@ -495,8 +585,19 @@ async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum
                 prompt_tokens,
                 summary: is_summary,
             });
-            let mut resp = oai_error(StatusCode::TOO_MANY_REQUESTS, &format!("Rate limit reached: {max} requests per {}s", per.as_secs_f64()));
-            resp.headers_mut().insert("retry-after", format!("{}", after.as_secs_f64().ceil().max(1.0)).parse().unwrap());
+            let mut resp = oai_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!(
+                    "Rate limit reached: {max} requests per {}s",
+                    per.as_secs_f64()
+                ),
+            );
+            resp.headers_mut().insert(
+                "retry-after",
+                format!("{}", after.as_secs_f64().ceil().max(1.0))
+                    .parse()
+                    .unwrap(),
+            );
             return resp;
         }
     }
@@ -510,12 +611,19 @@ async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum
         status,
         messages: req.messages.len(),
         offered_tools: !req.tools.is_empty(),
-        prompt_chars: req.messages.iter().map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0)).sum(),
+        prompt_chars: req
+            .messages
+            .iter()
+            .map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0))
+            .sum(),
         model: req.model.clone(),
         prompt_tokens,
         summary: is_summary,
     };
-    if let Some(window) = scenario.as_ref().and_then(|s| s.window).or(state.options.window)
+    if let Some(window) = scenario
+        .as_ref()
+        .and_then(|s| s.window)
+        .or(state.options.window)
         && prompt_tokens > window
     {
         state.record(log(400));
@@ -531,17 +639,27 @@ async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum
             };
             if n % s.fail_every as u64 == 0 {
                 state.record(log(s.fail_status));
-                let status = StatusCode::from_u16(s.fail_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                let mut resp = oai_error(status, &format!("scripted failure (request {n} of scenario, fail_every={})", s.fail_every));
+                let status = StatusCode::from_u16(s.fail_status)
+                    .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                let mut resp = oai_error(
+                    status,
+                    &format!(
+                        "scripted failure (request {n} of scenario, fail_every={})",
+                        s.fail_every
+                    ),
+                );
                 if let Some(ra) = s.retry_after {
-                    resp.headers_mut().insert("retry-after", ra.to_string().parse().unwrap());
+                    resp.headers_mut()
+                        .insert("retry-after", ra.to_string().parse().unwrap());
                 }
                 return resp;
             }
         }
     }
     let script = state.script.lock().unwrap().clone();
-    let scripted = script.as_ref().and_then(|s| scripted(s, &req, after_user, done_steps as usize));
+    let scripted = script
+        .as_ref()
+        .and_then(|s| scripted(s, &req, after_user, done_steps as usize));
     let reply = if is_summary {
         let transcript = req.messages.iter().rev().find_map(|m| match m {
             Message::User { content } => Some(content.as_str()),
@@ -551,11 +669,21 @@ async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum
     } else {
         match scripted {
             Some(r) if !req.tools.is_empty() => r,
-            _ => decide(scenario.as_ref(), &req, after_user, done_steps, tool_results),
+            _ => decide(
+                scenario.as_ref(),
+                &req,
+                after_user,
+                done_steps,
+                tool_results,
+            ),
         }
     };
     state.record(log(200));
-    let prompt_chars: usize = req.messages.iter().map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0)).sum();
+    let prompt_chars: usize = req
+        .messages
+        .iter()
+        .map(|m| serde_json::to_string(m).map(|s| s.len()).unwrap_or(0))
+        .sum();
     let completion_chars = match &reply {
         Reply::Text(t) => t.len(),
         Reply::Calls(c) => c.iter().map(|(_, n, a)| n.len() + a.len()).sum(),
@@ -566,24 +694,44 @@ async fn completions_inner(state: Arc<MockState>, headers: HeaderMap, body: axum
         "completion_tokens": completion_chars / 4 + 1,
         "total_tokens": prompt_tokens + completion_chars as u64 / 4 + 1,
     });
-    let model = if req.model.is_empty() { "mock-model".to_owned() } else { req.model.clone() };
-    if req.stream { stream_reply(model, reply, usage) } else { plain_reply(model, reply, usage) }
+    let model = if req.model.is_empty() {
+        "mock-model".to_owned()
+    } else {
+        req.model.clone()
+    };
+    if req.stream {
+        stream_reply(model, reply, usage)
+    } else {
+        plain_reply(model, reply, usage)
+    }
 }
 
 /// The scripted reply, if the system prompt names a script.
-fn scripted(script: &Script, req: &CompletionRequest, after_user: &[Message], done: usize) -> Option<Reply> {
+fn scripted(
+    script: &Script,
+    req: &CompletionRequest,
+    after_user: &[Message],
+    done: usize,
+) -> Option<Reply> {
     let system = req.messages.iter().find_map(|m| match m {
         Message::System { content } => Some(content.as_str()),
         _ => None,
     })?;
     let at = system.find("MOCK:")? + 5;
-    let name: String = system[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').collect();
+    let name: String = system[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-')
+        .collect();
     let turns = script.get(&name)?;
-    let Some(turn) = turns.get(done) else { return Some(Reply::Text("script ended".into())) };
+    let Some(turn) = turns.get(done) else {
+        return Some(Reply::Text("script ended".into()));
+    };
     let results: Vec<Value> = after_user
         .iter()
         .filter_map(|m| match m {
-            Message::Tool { content, .. } => Some(serde_json::from_str(content).unwrap_or(Value::Null)),
+            Message::Tool { content, .. } => {
+                Some(serde_json::from_str(content).unwrap_or(Value::Null))
+            }
             _ => None,
         })
         .collect();
@@ -594,7 +742,13 @@ fn scripted(script: &Script, req: &CompletionRequest, after_user: &[Message], do
         turn.tool_calls
             .iter()
             .enumerate()
-            .map(|(j, c)| (format!("call_{}_{}", done + 1, j + 1), c.name.clone(), fill(&c.arguments, &results).to_string()))
+            .map(|(j, c)| {
+                (
+                    format!("call_{}_{}", done + 1, j + 1),
+                    c.name.clone(),
+                    fill(&c.arguments, &results).to_string(),
+                )
+            })
             .collect(),
     ))
 }
@@ -606,19 +760,40 @@ fn fill(v: &Value, results: &[Value]) -> Value {
             let inner = &s[2..s.len() - 2];
             let parts: Vec<&str> = inner.split(':').collect();
             match parts.as_slice() {
-                ["all", f] => Value::Array(results.iter().filter_map(|r| r.get(*f).cloned()).collect()),
-                ["last", f] => results.iter().rev().find_map(|r| r.get(*f).cloned()).unwrap_or(Value::Null),
-                ["nth", n, f] => n.parse::<usize>().ok().and_then(|n| results.get(n)).and_then(|r| r.get(*f).cloned()).unwrap_or(Value::Null),
+                ["all", f] => {
+                    Value::Array(results.iter().filter_map(|r| r.get(*f).cloned()).collect())
+                }
+                ["last", f] => results
+                    .iter()
+                    .rev()
+                    .find_map(|r| r.get(*f).cloned())
+                    .unwrap_or(Value::Null),
+                ["nth", n, f] => n
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|n| results.get(n))
+                    .and_then(|r| r.get(*f).cloned())
+                    .unwrap_or(Value::Null),
                 _ => v.clone(),
             }
         }
         Value::Array(a) => Value::Array(a.iter().map(|x| fill(x, results)).collect()),
-        Value::Object(o) => Value::Object(o.iter().map(|(k, x)| (k.clone(), fill(x, results))).collect()),
+        Value::Object(o) => Value::Object(
+            o.iter()
+                .map(|(k, x)| (k.clone(), fill(x, results)))
+                .collect(),
+        ),
         other => other.clone(),
     }
 }
 
-fn decide(s: Option<&Scenario>, req: &CompletionRequest, after_user: &[Message], done: u32, tool_results: usize) -> Reply {
+fn decide(
+    s: Option<&Scenario>,
+    req: &CompletionRequest,
+    after_user: &[Message],
+    done: u32,
+    tool_results: usize,
+) -> Reply {
     // `done` and `tool_results` include what a compaction summary reports.
     let Some(s) = s else {
         let last = after_user
@@ -637,11 +812,19 @@ fn decide(s: Option<&Scenario>, req: &CompletionRequest, after_user: &[Message],
         return Reply::Text(format!("FORCED after {tool_results} tool results"));
     }
     if s.looping {
-        let told = after_user.iter().any(|m| matches!(m, Message::Tool { content, .. } if content.contains("[loop_detected]")));
+        let told = after_user.iter().any(
+            |m| matches!(m, Message::Tool { content, .. } if content.contains("[loop_detected]")),
+        );
         return if told {
-            Reply::Text(format!("stopped repeating after {tool_results} tool results"))
+            Reply::Text(format!(
+                "stopped repeating after {tool_results} tool results"
+            ))
         } else {
-            Reply::Calls(vec![(format!("call_{}", done + 1), s.tool.clone(), json!({"text": "loop"}).to_string())])
+            Reply::Calls(vec![(
+                format!("call_{}", done + 1),
+                s.tool.clone(),
+                json!({"text": "loop"}).to_string(),
+            )])
         };
     }
     let step = done + 1;
@@ -656,19 +839,38 @@ fn decide(s: Option<&Scenario>, req: &CompletionRequest, after_user: &[Message],
         if results.is_empty()
             && let Some(tool) = first.strip_prefix("tool:")
         {
-            return Reply::Calls(vec![(format!("call_{step}_1"), tool.to_owned(), json!({}).to_string())]);
+            return Reply::Calls(vec![(
+                format!("call_{step}_1"),
+                tool.to_owned(),
+                json!({}).to_string(),
+            )]);
         }
         return match next_read(first, &results) {
-            Some((path, offset)) => Reply::Calls(vec![(format!("call_{step}_1"), "read_file".into(), json!({"path": path, "offset": offset}).to_string())]),
+            Some((path, offset)) => Reply::Calls(vec![(
+                format!("call_{step}_1"),
+                "read_file".into(),
+                json!({"path": path, "offset": offset}).to_string(),
+            )]),
             None => {
-                let last_line = results.last().and_then(|r| r.lines().rev().find(|l| l.contains('\t'))).unwrap_or("").trim().to_owned();
-                Reply::Text(format!("READ DONE after {} reads; last line: {last_line}", results.len()))
+                let last_line = results
+                    .last()
+                    .and_then(|r| r.lines().rev().find(|l| l.contains('\t')))
+                    .unwrap_or("")
+                    .trim()
+                    .to_owned();
+                Reply::Text(format!(
+                    "READ DONE after {} reads; last line: {last_line}",
+                    results.len()
+                ))
             }
         };
     }
     if step >= s.steps {
         return Reply::Text(if s.pad > 0 {
-            format!("DONE after {} steps; saw {tool_results} tool results", s.steps)
+            format!(
+                "DONE after {} steps; saw {tool_results} tool results",
+                s.steps
+            )
         } else {
             format!("DONE after {} steps", s.steps)
         });
@@ -683,7 +885,11 @@ fn decide(s: Option<&Scenario>, req: &CompletionRequest, after_user: &[Message],
                     text.push_str(": ");
                     text.push_str(&filler(len, step * 64 + j));
                 }
-                (format!("call_{step}_{j}"), s.tool.clone(), json!({"text": text}).to_string())
+                (
+                    format!("call_{step}_{j}"),
+                    s.tool.clone(),
+                    json!({"text": text}).to_string(),
+                )
             })
             .collect(),
     )
@@ -731,17 +937,26 @@ fn stream_reply(model: String, reply: Reply, usage: Value) -> Response {
                     None,
                 ));
                 // Arguments arrive in fragments; the client must join them.
-                let mid = args.char_indices().nth(args.chars().count() / 2).map(|(b, _)| b).unwrap_or(0);
+                let mid = args
+                    .char_indices()
+                    .nth(args.chars().count() / 2)
+                    .map(|(b, _)| b)
+                    .unwrap_or(0);
                 for part in [&args[..mid], &args[mid..]] {
-                    chunks.push(chunk(json!({"tool_calls": [{"index": i, "function": {"arguments": part}}]}), None));
+                    chunks.push(chunk(
+                        json!({"tool_calls": [{"index": i, "function": {"arguments": part}}]}),
+                        None,
+                    ));
                 }
             }
             chunks.push(chunk(json!({}), Some("tool_calls")));
         }
     }
     chunks.push(json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage}));
-    let mut events: Vec<Result<Event, std::convert::Infallible>> =
-        chunks.into_iter().map(|c| Ok(Event::default().data(c.to_string()))).collect();
+    let mut events: Vec<Result<Event, std::convert::Infallible>> = chunks
+        .into_iter()
+        .map(|c| Ok(Event::default().data(c.to_string())))
+        .collect();
     events.push(Ok(Event::default().data("[DONE]")));
     Sse::new(futures::stream::iter(events)).into_response()
 }
@@ -752,25 +967,47 @@ mod tests {
 
     #[test]
     fn scenarios_parse() {
-        let s = Scenario::find("hello\nSCENARIO steps=5 tool=echo parallel=2 run=x").unwrap().unwrap();
+        let s = Scenario::find("hello\nSCENARIO steps=5 tool=echo parallel=2 run=x")
+            .unwrap()
+            .unwrap();
         assert_eq!((s.steps, s.parallel, s.tool.as_str()), (5, 2, "echo"));
         assert!(Scenario::find("no scenario").is_none());
         let e = Scenario::find("SCENARIO stepz=5").unwrap().unwrap_err();
         assert!(e.contains("unknown scenario key `stepz`"), "{e}");
         assert!(Scenario::find("SCENARIO steps=x").unwrap().is_err());
-        let s = Scenario::find("SCENARIO window=8000 pad=1500 read=big.txt").unwrap().unwrap();
-        assert_eq!((s.window, s.pad, s.read.as_deref()), (Some(8000), 1500, Some("big.txt")));
+        let s = Scenario::find("SCENARIO window=8000 pad=1500 read=big.txt")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (s.window, s.pad, s.read.as_deref()),
+            (Some(8000), 1500, Some("big.txt"))
+        );
     }
 
     #[test]
     fn summaries_carry_the_count_across_a_compaction() {
-        let t = format!("{}\nMOCK SUMMARY steps=4 tool_results=4\n\n{}\n\n{}\nx\n\n{} (c)\ny\n\n", compact::EARLIER_SUMMARY, compact::USER, compact::ASSISTANT, compact::TOOL_RESULT);
+        let t = format!(
+            "{}\nMOCK SUMMARY steps=4 tool_results=4\n\n{}\n\n{}\nx\n\n{} (c)\ny\n\n",
+            compact::EARLIER_SUMMARY,
+            compact::USER,
+            compact::ASSISTANT,
+            compact::TOOL_RESULT
+        );
         assert_eq!(summarise(&t), "MOCK SUMMARY steps=1 tool_results=1");
-        let t = format!("{}\nMOCK SUMMARY steps=4 tool_results=4\n\n{}\nx\n\n", compact::EARLIER_SUMMARY, compact::ASSISTANT);
+        let t = format!(
+            "{}\nMOCK SUMMARY steps=4 tool_results=4\n\n{}\nx\n\n",
+            compact::EARLIER_SUMMARY,
+            compact::ASSISTANT
+        );
         assert_eq!(summarise(&t), "MOCK SUMMARY steps=5 tool_results=4");
-        let task = Message::User { content: "SCENARIO steps=9".into() };
+        let task = Message::User {
+            content: "SCENARIO steps=9".into(),
+        };
         let summary = compact::summary_message("MOCK SUMMARY steps=5 tool_results=5", 2, 20, &[]);
-        let a = Message::Assistant { content: None, tool_calls: vec![] };
+        let a = Message::Assistant {
+            content: None,
+            tool_calls: vec![],
+        };
         assert_eq!(progress(&[task, summary, a]), (1, 6, 5));
     }
 

@@ -134,7 +134,6 @@ pub struct ChatRequest {
     pub step_key: String,
 }
 
-
 /// The model's complete answer to one request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatResponse {
@@ -267,7 +266,11 @@ pub type DeltaSink<'a> = &'a (dyn Fn(&str) + Send + Sync);
 #[async_trait]
 pub trait ChatModel: Send + Sync {
     /// One completion, with transient failures already retried.
-    async fn complete(&self, req: &ChatRequest, on_delta: DeltaSink<'_>) -> Result<ChatResponse, ModelError>;
+    async fn complete(
+        &self,
+        req: &ChatRequest,
+        on_delta: DeltaSink<'_>,
+    ) -> Result<ChatResponse, ModelError>;
 }
 
 /// How retries back off: exponential from `base`, capped at `max`, at most `retries` retries.
@@ -283,7 +286,11 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { retries: 5, base: Duration::from_millis(200), max: Duration::from_secs(30) }
+        Self {
+            retries: 5,
+            base: Duration::from_millis(200),
+            max: Duration::from_secs(30),
+        }
     }
 }
 
@@ -293,7 +300,9 @@ impl RetryPolicy {
         if let Some(ra) = retry_after {
             return ra.min(self.max);
         }
-        let exp = self.base.saturating_mul(1u32 << (n.saturating_sub(1)).min(16));
+        let exp = self
+            .base
+            .saturating_mul(1u32 << (n.saturating_sub(1)).min(16));
         // Up to 25% jitter so a fleet of workers does not retry in lockstep.
         let jitter = exp.mul_f64(rand::random::<f64>() * 0.25);
         (exp + jitter).min(self.max)
@@ -311,21 +320,28 @@ mod tests {
             tool_calls: vec![ToolCall {
                 id: "c1".into(),
                 kind: "function".into(),
-                function: FunctionCall { name: "echo".into(), arguments: "{}".into() },
+                function: FunctionCall {
+                    name: "echo".into(),
+                    arguments: "{}".into(),
+                },
             }],
         };
         let v = serde_json::to_value(&m).unwrap();
         assert_eq!(v["role"], "assistant");
         assert_eq!(v["tool_calls"][0]["type"], "function");
         assert_eq!(serde_json::from_value::<Message>(v).unwrap(), m);
-        let t: Message = serde_json::from_str(r#"{"role":"tool","tool_call_id":"c1","content":"x"}"#).unwrap();
+        let t: Message =
+            serde_json::from_str(r#"{"role":"tool","tool_call_id":"c1","content":"x"}"#).unwrap();
         assert_eq!(t.role(), "tool");
     }
 
     #[test]
     fn retry_after_wins_and_is_capped() {
         let p = RetryPolicy::default();
-        assert_eq!(p.delay(1, Some(Duration::from_secs(2))), Duration::from_secs(2));
+        assert_eq!(
+            p.delay(1, Some(Duration::from_secs(2))),
+            Duration::from_secs(2)
+        );
         assert_eq!(p.delay(1, Some(Duration::from_secs(999))), p.max);
         assert!(p.delay(3, None) >= Duration::from_millis(800));
     }
@@ -335,8 +351,14 @@ mod tests {
         let openai = r#"{"error":{"message":"This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#;
         assert!(is_context_length_error(400, openai));
         assert!(is_context_length_error(413, "Payload Too Large"));
-        assert!(is_context_length_error(400, r#"{"error":"the prompt is too long: 300000 tokens > 200000 maximum"}"#));
-        assert!(!is_context_length_error(400, r#"{"error":{"message":"invalid tool schema"}}"#));
+        assert!(is_context_length_error(
+            400,
+            r#"{"error":"the prompt is too long: 300000 tokens > 200000 maximum"}"#
+        ));
+        assert!(!is_context_length_error(
+            400,
+            r#"{"error":{"message":"invalid tool schema"}}"#
+        ));
         assert!(!is_context_length_error(500, openai));
     }
 }

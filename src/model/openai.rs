@@ -11,7 +11,10 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{ChatModel, ChatRequest, ChatResponse, DeltaSink, FunctionCall, ModelError, RetryPolicy, ToolCall, Usage};
+use super::{
+    ChatModel, ChatRequest, ChatResponse, DeltaSink, FunctionCall, ModelError, RetryPolicy,
+    ToolCall, Usage,
+};
 
 /// Where and how to reach the model.
 #[derive(Clone)]
@@ -31,7 +34,14 @@ impl std::fmt::Debug for OpenAiConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpenAiConfig")
             .field("base_url", &self.base_url)
-            .field("api_key", &if self.api_key.is_empty() { "<unset>" } else { "<redacted>" })
+            .field(
+                "api_key",
+                &if self.api_key.is_empty() {
+                    "<unset>"
+                } else {
+                    "<redacted>"
+                },
+            )
             .field("retry", &self.retry)
             .finish()
     }
@@ -47,7 +57,11 @@ pub struct OpenAiClient {
 /// One failed attempt: either worth retrying (with an optional server-given delay) or final.
 enum Attempt {
     /// `throttled`: the provider answered 429 (its rate limit).
-    Retry { why: String, after: Option<Duration>, throttled: bool },
+    Retry {
+        why: String,
+        after: Option<Duration>,
+        throttled: bool,
+    },
     Fatal(ModelError),
 }
 
@@ -62,10 +76,17 @@ impl OpenAiClient {
     }
 
     fn url(&self) -> String {
-        format!("{}/chat/completions", self.config.base_url.trim_end_matches('/'))
+        format!(
+            "{}/chat/completions",
+            self.config.base_url.trim_end_matches('/')
+        )
     }
 
-    async fn attempt(&self, req: &ChatRequest, on_delta: DeltaSink<'_>) -> Result<ChatResponse, Attempt> {
+    async fn attempt(
+        &self,
+        req: &ChatRequest,
+        on_delta: DeltaSink<'_>,
+    ) -> Result<ChatResponse, Attempt> {
         let mut body = json!({
             "model": req.model,
             "messages": req.messages,
@@ -75,11 +96,19 @@ impl OpenAiClient {
         if !req.tools.is_empty() {
             body["tools"] = json!(req.tools);
         }
-        let mut builder = self.http.post(self.url()).json(&body).header("x-subagents-step", &req.step_key);
+        let mut builder = self
+            .http
+            .post(self.url())
+            .json(&body)
+            .header("x-subagents-step", &req.step_key);
         if !self.config.api_key.is_empty() {
             builder = builder.bearer_auth(&self.config.api_key);
         }
-        let resp = builder.send().await.map_err(|e| Attempt::Retry { why: format!("connection: {e}"), after: None, throttled: false })?;
+        let resp = builder.send().await.map_err(|e| Attempt::Retry {
+            why: format!("connection: {e}"),
+            after: None,
+            throttled: false,
+        })?;
         let status = resp.status();
         if !status.is_success() {
             let after = resp
@@ -91,13 +120,19 @@ impl OpenAiClient {
             let text = resp.text().await.unwrap_or_default();
             let body: String = text.chars().take(500).collect();
             let code = status.as_u16();
-            return Err(if code == 429 || code == 408 || code == 409 || status.is_server_error() {
-                Attempt::Retry { why: format!("HTTP {code}: {body}"), after, throttled: code == 429 }
-            } else if super::is_context_length_error(code, &body) {
-                Attempt::Fatal(ModelError::ContextLength { status: code, body })
-            } else {
-                Attempt::Fatal(ModelError::Rejected { status: code, body })
-            });
+            return Err(
+                if code == 429 || code == 408 || code == 409 || status.is_server_error() {
+                    Attempt::Retry {
+                        why: format!("HTTP {code}: {body}"),
+                        after,
+                        throttled: code == 429,
+                    }
+                } else if super::is_context_length_error(code, &body) {
+                    Attempt::Fatal(ModelError::ContextLength { status: code, body })
+                } else {
+                    Attempt::Fatal(ModelError::Rejected { status: code, body })
+                },
+            );
         }
         let budget_resets_in = budget_reset(resp.headers());
         let is_sse = resp
@@ -107,42 +142,77 @@ impl OpenAiClient {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
             // Some compatible servers ignore `stream`; accept a plain completion too.
-            let v: serde_json::Value =
-                resp.json().await.map_err(|e| Attempt::Retry { why: format!("reading body: {e}"), after: None, throttled: false })?;
-            return parse_plain(&v).map(|r| ChatResponse { budget_resets_in, ..r }).map_err(Attempt::Fatal);
+            let v: serde_json::Value = resp.json().await.map_err(|e| Attempt::Retry {
+                why: format!("reading body: {e}"),
+                after: None,
+                throttled: false,
+            })?;
+            return parse_plain(&v)
+                .map(|r| ChatResponse {
+                    budget_resets_in,
+                    ..r
+                })
+                .map_err(Attempt::Fatal);
         }
         let mut acc = Accumulator::default();
         let mut events = resp.bytes_stream().eventsource();
         while let Some(ev) = events.next().await {
-            let ev = ev.map_err(|e| Attempt::Retry { why: format!("stream broke: {e}"), after: None, throttled: false })?;
+            let ev = ev.map_err(|e| Attempt::Retry {
+                why: format!("stream broke: {e}"),
+                after: None,
+                throttled: false,
+            })?;
             if ev.data.trim() == "[DONE]" {
-                return Ok(ChatResponse { budget_resets_in, ..acc.finish() });
+                return Ok(ChatResponse {
+                    budget_resets_in,
+                    ..acc.finish()
+                });
             }
-            let chunk: Chunk = serde_json::from_str(&ev.data)
-                .map_err(|e| Attempt::Fatal(ModelError::Malformed(format!("{e} in chunk {}", ev.data))))?;
+            let chunk: Chunk = serde_json::from_str(&ev.data).map_err(|e| {
+                Attempt::Fatal(ModelError::Malformed(format!("{e} in chunk {}", ev.data)))
+            })?;
             acc.add(chunk, on_delta);
         }
         // Some servers end the stream without `[DONE]`; what arrived is complete only if a
         // finish reason came with it.
         if acc.finish_reason.is_some() {
-            Ok(ChatResponse { budget_resets_in, ..acc.finish() })
+            Ok(ChatResponse {
+                budget_resets_in,
+                ..acc.finish()
+            })
         } else {
-            Err(Attempt::Retry { why: "stream ended before the response was complete".into(), after: None, throttled: false })
+            Err(Attempt::Retry {
+                why: "stream ended before the response was complete".into(),
+                after: None,
+                throttled: false,
+            })
         }
     }
 }
 
 #[async_trait]
 impl ChatModel for OpenAiClient {
-    async fn complete(&self, req: &ChatRequest, on_delta: DeltaSink<'_>) -> Result<ChatResponse, ModelError> {
+    async fn complete(
+        &self,
+        req: &ChatRequest,
+        on_delta: DeltaSink<'_>,
+    ) -> Result<ChatResponse, ModelError> {
         let policy = self.config.retry;
         let mut attempt_no = 0u32;
         loop {
             attempt_no += 1;
-            let outcome = match tokio::time::timeout(self.config.request_timeout, self.attempt(req, on_delta)).await {
+            let outcome = match tokio::time::timeout(
+                self.config.request_timeout,
+                self.attempt(req, on_delta),
+            )
+            .await
+            {
                 Ok(r) => r,
                 Err(_) => Err(Attempt::Retry {
-                    why: format!("no complete response within {:?}", self.config.request_timeout),
+                    why: format!(
+                        "no complete response within {:?}",
+                        self.config.request_timeout
+                    ),
                     after: None,
                     throttled: false,
                 }),
@@ -150,12 +220,22 @@ impl ChatModel for OpenAiClient {
             match outcome {
                 Ok(r) => return Ok(r),
                 Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Retry { why, after, throttled }) => {
+                Err(Attempt::Retry {
+                    why,
+                    after,
+                    throttled,
+                }) => {
                     if attempt_no > policy.retries {
                         if throttled {
-                            return Err(ModelError::RateLimited { retry_after: policy.delay(attempt_no, after), last: why });
+                            return Err(ModelError::RateLimited {
+                                retry_after: policy.delay(attempt_no, after),
+                                last: why,
+                            });
                         }
-                        return Err(ModelError::Exhausted { attempts: attempt_no, last: why });
+                        return Err(ModelError::Exhausted {
+                            attempts: attempt_no,
+                            last: why,
+                        });
                     }
                     let delay = policy.delay(attempt_no, after);
                     tracing::warn!(attempt = attempt_no, ?delay, error = %why, "model call failed; retrying");
@@ -172,7 +252,10 @@ fn budget_reset(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
     let get = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::trim);
     ["requests", "tokens"]
         .iter()
-        .filter(|kind| get(&format!("x-ratelimit-remaining-{kind}")).and_then(|v| v.parse::<f64>().ok()) == Some(0.0))
+        .filter(|kind| {
+            get(&format!("x-ratelimit-remaining-{kind}")).and_then(|v| v.parse::<f64>().ok())
+                == Some(0.0)
+        })
         .filter_map(|kind| get(&format!("x-ratelimit-reset-{kind}")).and_then(parse_reset))
         .max()
 }
@@ -180,7 +263,8 @@ fn budget_reset(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
 /// OpenAI's reset durations: `1s`, `6m0s`, `20ms`, `1h2m3.5s`, or plain seconds.
 fn parse_reset(s: &str) -> Option<Duration> {
     if let Ok(secs) = s.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(86_400.0)));
+        return (secs.is_finite() && secs >= 0.0)
+            .then(|| Duration::from_secs_f64(secs.min(86_400.0)));
     }
     let mut total = 0.0f64;
     let mut rest = s;
@@ -214,7 +298,10 @@ mod reset_tests {
         assert_eq!(parse_reset("1s"), Some(Duration::from_secs(1)));
         assert_eq!(parse_reset("6m0s"), Some(Duration::from_secs(360)));
         assert_eq!(parse_reset("20ms"), Some(Duration::from_millis(20)));
-        assert_eq!(parse_reset("1h2m3.5s"), Some(Duration::from_secs_f64(3723.5)));
+        assert_eq!(
+            parse_reset("1h2m3.5s"),
+            Some(Duration::from_secs_f64(3723.5))
+        );
         assert_eq!(parse_reset("2.5"), Some(Duration::from_secs_f64(2.5)));
         assert_eq!(parse_reset("soon"), None);
         let mut h = reqwest::header::HeaderMap::new();
@@ -316,7 +403,11 @@ impl Accumulator {
             .calls
             .into_iter()
             .map(|(i, (id, name, arguments))| ToolCall {
-                id: if id.is_empty() { format!("call_{i}") } else { id },
+                id: if id.is_empty() {
+                    format!("call_{i}")
+                } else {
+                    id
+                },
                 kind: "function".into(),
                 function: FunctionCall { name, arguments },
             })
@@ -334,12 +425,13 @@ impl Accumulator {
 fn parse_plain(v: &serde_json::Value) -> Result<ChatResponse, ModelError> {
     let msg = &v["choices"][0]["message"];
     if msg.is_null() {
-        return Err(ModelError::Malformed(format!("no choices[0].message in {v}")));
+        return Err(ModelError::Malformed(format!(
+            "no choices[0].message in {v}"
+        )));
     }
     let tool_calls: Vec<ToolCall> = match msg.get("tool_calls") {
-        Some(tc) if !tc.is_null() => {
-            serde_json::from_value(tc.clone()).map_err(|e| ModelError::Malformed(format!("tool_calls: {e}")))?
-        }
+        Some(tc) if !tc.is_null() => serde_json::from_value(tc.clone())
+            .map_err(|e| ModelError::Malformed(format!("tool_calls: {e}")))?,
         _ => vec![],
     };
     let usage = serde_json::from_value(v["usage"].clone()).unwrap_or_default();

@@ -18,7 +18,8 @@ pub struct Price {
 impl Price {
     /// Nano-dollars for `usage` (1 $/M tokens is 1,000 nano-dollars a token).
     pub fn cost_nanos(&self, usage: &Usage) -> u64 {
-        let n = usage.prompt_tokens as f64 * self.input * 1000.0 + usage.completion_tokens as f64 * self.output * 1000.0;
+        let n = usage.prompt_tokens as f64 * self.input * 1000.0
+            + usage.completion_tokens as f64 * self.output * 1000.0;
         n.round().clamp(0.0, u64::MAX as f64) as u64
     }
 }
@@ -62,12 +63,23 @@ impl PriceTable {
     pub fn parse(spec: &str) -> Result<PriceTable, String> {
         let mut overrides = BTreeMap::new();
         for pair in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let bad = || format!("`{pair}` is not `model=INPUT:OUTPUT` in dollars per million tokens (e.g. `gpt-4.1=2:8`)");
+            let bad = || {
+                format!(
+                    "`{pair}` is not `model=INPUT:OUTPUT` in dollars per million tokens (e.g. `gpt-4.1=2:8`)"
+                )
+            };
             let (name, figures) = pair.split_once('=').ok_or_else(bad)?;
             let (i, o) = figures.split_once(':').ok_or_else(bad)?;
-            let parse = |x: &str| x.trim().parse::<f64>().ok().filter(|v| v.is_finite() && (0.0..=100_000.0).contains(v));
+            let parse = |x: &str| {
+                x.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && (0.0..=100_000.0).contains(v))
+            };
             let (Some(input), Some(output)) = (parse(i), parse(o)) else {
-                return Err(format!("the prices in `{pair}` must be numbers from 0 to 100000 (dollars per million tokens)"));
+                return Err(format!(
+                    "the prices in `{pair}` must be numbers from 0 to 100000 (dollars per million tokens)"
+                ));
             };
             if name.trim().is_empty() {
                 return Err(bad());
@@ -82,7 +94,12 @@ impl PriceTable {
         if let Some(p) = self.overrides.get(model) {
             return Some(*p);
         }
-        if let Some((_, p)) = self.overrides.iter().filter(|(n, _)| model.starts_with(n.as_str())).max_by_key(|(n, _)| n.len()) {
+        if let Some((_, p)) = self
+            .overrides
+            .iter()
+            .filter(|(n, _)| model.starts_with(n.as_str()))
+            .max_by_key(|(n, _)| n.len())
+        {
             return Some(*p);
         }
         // Routers prefix names with the provider (`openai/gpt-4o`); the model is the last part.
@@ -91,7 +108,10 @@ impl PriceTable {
             .iter()
             .filter(|(n, _, _)| bare.starts_with(n))
             .max_by_key(|(n, _, _)| n.len())
-            .map(|(_, input, output)| Price { input: *input, output: *output })
+            .map(|(_, input, output)| Price {
+                input: *input,
+                output: *output,
+            })
     }
 
     /// Nano-dollars of one call, `None` when the model has no price.
@@ -112,14 +132,47 @@ mod tests {
     #[test]
     fn longest_prefix_wins_and_overrides_come_first() {
         let t = PriceTable::parse("gpt-4.1=1:2, mine=0:0").unwrap();
-        assert_eq!(t.price("gpt-4.1-2025-04-14"), Some(Price { input: 1.0, output: 2.0 }));
+        assert_eq!(
+            t.price("gpt-4.1-2025-04-14"),
+            Some(Price {
+                input: 1.0,
+                output: 2.0
+            })
+        );
         // The built-in mini entry is longer than the override's prefix, but overrides come first.
-        assert_eq!(t.price("gpt-4.1-mini"), Some(Price { input: 1.0, output: 2.0 }));
-        assert_eq!(t.price("gpt-4o-mini-2024"), Some(Price { input: 0.15, output: 0.6 }));
-        assert_eq!(t.price("openai/gpt-4o"), Some(Price { input: 2.5, output: 10.0 }));
-        assert_eq!(t.price("mine"), Some(Price { input: 0.0, output: 0.0 }));
+        assert_eq!(
+            t.price("gpt-4.1-mini"),
+            Some(Price {
+                input: 1.0,
+                output: 2.0
+            })
+        );
+        assert_eq!(
+            t.price("gpt-4o-mini-2024"),
+            Some(Price {
+                input: 0.15,
+                output: 0.6
+            })
+        );
+        assert_eq!(
+            t.price("openai/gpt-4o"),
+            Some(Price {
+                input: 2.5,
+                output: 10.0
+            })
+        );
+        assert_eq!(
+            t.price("mine"),
+            Some(Price {
+                input: 0.0,
+                output: 0.0
+            })
+        );
         assert_eq!(t.price("unknown-model"), None);
-        let u = Usage { prompt_tokens: 1_000_000, completion_tokens: 500_000 };
+        let u = Usage {
+            prompt_tokens: 1_000_000,
+            completion_tokens: 500_000,
+        };
         assert_eq!(t.cost_nanos("gpt-4.1", &u), Some(2_000_000_000));
         assert_eq!(dollars(2_000_000_000), 2.0);
     }

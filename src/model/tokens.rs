@@ -41,7 +41,9 @@ pub struct Counter {
 
 impl std::fmt::Debug for Counter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Counter").field("encoding", &self.encoding).finish()
+        f.debug_struct("Counter")
+            .field("encoding", &self.encoding)
+            .finish()
     }
 }
 
@@ -51,8 +53,14 @@ impl Counter {
     /// [`Calibration`] ratio corrects the difference).
     pub fn for_model(model: &str) -> Counter {
         match tiktoken_rs::tokenizer::get_tokenizer(model) {
-            Some(Tokenizer::Cl100kBase) => Counter { bpe: tiktoken_rs::cl100k_base_singleton(), encoding: "cl100k_base" },
-            _ => Counter { bpe: tiktoken_rs::o200k_base_singleton(), encoding: "o200k_base" },
+            Some(Tokenizer::Cl100kBase) => Counter {
+                bpe: tiktoken_rs::cl100k_base_singleton(),
+                encoding: "cl100k_base",
+            },
+            _ => Counter {
+                bpe: tiktoken_rs::o200k_base_singleton(),
+                encoding: "o200k_base",
+            },
         }
     }
 
@@ -73,11 +81,19 @@ impl Counter {
             + self.text(m.role())
             + match m {
                 Message::System { content } | Message::User { content } => self.text(content),
-                Message::Assistant { content, tool_calls } => {
+                Message::Assistant {
+                    content,
+                    tool_calls,
+                } => {
                     content.as_deref().map_or(0, |c| self.text(c))
                         + tool_calls
                             .iter()
-                            .map(|c| PER_TOOL_CALL + self.text(&c.function.name) + self.text(&c.function.arguments) + self.text(&c.id))
+                            .map(|c| {
+                                PER_TOOL_CALL
+                                    + self.text(&c.function.name)
+                                    + self.text(&c.function.arguments)
+                                    + self.text(&c.id)
+                            })
                             .sum::<usize>()
                 }
                 Message::Tool { content, .. } => self.text(content),
@@ -179,7 +195,12 @@ impl Calibration {
 
     /// The current ratio for `model` (1 before its first call).
     pub fn ratio(&self, model: &str) -> f64 {
-        self.ratios.lock().unwrap().get(model).copied().unwrap_or(1.0)
+        self.ratios
+            .lock()
+            .unwrap()
+            .get(model)
+            .copied()
+            .unwrap_or(1.0)
     }
 
     /// `estimated` corrected by the model's ratio.
@@ -242,7 +263,10 @@ impl ModelTable {
     /// The built-in table with `overrides` (exact names or prefixes) and `default_window` for
     /// unknown models.
     pub fn new(overrides: BTreeMap<String, Window>, default_window: u64) -> ModelTable {
-        let default = Window { context: default_window, max_output: (default_window / 8).clamp(256, 16_384) };
+        let default = Window {
+            context: default_window,
+            max_output: (default_window / 8).clamp(256, 16_384),
+        };
         ModelTable { overrides, default }
     }
 
@@ -264,17 +288,35 @@ impl ModelTable {
                 .filter(|w| (1024..=100_000_000).contains(w))
                 .ok_or_else(|| format!("the window in `{pair}` must be a whole number of tokens from 1024 to 100000000"))?;
             let max_output = match output {
-                Some(o) => o.trim().parse().ok().filter(|o| *o > 0 && *o < window).ok_or_else(|| format!("the max output in `{pair}` must be below the window"))?,
+                Some(o) => o
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|o| *o > 0 && *o < window)
+                    .ok_or_else(|| {
+                        format!("the max output in `{pair}` must be below the window")
+                    })?,
                 None => (window / 8).clamp(256, 16_384),
             };
-            out.insert(name.trim().to_owned(), Window { context: window, max_output });
+            out.insert(
+                name.trim().to_owned(),
+                Window {
+                    context: window,
+                    max_output,
+                },
+            );
         }
         Ok(out)
     }
 
     /// What `model` can hold, and whether the figure is known (not the default).
     pub fn window(&self, model: &str) -> (Window, bool) {
-        let longest = |names: &mut dyn Iterator<Item = (&str, Window)>| names.filter(|(n, _)| model.starts_with(n)).max_by_key(|(n, _)| n.len()).map(|(_, w)| w);
+        let longest = |names: &mut dyn Iterator<Item = (&str, Window)>| {
+            names
+                .filter(|(n, _)| model.starts_with(n))
+                .max_by_key(|(n, _)| n.len())
+                .map(|(_, w)| w)
+        };
         if let Some(w) = self.overrides.get(model) {
             return (*w, true);
         }
@@ -283,9 +325,18 @@ impl ModelTable {
         }
         // Routers prefix names with the provider (`openai/gpt-4o`); the model is the last part.
         let bare = model.rsplit('/').next().unwrap_or(model);
-        let builtin = BUILTIN.iter().filter(|(n, _, _)| bare.starts_with(n)).max_by_key(|(n, _, _)| n.len());
+        let builtin = BUILTIN
+            .iter()
+            .filter(|(n, _, _)| bare.starts_with(n))
+            .max_by_key(|(n, _, _)| n.len());
         match builtin {
-            Some((_, context, max_output)) => (Window { context: *context, max_output: *max_output }, true),
+            Some((_, context, max_output)) => (
+                Window {
+                    context: *context,
+                    max_output: *max_output,
+                },
+                true,
+            ),
             None => (self.default, false),
         }
     }
@@ -307,7 +358,10 @@ mod tests {
         assert_eq!(Counter::for_model("gpt-4o-mini").encoding, "o200k_base");
         assert_eq!(Counter::for_model("gpt-4-0613").encoding, "cl100k_base");
         assert_eq!(Counter::for_model("gpt-3.5-turbo").encoding, "cl100k_base");
-        assert_eq!(Counter::for_model("some-local-llama").encoding, "o200k_base");
+        assert_eq!(
+            Counter::for_model("some-local-llama").encoding,
+            "o200k_base"
+        );
         let c = Counter::for_model("gpt-4o");
         assert_eq!(c.text("hello world"), 2);
     }
@@ -318,7 +372,14 @@ mod tests {
     fn counts_match_the_published_recipe_within_two_percent() {
         let prose = "The quick brown fox jumps over the lazy dog; then it reads `src/main.rs` and reports 42 findings. ";
         let code = "fn main() {\n    let x: Vec<u32> = (0..10).map(|i| i * 2).collect();\n    println!(\"{x:?}\");\n}\n";
-        let call = |name: &str, args: &str| ToolCall { id: "call_abc123".into(), kind: "function".into(), function: FunctionCall { name: name.into(), arguments: args.into() } };
+        let call = |name: &str, args: &str| ToolCall {
+            id: "call_abc123".into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: name.into(),
+                arguments: args.into(),
+            },
+        };
         let requests: Vec<(&str, Vec<Message>)> = vec![
             ("gpt-4o", vec![Message::System { content: "You are a careful research agent.".repeat(3) }, Message::User { content: prose.repeat(20) }]),
             ("gpt-4o-mini", vec![
@@ -343,11 +404,19 @@ mod tests {
                 .map(|m| tiktoken_rs::ChatCompletionRequestMessage {
                     role: m.role().into(),
                     content: match m {
-                        Message::System { content } | Message::User { content } | Message::Tool { content, .. } => Some(content.clone()),
+                        Message::System { content }
+                        | Message::User { content }
+                        | Message::Tool { content, .. } => Some(content.clone()),
                         Message::Assistant { content, .. } => content.clone(),
                     },
                     tool_calls: match m {
-                        Message::Assistant { tool_calls, .. } => tool_calls.iter().map(|c| tiktoken_rs::FunctionCall { name: c.function.name.clone(), arguments: c.function.arguments.clone() }).collect(),
+                        Message::Assistant { tool_calls, .. } => tool_calls
+                            .iter()
+                            .map(|c| tiktoken_rs::FunctionCall {
+                                name: c.function.name.clone(),
+                                arguments: c.function.arguments.clone(),
+                            })
+                            .collect(),
                         _ => vec![],
                     },
                     ..Default::default()
@@ -356,28 +425,53 @@ mod tests {
             let want = tiktoken_rs::num_tokens_from_messages(model, &reference).unwrap() as f64;
             let got = Counter::for_model(model).request(&messages, &[]) as f64;
             let off = (got - want).abs() / want;
-            assert!(off <= 0.02, "{model}: ours {got}, the recipe {want} ({:.2} %)", off * 100.0);
+            assert!(
+                off <= 0.02,
+                "{model}: ours {got}, the recipe {want} ({:.2} %)",
+                off * 100.0
+            );
         }
     }
 
     #[test]
     fn tool_calls_results_and_schemas_count() {
         let c = Counter::for_model("gpt-4o");
-        let plain = c.request(&[Message::User { content: "hi".into() }], &[]);
+        let plain = c.request(
+            &[Message::User {
+                content: "hi".into(),
+            }],
+            &[],
+        );
         assert_eq!(plain, PER_MESSAGE + 1 + 1 + REPLY_PRIMING);
         let call = Message::Assistant {
             content: None,
-            tool_calls: vec![ToolCall { id: "c1".into(), kind: "function".into(), function: FunctionCall { name: "grep".into(), arguments: r#"{"pattern":"fn main"}"#.into() } }],
+            tool_calls: vec![ToolCall {
+                id: "c1".into(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "grep".into(),
+                    arguments: r#"{"pattern":"fn main"}"#.into(),
+                },
+            }],
         };
         assert!(c.message(&call) > PER_MESSAGE + PER_TOOL_CALL);
-        let spec = ToolSpec { kind: "function".into(), function: FunctionSpec { name: "grep".into(), description: "Search files".into(), parameters: serde_json::json!({"type":"object"}) } };
+        let spec = ToolSpec {
+            kind: "function".into(),
+            function: FunctionSpec {
+                name: "grep".into(),
+                description: "Search files".into(),
+                parameters: serde_json::json!({"type":"object"}),
+            },
+        };
         assert!(c.tools(&[spec]) > TOOLS_OVERHEAD + PER_TOOL_SPEC);
     }
 
     #[test]
     fn heads_stay_within_their_tokens() {
         let c = Counter::for_model("gpt-4o");
-        let text: String = (0..2000).map(|i| format!("line {i}: the quick brown fox\n")).collect();
+        let text: String = (0..2000)
+            .map(|i| format!("line {i}: the quick brown fox\n"))
+            .collect();
         let (head, whole) = c.head(&text, 300);
         assert!(!whole);
         assert!(c.text(head) <= 300, "{}", c.text(head));
@@ -410,13 +504,36 @@ mod tests {
         assert_eq!(t.window("gpt-4o-2024-08-06").0.context, 128_000);
         assert_eq!(t.window("gpt-4-0613").0.context, 8_192);
         assert_eq!(t.window("openai/gpt-4.1-mini").0.context, 1_047_576);
-        assert_eq!(t.window("unknown-model"), (Window { context: 128_000, max_output: 16_000 }, false));
+        assert_eq!(
+            t.window("unknown-model"),
+            (
+                Window {
+                    context: 128_000,
+                    max_output: 16_000
+                },
+                false
+            )
+        );
         let o = ModelTable::parse_overrides("my-llama=32768:4096, gpt-4o=64000").unwrap();
         let t = ModelTable::new(o, 32_000);
-        assert_eq!(t.window("my-llama-8b").0, Window { context: 32_768, max_output: 4_096 });
+        assert_eq!(
+            t.window("my-llama-8b").0,
+            Window {
+                context: 32_768,
+                max_output: 4_096
+            }
+        );
         assert_eq!(t.window("gpt-4o").0.context, 64_000);
         assert_eq!(t.window("nope").0.context, 32_000);
-        assert!(ModelTable::parse_overrides("x=12").unwrap_err().contains("1024"));
-        assert!(ModelTable::parse_overrides("x").unwrap_err().contains("model=window"));
+        assert!(
+            ModelTable::parse_overrides("x=12")
+                .unwrap_err()
+                .contains("1024")
+        );
+        assert!(
+            ModelTable::parse_overrides("x")
+                .unwrap_err()
+                .contains("model=window")
+        );
     }
 }

@@ -49,12 +49,26 @@ impl Verdict {
 
     /// The stricter of two verdicts (deny over ask over allow); the first on a tie.
     pub fn stricter(self, other: Verdict) -> Verdict {
-        if other.severity() > self.severity() { other } else { self }
+        if other.severity() > self.severity() {
+            other
+        } else {
+            self
+        }
     }
 }
 
 /// Tools that only read (free in `default` and `plan` mode).
-pub const READ_ONLY: &[&str] = &["read_file", "grep", "glob", "list_dir", "todo_write", "echo", "subagent_status", "subagent_events", "subagent_await"];
+pub const READ_ONLY: &[&str] = &[
+    "read_file",
+    "grep",
+    "glob",
+    "list_dir",
+    "todo_write",
+    "echo",
+    "subagent_status",
+    "subagent_events",
+    "subagent_await",
+];
 /// Tools that edit files in the workspace (free in `acceptEdits` mode).
 pub const EDITS: &[&str] = &["write_file", "edit_file", "multi_edit"];
 
@@ -79,7 +93,9 @@ fn covers(rule_tool: &str, tool: &str) -> bool {
 pub fn names_a_tool(rule_tool: &str, mcp_servers: &[&str]) -> bool {
     match rule_tool {
         "*" | "Read" | "Edit" | "Task" | "Agent" | "task" => true,
-        t if t.starts_with("mcp__") => crate::mcp::split(t).is_some_and(|(server, _)| mcp_servers.contains(&server)),
+        t if t.starts_with("mcp__") => {
+            crate::mcp::split(t).is_some_and(|(server, _)| mcp_servers.contains(&server))
+        }
         t => !matches!(crate::tools::lookup(t), crate::tools::Named::Unavailable(_)),
     }
 }
@@ -88,7 +104,12 @@ pub fn names_a_tool(rule_tool: &str, mcp_servers: &[&str]) -> bool {
 /// [`names_a_tool`]): they can never match, which for a deny rule is a hole, so they are
 /// reported when the rules load.
 pub fn unknown_tools(rules: &Rules, mcp_servers: &[&str]) -> Vec<String> {
-    [&rules.allow, &rules.deny, &rules.ask].into_iter().flatten().filter(|r| !names_a_tool(&r.tool, mcp_servers)).map(|r| r.text.clone()).collect()
+    [&rules.allow, &rules.deny, &rules.ask]
+        .into_iter()
+        .flatten()
+        .filter(|r| !names_a_tool(&r.tool, mcp_servers))
+        .map(|r| r.text.clone())
+        .collect()
 }
 
 /// A tool call as the rules see it: for `bash`, the simple commands it runs; for a file tool,
@@ -102,7 +123,10 @@ pub struct Call<'a> {
 
 #[derive(Debug)]
 enum View {
-    Bash { analysis: shell::Analysis, raw: String },
+    Bash {
+        analysis: shell::Analysis,
+        raw: String,
+    },
     Paths(Vec<String>),
     Url(Option<reqwest::Url>),
     Other,
@@ -114,14 +138,30 @@ impl<'a> Call<'a> {
     pub fn new(tool: &'a str, input: &'a Value, workspace: Option<&Path>) -> Call<'a> {
         let view = match tool {
             "bash" => {
-                let raw = input.get("command").and_then(Value::as_str).unwrap_or("").trim().to_owned();
-                View::Bash { analysis: shell::analyze(&raw), raw }
+                let raw = input
+                    .get("command")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .trim()
+                    .to_owned();
+                View::Bash {
+                    analysis: shell::analyze(&raw),
+                    raw,
+                }
             }
-            "web_fetch" => View::Url(input.get("url").and_then(Value::as_str).and_then(|u| reqwest::Url::parse(u.trim()).ok())),
+            "web_fetch" => View::Url(
+                input
+                    .get("url")
+                    .and_then(Value::as_str)
+                    .and_then(|u| reqwest::Url::parse(u.trim()).ok()),
+            ),
             t if covers("Read", t) || covers("Edit", t) => {
                 let lexical = normalize(input.get("path").and_then(Value::as_str).unwrap_or("."));
                 let mut paths = vec![lexical.clone()];
-                if let Some(resolved) = workspace.and_then(|w| crate::tools::resolve_in(w, &lexical)).filter(|r| *r != lexical) {
+                if let Some(resolved) = workspace
+                    .and_then(|w| crate::tools::resolve_in(w, &lexical))
+                    .filter(|r| *r != lexical)
+                {
                     paths.push(resolved);
                 }
                 View::Paths(paths)
@@ -146,27 +186,40 @@ pub fn normalize(path: &str) -> String {
             Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
         }
     }
-    if parts.is_empty() { ".".into() } else { parts.join("/") }
+    if parts.is_empty() {
+        ".".into()
+    } else {
+        parts.join("/")
+    }
 }
 
 /// Compiled glob matchers by pattern: rules are few and matched often (once per file a search
 /// finds), so each pattern is compiled once.
 fn glob(pattern: &str) -> Option<globset::GlobMatcher> {
-    static CACHE: LazyLock<Mutex<HashMap<String, Option<globset::GlobMatcher>>>> = LazyLock::new(Default::default);
+    static CACHE: LazyLock<Mutex<HashMap<String, Option<globset::GlobMatcher>>>> =
+        LazyLock::new(Default::default);
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
     if cache.len() > 4096 {
         cache.clear();
     }
     cache
         .entry(pattern.to_owned())
-        .or_insert_with(|| GlobBuilder::new(pattern).literal_separator(true).build().ok().map(|g| g.compile_matcher()))
+        .or_insert_with(|| {
+            GlobBuilder::new(pattern)
+                .literal_separator(true)
+                .build()
+                .ok()
+                .map(|g| g.compile_matcher())
+        })
         .clone()
 }
 
 fn path_matches(spec: &str, path: &str) -> bool {
     // `./x`, `x` and `/x` are all workspace-relative here (the workspace is the root).
     let pattern = spec.trim_start_matches("./").trim_start_matches('/');
-    glob(pattern).is_some_and(|m| m.is_match(path) || (pattern.ends_with("/**") && path == pattern.trim_end_matches("/**")))
+    glob(pattern).is_some_and(|m| {
+        m.is_match(path) || (pattern.ends_with("/**") && path == pattern.trim_end_matches("/**"))
+    })
 }
 
 /// `git status:*` (or `git status *`) is a prefix of words, `npm test` exact words.
@@ -185,12 +238,22 @@ fn bash_spec(spec: &str) -> (Vec<String>, bool) {
 
 fn command_matches(words: &[String], spec: &str) -> bool {
     let (want, prefix) = bash_spec(spec);
-    if prefix { words.len() >= want.len() && words[..want.len()] == want[..] } else { words == want }
+    if prefix {
+        words.len() >= want.len() && words[..want.len()] == want[..]
+    } else {
+        words == want
+    }
 }
 
 /// The host as rules compare it: lower case, without a trailing dot.
 fn host(u: &reqwest::Url) -> Option<String> {
-    u.host_str().map(|h| h.trim_end_matches('.').trim_matches(['[', ']']).to_ascii_lowercase()).filter(|h| !h.is_empty())
+    u.host_str()
+        .map(|h| {
+            h.trim_end_matches('.')
+                .trim_matches(['[', ']'])
+                .to_ascii_lowercase()
+        })
+        .filter(|h| !h.is_empty())
 }
 
 fn url_matches(spec: &str, url: &reqwest::Url) -> bool {
@@ -200,23 +263,33 @@ fn url_matches(spec: &str, url: &reqwest::Url) -> bool {
     }
     // A URL prefix, compared part by part: scheme, host, port, then the path by segments (so
     // `http://localhost:1@evil.test/` is evil.test, and `/docs` does not cover `/docsx`).
-    let Ok(rule) = reqwest::Url::parse(spec.trim()) else { return false };
-    if rule.scheme() != url.scheme() || host(&rule) != host(url) || rule.port_or_known_default() != url.port_or_known_default() {
+    let Ok(rule) = reqwest::Url::parse(spec.trim()) else {
+        return false;
+    };
+    if rule.scheme() != url.scheme()
+        || host(&rule) != host(url)
+        || rule.port_or_known_default() != url.port_or_known_default()
+    {
         return false;
     }
     let (want, got) = (rule.path(), url.path());
-    got == want || (got.starts_with(want) && (want.ends_with('/') || got[want.len()..].starts_with('/')))
+    got == want
+        || (got.starts_with(want) && (want.ends_with('/') || got[want.len()..].starts_with('/')))
 }
 
 /// Other tools: the specifier is compared with their string arguments.
 fn other_matches(spec: &str, call: &Call) -> bool {
     match call.tool {
-        "task" | "subagent_start" => call.input.get("subagent").and_then(Value::as_str) == Some(spec),
+        "task" | "subagent_start" => {
+            call.input.get("subagent").and_then(Value::as_str) == Some(spec)
+        }
         _ => call.input.as_object().is_some_and(|o| {
-            o.values().filter_map(Value::as_str).any(|v| match spec.strip_suffix(":*") {
-                Some(prefix) => v.starts_with(prefix),
-                None => v == spec,
-            })
+            o.values()
+                .filter_map(Value::as_str)
+                .any(|v| match spec.strip_suffix(":*") {
+                    Some(prefix) => v.starts_with(prefix),
+                    None => v == spec,
+                })
         }),
     }
 }
@@ -227,17 +300,31 @@ fn hits(rule: &Rule, call: &Call) -> bool {
     if !covers(&rule.tool, call.tool) {
         return false;
     }
-    let Some(spec) = rule.specifier.as_deref() else { return true };
+    let Some(spec) = rule.specifier.as_deref() else {
+        return true;
+    };
     match &call.view {
         View::Bash { analysis, raw } => {
             let textual = match spec.strip_suffix(":*") {
                 Some(prefix) => raw == prefix || raw.starts_with(&format!("{prefix} ")),
                 None => raw == spec,
             };
-            textual || analysis.commands.iter().flat_map(|c| shell::deny_forms(c)).any(|c| command_matches(&c, spec))
+            textual
+                || analysis
+                    .commands
+                    .iter()
+                    .flat_map(|c| shell::deny_forms(c))
+                    .any(|c| command_matches(&c, spec))
         }
         View::Paths(paths) => paths.iter().any(|p| path_matches(spec, p)),
-        View::Url(url) => url.as_ref().is_some_and(|u| url_matches(spec, u)) || call.input.get("url").and_then(Value::as_str).is_some_and(|u| u.starts_with(spec)),
+        View::Url(url) => {
+            url.as_ref().is_some_and(|u| url_matches(spec, u))
+                || call
+                    .input
+                    .get("url")
+                    .and_then(Value::as_str)
+                    .is_some_and(|u| u.starts_with(spec))
+        }
         View::Other => other_matches(spec, call),
     }
 }
@@ -249,16 +336,28 @@ fn vouched<'r>(rules: impl Iterator<Item = &'r Rule>, call: &Call) -> bool {
     if rules.iter().any(|r| r.specifier.is_none()) {
         return true;
     }
-    let specs: Vec<&str> = rules.iter().filter_map(|r| r.specifier.as_deref()).collect();
+    let specs: Vec<&str> = rules
+        .iter()
+        .filter_map(|r| r.specifier.as_deref())
+        .collect();
     if specs.is_empty() {
         return false;
     }
     match &call.view {
         View::Bash { analysis, .. } => {
-            analysis.opaque.is_none() && !analysis.commands.is_empty() && analysis.commands.iter().all(|c| specs.iter().any(|s| command_matches(c, s)))
+            analysis.opaque.is_none()
+                && !analysis.commands.is_empty()
+                && analysis
+                    .commands
+                    .iter()
+                    .all(|c| specs.iter().any(|s| command_matches(c, s)))
         }
-        View::Paths(paths) => paths.iter().all(|p| specs.iter().any(|s| path_matches(s, p))),
-        View::Url(url) => url.as_ref().is_some_and(|u| specs.iter().any(|s| url_matches(s, u))),
+        View::Paths(paths) => paths
+            .iter()
+            .all(|p| specs.iter().any(|s| path_matches(s, p))),
+        View::Url(url) => url
+            .as_ref()
+            .is_some_and(|u| specs.iter().any(|s| url_matches(s, u))),
         View::Other => specs.iter().any(|s| other_matches(s, call)),
     }
 }
@@ -268,7 +367,12 @@ fn vouched<'r>(rules: impl Iterator<Item = &'r Rule>, call: &Call) -> bool {
 /// of the call, then the last source's mode that sets one (`bypassPermissions` when none
 /// does, so a deployment without rules runs as before).
 pub fn evaluate(sources: &[&Rules], call: &Call) -> Verdict {
-    let first = |pick: fn(&Rules) -> &Vec<Rule>| sources.iter().flat_map(|s| pick(s).iter()).find(|r| hits(r, call));
+    let first = |pick: fn(&Rules) -> &Vec<Rule>| {
+        sources
+            .iter()
+            .flat_map(|s| pick(s).iter())
+            .find(|r| hits(r, call))
+    };
     if let Some(r) = first(|s| &s.deny) {
         return Verdict::Deny(format!("denied by the rule `{}`", r.text));
     }
@@ -279,10 +383,22 @@ pub fn evaluate(sources: &[&Rules], call: &Call) -> Verdict {
         return Verdict::Allow;
     }
     let tool = call.tool;
-    let mode = sources.iter().rev().find_map(|s| s.mode).unwrap_or(Mode::BypassPermissions);
+    let mode = sources
+        .iter()
+        .rev()
+        .find_map(|s| s.mode)
+        .unwrap_or(Mode::BypassPermissions);
     let read_only = READ_ONLY.contains(&tool);
     let why_not = match &call.view {
-        View::Bash { analysis: shell::Analysis { opaque: Some(why), .. }, .. } if sources.iter().any(|s| s.allow.iter().any(|r| covers(&r.tool, tool))) => {
+        View::Bash {
+            analysis: shell::Analysis {
+                opaque: Some(why), ..
+            },
+            ..
+        } if sources
+            .iter()
+            .any(|s| s.allow.iter().any(|r| covers(&r.tool, tool))) =>
+        {
             format!(" (no allow rule can vouch for this command: {why})")
         }
         _ => String::new(),
@@ -292,22 +408,37 @@ pub fn evaluate(sources: &[&Rules], call: &Call) -> Verdict {
         Mode::Default if read_only => Verdict::Allow,
         Mode::Default => Verdict::Ask(format!("`{tool}` needs approval in default mode{why_not}")),
         Mode::AcceptEdits if read_only || EDITS.contains(&tool) => Verdict::Allow,
-        Mode::AcceptEdits => Verdict::Ask(format!("`{tool}` needs approval in acceptEdits mode{why_not}")),
+        Mode::AcceptEdits => Verdict::Ask(format!(
+            "`{tool}` needs approval in acceptEdits mode{why_not}"
+        )),
         Mode::Plan if read_only => Verdict::Allow,
         Mode::Plan => Verdict::Deny(format!("plan mode is read-only: `{tool}` is not allowed")),
-        Mode::DontAsk => Verdict::Deny(format!("`{tool}` is not allowed by any rule (dontAsk mode){why_not}")),
+        Mode::DontAsk => Verdict::Deny(format!(
+            "`{tool}` is not allowed by any rule (dontAsk mode){why_not}"
+        )),
     }
 }
 
 /// What a `run_tree` grant of an ask covers: the ask rule that asked (every later call that
 /// rule asks about), or, when the mode asked, this tool with exactly this input.
 pub fn grant_scope(sources: &[&Rules], call: &Call) -> String {
-    match sources.iter().flat_map(|s| s.ask.iter()).find(|r| hits(r, call)) {
+    match sources
+        .iter()
+        .flat_map(|s| s.ask.iter())
+        .find(|r| hits(r, call))
+    {
         Some(r) => format!("rule:{}", r.text),
         None => {
             let canonical = serde_json::to_string(call.input).unwrap_or_default();
             let h = Sha256::digest(canonical.as_bytes());
-            format!("call:{}:{}", call.tool, h.iter().take(16).map(|b| format!("{b:02x}")).collect::<String>())
+            format!(
+                "call:{}:{}",
+                call.tool,
+                h.iter()
+                    .take(16)
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+            )
         }
     }
 }
@@ -328,9 +459,17 @@ mod tests {
 
     #[test]
     fn a_prefix_rule_vouches_for_no_command_chained_to_it() {
-        let s = rules(json!({"allow": ["Bash(git status:*)", "Bash(git diff:*)"], "defaultMode": "dontAsk"}));
+        let s = rules(
+            json!({"allow": ["Bash(git status:*)", "Bash(git diff:*)"], "defaultMode": "dontAsk"}),
+        );
         let bash = |c: &str| eval(&[&s], "bash", json!({"command": c}));
-        for ok in ["git status", "git status --short", "git status && git diff", "git status | git diff --stat", "git 'status' 2>&1"] {
+        for ok in [
+            "git status",
+            "git status --short",
+            "git status && git diff",
+            "git status | git diff --stat",
+            "git 'status' 2>&1",
+        ] {
             assert_eq!(bash(ok), Verdict::Allow, "{ok}");
         }
         for bad in [
@@ -348,7 +487,11 @@ mod tests {
             "git status 'unterminated",
             "git statusx",
         ] {
-            assert!(matches!(bash(bad), Verdict::Deny(_)), "{bad} must not run under the prefix rules: {:?}", bash(bad));
+            assert!(
+                matches!(bash(bad), Verdict::Deny(_)),
+                "{bad} must not run under the prefix rules: {:?}",
+                bash(bad)
+            );
         }
         // In default mode the same commands ask instead, and say why no rule vouched.
         let d = rules(json!({"allow": ["Bash(git status:*)"], "defaultMode": "default"}));
@@ -361,40 +504,103 @@ mod tests {
     #[test]
     fn deny_rules_see_every_command_and_common_wrappers() {
         let s = rules(json!({"deny": ["Bash(rm:*)"]}));
-        for cmd in ["rm -rf x", "echo hi; rm -rf x", "ls && /bin/rm x", "env rm x", "sudo -n rm x", "echo $(rm x)", "bash -c 'rm x'", "xargs rm < list"] {
-            assert!(matches!(eval(&[&s], "bash", json!({"command": cmd})), Verdict::Deny(_)), "{cmd}");
+        for cmd in [
+            "rm -rf x",
+            "echo hi; rm -rf x",
+            "ls && /bin/rm x",
+            "env rm x",
+            "sudo -n rm x",
+            "echo $(rm x)",
+            "bash -c 'rm x'",
+            "xargs rm < list",
+        ] {
+            assert!(
+                matches!(
+                    eval(&[&s], "bash", json!({"command": cmd})),
+                    Verdict::Deny(_)
+                ),
+                "{cmd}"
+            );
         }
-        assert_eq!(eval(&[&s], "bash", json!({"command": "echo rm"})), Verdict::Allow);
+        assert_eq!(
+            eval(&[&s], "bash", json!({"command": "echo rm"})),
+            Verdict::Allow
+        );
     }
 
     #[test]
     fn paths_are_matched_as_the_tool_opens_them() {
         let s = rules(json!({"deny": ["Read(secrets/**)", "Edit(secrets/**)"]}));
-        for p in ["secrets/key.txt", "./secrets/key.txt", ".//secrets/key.txt", "secrets//key.txt", "./secrets/./key.txt", "docs/../secrets/key.txt", "/secrets/key.txt", "secrets"] {
-            assert!(matches!(eval(&[&s], "read_file", json!({"path": p})), Verdict::Deny(_)), "{p}");
-            assert!(matches!(eval(&[&s], "write_file", json!({"path": p, "content": "x"})), Verdict::Deny(_)), "{p}");
+        for p in [
+            "secrets/key.txt",
+            "./secrets/key.txt",
+            ".//secrets/key.txt",
+            "secrets//key.txt",
+            "./secrets/./key.txt",
+            "docs/../secrets/key.txt",
+            "/secrets/key.txt",
+            "secrets",
+        ] {
+            assert!(
+                matches!(
+                    eval(&[&s], "read_file", json!({"path": p})),
+                    Verdict::Deny(_)
+                ),
+                "{p}"
+            );
+            assert!(
+                matches!(
+                    eval(&[&s], "write_file", json!({"path": p, "content": "x"})),
+                    Verdict::Deny(_)
+                ),
+                "{p}"
+            );
         }
-        assert_eq!(eval(&[&s], "read_file", json!({"path": "docs/secrets.md"})), Verdict::Allow);
+        assert_eq!(
+            eval(&[&s], "read_file", json!({"path": "docs/secrets.md"})),
+            Verdict::Allow
+        );
         // A link inside the workspace is followed as the tool follows it.
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("secrets")).unwrap();
         std::fs::write(dir.path().join("secrets/key.txt"), "k").unwrap();
         std::os::unix::fs::symlink("secrets", dir.path().join("innocent")).unwrap();
         let input = json!({"path": "innocent/key.txt"});
-        assert!(matches!(evaluate(&[&s], &Call::new("read_file", &input, Some(dir.path()))), Verdict::Deny(_)));
+        assert!(matches!(
+            evaluate(&[&s], &Call::new("read_file", &input, Some(dir.path()))),
+            Verdict::Deny(_)
+        ));
         let only_docs = rules(json!({"allow": ["Read(docs/**)"], "defaultMode": "dontAsk"}));
         std::os::unix::fs::symlink("secrets", dir.path().join("docs")).unwrap();
         let input = json!({"path": "docs/key.txt"});
-        assert!(matches!(evaluate(&[&only_docs], &Call::new("read_file", &input, Some(dir.path()))), Verdict::Deny(_)), "a link out of docs/ is not docs/");
+        assert!(
+            matches!(
+                evaluate(
+                    &[&only_docs],
+                    &Call::new("read_file", &input, Some(dir.path()))
+                ),
+                Verdict::Deny(_)
+            ),
+            "a link out of docs/ is not docs/"
+        );
     }
 
     #[test]
     fn url_rules_are_urls_and_hosts_are_normalised() {
-        let s = rules(json!({"allow": ["WebFetch(http://localhost:21050/)", "WebFetch(https://docs.rs/tokio)"], "deny": ["WebFetch(domain:example.org)"], "defaultMode": "dontAsk"}));
+        let s = rules(
+            json!({"allow": ["WebFetch(http://localhost:21050/)", "WebFetch(https://docs.rs/tokio)"], "deny": ["WebFetch(domain:example.org)"], "defaultMode": "dontAsk"}),
+        );
         let fetch = |u: &str| eval(&[&s], "web_fetch", json!({"url": u}));
         assert_eq!(fetch("http://localhost:21050/a"), Verdict::Allow);
         assert_eq!(fetch("https://docs.rs/tokio/latest"), Verdict::Allow);
-        for bad in ["http://localhost:21050@attacker.test/", "https://docs.rs/tokio-evil", "http://localhost:21051/", "https://example.org./", "https://WWW.Example.ORG/x", "https://sub.example.org../"] {
+        for bad in [
+            "http://localhost:21050@attacker.test/",
+            "https://docs.rs/tokio-evil",
+            "http://localhost:21051/",
+            "https://example.org./",
+            "https://WWW.Example.ORG/x",
+            "https://sub.example.org../",
+        ] {
             assert!(matches!(fetch(bad), Verdict::Deny(_)), "{bad}");
         }
     }
@@ -402,44 +608,140 @@ mod tests {
     #[test]
     fn the_rule_syntax_on_a_table_of_cases() {
         let cases: Vec<(&str, &str, Value, bool)> = vec![
-            ("Bash(git status:*)", "bash", json!({"command": "git status --short"}), true),
-            ("Bash(git status:*)", "bash", json!({"command": "git status"}), true),
-            ("Bash(git status:*)", "bash", json!({"command": "git statusx"}), false),
-            ("Bash(git status:*)", "bash", json!({"command": "git push"}), false),
-            ("Bash(npm test)", "bash", json!({"command": "npm test"}), true),
-            ("Bash(npm test)", "bash", json!({"command": "npm test --watch"}), false),
+            (
+                "Bash(git status:*)",
+                "bash",
+                json!({"command": "git status --short"}),
+                true,
+            ),
+            (
+                "Bash(git status:*)",
+                "bash",
+                json!({"command": "git status"}),
+                true,
+            ),
+            (
+                "Bash(git status:*)",
+                "bash",
+                json!({"command": "git statusx"}),
+                false,
+            ),
+            (
+                "Bash(git status:*)",
+                "bash",
+                json!({"command": "git push"}),
+                false,
+            ),
+            (
+                "Bash(npm test)",
+                "bash",
+                json!({"command": "npm test"}),
+                true,
+            ),
+            (
+                "Bash(npm test)",
+                "bash",
+                json!({"command": "npm test --watch"}),
+                false,
+            ),
             ("Bash", "bash", json!({"command": "anything"}), true),
-            ("Read(./docs/**)", "read_file", json!({"path": "docs/a/b.md"}), true),
-            ("Read(./docs/**)", "read_file", json!({"path": "./docs/x.md"}), true),
-            ("Read(./docs/**)", "read_file", json!({"path": "src/main.rs"}), false),
+            (
+                "Read(./docs/**)",
+                "read_file",
+                json!({"path": "docs/a/b.md"}),
+                true,
+            ),
+            (
+                "Read(./docs/**)",
+                "read_file",
+                json!({"path": "./docs/x.md"}),
+                true,
+            ),
+            (
+                "Read(./docs/**)",
+                "read_file",
+                json!({"path": "src/main.rs"}),
+                false,
+            ),
             ("Read(./docs/**)", "grep", json!({"path": "docs"}), true),
-            ("Read(*.md)", "read_file", json!({"path": "README.md"}), true),
-            ("Read(*.md)", "read_file", json!({"path": "docs/README.md"}), false),
+            (
+                "Read(*.md)",
+                "read_file",
+                json!({"path": "README.md"}),
+                true,
+            ),
+            (
+                "Read(*.md)",
+                "read_file",
+                json!({"path": "docs/README.md"}),
+                false,
+            ),
             ("Read", "list_dir", json!({}), true),
             ("Read", "write_file", json!({"path": "a"}), false),
-            ("Edit(src/**)", "write_file", json!({"path": "src/lib.rs"}), true),
-            ("Edit(src/**)", "multi_edit", json!({"path": "tests/a.rs"}), false),
+            (
+                "Edit(src/**)",
+                "write_file",
+                json!({"path": "src/lib.rs"}),
+                true,
+            ),
+            (
+                "Edit(src/**)",
+                "multi_edit",
+                json!({"path": "tests/a.rs"}),
+                false,
+            ),
             ("Write", "write_file", json!({"path": "x"}), true),
-            ("WebFetch(domain:example.com)", "web_fetch", json!({"url": "https://docs.example.com/a"}), true),
-            ("WebFetch(domain:example.com)", "web_fetch", json!({"url": "https://example.com.evil.io/"}), false),
+            (
+                "WebFetch(domain:example.com)",
+                "web_fetch",
+                json!({"url": "https://docs.example.com/a"}),
+                true,
+            ),
+            (
+                "WebFetch(domain:example.com)",
+                "web_fetch",
+                json!({"url": "https://example.com.evil.io/"}),
+                false,
+            ),
             ("WebFetch", "web_fetch", json!({"url": "http://x"}), true),
-            ("Task(researcher)", "task", json!({"subagent": "researcher"}), true),
-            ("Task(researcher)", "subagent_start", json!({"subagent": "reviewer"}), false),
+            (
+                "Task(researcher)",
+                "task",
+                json!({"subagent": "researcher"}),
+                true,
+            ),
+            (
+                "Task(researcher)",
+                "subagent_start",
+                json!({"subagent": "reviewer"}),
+                false,
+            ),
             ("mcp__github", "mcp__github__create_issue", json!({}), true),
-            ("mcp__github__create_issue", "mcp__github__create_issue", json!({}), true),
+            (
+                "mcp__github__create_issue",
+                "mcp__github__create_issue",
+                json!({}),
+                true,
+            ),
             ("mcp__github", "mcp__gitlab__x", json!({}), false),
             ("echo(hi)", "echo", json!({"text": "hi"}), true),
             ("*", "bash", json!({"command": "x"}), true),
         ];
         for (rule, tool, input, want) in cases {
             let r = Rule::parse(rule).unwrap();
-            assert_eq!(vouched(std::iter::once(&r), &Call::new(tool, &input, None)), want, "{rule} on {tool} {input}");
+            assert_eq!(
+                vouched(std::iter::once(&r), &Call::new(tool, &input, None)),
+                want,
+                "{rule} on {tool} {input}"
+            );
         }
     }
 
     #[test]
     fn deny_beats_ask_beats_allow_beats_the_mode() {
-        let settings = rules(json!({"allow": ["Bash(git:*)"], "ask": ["Bash(git push:*)"], "deny": ["Bash(git push --force:*)"]}));
+        let settings = rules(
+            json!({"allow": ["Bash(git:*)"], "ask": ["Bash(git push:*)"], "deny": ["Bash(git push --force:*)"]}),
+        );
         let s = [&settings];
         let git = |c: &str| eval(&s, "bash", json!({"command": c}));
         assert_eq!(git("git log"), Verdict::Allow);
@@ -449,7 +751,10 @@ mod tests {
         assert_eq!(git("ls"), Verdict::Allow);
         let agent = rules(json!({"defaultMode": "default"}));
         let s = [&settings, &agent];
-        assert!(matches!(eval(&s, "bash", json!({"command": "ls"})), Verdict::Ask(_)));
+        assert!(matches!(
+            eval(&s, "bash", json!({"command": "ls"})),
+            Verdict::Ask(_)
+        ));
         assert_eq!(eval(&s, "read_file", json!({"path": "a"})), Verdict::Allow);
         for (mode, tool, want) in [
             ("acceptEdits", "write_file", 0),
@@ -460,14 +765,24 @@ mod tests {
             ("bypassPermissions", "bash", 0),
         ] {
             let r = rules(json!({ "defaultMode": mode }));
-            assert_eq!(eval(&[&r], tool, json!({})).severity(), want, "{mode} {tool}");
+            assert_eq!(
+                eval(&[&r], tool, json!({})).severity(),
+                want,
+                "{mode} {tool}"
+            );
         }
     }
 
     #[test]
     fn the_stricter_verdict_wins() {
-        assert!(matches!(Verdict::Allow.stricter(Verdict::Ask("a".into())), Verdict::Ask(_)));
-        assert!(matches!(Verdict::Deny("d".into()).stricter(Verdict::Ask("a".into())), Verdict::Deny(_)));
+        assert!(matches!(
+            Verdict::Allow.stricter(Verdict::Ask("a".into())),
+            Verdict::Ask(_)
+        ));
+        assert!(matches!(
+            Verdict::Deny("d".into()).stricter(Verdict::Ask("a".into())),
+            Verdict::Deny(_)
+        ));
         assert_eq!(Verdict::Allow.stricter(Verdict::Allow), Verdict::Allow);
     }
 }

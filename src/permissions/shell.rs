@@ -15,7 +15,8 @@
 //! is a best effort, not a boundary: a shell can always spell a command another way.
 
 use brush_parser::ast::{
-    Command, CommandPrefixOrSuffixItem, CompoundCommand, CompoundList, IoFileRedirectTarget, IoRedirect, Pipeline, SimpleCommand, Word,
+    Command, CommandPrefixOrSuffixItem, CompoundCommand, CompoundList, IoFileRedirectTarget,
+    IoRedirect, Pipeline, SimpleCommand, Word,
 };
 use brush_parser::word::WordPiece;
 
@@ -62,9 +63,13 @@ pub fn deny_forms(words: &[String]) -> Vec<Vec<String>> {
             out.push(w);
         }
         let wrapped = match name {
-            "env" | "sudo" | "command" | "builtin" | "exec" | "nohup" | "time" | "nice" | "xargs" | "stdbuf" | "doas" | "setsid" => {
+            "env" | "sudo" | "command" | "builtin" | "exec" | "nohup" | "time" | "nice"
+            | "xargs" | "stdbuf" | "doas" | "setsid" => {
                 // Options and (for env) assignments before the command.
-                let skip = cur[1..].iter().take_while(|w| w.starts_with('-') || w.contains('=')).count();
+                let skip = cur[1..]
+                    .iter()
+                    .take_while(|w| w.starts_with('-') || w.contains('='))
+                    .count();
                 &cur[1 + skip..]
             }
             "timeout" => {
@@ -88,7 +93,8 @@ fn walk_source(source: &str, a: &mut Analysis, depth: usize) {
         return;
     }
     let options = brush_parser::ParserOptions::default();
-    let tokens = match brush_parser::tokenize_str_with_options(source, &options.tokenizer_options()) {
+    let tokens = match brush_parser::tokenize_str_with_options(source, &options.tokenizer_options())
+    {
         Ok(t) => t,
         Err(e) => {
             a.refuse(format!("it cannot be parsed ({e})"));
@@ -110,7 +116,9 @@ fn walk_list(list: &CompoundList, a: &mut Analysis, depth: usize) {
         walk_pipeline(&item.0.first, a, depth);
         for more in &item.0.additional {
             match more {
-                brush_parser::ast::AndOr::And(p) | brush_parser::ast::AndOr::Or(p) => walk_pipeline(p, a, depth),
+                brush_parser::ast::AndOr::And(p) | brush_parser::ast::AndOr::Or(p) => {
+                    walk_pipeline(p, a, depth)
+                }
             }
         }
     }
@@ -206,7 +214,12 @@ fn walk_simple(s: &SimpleCommand, a: &mut Analysis, depth: usize) {
     a.commands.push(words);
 }
 
-fn item_words(item: &CommandPrefixOrSuffixItem, a: &mut Analysis, depth: usize, words: &mut Vec<String>) {
+fn item_words(
+    item: &CommandPrefixOrSuffixItem,
+    a: &mut Analysis,
+    depth: usize,
+    words: &mut Vec<String>,
+) {
     match item {
         CommandPrefixOrSuffixItem::Word(w) => words.push(word(w, a, depth)),
         CommandPrefixOrSuffixItem::IoRedirect(r) => walk_redirect(r, a, depth),
@@ -269,7 +282,9 @@ fn word(w: &Word, a: &mut Analysis, depth: usize) -> String {
         }
     };
     let mut out = String::new();
-    let literal = pieces.iter().all(|p| literal_piece(&p.piece, &mut out, a, depth));
+    let literal = pieces
+        .iter()
+        .all(|p| literal_piece(&p.piece, &mut out, a, depth));
     if literal { out } else { w.value.clone() }
 }
 
@@ -285,7 +300,9 @@ fn literal_piece(p: &WordPiece, out: &mut String, a: &mut Analysis, depth: usize
             true
         }
         WordPiece::DoubleQuotedSequence(inner) | WordPiece::GettextDoubleQuotedSequence(inner) => {
-            inner.iter().fold(true, |ok, p| literal_piece(&p.piece, out, a, depth) && ok)
+            inner
+                .iter()
+                .fold(true, |ok, p| literal_piece(&p.piece, out, a, depth) && ok)
         }
         // `~` is the workspace (HOME): it names a directory, it runs nothing.
         WordPiece::TildeExpansion(_) => {
@@ -321,17 +338,38 @@ mod tests {
         for (cmd, want) in [
             ("git status", vec![vec!["git", "status"]]),
             ("git status --short", vec![vec!["git", "status", "--short"]]),
-            ("git status ; echo hi", vec![vec!["git", "status"], vec!["echo", "hi"]]),
-            ("git status && cat README.md", vec![vec!["git", "status"], vec!["cat", "README.md"]]),
-            ("git status || true", vec![vec!["git", "status"], vec!["true"]]),
-            ("git log | head -5", vec![vec!["git", "log"], vec!["head", "-5"]]),
+            (
+                "git status ; echo hi",
+                vec![vec!["git", "status"], vec!["echo", "hi"]],
+            ),
+            (
+                "git status && cat README.md",
+                vec![vec!["git", "status"], vec!["cat", "README.md"]],
+            ),
+            (
+                "git status || true",
+                vec![vec!["git", "status"], vec!["true"]],
+            ),
+            (
+                "git log | head -5",
+                vec![vec!["git", "log"], vec!["head", "-5"]],
+            ),
             ("git status &\nls", vec![vec!["git", "status"], vec!["ls"]]),
-            ("git 'status' \"--short\" a\\ b", vec![vec!["git", "status", "--short", "a b"]]),
-            ("git status 2>&1 >/dev/null </dev/null", vec![vec!["git", "status"]]),
+            (
+                "git 'status' \"--short\" a\\ b",
+                vec![vec!["git", "status", "--short", "a b"]],
+            ),
+            (
+                "git status 2>&1 >/dev/null </dev/null",
+                vec![vec!["git", "status"]],
+            ),
             ("git status # ; rm -rf x", vec![vec!["git", "status"]]),
         ] {
             let a = analyze(cmd);
-            let want: Vec<Vec<String>> = want.into_iter().map(|c| c.into_iter().map(String::from).collect()).collect();
+            let want: Vec<Vec<String>> = want
+                .into_iter()
+                .map(|c| c.into_iter().map(String::from).collect())
+                .collect();
             assert_eq!(a.commands, want, "{cmd}");
             assert_eq!(a.opaque, None, "{cmd}");
         }
@@ -362,7 +400,12 @@ mod tests {
             let a = analyze(cmd);
             assert!(a.opaque.is_some(), "{cmd} should be opaque: {a:?}");
             if let Some(name) = inner {
-                assert!(a.commands.iter().any(|c| c.first().is_some_and(|w| w == name)), "{cmd}: {a:?}");
+                assert!(
+                    a.commands
+                        .iter()
+                        .any(|c| c.first().is_some_and(|w| w == name)),
+                    "{cmd}: {a:?}"
+                );
             }
         }
     }

@@ -8,7 +8,8 @@
 /// The `WHERE status IN (…)` list for a transition, computed once.
 macro_rules! sources {
     ($t:expr) => {{
-        static S: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| crate::lifecycle::sql_sources($t));
+        static S: std::sync::LazyLock<String> =
+            std::sync::LazyLock::new(|| crate::lifecycle::sql_sources($t));
         S.as_str()
     }};
 }

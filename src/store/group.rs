@@ -32,12 +32,19 @@ pub(crate) trait Progress: Clone + Send + Sync + 'static {
     fn commit_one(&self, lease: Lease, cp: Checkpoint) -> impl Future<Output = Result<()>> + Send;
     /// Commits non-terminal checkpoints in one transaction; `false` where an item's lease was
     /// gone (that item wrote nothing). An error means nothing committed.
-    fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> impl Future<Output = Result<Vec<bool>>> + Send;
+    fn commit_many(
+        &self,
+        items: &[(Lease, Checkpoint)],
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send;
     /// Commits alone a checkpoint whose earlier commit failed in a way that can hide success:
     /// the database committed, then the connection broke before the answer came back. Committing
     /// it again would write its events twice (its messages are idempotent by key), so a backend
     /// that can tell a checkpoint landed answers it done instead. The default cannot tell.
-    fn recommit_one(&self, lease: Lease, cp: Checkpoint) -> impl Future<Output = Result<()>> + Send {
+    fn recommit_one(
+        &self,
+        lease: Lease,
+        cp: Checkpoint,
+    ) -> impl Future<Output = Result<()>> + Send {
         self.commit_one(lease, cp)
     }
     /// Tells this process's waiters that `run` changed.
@@ -69,11 +76,19 @@ impl GroupCommit {
     /// single writer, and on PostgreSQL one committer makes the largest batches; see
     /// `postgres::COMMITTERS`).
     pub(crate) fn new(committers: usize) -> Self {
-        GroupCommit { committers: committers.max(1), queue: OnceLock::new() }
+        GroupCommit {
+            committers: committers.max(1),
+            queue: OnceLock::new(),
+        }
     }
 
     /// Commits `cp` with whatever else is queued; returns once it is durable.
-    pub(crate) async fn commit<P: Progress>(&self, backend: &P, lease: &Lease, cp: Checkpoint) -> Result<()> {
+    pub(crate) async fn commit<P: Progress>(
+        &self,
+        backend: &P,
+        lease: &Lease,
+        cp: Checkpoint,
+    ) -> Result<()> {
         if cp.finish.is_some() {
             return backend.commit_one(lease.clone(), cp).await;
         }
@@ -86,7 +101,11 @@ impl GroupCommit {
             tx
         });
         let (reply, answer) = oneshot::channel();
-        if let Err(mpsc::error::SendError(item)) = queue.send(Item { lease: lease.clone(), cp, reply }) {
+        if let Err(mpsc::error::SendError(item)) = queue.send(Item {
+            lease: lease.clone(),
+            cp,
+            reply,
+        }) {
             // The committers are gone (their runtime ended): commit alone.
             return backend.commit_one(item.lease, item.cp).await;
         }
@@ -99,7 +118,10 @@ impl GroupCommit {
     }
 }
 
-async fn committer<P: Progress>(backend: P, queue: std::sync::Arc<Mutex<mpsc::UnboundedReceiver<Item>>>) {
+async fn committer<P: Progress>(
+    backend: P,
+    queue: std::sync::Arc<Mutex<mpsc::UnboundedReceiver<Item>>>,
+) {
     loop {
         let mut batch = Vec::new();
         {
@@ -121,7 +143,10 @@ async fn committer<P: Progress>(backend: P, queue: std::sync::Arc<Mutex<mpsc::Un
             continue;
         }
         metrics::histogram!("subagents_group_commit_size").record(batch.len() as f64);
-        let (replies, items): (Vec<_>, Vec<_>) = batch.into_iter().map(|i| (i.reply, (i.lease, i.cp))).unzip();
+        let (replies, items): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .map(|i| (i.reply, (i.lease, i.cp)))
+            .unzip();
         match backend.commit_many(&items).await {
             Ok(applied) => {
                 for ((reply, (lease, _)), ok) in replies.into_iter().zip(&items).zip(applied) {
@@ -152,7 +177,10 @@ pub(crate) const MAX_RENEWALS: usize = 512;
 /// How a backend renews leases: many in one statement. Each lease is still fenced by its own
 /// epoch; `None` where a lease was gone, else whether a cancel was requested.
 pub(crate) trait Renewals: Clone + Send + Sync + 'static {
-    fn renew_many(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<Option<bool>>>> + Send;
+    fn renew_many(
+        &self,
+        leases: &[Lease],
+    ) -> impl Future<Output = Result<Vec<Option<bool>>>> + Send;
 }
 
 struct Renewal {
@@ -173,15 +201,26 @@ pub(crate) struct GroupRenew {
 impl GroupRenew {
     /// Renews `lease` with whatever else is queued: `Some(cancel_requested)`, or `None` when
     /// the lease was gone.
-    pub(crate) async fn renew<B: Renewals>(&self, backend: &B, lease: &Lease) -> Result<Option<bool>> {
+    pub(crate) async fn renew<B: Renewals>(
+        &self,
+        backend: &B,
+        lease: &Lease,
+    ) -> Result<Option<bool>> {
         let queue = self.queue.get_or_init(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(renewer(backend.clone(), rx));
             tx
         });
         let (reply, answer) = oneshot::channel();
-        if let Err(mpsc::error::SendError(item)) = queue.send(Renewal { lease: lease.clone(), reply }) {
-            return Ok(backend.renew_many(std::slice::from_ref(&item.lease)).await?.pop().flatten());
+        if let Err(mpsc::error::SendError(item)) = queue.send(Renewal {
+            lease: lease.clone(),
+            reply,
+        }) {
+            return Ok(backend
+                .renew_many(std::slice::from_ref(&item.lease))
+                .await?
+                .pop()
+                .flatten());
         }
         match answer.await {
             Ok(r) => r,
@@ -203,7 +242,8 @@ async fn renewer<B: Renewals>(backend: B, mut rx: mpsc::UnboundedReceiver<Renewa
         // A run renews once at a time; should one appear twice, the later renewal waits for
         // the next statement (a statement must not update one row twice).
         let mut seen = std::collections::HashSet::new();
-        let (now, later): (Vec<_>, Vec<_>) = batch.into_iter().partition(|r| seen.insert(r.lease.run_id));
+        let (now, later): (Vec<_>, Vec<_>) =
+            batch.into_iter().partition(|r| seen.insert(r.lease.run_id));
         let leases: Vec<Lease> = now.iter().map(|r| r.lease.clone()).collect();
         metrics::histogram!("subagents_lease_renewal_batch_size").record(leases.len() as f64);
         match backend.renew_many(&leases).await {
@@ -217,12 +257,19 @@ async fn renewer<B: Renewals>(backend: B, mut rx: mpsc::UnboundedReceiver<Renewa
                 // would after a failed statement of its own.
                 let msg = e.to_string();
                 for r in now {
-                    let _ = r.reply.send(Err(StoreError::Db(sqlx::Error::Io(std::io::Error::other(msg.clone())))));
+                    let _ =
+                        r.reply
+                            .send(Err(StoreError::Db(sqlx::Error::Io(std::io::Error::other(
+                                msg.clone(),
+                            )))));
                 }
             }
         }
         for r in later {
-            let answer = backend.renew_many(std::slice::from_ref(&r.lease)).await.map(|mut v| v.pop().flatten());
+            let answer = backend
+                .renew_many(std::slice::from_ref(&r.lease))
+                .await
+                .map(|mut v| v.pop().flatten());
             let _ = r.reply.send(answer);
         }
     }
@@ -254,7 +301,10 @@ mod tests {
                 }
             }
             let mut events = self.events.lock().unwrap();
-            events.entry(lease.run_id).or_default().extend(cp.events.iter().map(|e| e.kind.as_str().to_owned()));
+            events
+                .entry(lease.run_id)
+                .or_default()
+                .extend(cp.events.iter().map(|e| e.kind.as_str().to_owned()));
         }
     }
 
@@ -267,12 +317,21 @@ mod tests {
             for (lease, cp) in items {
                 self.write(lease, cp);
             }
-            Err(StoreError::Db(sqlx::Error::Io(std::io::Error::other("connection reset after the commit"))))
+            Err(StoreError::Db(sqlx::Error::Io(std::io::Error::other(
+                "connection reset after the commit",
+            ))))
         }
         async fn recommit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
             // What PostgreSQL's does: a checkpoint whose first message is there has landed.
-            let landed = cp.messages.first().is_some_and(|m| self.keys.lock().unwrap().contains(&m.key));
-            if landed { Ok(()) } else { self.commit_one(lease, cp).await }
+            let landed = cp
+                .messages
+                .first()
+                .is_some_and(|m| self.keys.lock().unwrap().contains(&m.key));
+            if landed {
+                Ok(())
+            } else {
+                self.commit_one(lease, cp).await
+            }
         }
         fn announce(&self, _run: RunId) {}
     }
@@ -283,12 +342,27 @@ mod tests {
     async fn a_group_that_landed_without_an_answer_is_not_written_twice() {
         let backend = LostAnswers::default();
         let group = GroupCommit::new(1);
-        let leases: Vec<Lease> =
-            (0..20).map(|_| Lease { run_id: RunId::new(), epoch: 1, owner: "w".into(), ttl: std::time::Duration::from_secs(30) }).collect();
+        let leases: Vec<Lease> = (0..20)
+            .map(|_| Lease {
+                run_id: RunId::new(),
+                epoch: 1,
+                owner: "w".into(),
+                ttl: std::time::Duration::from_secs(30),
+            })
+            .collect();
         let commits = leases.iter().map(|lease| {
             let cp = Checkpoint {
-                messages: vec![NewMessage { step: 1, key: format!("{}:1:assistant", lease.run_id), message: Message::User { content: "x".into() } }],
-                events: vec![NewEvent::new(crate::store::EventKind::StepCompleted, serde_json::json!({}))],
+                messages: vec![NewMessage {
+                    step: 1,
+                    key: format!("{}:1:assistant", lease.run_id),
+                    message: Message::User {
+                        content: "x".into(),
+                    },
+                }],
+                events: vec![NewEvent::new(
+                    crate::store::EventKind::StepCompleted,
+                    serde_json::json!({}),
+                )],
                 ..Default::default()
             };
             group.commit(&backend, lease, cp)
@@ -297,7 +371,10 @@ mod tests {
             r.expect("every caller hears its checkpoint is durable");
         }
         let events = backend.events.lock().unwrap();
-        assert!(events.values().all(|e| e.len() == 1), "a checkpoint's events written twice: {events:?}");
+        assert!(
+            events.values().all(|e| e.len() == 1),
+            "a checkpoint's events written twice: {events:?}"
+        );
         assert_eq!(events.len(), 20);
     }
 }

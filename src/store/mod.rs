@@ -31,7 +31,10 @@ macro_rules! row_mappers {
                 input: r.get("input"),
                 metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("metadata", e))?,
                 limits: serde_json::from_str(&limits).map_err(|e| corrupt("limits", e))?,
-                parent_run_id: parent.map(|p| p.parse()).transpose().map_err(|e| corrupt("parent id", e))?,
+                parent_run_id: parent
+                    .map(|p| p.parse())
+                    .transpose()
+                    .map_err(|e| corrupt("parent id", e))?,
                 tree: TreePosition {
                     root_run_id: r
                         .get::<Option<String>, _>("root_run_id")
@@ -42,7 +45,9 @@ macro_rules! row_mappers {
                     detached: r.get::<i64, _>("detached") != 0,
                 },
                 wake_at: r.get("wake_at"),
-                claimed_from: r.get::<Option<String>, _>("claimed_from").and_then(|s| RunStatus::parse(&s)),
+                claimed_from: r
+                    .get::<Option<String>, _>("claimed_from")
+                    .and_then(|s| RunStatus::parse(&s)),
                 step: r.get::<i64, _>("step") as u32,
                 forced: r.get::<i64, _>("forced") != 0,
                 result: r.get("result"),
@@ -50,7 +55,9 @@ macro_rules! row_mappers {
                     None => None,
                     Some(k) => Some(RunError {
                         kind: ErrorKind::parse(&k).ok_or_else(|| corrupt("error kind", &k))?,
-                        message: r.get::<Option<String>, _>("error_message").unwrap_or_default(),
+                        message: r
+                            .get::<Option<String>, _>("error_message")
+                            .unwrap_or_default(),
                     }),
                 },
                 usage: Usage {
@@ -102,10 +109,14 @@ macro_rules! row_mappers {
                 tool: r.get("tool"),
                 input: serde_json::from_str(&input).map_err(|e| corrupt("approval input", e))?,
                 reason: r.get("reason"),
-                status: ApprovalStatus::parse(&status).ok_or_else(|| corrupt("approval status", &status))?,
+                status: ApprovalStatus::parse(&status)
+                    .ok_or_else(|| corrupt("approval status", &status))?,
                 answer_reason: r.get("answer_reason"),
                 resolved_by: r.get("resolved_by"),
-                updated_input: updated.map(|u| serde_json::from_str(&u)).transpose().map_err(|e| corrupt("approval updated input", e))?,
+                updated_input: updated
+                    .map(|u| serde_json::from_str(&u))
+                    .transpose()
+                    .map_err(|e| corrupt("approval updated input", e))?,
                 scope: r.get("scope"),
                 created_at: r.get("created_at"),
                 expires_at: r.get("expires_at"),
@@ -142,7 +153,6 @@ macro_rules! row_mappers {
                 data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
             })
         }
-
     };
 }
 
@@ -892,7 +902,15 @@ pub enum Finish {
 }
 
 /// One seeded run: id, thread, created, finished, status, error kind, within the last hour.
-pub(crate) type SeedRow = (String, String, DateTime<Utc>, Option<DateTime<Utc>>, &'static str, Option<&'static str>, bool);
+pub(crate) type SeedRow = (
+    String,
+    String,
+    DateTime<Utc>,
+    Option<DateTime<Utc>>,
+    &'static str,
+    Option<&'static str>,
+    bool,
+);
 
 /// Rows for [`Queries::seed_history`]: runs `first..first + n`, one in a hundred recent.
 pub(crate) fn seed_rows(first: u32, n: u32, now: DateTime<Utc>) -> Vec<SeedRow> {
@@ -901,20 +919,39 @@ pub(crate) fn seed_rows(first: u32, n: u32, now: DateTime<Utc>) -> Vec<SeedRow> 
     let mut rows = Vec::with_capacity(n as usize);
     for i in 0..n {
         let recent = (first + i).is_multiple_of(100);
-        let age_ms: i64 = if recent { rng.random_range(0..3_600_000) } else { rng.random_range(3_600_000..30 * 86_400_000) };
+        let age_ms: i64 = if recent {
+            rng.random_range(0..3_600_000)
+        } else {
+            rng.random_range(3_600_000..30 * 86_400_000)
+        };
         let created = now - chrono::Duration::milliseconds(age_ms);
         let mut random = [0u8; 10];
         rng.fill(&mut random);
-        let id = uuid::Builder::from_unix_timestamp_millis(created.timestamp_millis() as u64, &random).into_uuid().to_string();
+        let id =
+            uuid::Builder::from_unix_timestamp_millis(created.timestamp_millis() as u64, &random)
+                .into_uuid()
+                .to_string();
         let roll: u32 = rng.random_range(0..100);
         let (status, kind) = match roll {
             0 => ("queued", None),
             1..=2 => ("cancelled", None),
-            3..=8 => ("failed", Some(["model", "timeout", "tool", "context"][roll as usize % 4])),
+            3..=8 => (
+                "failed",
+                Some(["model", "timeout", "tool", "context"][roll as usize % 4]),
+            ),
             _ => ("succeeded", None),
         };
-        let finished = (status != "queued").then(|| created + chrono::Duration::milliseconds(rng.random_range(500..120_000)));
-        rows.push((id, format!("seed-{}", uuid::Uuid::new_v4().simple()), created, finished, status, kind, recent));
+        let finished = (status != "queued")
+            .then(|| created + chrono::Duration::milliseconds(rng.random_range(500..120_000)));
+        rows.push((
+            id,
+            format!("seed-{}", uuid::Uuid::new_v4().simple()),
+            created,
+            finished,
+            status,
+            kind,
+            recent,
+        ));
     }
     rows
 }
@@ -980,7 +1017,10 @@ pub(crate) struct Reach {
 
 impl Reach {
     /// Every effect (paths that did not ask).
-    pub(crate) const ALL: Reach = Reach { waits: true, children: true };
+    pub(crate) const ALL: Reach = Reach {
+        waits: true,
+        children: true,
+    };
 }
 
 /// The extra columns a terminal fence returns: what [`Reach`] is read from.
@@ -1011,7 +1051,11 @@ impl Checkpoint {
             error_message: None,
             finished_at: self.finish.as_ref().map(|_| now),
             guard: sources!(Transition::Heartbeat),
-            reach_columns: if self.finish.is_some() { REACH_COLUMNS } else { "" },
+            reach_columns: if self.finish.is_some() {
+                REACH_COLUMNS
+            } else {
+                ""
+            },
         };
         match &self.finish {
             None => {}
@@ -1084,7 +1128,9 @@ pub struct Orphan {
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The thread already has an active run.
-    #[error("thread {thread_id} is busy with run {active_run}; wait for it to end or enqueue behind it")]
+    #[error(
+        "thread {thread_id} is busy with run {active_run}; wait for it to end or enqueue behind it"
+    )]
     Busy {
         /// The thread.
         thread_id: ThreadId,
@@ -1116,8 +1162,16 @@ impl StoreError {
     pub fn is_outage(&self) -> bool {
         match self {
             StoreError::Db(e) => match e {
-                sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
-                sqlx::Error::Database(d) if d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() => {
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(d)
+                    if d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                        .is_some() =>
+                {
                     let code = d.code().unwrap_or_default();
                     code.starts_with("08") || ["57P01", "57P02", "57P03"].contains(&code.as_ref())
                 }
@@ -1134,23 +1188,34 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         match self {
             StoreError::Db(e) => match e {
-                sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed => true,
                 sqlx::Error::Database(d) => {
                     let code = d.code().unwrap_or_default();
-                    if d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() {
+                    if d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                        .is_some()
+                    {
                         // PostgreSQL: connection, resources, operator intervention, system
                         // errors; serialization failures, deadlocks and lock timeouts.
-                        ["08", "53", "57", "58"].iter().any(|c| code.starts_with(c)) || ["40001", "40P01", "55P03"].contains(&code.as_ref())
+                        ["08", "53", "57", "58"].iter().any(|c| code.starts_with(c))
+                            || ["40001", "40P01", "55P03"].contains(&code.as_ref())
                     } else {
                         // SQLite: the primary result code is the low byte (BUSY, LOCKED, IOERR,
                         // FULL, CANTOPEN, PROTOCOL).
-                        code.parse::<i64>().is_ok_and(|n| matches!(n & 0xff, 5 | 6 | 10 | 13 | 14 | 15))
+                        code.parse::<i64>()
+                            .is_ok_and(|n| matches!(n & 0xff, 5 | 6 | 10 | 13 | 14 | 15))
                     }
                 }
                 _ => false,
             },
             StoreError::Busy { .. } | StoreError::LeaseLost(_) => true,
-            StoreError::ThreadOwnedElsewhere(_) | StoreError::Corrupt(_) | StoreError::Migrate(_) => false,
+            StoreError::ThreadOwnedElsewhere(_)
+            | StoreError::Corrupt(_)
+            | StoreError::Migrate(_) => false,
         }
     }
 }
@@ -1180,7 +1245,8 @@ pub trait RunLog: Send + Sync + 'static {
     /// storage failure) under a new job id, which the caller pushes. A release `after_failure`
     /// counts as a crash toward `SUBAGENTS_MAX_ATTEMPTS`, so a run that fails the same way at
     /// every attempt ends. Returns false when the lease was already lost.
-    async fn release_lease(&self, lease: &Lease, job_id: &str, after_failure: bool) -> Result<bool>;
+    async fn release_lease(&self, lease: &Lease, job_id: &str, after_failure: bool)
+    -> Result<bool>;
 
     /// Commits progress atomically, fenced by the lease ([`Transition::Heartbeat`], or
     /// [`Transition::Finish`] when `cp.finish` is set).
@@ -1207,7 +1273,12 @@ pub trait RunLog: Send + Sync + 'static {
 
     /// The newest `limit` messages of a thread with an id above `after`, in order (the context
     /// a run rebuilds starts after the thread's latest compaction).
-    async fn messages_after(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>>;
+    async fn messages_after(
+        &self,
+        thread: &ThreadId,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>>;
 
     /// The thread's newest compaction, where a rebuilt context starts.
     async fn latest_compaction(&self, thread: &ThreadId) -> Result<Option<Compaction>>;
@@ -1215,19 +1286,37 @@ pub trait RunLog: Send + Sync + 'static {
     /// What a claimed run rebuilds its context from: the thread's newest compaction and the
     /// newest `limit` messages after it, in order ([`Self::latest_compaction`], then
     /// [`Self::messages_after`]), read in one round trip.
-    async fn context(&self, thread: &ThreadId, limit: u32) -> Result<(Option<Compaction>, Vec<StoredMessage>)>;
+    async fn context(
+        &self,
+        thread: &ThreadId,
+        limit: u32,
+    ) -> Result<(Option<Compaction>, Vec<StoredMessage>)>;
 
     /// The decision committed for a tool call (its key `{run}:{step}:{call}`), if any.
     async fn tool_decision(&self, key: &str) -> Result<Option<Value>>;
 
     /// Commits the decision for a tool call before it runs (and the approval it opens, if it
     /// asks), with its events, fenced by the lease. Idempotent by key.
-    async fn commit_decision(&self, lease: &Lease, key: &str, decision: Value, approval: Option<NewApproval>, events: Vec<NewEvent>) -> Result<()>;
+    async fn commit_decision(
+        &self,
+        lease: &Lease,
+        key: &str,
+        decision: Value,
+        approval: Option<NewApproval>,
+        events: Vec<NewEvent>,
+    ) -> Result<()>;
 
     /// Takes one model call of `tokens` from the budget of `key` over the last `window_ms`
     /// (at most `max_requests` calls and `max_tokens` tokens), shared by every process on this
     /// database. `None`: taken. `Some(at)`: over budget until `at` (Unix ms); nothing taken.
-    async fn take_budget(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>>;
+    async fn take_budget(
+        &self,
+        key: &str,
+        window_ms: i64,
+        max_requests: Option<u64>,
+        max_tokens: Option<u64>,
+        tokens: u64,
+    ) -> Result<Option<i64>>;
 
     /// Blocks `key`'s budget until `until_ms` (the provider said it is used up); a later block
     /// wins, an earlier one changes nothing.
@@ -1250,7 +1339,13 @@ pub trait RunLog: Send + Sync + 'static {
     /// Commits a compaction with its events, fenced by the lease ([`Transition::Heartbeat`]).
     /// Idempotent by key: a replay of the same compaction adds nothing.
     /// The summary call's tokens and cost (`spent`) count in the run's usage like any call's.
-    async fn commit_compaction(&self, lease: &Lease, compaction: CompactionBody, spent: (Usage, u64), events: Vec<NewEvent>) -> Result<()>;
+    async fn commit_compaction(
+        &self,
+        lease: &Lease,
+        compaction: CompactionBody,
+        spent: (Usage, u64),
+        events: Vec<NewEvent>,
+    ) -> Result<()>;
 
     /// Events of a run with `seq > after`, at most `limit`.
     async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>>;
@@ -1343,7 +1438,13 @@ pub trait Queries: Send + Sync + 'static {
 
     /// The overview of an owner's runs: counts now, events since `hour` (at most `cap`),
     /// failures since `day`, and the workers.
-    async fn overview(&self, owner: &str, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData>;
+    async fn overview(
+        &self,
+        owner: &str,
+        hour: DateTime<Utc>,
+        day: DateTime<Utc>,
+        cap: u32,
+    ) -> Result<OverviewData>;
 
     /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
     /// must start from empty tables; the server never calls it.
@@ -1353,24 +1454,46 @@ pub trait Queries: Send + Sync + 'static {
     async fn checkpoint_rows(&self) -> Result<i64>;
 
     /// Runs of `owner` matching `filter`, newest first.
-    async fn list_runs(&self, owner: &str, filter: &RunFilter, limit: u32) -> Result<Vec<RunRecord>>;
+    async fn list_runs(
+        &self,
+        owner: &str,
+        filter: &RunFilter,
+        limit: u32,
+    ) -> Result<Vec<RunRecord>>;
 
     /// A thread, if it exists.
     async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>>;
 
     /// The owner's approvals, newest first: `status` and `run` filter, `before` is the cursor
     /// (an approval id). Pending ones whose run ended are not listed as pending.
-    async fn list_approvals(&self, owner: &str, status: Option<ApprovalStatus>, run: Option<RunId>, before: Option<&str>, limit: u32) -> Result<Vec<Approval>>;
+    async fn list_approvals(
+        &self,
+        owner: &str,
+        status: Option<ApprovalStatus>,
+        run: Option<RunId>,
+        before: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<Approval>>;
 
     /// Answers a pending approval of `owner`: records the answer (and a run-tree grant), appends
     /// `approval.resolved` to the run and wakes it, in one transaction.
-    async fn answer_approval(&self, id: &str, owner: &str, answer: ApprovalAnswer) -> Result<Answered>;
+    async fn answer_approval(
+        &self,
+        id: &str,
+        owner: &str,
+        answer: ApprovalAnswer,
+    ) -> Result<Answered>;
 
     /// Every compaction of a thread, oldest first (what was summarised, and when).
     async fn compactions(&self, thread: &ThreadId) -> Result<Vec<Compaction>>;
 
     /// A page of a thread's messages with `id > after`, oldest first.
-    async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>>;
+    async fn messages_page(
+        &self,
+        thread: &ThreadId,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>>;
 
     /// How many queued runs are ahead of this one (0 = next).
     async fn queue_position(&self, run: RunId) -> Result<i64>;

@@ -37,14 +37,19 @@ pub struct PgStore {
 /// loopback address or a socket) unless the URL asks for it with `sslmode=`: encrypting bytes
 /// that never leave the machine cost a third of the worker's CPU per step in a profile, and
 /// protects nothing. Any other host keeps sqlx's default (`prefer`).
-pub fn connect_options(url: &str) -> std::result::Result<sqlx::postgres::PgConnectOptions, sqlx::Error> {
+pub fn connect_options(
+    url: &str,
+) -> std::result::Result<sqlx::postgres::PgConnectOptions, sqlx::Error> {
     use std::str::FromStr;
     let options = sqlx::postgres::PgConnectOptions::from_str(url)?;
     let host = options.get_host();
     let local = options.get_socket().is_some()
         || host.starts_with('/')
         || host == "localhost"
-        || host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
     if local && !url.contains("sslmode=") {
         return Ok(options.ssl_mode(sqlx::postgres::PgSslMode::Disable));
     }
@@ -105,7 +110,9 @@ fn connection_gone(e: &StoreError) -> bool {
         StoreError::Db(sqlx::Error::Io(_) | sqlx::Error::Protocol(_)) => true,
         // Class 57P (operator intervention: admin or crash shutdown) and 08 (connection
         // exception).
-        StoreError::Db(sqlx::Error::Database(db)) => db.code().is_some_and(|c| c.starts_with("57P") || c.starts_with("08")),
+        StoreError::Db(sqlx::Error::Database(db)) => db
+            .code()
+            .is_some_and(|c| c.starts_with("57P") || c.starts_with("08")),
         _ => false,
     }
 }
@@ -114,7 +121,10 @@ impl Commits {
     /// A connection for one statement, and whether it was held: the committer's own where it
     /// has one, else one from the pool (tested on the way out).
     async fn connection(&self) -> Result<(sqlx::pool::PoolConnection<sqlx::Postgres>, bool)> {
-        let taken = self.held.as_ref().and_then(|slot| slot.lock().expect("held connection slot").take());
+        let taken = self
+            .held
+            .as_ref()
+            .and_then(|slot| slot.lock().expect("held connection slot").take());
         if let Some(Held { mut conn, used }) = taken {
             if used.elapsed() < HELD_UNTESTED || sqlx::Connection::ping(&mut *conn).await.is_ok() {
                 return Ok((conn, true));
@@ -129,7 +139,12 @@ impl Commits {
     /// the pool opens a new one), otherwise given back to the pool.
     fn done<T>(&self, mut conn: sqlx::pool::PoolConnection<sqlx::Postgres>, r: &Result<T>) {
         match (&self.held, r) {
-            (Some(slot), Ok(_)) => *slot.lock().expect("held connection slot") = Some(Held { conn, used: std::time::Instant::now() }),
+            (Some(slot), Ok(_)) => {
+                *slot.lock().expect("held connection slot") = Some(Held {
+                    conn,
+                    used: std::time::Instant::now(),
+                })
+            }
             (_, Err(_)) => conn.close_on_drop(),
             (None, Ok(_)) => {}
         }
@@ -143,7 +158,9 @@ impl PgStore {
         // with its real cause, instead of after the pool's acquire timeout.
         use sqlx::ConnectOptions;
         let options = connect_options(url)?;
-        let probe = tokio::time::timeout(Duration::from_secs(10), options.connect()).await.map_err(|_| sqlx::Error::PoolTimedOut)??;
+        let probe = tokio::time::timeout(Duration::from_secs(10), options.connect())
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)??;
         sqlx::Connection::close(probe).await?;
         // sqlx's default test of every connection taken from the pool stays on: skipping it for
         // recently used ones (as SQLite does, `super::sqlite::pool_options`) made a restart fail the
@@ -160,7 +177,15 @@ impl PgStore {
             .await?;
         // Checkpoints of many runs commit together, in as few transactions as keep up.
         let group = std::sync::Arc::new(group::GroupCommit::new(COMMITTERS));
-        let store = PgStore { pool, notifier: Default::default(), cancels: Default::default(), limits_seen: Default::default(), relays: true, group, renewals: Default::default() };
+        let store = PgStore {
+            pool,
+            notifier: Default::default(),
+            cancels: Default::default(),
+            limits_seen: Default::default(),
+            relays: true,
+            group,
+            renewals: Default::default(),
+        };
         store.migrate().await?;
         Ok(store)
     }
@@ -178,7 +203,11 @@ impl PgStore {
         // Two of apalis's indexes repeat others (`lidx` is `idx_apalis_jobs_lock_by`,
         // `unique_job_id` the primary key) and every job's insert and each of its status changes
         // (fetched, done; neither is a HOT update) writes into both.
-        sqlx::raw_sql("DROP INDEX IF EXISTS apalis.lidx; DROP INDEX IF EXISTS apalis.unique_job_id;").execute(&self.pool).await?;
+        sqlx::raw_sql(
+            "DROP INDEX IF EXISTS apalis.lidx; DROP INDEX IF EXISTS apalis.unique_job_id;",
+        )
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
@@ -196,13 +225,20 @@ impl PgStore {
 
 // PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
 // a child's terminal commit takes (its own row, then its parent's and waiters').
-store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, share = " FOR SHARE", owner_unindexed = "owner", run_log = {
-    async fn create_run(&self, new: NewRun) -> Result<Created> {
-        // One round trip (`sa_start_run_with_job`, migrations/postgres/0014): the checks and
-        // inserts, the run's first job, and the answer with the run's row and its place in its
-        // owner's queue.
-        let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id});
-        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)")
+store_impl!(
+    PgStore,
+    sqlx::Postgres,
+    "apalis.jobs",
+    park_reads_first = true,
+    share = " FOR SHARE",
+    owner_unindexed = "owner",
+    run_log = {
+        async fn create_run(&self, new: NewRun) -> Result<Created> {
+            // One round trip (`sa_start_run_with_job`, migrations/postgres/0014): the checks and
+            // inserts, the run's first job, and the answer with the run's row and its place in its
+            // owner's queue.
+            let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id});
+            let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
             .bind(&new.owner)
@@ -229,26 +265,39 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
             .bind(self.relayed_at_insert())
             .fetch_one(&self.pool)
             .await?;
-        let outcome: String = row.get("outcome");
-        let rid: Option<String> = row.get("rid");
-        let rid = rid.map(|r| r.parse::<RunId>().map_err(|e| corrupt("run id", e))).transpose()?;
-        let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
-        match (outcome.as_str(), rid) {
-            ("created", Some(_)) => Ok(Created { run: run_from_row(&row)?, existing: false, ahead }),
-            ("existing", Some(_)) => Ok(Created { run: run_from_row(&row)?, existing: true, ahead: 0 }),
-            ("busy", Some(active_run)) => Err(StoreError::Busy { thread_id: new.thread_id, active_run }),
-            ("owned_elsewhere", _) => Err(StoreError::ThreadOwnedElsewhere(new.thread_id)),
-            (other, _) => Err(corrupt("sa_start_run outcome", other)),
+            let outcome: String = row.get("outcome");
+            let rid: Option<String> = row.get("rid");
+            let rid = rid
+                .map(|r| r.parse::<RunId>().map_err(|e| corrupt("run id", e)))
+                .transpose()?;
+            let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
+            match (outcome.as_str(), rid) {
+                ("created", Some(_)) => Ok(Created {
+                    run: run_from_row(&row)?,
+                    existing: false,
+                    ahead,
+                }),
+                ("existing", Some(_)) => Ok(Created {
+                    run: run_from_row(&row)?,
+                    existing: true,
+                    ahead: 0,
+                }),
+                ("busy", Some(active_run)) => Err(StoreError::Busy {
+                    thread_id: new.thread_id,
+                    active_run,
+                }),
+                ("owned_elsewhere", _) => Err(StoreError::ThreadOwnedElsewhere(new.thread_id)),
+                (other, _) => Err(corrupt("sa_start_run outcome", other)),
+            }
         }
-    }
 
-    async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
-        let now = Utc::now();
-        let nms = now_ms();
-        // One statement: the claim and its `run.started` / `run.resumed` event. A queued run is
-        // claimable once its thread is free and it is the thread's oldest; a parked one at any
-        // time (a spurious claim replays and parks again).
-        let row = sqlx::query(sql!(
+        async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
+            let now = Utc::now();
+            let nms = now_ms();
+            // One statement: the claim and its `run.started` / `run.resumed` event. A queued run is
+            // claimable once its thread is free and it is the thread's oldest; a parked one at any
+            // time (a spurious claim replays and parks again).
+            let row = sqlx::query(sql!(
             concat!(
                 "WITH c AS (UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
                  lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
@@ -272,57 +321,69 @@ store_impl!(PgStore, sqlx::Postgres, "apalis.jobs", park_reads_first = true, sha
         .bind(now)
         .bind(id.to_string())
         .bind(self.relayed_at_insert());
-        // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
-        // COMMITTED two concurrent claims would both count the same running runs and both
-        // pass. The locks go with the transaction.
-        let row = if self.limits_seen.load(std::sync::atomic::Ordering::Relaxed) {
-            let mut tx = self.pool.begin().await?;
-            sqlx::query(
+            // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
+            // COMMITTED two concurrent claims would both count the same running runs and both
+            // pass. The locks go with the transaction.
+            let row = if self.limits_seen.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query(
                 "SELECT pg_advisory_xact_lock(hashtext('owner:' || owner)), pg_advisory_xact_lock(hashtext('agent:' || agent)) FROM sa_runs WHERE id = $1",
             )
             .bind(id.to_string())
             .fetch_optional(&mut *tx)
             .await?;
-            let r = row.fetch_optional(&mut *tx).await;
-            if r.is_ok() {
-                tx.commit().await?;
-            }
-            r
-        } else {
-            row.fetch_optional(&self.pool).await
-        };
-        // Two workers claiming two queued runs of one thread at once: the unique index on
-        // active runs lets one win; the other simply finds nothing to claim.
-        let row = match row {
-            Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
-                return Ok(Claim::NotClaimable(Some(RunStatus::Queued)));
-            }
-            other => other?,
-        };
-        let Some(row) = row else {
-            let status = self.get_run(id).await?.map(|r| r.status);
-            return Ok(Claim::NotClaimable(status));
-        };
-        // The claimed row comes back whole: no second read.
-        let run = run_from_row(&row)?;
-        self.notifier.notify(id);
-        Ok(Claim::Acquired(Lease { run_id: id, epoch: run.lease_epoch, owner: owner.to_owned(), ttl }, Box::new(run)))
-    }
+                let r = row.fetch_optional(&mut *tx).await;
+                if r.is_ok() {
+                    tx.commit().await?;
+                }
+                r
+            } else {
+                row.fetch_optional(&self.pool).await
+            };
+            // Two workers claiming two queued runs of one thread at once: the unique index on
+            // active runs lets one win; the other simply finds nothing to claim.
+            let row = match row {
+                Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+                    return Ok(Claim::NotClaimable(Some(RunStatus::Queued)));
+                }
+                other => other?,
+            };
+            let Some(row) = row else {
+                let status = self.get_run(id).await?.map(|r| r.status);
+                return Ok(Claim::NotClaimable(status));
+            };
+            // The claimed row comes back whole: no second read.
+            let run = run_from_row(&row)?;
+            self.notifier.notify(id);
+            Ok(Claim::Acquired(
+                Lease {
+                    run_id: id,
+                    epoch: run.lease_epoch,
+                    owner: owner.to_owned(),
+                    ttl,
+                },
+                Box::new(run),
+            ))
+        }
 
-    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        self.group.commit(&self.commits(), lease, cp).await
-    }
-
-}, queries = {
-
-});
+        async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
+            self.group.commit(&self.commits(), lease, cp).await
+        }
+    },
+    queries = {}
+);
 
 row_mappers!(PgRow);
 
 impl PgStore {
     /// What the group committer and the renewer need of the store.
     fn commits(&self) -> Commits {
-        Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert(), held: None }
+        Commits {
+            pool: self.pool.clone(),
+            notifier: self.notifier.clone(),
+            relayed: self.relayed_at_insert(),
+            held: None,
+        }
     }
 
     /// [`Outbox::mark_relayed`](super::Outbox::mark_relayed) in one statement, whatever the
@@ -357,8 +418,15 @@ impl PgStore {
 
     /// apalis's worker registry (heartbeats every few seconds), newest first.
     async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
-        let rows = sqlx::query("SELECT id, last_seen FROM apalis.workers ORDER BY last_seen DESC LIMIT 200").fetch_all(&self.pool).await?;
-        Ok(rows.iter().map(|r| (r.get::<String, _>(0), r.get::<DateTime<Utc>, _>(1))).collect())
+        let rows = sqlx::query(
+            "SELECT id, last_seen FROM apalis.workers ORDER BY last_seen DESC LIMIT 200",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<String, _>(0), r.get::<DateTime<Utc>, _>(1)))
+            .collect())
     }
 }
 
@@ -366,7 +434,12 @@ impl PgStore {
 /// write), no run waits on it and it waits on none (no wake-up, no waits to drop), and no
 /// attached child of it is still going (none to cancel). What [`REACH_COLUMNS`] and the parent
 /// column report after the fact, asked before, in the same snapshot.
-const ENDS_ALONE: &str = concat!(" AND parent_run_id IS NULL AND NOT ", reach_waits!(), " AND NOT ", reach_children!());
+const ENDS_ALONE: &str = concat!(
+    " AND parent_run_id IS NULL AND NOT ",
+    reach_waits!(),
+    " AND NOT ",
+    reach_children!()
+);
 
 /// One checkpoint as one statement (so one round trip, and alone one implicit transaction):
 /// the fenced UPDATE of the run row (which also locks it and reserves the event seqs), the
@@ -384,10 +457,22 @@ fn checkpoint_query<'q>(
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     let (guard, reach_columns) = (ff.guard, ff.reach_columns);
     let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
-    let m_role: Vec<String> = cp.messages.iter().map(|m| m.message.role().to_owned()).collect();
+    let m_role: Vec<String> = cp
+        .messages
+        .iter()
+        .map(|m| m.message.role().to_owned())
+        .collect();
     let m_key: Vec<String> = cp.messages.iter().map(|m| m.key.clone()).collect();
-    let m_body: Vec<String> = cp.messages.iter().map(|m| serde_json::to_string(&m.message).expect("message serializes")).collect();
-    let e_type: Vec<String> = cp.events.iter().map(|e| e.kind.as_str().to_owned()).collect();
+    let m_body: Vec<String> = cp
+        .messages
+        .iter()
+        .map(|m| serde_json::to_string(&m.message).expect("message serializes"))
+        .collect();
+    let e_type: Vec<String> = cp
+        .events
+        .iter()
+        .map(|e| e.kind.as_str().to_owned())
+        .collect();
     let e_data: Vec<String> = cp.events.iter().map(|e| e.data.to_string()).collect();
     let sql = format!(
         "WITH f AS ( \
@@ -432,7 +517,10 @@ impl group::Renewals for Commits {
         let now = now_ms();
         let ids: Vec<String> = leases.iter().map(|l| l.run_id.to_string()).collect();
         let epochs: Vec<i64> = leases.iter().map(|l| l.epoch).collect();
-        let expires: Vec<i64> = leases.iter().map(|l| now + l.ttl.as_millis() as i64).collect();
+        let expires: Vec<i64> = leases
+            .iter()
+            .map(|l| now + l.ttl.as_millis() as i64)
+            .collect();
         let rows = sqlx::query(sql!(
             "WITH t AS (SELECT * FROM unnest($2::text[], $3::bigint[], $4::bigint[]) AS t(id, epoch, exp)), \
              l AS (SELECT r.id, t.exp FROM sa_runs r JOIN t ON r.id = t.id AND r.lease_epoch = t.epoch \
@@ -447,7 +535,10 @@ impl group::Renewals for Commits {
         .bind(&expires)
         .fetch_all(&self.pool)
         .await?;
-        let renewed: std::collections::HashMap<String, bool> = rows.iter().map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0)).collect();
+        let renewed: std::collections::HashMap<String, bool> = rows
+            .iter()
+            .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0))
+            .collect();
         let mut out = Vec::with_capacity(leases.len());
         for (lease, id) in leases.iter().zip(&ids) {
             out.push(match renewed.get(id) {
@@ -496,19 +587,38 @@ impl group::Progress for Commits {
                     self.notifier.notify(lease.run_id);
                     return Ok(());
                 }
-                let query = checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
+                let query =
+                    checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
                 let mut tx = self.pool.begin().await?;
-                let Some(row) = query.fetch_optional(&mut *tx).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
+                let Some(row) = query.fetch_optional(&mut *tx).await? else {
+                    return Err(StoreError::LeaseLost(lease.run_id));
+                };
                 let thread: String = row.get(1);
                 let parent: Option<String> = row.get(2);
-                let reach = Reach { waits: row.get(3), children: row.get(4) };
-                PgStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach, self.relayed).await?;
+                let reach = Reach {
+                    waits: row.get(3),
+                    children: row.get(4),
+                };
+                PgStore::terminal_effects(
+                    &mut tx,
+                    lease.run_id,
+                    &thread,
+                    parent.as_deref(),
+                    status,
+                    cp.error(),
+                    reach,
+                    self.relayed,
+                )
+                .await?;
                 tx.commit().await?;
             }
             None => {
                 let query = checkpoint_query(&lease, &cp, ff, now, self.relayed, "");
                 let (mut conn, held) = self.connection().await?;
-                let mut row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
+                let mut row = query
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(StoreError::from);
                 self.done(conn, &row);
                 if held && row.as_ref().is_err_and(connection_gone) {
                     // The kept connection was cut (a restart): once more on a tested one,
@@ -519,8 +629,12 @@ impl group::Progress for Commits {
                         return Ok(());
                     }
                     let mut conn = self.pool.acquire().await?;
-                    let query = checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
-                    row = query.fetch_optional(&mut *conn).await.map_err(StoreError::from);
+                    let query =
+                        checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
+                    row = query
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .map_err(StoreError::from);
                     self.done(conn, &row);
                 }
                 if row?.is_none() {
@@ -539,7 +653,9 @@ impl group::Progress for Commits {
         // group goes one by one.
         let ids: Vec<String> = items.iter().map(|(l, _)| l.run_id.to_string()).collect();
         if ids.iter().collect::<std::collections::HashSet<_>>().len() != ids.len() {
-            return Err(StoreError::Corrupt("one run twice in a group commit".into()));
+            return Err(StoreError::Corrupt(
+                "one run twice in a group commit".into(),
+            ));
         }
         let now = Utc::now();
         let now_ms = now_ms();
@@ -552,13 +668,15 @@ impl group::Progress for Commits {
             r.prompt.push(cp.usage.prompt_tokens as i64);
             r.completion.push(cp.usage.completion_tokens as i64);
             r.cost.push(cp.cost_nanos.min(i64::MAX as u64) as i64);
-            r.lease_until.push(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64);
+            r.lease_until
+                .push(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64);
             for m in &cp.messages {
                 r.m_run.push(run.clone());
                 r.m_step.push(m.step as i64);
                 r.m_role.push(m.message.role().to_owned());
                 r.m_key.push(m.key.clone());
-                r.m_body.push(serde_json::to_string(&m.message).expect("message serializes"));
+                r.m_body
+                    .push(serde_json::to_string(&m.message).expect("message serializes"));
             }
             for (i, e) in cp.events.iter().enumerate() {
                 r.e_run.push(run.clone());
@@ -602,7 +720,10 @@ impl group::Progress for Commits {
     }
 
     fn for_committer(&self) -> Self {
-        Commits { held: Some(Default::default()), ..self.clone() }
+        Commits {
+            held: Some(Default::default()),
+            ..self.clone()
+        }
     }
 
     async fn recommit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
@@ -621,12 +742,16 @@ impl Commits {
     /// this run means the whole checkpoint landed. A checkpoint of events alone cannot be told,
     /// and is committed again.
     async fn landed(&self, lease: &Lease, cp: &Checkpoint) -> Result<bool> {
-        let Some(first) = cp.messages.first() else { return Ok(false) };
-        Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM sa_messages WHERE key = $1 AND run_id = $2)")
-            .bind(&first.key)
-            .bind(lease.run_id.to_string())
-            .fetch_one(&self.pool)
-            .await?)
+        let Some(first) = cp.messages.first() else {
+            return Ok(false);
+        };
+        Ok(sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM sa_messages WHERE key = $1 AND run_id = $2)",
+        )
+        .bind(&first.key)
+        .bind(lease.run_id.to_string())
+        .fetch_one(&self.pool)
+        .await?)
     }
 }
 

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+};
 use sqlx::{Row, SqlitePool};
 
 use super::*;
@@ -55,7 +57,11 @@ struct Commits {
 impl SqliteStore {
     /// What the group committer and the renewer need of the store.
     fn commits(&self) -> Commits {
-        Commits { pool: self.pool.clone(), notifier: self.notifier.clone(), relayed: self.relayed_at_insert() }
+        Commits {
+            pool: self.pool.clone(),
+            notifier: self.notifier.clone(),
+            relayed: self.relayed_at_insert(),
+        }
     }
 }
 
@@ -69,14 +75,16 @@ const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 /// out only when it sat idle for a while: one that just came back has just passed the release
 /// test, and nothing outside this process can drop a SQLite connection.
 fn pool_options() -> SqlitePoolOptions {
-    SqlitePoolOptions::new().test_before_acquire(false).before_acquire(|conn, meta| {
-        Box::pin(async move {
-            if meta.idle_for >= PING_AFTER_IDLE {
-                sqlx::Connection::ping(conn).await?;
-            }
-            Ok(true)
+    SqlitePoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= PING_AFTER_IDLE {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
         })
-    })
 }
 
 impl SqliteStore {
@@ -105,7 +113,10 @@ impl SqliteStore {
             .connect_with(opts.clone())
             .await?;
         // The same options, so `sqlite::memory:` names the same shared in-memory database.
-        let reads = pool_options().max_connections(8).acquire_timeout(Duration::from_secs(30)).connect_lazy_with(opts);
+        let reads = pool_options()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(opts);
         // SQLite has one writer: one committer, so checkpoints never queue on its lock.
         let store = SqliteStore {
             pool,
@@ -131,7 +142,9 @@ impl SqliteStore {
         apalis.set_ignore_missing(true);
         apalis.run(&self.pool).await?;
         // apalis's `Jobs(lock_by)` index makes acks slow as finished jobs pile up (trap 2).
-        sqlx::query("DROP INDEX IF EXISTS LIdx").execute(&self.pool).await?;
+        sqlx::query("DROP INDEX IF EXISTS LIdx")
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
@@ -149,13 +162,20 @@ impl SqliteStore {
 
 // SQLite serializes writers: the park's fence (a write) must come first, so the reads after it
 // see the latest state (a read first would pin a snapshot that the write could not upgrade).
-store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share = "", owner_unindexed = "+owner", run_log = {
-    async fn create_run(&self, new: NewRun) -> Result<Created> {
-        let now = Utc::now();
-        let mut tx = self.pool.begin().await?;
-        // The upsert takes SQLite's write lock first, so the checks below and the insert see
-        // one state: no other start can slip in between.
-        let inserted = sqlx::query(
+store_impl!(
+    SqliteStore,
+    sqlx::Sqlite,
+    "Jobs",
+    park_reads_first = false,
+    share = "",
+    owner_unindexed = "+owner",
+    run_log = {
+        async fn create_run(&self, new: NewRun) -> Result<Created> {
+            let now = Utc::now();
+            let mut tx = self.pool.begin().await?;
+            // The upsert takes SQLite's write lock first, so the checks below and the insert see
+            // one state: no other start can slip in between.
+            let inserted = sqlx::query(
             "INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES ($1, $2, $3, $3) \
              ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING owner",
         )
@@ -164,37 +184,48 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         .bind(now)
         .fetch_one(&mut *tx)
         .await?;
-        let owner: String = inserted.get(0);
-        if owner != new.owner {
-            return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
-        }
-        if let Some(key) = &new.idempotency_key {
-            let existing: Option<String> =
-                sqlx::query_scalar("SELECT id FROM sa_runs WHERE owner = $1 AND idempotency_key = $2")
-                    .bind(&new.owner)
-                    .bind(key)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if let Some(id) = existing {
-                tx.rollback().await?;
-                let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
-                let run = self.get_run(id).await?.ok_or_else(|| corrupt("run vanished", id))?;
-                return Ok(Created { run, existing: true, ahead: 0 });
+            let owner: String = inserted.get(0);
+            if owner != new.owner {
+                return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
             }
-        }
-        if new.if_busy == IfBusy::Reject {
-            let active: Option<String> = sqlx::query_scalar(
+            if let Some(key) = &new.idempotency_key {
+                let existing: Option<String> = sqlx::query_scalar(
+                    "SELECT id FROM sa_runs WHERE owner = $1 AND idempotency_key = $2",
+                )
+                .bind(&new.owner)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if let Some(id) = existing {
+                    tx.rollback().await?;
+                    let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
+                    let run = self
+                        .get_run(id)
+                        .await?
+                        .ok_or_else(|| corrupt("run vanished", id))?;
+                    return Ok(Created {
+                        run,
+                        existing: true,
+                        ahead: 0,
+                    });
+                }
+            }
+            if new.if_busy == IfBusy::Reject {
+                let active: Option<String> = sqlx::query_scalar(
                 "SELECT id FROM sa_runs WHERE thread_id = $1 AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1",
             )
             .bind(new.thread_id.as_str())
             .fetch_optional(&mut *tx)
             .await?;
-            if let Some(a) = active {
-                let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
-                return Err(StoreError::Busy { thread_id: new.thread_id, active_run });
+                if let Some(a) = active {
+                    let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
+                    return Err(StoreError::Busy {
+                        thread_id: new.thread_id,
+                        active_run,
+                    });
+                }
             }
-        }
-        let inserted = sqlx::query(concat!(
+            let inserted = sqlx::query(concat!(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
              idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority) \
              VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17) RETURNING ",
@@ -219,8 +250,8 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         .bind(i64::from(new.priority.clamp(1, 5)))
         .fetch_one(&mut *tx)
         .await?;
-        let run = run_from_row(&inserted)?;
-        Self::insert_events(
+            let run = run_from_row(&inserted)?;
+            Self::insert_events(
             &mut tx,
             new.id,
             1,
@@ -231,11 +262,13 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
             self.relayed_at_insert(),
         )
         .await?;
-        let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place).await?.ok_or_else(|| corrupt("run vanished", new.id))?;
-        // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
-        // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
-        // a run without its job.
-        sqlx::query(
+            let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place)
+                .await?
+                .ok_or_else(|| corrupt("run vanished", new.id))?;
+            // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
+            // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
+            // a run without its job.
+            sqlx::query(
             "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
              VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
         )
@@ -247,17 +280,21 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         .bind(job_priority(ahead, new.priority) as i64)
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
-        Ok(Created { run, existing: false, ahead })
-    }
+            tx.commit().await?;
+            Ok(Created {
+                run,
+                existing: false,
+                ahead,
+            })
+        }
 
-    async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
-        let now = Utc::now();
-        let nms = now_ms();
-        let mut tx = self.pool.begin().await?;
-        // A queued run is claimable once its thread is free and it is the thread's oldest; a
-        // parked one at any time (a spurious claim replays and parks again).
-        let row = sqlx::query(sql!(
+        async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
+            let now = Utc::now();
+            let nms = now_ms();
+            let mut tx = self.pool.begin().await?;
+            // A queued run is claimable once its thread is free and it is the thread's oldest; a
+            // parked one at any time (a spurious claim replays and parks again).
+            let row = sqlx::query(sql!(
             concat!(
                 "UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
                  lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
@@ -277,16 +314,20 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
         .bind(id.to_string())
         .fetch_optional(&mut *tx)
         .await?;
-        let Some(row) = row else {
-            tx.rollback().await?;
-            let status = self.get_run(id).await?.map(|r| r.status);
-            return Ok(Claim::NotClaimable(status));
-        };
-        // The claimed row comes back whole: no second read.
-        let run = run_from_row(&row)?;
-        let from = run.claimed_from.unwrap_or(RunStatus::Queued);
-        let kind = if from == RunStatus::Waiting { EventKind::RunResumed } else { EventKind::RunStarted };
-        Self::insert_events(
+            let Some(row) = row else {
+                tx.rollback().await?;
+                let status = self.get_run(id).await?.map(|r| r.status);
+                return Ok(Claim::NotClaimable(status));
+            };
+            // The claimed row comes back whole: no second read.
+            let run = run_from_row(&row)?;
+            let from = run.claimed_from.unwrap_or(RunStatus::Queued);
+            let kind = if from == RunStatus::Waiting {
+                EventKind::RunResumed
+            } else {
+                EventKind::RunStarted
+            };
+            Self::insert_events(
             &mut tx,
             id,
             run.event_seq,
@@ -297,19 +338,26 @@ store_impl!(SqliteStore, sqlx::Sqlite, "Jobs", park_reads_first = false, share =
             self.relayed_at_insert(),
         )
         .await?;
-        tx.commit().await?;
-        self.notifier.notify(id);
-        Ok(Claim::Acquired(Lease { run_id: id, epoch: run.lease_epoch, owner: owner.to_owned(), ttl }, Box::new(run)))
-    }
+            tx.commit().await?;
+            self.notifier.notify(id);
+            Ok(Claim::Acquired(
+                Lease {
+                    run_id: id,
+                    epoch: run.lease_epoch,
+                    owner: owner.to_owned(),
+                    ttl,
+                },
+                Box::new(run),
+            ))
+        }
 
-    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-        let commits = self.commits();
-        self.group.commit(&commits, lease, cp).await
-    }
-
-}, queries = {
-
-});
+        async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
+            let commits = self.commits();
+            self.group.commit(&commits, lease, cp).await
+        }
+    },
+    queries = {}
+);
 
 row_mappers!(SqliteRow);
 
@@ -332,10 +380,18 @@ impl SqliteStore {
 
     /// apalis's worker registry (heartbeats every few seconds), newest first.
     async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
-        let rows = sqlx::query("SELECT id, last_seen FROM Workers ORDER BY last_seen DESC LIMIT 200").fetch_all(self.reads()).await?;
+        let rows =
+            sqlx::query("SELECT id, last_seen FROM Workers ORDER BY last_seen DESC LIMIT 200")
+                .fetch_all(self.reads())
+                .await?;
         Ok(rows
             .iter()
-            .map(|r| (r.get::<String, _>(0), DateTime::from_timestamp(r.get::<i64, _>(1), 0).unwrap_or_default()))
+            .map(|r| {
+                (
+                    r.get::<String, _>(0),
+                    DateTime::from_timestamp(r.get::<i64, _>(1), 0).unwrap_or_default(),
+                )
+            })
             .collect())
     }
 }
@@ -345,8 +401,17 @@ impl SqliteStore {
 /// SQLite's write lock (so the seqs it reserves stay gap-free) and applies the counters and
 /// any terminal state.
 /// Applies a checkpoint: its fence, then its messages and events.
-async fn apply(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>, relayed: i64) -> Result<Option<SqliteRow>> {
-    let Some(row) = fence(tx, lease, cp, ff, now).await? else { return Ok(None) };
+async fn apply(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    lease: &Lease,
+    cp: &Checkpoint,
+    ff: FenceFields,
+    now: DateTime<Utc>,
+    relayed: i64,
+) -> Result<Option<SqliteRow>> {
+    let Some(row) = fence(tx, lease, cp, ff, now).await? else {
+        return Ok(None);
+    };
     let mut rows = Appends::default();
     rows.add(lease.run_id, row.get(1), row.get(0), cp);
     rows.insert(tx, now, relayed).await?;
@@ -355,7 +420,13 @@ async fn apply(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, lease: &Lease, cp: 
 
 /// The checkpoint's fence: moves the run's counters (and status, for a terminal checkpoint)
 /// only under this lease's epoch. `None` when the fence did not hold.
-async fn fence(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, lease: &Lease, cp: &Checkpoint, ff: FenceFields, now: DateTime<Utc>) -> Result<Option<SqliteRow>> {
+async fn fence(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    lease: &Lease,
+    cp: &Checkpoint,
+    ff: FenceFields,
+    now: DateTime<Utc>,
+) -> Result<Option<SqliteRow>> {
     let (guard, reach_columns) = (ff.guard, ff.reach_columns);
     let row = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
@@ -390,15 +461,28 @@ impl<'a> Appends<'a> {
     fn add(&mut self, run: RunId, thread: String, last: i64, cp: &'a Checkpoint) {
         let run = run.to_string();
         let first = last - cp.events.len() as i64 + 1;
-        self.events.extend(cp.events.iter().enumerate().map(|(i, e)| (run.clone(), first + i as i64, e)));
-        self.messages.extend(cp.messages.iter().map(|m| (thread.clone(), run.clone(), m)));
+        self.events.extend(
+            cp.events
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (run.clone(), first + i as i64, e)),
+        );
+        self.messages
+            .extend(cp.messages.iter().map(|m| (thread.clone(), run.clone(), m)));
     }
 
     /// Writes the rows; `relayed` is what a new event's `relayed` is (the store's).
-    async fn insert(&self, tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, now: DateTime<Utc>, relayed: i64) -> Result<()> {
+    async fn insert(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+        now: DateTime<Utc>,
+        relayed: i64,
+    ) -> Result<()> {
         // SQLite allows 32,766 bound values per statement: 7 per message, 6 per event.
         for chunk in self.messages.chunks(1000) {
-            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) ");
+            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+                "INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) ",
+            );
             q.push_values(chunk, |mut b, (thread, run, m)| {
                 b.push_bind(thread.as_str())
                     .push_bind(run.as_str())
@@ -412,9 +496,16 @@ impl<'a> Appends<'a> {
             q.build().execute(&mut **tx).await?;
         }
         for chunk in self.events.chunks(1000) {
-            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ");
+            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+                "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ",
+            );
             q.push_values(chunk, |mut b, (run, seq, e)| {
-                b.push_bind(run.as_str()).push_bind(*seq).push_bind(e.kind.as_str()).push_bind(e.data.to_string()).push_bind(now).push_bind(relayed);
+                b.push_bind(run.as_str())
+                    .push_bind(*seq)
+                    .push_bind(e.kind.as_str())
+                    .push_bind(e.data.to_string())
+                    .push_bind(now)
+                    .push_bind(relayed);
             });
             q.build().execute(&mut **tx).await?;
         }
@@ -427,17 +518,27 @@ impl group::Renewals for Commits {
         // One fenced UPDATE for the whole group (one write transaction): each row only under
         // its own epoch and in a status a heartbeat may renew.
         let now = now_ms();
-        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("UPDATE sa_runs SET lease_expires_at = t.column3, heartbeat_at = ");
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            "UPDATE sa_runs SET lease_expires_at = t.column3, heartbeat_at = ",
+        );
         q.push_bind(Utc::now()).push(" FROM (");
         q.push_values(leases, |mut b, l| {
-            b.push_bind(l.run_id.to_string()).push_bind(l.epoch).push_bind(now + l.ttl.as_millis() as i64);
+            b.push_bind(l.run_id.to_string())
+                .push_bind(l.epoch)
+                .push_bind(now + l.ttl.as_millis() as i64);
         });
         q.push(") AS t WHERE sa_runs.id = t.column1 AND sa_runs.lease_epoch = t.column2 AND sa_runs.status IN (")
             .push(crate::lifecycle::sql_sources(Transition::Heartbeat))
             .push(") RETURNING sa_runs.id, sa_runs.cancel_requested");
         let rows = q.build().fetch_all(&self.pool).await?;
-        let renewed: std::collections::HashMap<String, bool> = rows.iter().map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0)).collect();
-        Ok(leases.iter().map(|l| renewed.get(&l.run_id.to_string()).copied()).collect())
+        let renewed: std::collections::HashMap<String, bool> = rows
+            .iter()
+            .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0))
+            .collect();
+        Ok(leases
+            .iter()
+            .map(|l| renewed.get(&l.run_id.to_string()).copied())
+            .collect())
     }
 }
 
@@ -447,12 +548,27 @@ impl group::Progress for Commits {
         let ff = cp.fence_fields(now);
         let status = ff.status;
         let mut tx = self.pool.begin().await?;
-        let Some(row) = apply(&mut tx, &lease, &cp, ff, now, self.relayed).await? else { return Err(StoreError::LeaseLost(lease.run_id)) };
+        let Some(row) = apply(&mut tx, &lease, &cp, ff, now, self.relayed).await? else {
+            return Err(StoreError::LeaseLost(lease.run_id));
+        };
         if let Some(status) = status {
             let thread: String = row.get(1);
             let parent: Option<String> = row.get(2);
-            let reach = Reach { waits: row.get(3), children: row.get(4) };
-            SqliteStore::terminal_effects(&mut tx, lease.run_id, &thread, parent.as_deref(), status, cp.error(), reach, self.relayed).await?;
+            let reach = Reach {
+                waits: row.get(3),
+                children: row.get(4),
+            };
+            SqliteStore::terminal_effects(
+                &mut tx,
+                lease.run_id,
+                &thread,
+                parent.as_deref(),
+                status,
+                cp.error(),
+                reach,
+                self.relayed,
+            )
+            .await?;
         }
         tx.commit().await?;
         self.notifier.notify(lease.run_id);
@@ -466,16 +582,27 @@ impl group::Progress for Commits {
         // and one for all their events, in one transaction. Five statements, whatever the
         // group's size.
         if items.iter().any(|(_, cp)| cp.finish.is_some()) {
-            return Err(StoreError::Corrupt("a terminal checkpoint in a group commit".into()));
+            return Err(StoreError::Corrupt(
+                "a terminal checkpoint in a group commit".into(),
+            ));
         }
         // A run has one checkpoint in flight; were it twice here, the join would apply only
         // one of them: the group then goes one by one.
-        if items.iter().map(|(l, _)| l.run_id).collect::<std::collections::HashSet<_>>().len() != items.len() {
-            return Err(StoreError::Corrupt("one run twice in a group commit".into()));
+        if items
+            .iter()
+            .map(|(l, _)| l.run_id)
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+            != items.len()
+        {
+            return Err(StoreError::Corrupt(
+                "one run twice in a group commit".into(),
+            ));
         }
         let now_ms = now_ms();
         let mut tx = self.pool.begin().await?;
-        let mut fenced: std::collections::HashMap<String, (i64, String)> = std::collections::HashMap::with_capacity(items.len());
+        let mut fenced: std::collections::HashMap<String, (i64, String)> =
+            std::collections::HashMap::with_capacity(items.len());
         // 8 bound values per run; SQLite allows 32,766 per statement.
         for chunk in items.chunks(1000) {
             let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
@@ -483,7 +610,10 @@ impl group::Progress for Commits {
                  prompt_tokens = prompt_tokens + t.column5, completion_tokens = completion_tokens + t.column6, \
                  cost_nanos = cost_nanos + t.column7, lease_expires_at = t.column8, heartbeat_at = ",
             );
-            q.push_bind(now).push(", updated_at = ").push_bind(now).push(" FROM (");
+            q.push_bind(now)
+                .push(", updated_at = ")
+                .push_bind(now)
+                .push(" FROM (");
             q.push_values(chunk, |mut b, (lease, cp)| {
                 b.push_bind(lease.run_id.to_string())
                     .push_bind(lease.epoch)

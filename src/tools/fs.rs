@@ -12,7 +12,10 @@ use std::path::Path;
 use async_trait::async_trait;
 use serde_json::{Value, json};
 
-use super::{Tool, ToolCtx, ToolError, blocking, io_error, open_plain, relative, spec, str_arg, workspace_dir, write_plain};
+use super::{
+    Tool, ToolCtx, ToolError, blocking, io_error, open_plain, relative, spec, str_arg,
+    workspace_dir, write_plain,
+};
 use crate::model::ToolSpec;
 
 /// Room kept under the output limit for the closing note.
@@ -56,7 +59,10 @@ impl Tool for ReadFile {
             let mut reader = BufReader::with_capacity(64 * 1024, file);
             let head = reader.fill_buf().map_err(|e| io_error(&rel, e))?;
             if head[..head.len().min(SNIFF_BYTES)].contains(&0) {
-                return Err(ToolError::new("not_text", format!("`{rel}` is a binary file; read_file reads text only")));
+                return Err(ToolError::new(
+                    "not_text",
+                    format!("`{rel}` is a binary file; read_file reads text only"),
+                ));
             }
             numbered_lines(&mut reader, &rel, meta.len(), offset, limit, budget)
         })
@@ -65,39 +71,65 @@ impl Tool for ReadFile {
 }
 
 /// Reads lines `offset..offset+limit` as `{n:>6}\t{line}`, within `budget` bytes of output.
-fn numbered_lines(reader: &mut impl BufRead, rel: &str, size: u64, offset: u64, limit: u64, budget: usize) -> Result<String, ToolError> {
+fn numbered_lines(
+    reader: &mut impl BufRead,
+    rel: &str,
+    size: u64,
+    offset: u64,
+    limit: u64,
+    budget: usize,
+) -> Result<String, ToolError> {
     let mut out = String::new();
     let mut n: u64 = 0;
     let mut line = Vec::new();
     loop {
         line.clear();
         // A line is read only up to what could be shown, so one endless line stays bounded.
-        let read = reader.by_ref().take(MAX_LINE_CHARS as u64 * 4 + 1).read_until(b'\n', &mut line).map_err(|e| io_error(rel, e))?;
+        let read = reader
+            .by_ref()
+            .take(MAX_LINE_CHARS as u64 * 4 + 1)
+            .read_until(b'\n', &mut line)
+            .map_err(|e| io_error(rel, e))?;
         if read == 0 {
             break;
         }
         if line.last() != Some(&b'\n') && read > MAX_LINE_CHARS * 4 {
             // The rest of an over-long line is skipped.
             let mut rest = Vec::new();
-            reader.read_until(b'\n', &mut rest).map_err(|e| io_error(rel, e))?;
+            reader
+                .read_until(b'\n', &mut rest)
+                .map_err(|e| io_error(rel, e))?;
         }
         n += 1;
         if n < offset {
             continue;
         }
         if n >= offset + limit {
-            out.push_str(&format!("[more lines follow: read_file with path=`{rel}` offset={n} reads on]"));
+            out.push_str(&format!(
+                "[more lines follow: read_file with path=`{rel}` offset={n} reads on]"
+            ));
             return Ok(out);
         }
         let text = match std::str::from_utf8(&line) {
             Ok(t) => t.to_owned(),
             // A cut inside the last character of an over-long line is not binary data.
-            Err(e) if e.error_len().is_none() => String::from_utf8_lossy(&line[..e.valid_up_to()]).into_owned(),
-            Err(_) => return Err(ToolError::new("not_text", format!("`{rel}` is not UTF-8 text (line {n})"))),
+            Err(e) if e.error_len().is_none() => {
+                String::from_utf8_lossy(&line[..e.valid_up_to()]).into_owned()
+            }
+            Err(_) => {
+                return Err(ToolError::new(
+                    "not_text",
+                    format!("`{rel}` is not UTF-8 text (line {n})"),
+                ));
+            }
         };
         let text = text.trim_end_matches(['\n', '\r']);
         let shown: String = text.chars().take(MAX_LINE_CHARS).collect();
-        let cut = if shown.len() < text.len() { " [line cut]" } else { "" };
+        let cut = if shown.len() < text.len() {
+            " [line cut]"
+        } else {
+            ""
+        };
         let entry = format!("{n:>6}\t{shown}{cut}\n");
         if out.len() + entry.len() > budget {
             out.push_str(&format!("[output limit reached at line {n} of `{rel}` ({size} bytes): read_file with path=`{rel}` offset={n} reads on]"));
@@ -106,7 +138,11 @@ fn numbered_lines(reader: &mut impl BufRead, rel: &str, size: u64, offset: u64, 
         out.push_str(&entry);
     }
     if n < offset {
-        return Ok(if n == 0 { "(empty file)".into() } else { format!("(the file has {n} lines; offset {offset} is past its end)") });
+        return Ok(if n == 0 {
+            "(empty file)".into()
+        } else {
+            format!("(the file has {n} lines; offset {offset} is past its end)")
+        });
     }
     Ok(out)
 }
@@ -114,9 +150,16 @@ fn numbered_lines(reader: &mut impl BufRead, rel: &str, size: u64, offset: u64, 
 fn positive(args: &Value, key: &str) -> Result<Option<u64>, ToolError> {
     match args.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_u64().or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && *f >= 1.0).map(|f| f as u64)) {
+        Some(v) => match v.as_u64().or_else(|| {
+            v.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 1.0)
+                .map(|f| f as u64)
+        }) {
             Some(n) if n >= 1 => Ok(Some(n)),
-            _ => Err(ToolError::new("bad_arguments", format!("`{key}` must be a whole number from 1"))),
+            _ => Err(ToolError::new(
+                "bad_arguments",
+                format!("`{key}` must be a whole number from 1"),
+            )),
         },
     }
 }
@@ -141,7 +184,10 @@ impl Tool for WriteFile {
             let dir = workspace_dir(&workspace)?;
             let path = relative(&rel)?;
             if rel.is_empty() || dir.is_dir(path) {
-                return Err(ToolError::new("is_directory", format!("`{rel}` is a directory")));
+                return Err(ToolError::new(
+                    "is_directory",
+                    format!("`{rel}` is a directory"),
+                ));
             }
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
                 dir.create_dir_all(parent).map_err(|e| io_error(&rel, e))?;
@@ -165,12 +211,25 @@ impl Edit {
         let old = str_arg(v, "old_string")?.to_owned();
         let new = str_arg(v, "new_string")?.to_owned();
         if old.is_empty() {
-            return Err(ToolError::new("bad_arguments", "`old_string` is empty: to create a file, use write_file"));
+            return Err(ToolError::new(
+                "bad_arguments",
+                "`old_string` is empty: to create a file, use write_file",
+            ));
         }
         if old == new {
-            return Err(ToolError::new("bad_arguments", "`old_string` and `new_string` are the same: nothing would change"));
+            return Err(ToolError::new(
+                "bad_arguments",
+                "`old_string` and `new_string` are the same: nothing would change",
+            ));
         }
-        Ok(Edit { old, new, all: v.get("replace_all").and_then(Value::as_bool).unwrap_or(false) })
+        Ok(Edit {
+            old,
+            new,
+            all: v
+                .get("replace_all")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        })
     }
 
     /// Applies it to `text`, or says why not; returns the number of replacements. The size of
@@ -178,21 +237,28 @@ impl Edit {
     /// `replace_all` of a short string by a long one could otherwise ask for gigabytes.
     fn apply(&self, text: &mut String, rel: &str, which: &str) -> Result<usize, ToolError> {
         let found = text.matches(self.old.as_str()).count();
-        let size = (text.len() as u128 - (found * self.old.len()) as u128) + (found as u128) * (self.new.len() as u128);
+        let size = (text.len() as u128 - (found * self.old.len()) as u128)
+            + (found as u128) * (self.new.len() as u128);
         if found > 0 && (found == 1 || self.all) && size > MAX_EDIT_BYTES as u128 {
             return Err(ToolError::new(
                 "edit_too_large",
-                format!("{which}the edit would make `{rel}` {size} bytes, more than the {MAX_EDIT_BYTES} an edit may produce; edit fewer occurrences at a time"),
+                format!(
+                    "{which}the edit would make `{rel}` {size} bytes, more than the {MAX_EDIT_BYTES} an edit may produce; edit fewer occurrences at a time"
+                ),
             ));
         }
         match found {
             0 => Err(ToolError::new(
                 "not_found",
-                format!("{which}`old_string` was not found in `{rel}`; read the file and copy the text exactly, including whitespace"),
+                format!(
+                    "{which}`old_string` was not found in `{rel}`; read the file and copy the text exactly, including whitespace"
+                ),
             )),
             n if n > 1 && !self.all => Err(ToolError::new(
                 "not_unique",
-                format!("{which}`old_string` occurs {n} times in `{rel}`; add surrounding lines to make it unique, or set replace_all"),
+                format!(
+                    "{which}`old_string` occurs {n} times in `{rel}`; add surrounding lines to make it unique, or set replace_all"
+                ),
             )),
             n => {
                 *text = text.replace(self.old.as_str(), &self.new);
@@ -209,22 +275,41 @@ fn edit_in_place(workspace: &Path, rel: &str, edits: &[Edit]) -> Result<String, 
     let mut file = open_plain(&dir, path, rel, false)?;
     let size = file.metadata().map_err(|e| io_error(rel, e))?.len();
     if size > MAX_EDIT_BYTES as u64 {
-        return Err(ToolError::new("file_too_large", format!("`{rel}` is {size} bytes; the edit tools load files up to {MAX_EDIT_BYTES} bytes")));
+        return Err(ToolError::new(
+            "file_too_large",
+            format!(
+                "`{rel}` is {size} bytes; the edit tools load files up to {MAX_EDIT_BYTES} bytes"
+            ),
+        ));
     }
     let mut bytes = Vec::with_capacity(size as usize);
-    file.by_ref().take(MAX_EDIT_BYTES as u64 + 1).read_to_end(&mut bytes).map_err(|e| io_error(rel, e))?;
+    file.by_ref()
+        .take(MAX_EDIT_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| io_error(rel, e))?;
     drop(file);
     if bytes.len() > MAX_EDIT_BYTES {
-        return Err(ToolError::new("file_too_large", format!("`{rel}` grew past {MAX_EDIT_BYTES} bytes while it was read")));
+        return Err(ToolError::new(
+            "file_too_large",
+            format!("`{rel}` grew past {MAX_EDIT_BYTES} bytes while it was read"),
+        ));
     }
-    let mut text = String::from_utf8(bytes).map_err(|_| ToolError::new("not_text", format!("`{rel}` is not UTF-8 text")))?;
+    let mut text = String::from_utf8(bytes)
+        .map_err(|_| ToolError::new("not_text", format!("`{rel}` is not UTF-8 text")))?;
     let mut total = 0;
     for (i, e) in edits.iter().enumerate() {
-        let which = if edits.len() > 1 { format!("edit {}: ", i + 1) } else { String::new() };
+        let which = if edits.len() > 1 {
+            format!("edit {}: ", i + 1)
+        } else {
+            String::new()
+        };
         total += e.apply(&mut text, rel, &which)?;
     }
     write_plain(&dir, path, rel, text.as_bytes())?;
-    Ok(format!("edited {rel}: {total} replacement{}", if total == 1 { "" } else { "s" }))
+    Ok(format!(
+        "edited {rel}: {total} replacement{}",
+        if total == 1 { "" } else { "s" }
+    ))
 }
 
 /// `edit_file`: replaces an exact string in a file.
@@ -271,7 +356,12 @@ impl Tool for MultiEdit {
             .get("edits")
             .and_then(Value::as_array)
             .filter(|a| !a.is_empty())
-            .ok_or_else(|| ToolError::new("bad_arguments", "`edits` must be a non-empty list of {old_string, new_string}"))?
+            .ok_or_else(|| {
+                ToolError::new(
+                    "bad_arguments",
+                    "`edits` must be a non-empty list of {old_string, new_string}",
+                )
+            })?
             .iter()
             .map(Edit::from)
             .collect::<Result<Vec<_>, _>>()?;
@@ -293,11 +383,19 @@ impl Tool for ListDir {
         )
     }
     async fn call(&self, args: Value, ctx: &ToolCtx) -> Result<String, ToolError> {
-        let rel = args.get("path").and_then(Value::as_str).unwrap_or("").to_owned();
+        let rel = args
+            .get("path")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
         let workspace = ctx.workspace.clone();
         blocking(move || {
             let dir = workspace_dir(&workspace)?;
-            let path = if rel.is_empty() { Path::new(".") } else { relative(&rel)? };
+            let path = if rel.is_empty() {
+                Path::new(".")
+            } else {
+                relative(&rel)?
+            };
             let mut names = vec![];
             for e in dir.read_dir(path).map_err(|e| io_error(&rel, e))? {
                 let e = e.map_err(|e| io_error(&rel, e))?;
@@ -308,7 +406,11 @@ impl Tool for ListDir {
                 names.push(n);
             }
             names.sort();
-            Ok(if names.is_empty() { "(empty)".into() } else { names.join("\n") })
+            Ok(if names.is_empty() {
+                "(empty)".into()
+            } else {
+                names.join("\n")
+            })
         })
         .await
     }
@@ -323,7 +425,12 @@ mod tests {
         ToolCtx::new(dir, "k", 16 * 1024)
     }
 
-    async fn run(reg: &ToolRegistry, c: &ToolCtx, tool: &str, args: Value) -> Result<String, ToolError> {
+    async fn run(
+        reg: &ToolRegistry,
+        c: &ToolCtx,
+        tool: &str,
+        args: Value,
+    ) -> Result<String, ToolError> {
         reg.execute(tool, &args.to_string(), c).await
     }
 
@@ -334,25 +441,54 @@ mod tests {
         let reg = ToolRegistry::builtin(None);
         let c = ctx(&ws);
         for bad in ["../x", "/etc/passwd", "a/../../x"] {
-            let e = run(&reg, &c, "read_file", json!({"path": bad})).await.unwrap_err();
+            let e = run(&reg, &c, "read_file", json!({"path": bad}))
+                .await
+                .unwrap_err();
             assert_eq!(e.code, "path_outside_workspace", "{bad}");
         }
         std::fs::create_dir_all(&ws).unwrap();
         std::os::unix::fs::symlink("/etc", ws.join("link")).unwrap();
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "link/passwd"})).await.unwrap_err().code, "path_outside_workspace");
-        assert_eq!(run(&reg, &c, "grep", json!({"pattern": "root", "path": "link"})).await.unwrap_err().code, "path_outside_workspace");
-        assert_eq!(run(&reg, &c, "glob", json!({"pattern": "*", "path": "link"})).await.unwrap_err().code, "path_outside_workspace");
+        assert_eq!(
+            run(&reg, &c, "read_file", json!({"path": "link/passwd"}))
+                .await
+                .unwrap_err()
+                .code,
+            "path_outside_workspace"
+        );
+        assert_eq!(
+            run(&reg, &c, "grep", json!({"pattern": "root", "path": "link"}))
+                .await
+                .unwrap_err()
+                .code,
+            "path_outside_workspace"
+        );
+        assert_eq!(
+            run(&reg, &c, "glob", json!({"pattern": "*", "path": "link"}))
+                .await
+                .unwrap_err()
+                .code,
+            "path_outside_workspace"
+        );
         // A dangling link: writing through it would create a file outside.
         let outside = dir.path().join("outside.txt");
         std::os::unix::fs::symlink(&outside, ws.join("dangling")).unwrap();
         for (tool, args) in [
             ("write_file", json!({"path": "dangling", "content": "x"})),
-            ("edit_file", json!({"path": "dangling", "old_string": "a", "new_string": "b"})),
+            (
+                "edit_file",
+                json!({"path": "dangling", "old_string": "a", "new_string": "b"}),
+            ),
         ] {
             let e = run(&reg, &c, tool, args).await.unwrap_err();
-            assert!(matches!(e.code, "path_outside_workspace" | "not_found"), "{tool}: {e}");
+            assert!(
+                matches!(e.code, "path_outside_workspace" | "not_found"),
+                "{tool}: {e}"
+            );
         }
-        assert!(!outside.exists(), "a tool created a file outside the workspace");
+        assert!(
+            !outside.exists(),
+            "a tool created a file outside the workspace"
+        );
     }
 
     #[test]
@@ -360,7 +496,10 @@ mod tests {
         let root = Path::new("/w");
         assert_eq!(owner_workspace(root, "alice"), Path::new("/w/alice"));
         let odd = owner_workspace(root, "../etc");
-        assert!(odd.to_str().unwrap().starts_with("/w/owner-") && odd.components().count() == 3, "{odd:?}");
+        assert!(
+            odd.to_str().unwrap().starts_with("/w/owner-") && odd.components().count() == 3,
+            "{odd:?}"
+        );
         assert_ne!(owner_workspace(root, "a/b"), owner_workspace(root, "a/c"));
     }
 
@@ -368,7 +507,10 @@ mod tests {
     fn truncation_is_marked() {
         assert_eq!(truncate_output("abc".into(), 10), "abc");
         let t = truncate_output("é".repeat(10), 5);
-        assert!(t.starts_with("éé\n[output truncated: 4 of 20 bytes shown]"), "{t}");
+        assert!(
+            t.starts_with("éé\n[output truncated: 4 of 20 bytes shown]"),
+            "{t}"
+        );
     }
 
     #[tokio::test]
@@ -376,18 +518,75 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let reg = ToolRegistry::builtin(None);
         let c = ctx(dir.path());
-        run(&reg, &c, "write_file", json!({"path": "d/x.txt", "content": "hi\nthere\n"})).await.unwrap();
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "d/x.txt"})).await.unwrap(), "     1\thi\n     2\tthere\n");
+        run(
+            &reg,
+            &c,
+            "write_file",
+            json!({"path": "d/x.txt", "content": "hi\nthere\n"}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            run(&reg, &c, "read_file", json!({"path": "d/x.txt"}))
+                .await
+                .unwrap(),
+            "     1\thi\n     2\tthere\n"
+        );
         assert_eq!(run(&reg, &c, "list_dir", json!({})).await.unwrap(), "d/");
-        assert_eq!(run(&reg, &c, "list_dir", json!({"path": "d"})).await.unwrap(), "x.txt");
-        assert_eq!(reg.execute("read_file", "{", &c).await.unwrap_err().code, "bad_arguments");
-        assert_eq!(run(&reg, &c, "nope", json!({})).await.unwrap_err().code, "unknown_tool");
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "zz"})).await.unwrap_err().code, "not_found");
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "d"})).await.unwrap_err().code, "is_directory");
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "d/x.txt", "offset": 0})).await.unwrap_err().code, "bad_arguments");
-        assert_eq!(run(&reg, &c, "write_file", json!({"path": "d", "content": ""})).await.unwrap_err().code, "is_directory");
+        assert_eq!(
+            run(&reg, &c, "list_dir", json!({"path": "d"}))
+                .await
+                .unwrap(),
+            "x.txt"
+        );
+        assert_eq!(
+            reg.execute("read_file", "{", &c).await.unwrap_err().code,
+            "bad_arguments"
+        );
+        assert_eq!(
+            run(&reg, &c, "nope", json!({})).await.unwrap_err().code,
+            "unknown_tool"
+        );
+        assert_eq!(
+            run(&reg, &c, "read_file", json!({"path": "zz"}))
+                .await
+                .unwrap_err()
+                .code,
+            "not_found"
+        );
+        assert_eq!(
+            run(&reg, &c, "read_file", json!({"path": "d"}))
+                .await
+                .unwrap_err()
+                .code,
+            "is_directory"
+        );
+        assert_eq!(
+            run(
+                &reg,
+                &c,
+                "read_file",
+                json!({"path": "d/x.txt", "offset": 0})
+            )
+            .await
+            .unwrap_err()
+            .code,
+            "bad_arguments"
+        );
+        assert_eq!(
+            run(&reg, &c, "write_file", json!({"path": "d", "content": ""}))
+                .await
+                .unwrap_err()
+                .code,
+            "is_directory"
+        );
         std::fs::write(dir.path().join("empty"), "").unwrap();
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "empty"})).await.unwrap(), "(empty file)");
+        assert_eq!(
+            run(&reg, &c, "read_file", json!({"path": "empty"}))
+                .await
+                .unwrap(),
+            "(empty file)"
+        );
     }
 
     #[tokio::test]
@@ -397,16 +596,44 @@ mod tests {
         let c = ctx(dir.path());
         let text: String = (1..=50).map(|i| format!("line {i}\n")).collect();
         std::fs::write(dir.path().join("f.txt"), &text).unwrap();
-        let page = run(&reg, &c, "read_file", json!({"path": "f.txt", "offset": 10, "limit": 3})).await.unwrap();
-        assert_eq!(page, "    10\tline 10\n    11\tline 11\n    12\tline 12\n[more lines follow: read_file with path=`f.txt` offset=13 reads on]");
-        let past = run(&reg, &c, "read_file", json!({"path": "f.txt", "offset": 99})).await.unwrap();
+        let page = run(
+            &reg,
+            &c,
+            "read_file",
+            json!({"path": "f.txt", "offset": 10, "limit": 3}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            page,
+            "    10\tline 10\n    11\tline 11\n    12\tline 12\n[more lines follow: read_file with path=`f.txt` offset=13 reads on]"
+        );
+        let past = run(
+            &reg,
+            &c,
+            "read_file",
+            json!({"path": "f.txt", "offset": 99}),
+        )
+        .await
+        .unwrap();
         assert_eq!(past, "(the file has 50 lines; offset 99 is past its end)");
         std::fs::write(dir.path().join("b.bin"), [0x7f, b'E', b'L', b'F', 0, 1, 2]).unwrap();
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "b.bin"})).await.unwrap_err().code, "not_text");
+        assert_eq!(
+            run(&reg, &c, "read_file", json!({"path": "b.bin"}))
+                .await
+                .unwrap_err()
+                .code,
+            "not_text"
+        );
         let long = "x".repeat(5000);
         std::fs::write(dir.path().join("long.txt"), format!("{long}\nafter\n")).unwrap();
-        let out = run(&reg, &c, "read_file", json!({"path": "long.txt"})).await.unwrap();
-        assert!(out.contains("[line cut]") && out.contains("     2\tafter"), "{out}");
+        let out = run(&reg, &c, "read_file", json!({"path": "long.txt"}))
+            .await
+            .unwrap();
+        assert!(
+            out.contains("[line cut]") && out.contains("     2\tafter"),
+            "{out}"
+        );
     }
 
     #[tokio::test]
@@ -419,10 +646,19 @@ mod tests {
         // would take the worker down; both answer at once.
         let f = std::fs::File::create(dir.path().join("huge.txt")).unwrap();
         f.set_len(4 << 30).unwrap();
-        assert_eq!(run(&reg, &c, "read_file", json!({"path": "huge.txt"})).await.unwrap_err().code, "not_text", "zeros are binary");
+        assert_eq!(
+            run(&reg, &c, "read_file", json!({"path": "huge.txt"}))
+                .await
+                .unwrap_err()
+                .code,
+            "not_text",
+            "zeros are binary"
+        );
         let lines = "a line of text\n".repeat(200);
         std::fs::write(dir.path().join("many.txt"), lines.repeat(1000)).unwrap();
-        let out = run(&reg, &c, "read_file", json!({"path": "many.txt"})).await.unwrap();
+        let out = run(&reg, &c, "read_file", json!({"path": "many.txt"}))
+            .await
+            .unwrap();
         assert!(out.len() <= 1000, "{}", out.len());
         assert!(out.ends_with("reads on]"), "{out}");
     }
@@ -433,22 +669,63 @@ mod tests {
         let reg = ToolRegistry::builtin(None);
         let c = ctx(dir.path());
         std::fs::write(dir.path().join("e.txt"), "alpha beta\nbeta gamma\n").unwrap();
-        let e = run(&reg, &c, "edit_file", json!({"path": "e.txt", "old_string": "beta", "new_string": "B"})).await.unwrap_err();
+        let e = run(
+            &reg,
+            &c,
+            "edit_file",
+            json!({"path": "e.txt", "old_string": "beta", "new_string": "B"}),
+        )
+        .await
+        .unwrap_err();
         assert_eq!(e.code, "not_unique");
-        let e = run(&reg, &c, "edit_file", json!({"path": "e.txt", "old_string": "delta", "new_string": "D"})).await.unwrap_err();
+        let e = run(
+            &reg,
+            &c,
+            "edit_file",
+            json!({"path": "e.txt", "old_string": "delta", "new_string": "D"}),
+        )
+        .await
+        .unwrap_err();
         assert_eq!(e.code, "not_found");
-        run(&reg, &c, "edit_file", json!({"path": "e.txt", "old_string": "alpha beta", "new_string": "ALPHA"})).await.unwrap();
-        assert_eq!(std::fs::read_to_string(dir.path().join("e.txt")).unwrap(), "ALPHA\nbeta gamma\n");
-        let all = run(&reg, &c, "edit_file", json!({"path": "e.txt", "old_string": "a", "new_string": "4", "replace_all": true})).await.unwrap();
+        run(
+            &reg,
+            &c,
+            "edit_file",
+            json!({"path": "e.txt", "old_string": "alpha beta", "new_string": "ALPHA"}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("e.txt")).unwrap(),
+            "ALPHA\nbeta gamma\n"
+        );
+        let all = run(
+            &reg,
+            &c,
+            "edit_file",
+            json!({"path": "e.txt", "old_string": "a", "new_string": "4", "replace_all": true}),
+        )
+        .await
+        .unwrap();
         assert_eq!(all, "edited e.txt: 3 replacements");
         // multi_edit applies in order; a failing edit leaves the file as it was.
         let before = std::fs::read_to_string(dir.path().join("e.txt")).unwrap();
         let e = run(&reg, &c, "multi_edit", json!({"path": "e.txt", "edits": [
             {"old_string": "ALPHA", "new_string": "one"}, {"old_string": "missing", "new_string": "x"}]})).await.unwrap_err();
-        assert!(e.code == "not_found" && e.message.starts_with("edit 2:"), "{e}");
-        assert_eq!(std::fs::read_to_string(dir.path().join("e.txt")).unwrap(), before);
+        assert!(
+            e.code == "not_found" && e.message.starts_with("edit 2:"),
+            "{e}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("e.txt")).unwrap(),
+            before
+        );
         run(&reg, &c, "multi_edit", json!({"path": "e.txt", "edits": [
             {"old_string": "ALPHA", "new_string": "one"}, {"old_string": "one", "new_string": "two"}]})).await.unwrap();
-        assert!(std::fs::read_to_string(dir.path().join("e.txt")).unwrap().starts_with("two\n"));
+        assert!(
+            std::fs::read_to_string(dir.path().join("e.txt"))
+                .unwrap()
+                .starts_with("two\n")
+        );
     }
 }

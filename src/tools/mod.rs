@@ -46,8 +46,17 @@ pub struct ToolCtx {
 
 impl ToolCtx {
     /// A call's context with no read rules to apply.
-    pub fn new(workspace: impl Into<PathBuf>, idempotency_key: impl Into<String>, output_limit: usize) -> ToolCtx {
-        ToolCtx { workspace: workspace.into(), idempotency_key: idempotency_key.into(), output_limit, readable: None }
+    pub fn new(
+        workspace: impl Into<PathBuf>,
+        idempotency_key: impl Into<String>,
+        output_limit: usize,
+    ) -> ToolCtx {
+        ToolCtx {
+            workspace: workspace.into(),
+            idempotency_key: idempotency_key.into(),
+            output_limit,
+            readable: None,
+        }
     }
 }
 
@@ -70,7 +79,11 @@ pub fn resolve_in(workspace: &Path, rel: &str) -> Option<String> {
     let mut tail = vec![];
     let mut cur = Path::new(rel);
     let resolved = loop {
-        let probe = if cur.as_os_str().is_empty() { Path::new(".") } else { cur };
+        let probe = if cur.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            cur
+        };
         match dir.canonicalize(probe) {
             Ok(p) => break p,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -88,7 +101,11 @@ pub fn resolve_in(workspace: &Path, rel: &str) -> Option<String> {
         })
         .collect();
     parts.extend(tail.iter().rev().map(|t| t.to_string_lossy().into_owned()));
-    Some(if parts.is_empty() { ".".into() } else { parts.join("/") })
+    Some(if parts.is_empty() {
+        ".".into()
+    } else {
+        parts.join("/")
+    })
 }
 
 /// Most output a tool keeps in memory; past it, output is dropped with a marker.
@@ -105,7 +122,14 @@ pub struct Offloaded {
 
 /// Writes `text` whole to `rel` in the workspace (replacing any earlier copy: a replay writes
 /// the same bytes) and builds the notice the model sees, from `head` (a prefix of `text`).
-pub async fn offload(workspace: &Path, rel: String, text: String, head_len: usize, tokens: usize, limit: usize) -> Result<Offloaded, ToolError> {
+pub async fn offload(
+    workspace: &Path,
+    rel: String,
+    text: String,
+    head_len: usize,
+    tokens: usize,
+    limit: usize,
+) -> Result<Offloaded, ToolError> {
     let workspace = workspace.to_owned();
     blocking(move || {
         let dir = workspace_dir(&workspace)?;
@@ -144,7 +168,10 @@ pub struct ToolError {
 impl ToolError {
     /// Shorthand.
     pub fn new(code: &'static str, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 }
 
@@ -160,7 +187,11 @@ pub trait Tool: Send + Sync {
 fn spec(name: &str, description: &str, parameters: Value) -> ToolSpec {
     ToolSpec {
         kind: "function".into(),
-        function: FunctionSpec { name: name.into(), description: description.into(), parameters },
+        function: FunctionSpec {
+            name: name.into(),
+            description: description.into(),
+            parameters,
+        },
     }
 }
 
@@ -174,34 +205,56 @@ fn str_arg<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
 /// Plain owner names (letters, digits, `-`, `_`, up to 64) are used as they are; any other is
 /// hashed, so no owner name can point elsewhere.
 pub fn owner_workspace(root: &Path, owner: &str) -> PathBuf {
-    let plain = !owner.is_empty() && owner.len() <= 64 && owner.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    let plain = !owner.is_empty()
+        && owner.len() <= 64
+        && owner
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     if plain {
         return root.join(owner);
     }
     let h = Sha256::digest(owner.as_bytes());
-    root.join(format!("owner-{}", h.iter().take(8).map(|b| format!("{b:02x}")).collect::<String>()))
+    root.join(format!(
+        "owner-{}",
+        h.iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    ))
 }
 
 /// The workspace as a capability: every path is opened relative to it, and the kernel-level
 /// resolution in `cap-std` refuses absolute paths, `..` and symlinks that lead outside, at open
 /// time. So no check-then-open race exists (a link swapped in between is still refused).
 fn workspace_dir(workspace: &Path) -> Result<Dir, ToolError> {
-    std::fs::create_dir_all(workspace)
-        .map_err(|e| ToolError::new("workspace_unavailable", format!("workspace {}: {e}", workspace.display())))?;
-    Dir::open_ambient_dir(workspace, cap_std::ambient_authority())
-        .map_err(|e| ToolError::new("workspace_unavailable", format!("workspace {}: {e}", workspace.display())))
+    std::fs::create_dir_all(workspace).map_err(|e| {
+        ToolError::new(
+            "workspace_unavailable",
+            format!("workspace {}: {e}", workspace.display()),
+        )
+    })?;
+    Dir::open_ambient_dir(workspace, cap_std::ambient_authority()).map_err(|e| {
+        ToolError::new(
+            "workspace_unavailable",
+            format!("workspace {}: {e}", workspace.display()),
+        )
+    })
 }
 
 /// Refuses what no workspace path may be, with a message that says what to write instead. The
 /// capability refuses these too; this only makes the message clearer.
 fn relative(rel: &str) -> Result<&Path, ToolError> {
     let p = Path::new(rel);
-    if p.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir)) {
+    if p.components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    {
         Ok(p)
     } else {
         Err(ToolError::new(
             "path_outside_workspace",
-            format!("`{rel}` is not allowed: use a relative path inside the workspace, without `..`"),
+            format!(
+                "`{rel}` is not allowed: use a relative path inside the workspace, without `..`"
+            ),
         ))
     }
 }
@@ -213,12 +266,22 @@ fn relative(rel: &str) -> Result<&Path, ToolError> {
 fn open_plain(dir: &Dir, path: &Path, rel: &str, write: bool) -> Result<std::fs::File, ToolError> {
     use cap_std::fs::OpenOptionsExt;
     let mut options = cap_std::fs::OpenOptions::new();
-    options.read(true).write(write).custom_flags(libc::O_NONBLOCK);
-    let file = dir.open_with(path, &options).map_err(|e| match e.raw_os_error() {
-        Some(libc::ENXIO) => ToolError::new("not_a_file", format!("`{rel}` is not a regular file")),
-        Some(libc::EISDIR) => ToolError::new("is_directory", format!("`{rel}` is a directory; list_dir lists it")),
-        _ => io_error(rel, e),
-    })?;
+    options
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_NONBLOCK);
+    let file = dir
+        .open_with(path, &options)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENXIO) => {
+                ToolError::new("not_a_file", format!("`{rel}` is not a regular file"))
+            }
+            Some(libc::EISDIR) => ToolError::new(
+                "is_directory",
+                format!("`{rel}` is a directory; list_dir lists it"),
+            ),
+            _ => io_error(rel, e),
+        })?;
     let file = file.into_std();
     let meta = file.metadata().map_err(|e| io_error(rel, e))?;
     check_plain(&meta, rel)?;
@@ -239,15 +302,26 @@ fn open_plain(dir: &Dir, path: &Path, rel: &str, write: bool) -> Result<std::fs:
 fn check_plain(meta: &std::fs::Metadata, rel: &str) -> Result<(), ToolError> {
     use std::os::unix::fs::MetadataExt;
     if meta.is_dir() {
-        return Err(ToolError::new("is_directory", format!("`{rel}` is a directory; list_dir lists it")));
+        return Err(ToolError::new(
+            "is_directory",
+            format!("`{rel}` is a directory; list_dir lists it"),
+        ));
     }
     if !meta.is_file() {
-        return Err(ToolError::new("not_a_file", format!("`{rel}` is not a regular file (a device, FIFO or socket); file tools read and write regular files only")));
+        return Err(ToolError::new(
+            "not_a_file",
+            format!(
+                "`{rel}` is not a regular file (a device, FIFO or socket); file tools read and write regular files only"
+            ),
+        ));
     }
     if meta.nlink() > 1 {
         return Err(ToolError::new(
             "hard_link",
-            format!("`{rel}` has {} hard links; file tools refuse such files, since another name of it may lie outside the workspace", meta.nlink()),
+            format!(
+                "`{rel}` has {} hard links; file tools refuse such files, since another name of it may lie outside the workspace",
+                meta.nlink()
+            ),
         ));
     }
     Ok(())
@@ -262,7 +336,9 @@ fn write_plain(dir: &Dir, path: &Path, rel: &str, bytes: &[u8]) -> Result<(), To
         Err(e) if e.code == "not_found" => {
             let mut options = cap_std::fs::OpenOptions::new();
             options.write(true).create_new(true);
-            dir.open_with(path, &options).map_err(|e| io_error(rel, e))?.into_std()
+            dir.open_with(path, &options)
+                .map_err(|e| io_error(rel, e))?
+                .into_std()
         }
         Err(e) => return Err(e),
     };
@@ -274,18 +350,29 @@ fn write_plain(dir: &Dir, path: &Path, rel: &str, bytes: &[u8]) -> Result<(), To
 /// Turns an I/O error on `rel` into what the model should hear.
 fn io_error(rel: &str, e: std::io::Error) -> ToolError {
     match e.kind() {
-        std::io::ErrorKind::NotFound => ToolError::new("not_found", format!("`{rel}` does not exist; list_dir shows what does")),
-        std::io::ErrorKind::PermissionDenied if e.to_string().contains("outside") => ToolError::new(
-            "path_outside_workspace",
-            format!("`{rel}` leads outside the workspace (through a link); it was not followed"),
+        std::io::ErrorKind::NotFound => ToolError::new(
+            "not_found",
+            format!("`{rel}` does not exist; list_dir shows what does"),
         ),
+        std::io::ErrorKind::PermissionDenied if e.to_string().contains("outside") => {
+            ToolError::new(
+                "path_outside_workspace",
+                format!(
+                    "`{rel}` leads outside the workspace (through a link); it was not followed"
+                ),
+            )
+        }
         _ => ToolError::new("io_error", format!("`{rel}`: {e}")),
     }
 }
 
 /// Runs blocking file work off the async threads.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ToolError> + Send + 'static) -> Result<T, ToolError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ToolError::new("io_error", format!("file task failed: {e}")))?
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ToolError> + Send + 'static,
+) -> Result<T, ToolError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ToolError::new("io_error", format!("file task failed: {e}")))?
 }
 
 /// `echo`: returns its text. Harmless and deterministic: the tool tests and the mock use.
@@ -294,7 +381,11 @@ pub struct Echo;
 #[async_trait]
 impl Tool for Echo {
     fn spec(&self) -> ToolSpec {
-        spec("echo", "Returns the given text unchanged.", json!({"type":"object","properties":{"text":{"type":"string"}},"required":["text"]}))
+        spec(
+            "echo",
+            "Returns the given text unchanged.",
+            json!({"type":"object","properties":{"text":{"type":"string"}},"required":["text"]}),
+        )
     }
     async fn call(&self, args: Value, _: &ToolCtx) -> Result<String, ToolError> {
         Ok(str_arg(&args, "text")?.to_owned())
@@ -324,7 +415,9 @@ pub struct ToolRegistry {
 
 impl std::fmt::Debug for ToolRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ToolRegistry").field("tools", &self.tools.keys().collect::<Vec<_>>()).finish()
+        f.debug_struct("ToolRegistry")
+            .field("tools", &self.tools.keys().collect::<Vec<_>>())
+            .finish()
     }
 }
 
@@ -361,7 +454,9 @@ pub fn lookup(name: &str) -> Named {
         "TodoWrite" | "todo_write" => Named::Tool("todo_write"),
         "Task" | "Agent" | "task" => Named::Delegation,
         n if n.starts_with("subagent_") => Named::Delegation,
-        "TodoRead" => Named::Unavailable("the plan is in the conversation: todo_write's result shows it"),
+        "TodoRead" => {
+            Named::Unavailable("the plan is in the conversation: todo_write's result shows it")
+        }
         "NotebookEdit" | "NotebookRead" => Named::Unavailable("notebooks are not supported"),
         n if n.starts_with("mcp__") => Named::Mcp,
         _ => Named::Unavailable("no such tool"),
@@ -385,7 +480,10 @@ impl ToolRegistry {
     /// execution (`key<TAB>tool`), written before the tool runs: an audit trail operators (and
     /// the kill tests) read to see exactly what was executed.
     pub fn builtin(journal: Option<PathBuf>) -> Self {
-        Self::with_settings(ToolSettings { journal, ..Default::default() })
+        Self::with_settings(ToolSettings {
+            journal,
+            ..Default::default()
+        })
     }
 
     /// The built-ins with these settings.
@@ -400,7 +498,9 @@ impl ToolRegistry {
             Arc::new(fs::ListDir),
             Arc::new(search::Glob),
             Arc::new(search::Grep),
-            Arc::new(web::WebFetch { policy: settings.fetch.clone() }),
+            Arc::new(web::WebFetch {
+                policy: settings.fetch.clone(),
+            }),
             Arc::new(todo::TodoWrite),
         ];
         for t in builtins {
@@ -410,9 +510,19 @@ impl ToolRegistry {
             tools.insert("bash".into(), Arc::new(shell::Bash));
         }
         if let Some(url) = settings.search_url.filter(|u| !u.trim().is_empty()) {
-            tools.insert("web_search".into(), Arc::new(search_web::WebSearch { url, timeout: settings.fetch.timeout }));
+            tools.insert(
+                "web_search".into(),
+                Arc::new(search_web::WebSearch {
+                    url,
+                    timeout: settings.fetch.timeout,
+                }),
+            );
         }
-        Self { tools, journal: settings.journal, allow_bash: settings.allow_bash }
+        Self {
+            tools,
+            journal: settings.journal,
+            allow_bash: settings.allow_bash,
+        }
     }
 
     /// Adds a tool (embedders, tests).
@@ -424,7 +534,15 @@ impl ToolRegistry {
     /// asked for by name).
     pub fn resolve(&self, agent: &AgentDef) -> Resolution {
         let Some(list) = &agent.tools else {
-            return Resolution { tools: self.tools.keys().filter(|n| *n != "bash").cloned().collect(), ..Default::default() };
+            return Resolution {
+                tools: self
+                    .tools
+                    .keys()
+                    .filter(|n| *n != "bash")
+                    .cloned()
+                    .collect(),
+                ..Default::default()
+            };
         };
         let mut r = Resolution::default();
         for name in list {
@@ -438,12 +556,17 @@ impl ToolRegistry {
                     }
                 }
                 Named::Tool("bash") if !self.allow_bash => {
-                    r.unavailable.push((name.clone(), "bash is off: an operator enables it with SUBAGENTS_ALLOW_BASH=1".into()));
+                    r.unavailable.push((
+                        name.clone(),
+                        "bash is off: an operator enables it with SUBAGENTS_ALLOW_BASH=1".into(),
+                    ));
                 }
                 Named::Tool("web_search") => {
                     r.unavailable.push((name.clone(), "no web search backend is configured: an operator sets SUBAGENTS_SEARCH_URL".into()));
                 }
-                Named::Tool(_) => r.unavailable.push((name.clone(), "not offered by this process".into())),
+                Named::Tool(_) => r
+                    .unavailable
+                    .push((name.clone(), "not offered by this process".into())),
                 Named::Unavailable(_) if self.tools.contains_key(name.as_str()) => {
                     // An embedder's own tool (registered under its own name).
                     if !r.tools.iter().any(|o| o == name) {
@@ -463,26 +586,49 @@ impl ToolRegistry {
 
     /// Specs for the named tools.
     pub fn specs(&self, names: &[String]) -> Vec<ToolSpec> {
-        names.iter().filter_map(|n| self.tools.get(n)).map(|t| t.spec()).collect()
+        names
+            .iter()
+            .filter_map(|n| self.tools.get(n))
+            .map(|t| t.spec())
+            .collect()
     }
 
     /// Runs one call by name with raw JSON arguments. Errors come back as `Err` so the caller
     /// can report them to the model.
-    pub async fn execute(&self, name: &str, raw_args: &str, ctx: &ToolCtx) -> Result<String, ToolError> {
+    pub async fn execute(
+        &self,
+        name: &str,
+        raw_args: &str,
+        ctx: &ToolCtx,
+    ) -> Result<String, ToolError> {
         let tool = self.tools.get(name).ok_or_else(|| {
-            ToolError::new("unknown_tool", format!("there is no tool `{name}`; use one of the tools offered"))
+            ToolError::new(
+                "unknown_tool",
+                format!("there is no tool `{name}`; use one of the tools offered"),
+            )
         })?;
         let args: Value = if raw_args.trim().is_empty() {
             json!({})
         } else {
-            serde_json::from_str(raw_args)
-                .map_err(|e| ToolError::new("bad_arguments", format!("arguments are not valid JSON ({e}); send a JSON object")))?
+            serde_json::from_str(raw_args).map_err(|e| {
+                ToolError::new(
+                    "bad_arguments",
+                    format!("arguments are not valid JSON ({e}); send a JSON object"),
+                )
+            })?
         };
         if !args.is_object() {
-            return Err(ToolError::new("bad_arguments", "arguments must be a JSON object"));
+            return Err(ToolError::new(
+                "bad_arguments",
+                "arguments must be a JSON object",
+            ));
         }
         if let Some(j) = &self.journal {
-            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(j) {
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(j)
+            {
                 let _ = writeln!(f, "{}\t{name}", ctx.idempotency_key);
             }
         }
@@ -499,6 +645,10 @@ pub fn truncate_output(text: String, limit: usize) -> String {
     while !text.is_char_boundary(cut) {
         cut -= 1;
     }
-    format!("{}\n[output truncated: {} of {} bytes shown]", &text[..cut], cut, text.len())
+    format!(
+        "{}\n[output truncated: {} of {} bytes shown]",
+        &text[..cut],
+        cut,
+        text.len()
+    )
 }
-

@@ -20,7 +20,9 @@ use grep_regex::RegexMatcherBuilder;
 use grep_searcher::{BinaryDetection, Searcher, SearcherBuilder, Sink, SinkContext, SinkMatch};
 use serde_json::{Value, json};
 
-use super::{Readable, Tool, ToolCtx, ToolError, blocking, io_error, relative, spec, str_arg, workspace_dir};
+use super::{
+    Readable, Tool, ToolCtx, ToolError, blocking, io_error, relative, spec, str_arg, workspace_dir,
+};
 use crate::model::ToolSpec;
 
 /// Most paths `glob` lists, and most files or lines `grep` reports.
@@ -46,7 +48,9 @@ impl Found<'_> {
     /// since the directory was read is refused), never blocking, and only a plain file.
     fn open(&self) -> Option<std::fs::File> {
         let mut options = cap_std::fs::OpenOptions::new();
-        options.read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+        options
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
         let file = self.dir.open_with(self.name, &options).ok()?.into_std();
         let meta = file.metadata().ok()?;
         (meta.is_file() && meta.nlink() == 1).then_some(file)
@@ -58,14 +62,35 @@ impl Found<'_> {
 /// relative to that handle without following links, so a directory swapped for a link while
 /// the walk runs leads nowhere. Hidden entries are skipped, and `.gitignore` and `.ignore`
 /// files are honoured wherever they are. Files the run may not read (`readable`) are not shown.
-fn walk(workspace: &Path, rel: &str, readable: Option<&Readable>, mut visit: impl FnMut(&Found) -> bool) -> Result<(), ToolError> {
+fn walk(
+    workspace: &Path,
+    rel: &str,
+    readable: Option<&Readable>,
+    mut visit: impl FnMut(&Found) -> bool,
+) -> Result<(), ToolError> {
     let dir = workspace_dir(workspace)?;
-    let start = if rel.is_empty() { Path::new(".") } else { relative(rel)? };
+    let start = if rel.is_empty() {
+        Path::new(".")
+    } else {
+        relative(rel)?
+    };
     let opened = dir.open_dir(start).map_err(|e| io_error(rel, e))?;
-    let prefix = if rel.is_empty() || rel == "." { String::new() } else { format!("{}/", rel.trim_end_matches('/')) };
+    let prefix = if rel.is_empty() || rel == "." {
+        String::new()
+    } else {
+        format!("{}/", rel.trim_end_matches('/'))
+    };
     let mut ignores = vec![];
     let mut budget = MAX_ENTRIES;
-    walk_dir(&opened, &prefix, 0, &mut ignores, &mut budget, readable, &mut visit);
+    walk_dir(
+        &opened,
+        &prefix,
+        0,
+        &mut ignores,
+        &mut budget,
+        readable,
+        &mut visit,
+    );
     Ok(())
 }
 
@@ -82,7 +107,9 @@ fn walk_dir(
     if depth > MAX_DEPTH {
         return true;
     }
-    let Ok(entries) = dir.entries() else { return true };
+    let Ok(entries) = dir.entries() else {
+        return true;
+    };
     let mut list: Vec<(std::ffi::OsString, bool)> = vec![];
     for e in entries.flatten() {
         if *budget == 0 {
@@ -110,7 +137,11 @@ fn walk_dir(
             }
         }
     }
-    let pushed = any && builder.build().map(|g| ignores.push((prefix.to_owned(), g))).is_ok();
+    let pushed = any
+        && builder
+            .build()
+            .map(|g| ignores.push((prefix.to_owned(), g)))
+            .is_ok();
     let mut go_on = true;
     for (name, is_dir) in &list {
         let shown = format!("{prefix}{}", name.to_string_lossy());
@@ -119,10 +150,22 @@ fn walk_dir(
         }
         if *is_dir {
             let mut options = cap_std::fs::OpenOptions::new();
-            options.read(true).custom_flags(libc::O_NOFOLLOW | libc::O_DIRECTORY);
-            let Ok(sub) = dir.open_with(name, &options) else { continue };
+            options
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_DIRECTORY);
+            let Ok(sub) = dir.open_with(name, &options) else {
+                continue;
+            };
             let sub = Dir::from_std_file(sub.into_std());
-            if !walk_dir(&sub, &format!("{shown}/"), depth + 1, ignores, budget, readable, visit) {
+            if !walk_dir(
+                &sub,
+                &format!("{shown}/"),
+                depth + 1,
+                ignores,
+                budget,
+                readable,
+                visit,
+            ) {
                 go_on = false;
                 break;
             }
@@ -130,7 +173,11 @@ fn walk_dir(
             if readable.is_some_and(|r| !(r.0)(&shown)) {
                 continue;
             }
-            if !visit(&Found { shown: &shown, dir, name }) {
+            if !visit(&Found {
+                shown: &shown,
+                dir,
+                name,
+            }) {
                 go_on = false;
                 break;
             }
@@ -160,7 +207,12 @@ fn matcher(pattern: &str) -> Result<GlobMatcher, ToolError> {
     let glob = GlobBuilder::new(pattern)
         .literal_separator(true)
         .build()
-        .map_err(|e| ToolError::new("bad_arguments", format!("`{pattern}` is not a glob pattern: {e}")))?;
+        .map_err(|e| {
+            ToolError::new(
+                "bad_arguments",
+                format!("`{pattern}` is not a glob pattern: {e}"),
+            )
+        })?;
     Ok(glob.compile_matcher())
 }
 
@@ -169,7 +221,12 @@ fn glob_matches(m: &GlobMatcher, pattern: &str, rel_to_start: &str) -> bool {
     if pattern.contains('/') {
         m.is_match(rel_to_start)
     } else {
-        m.is_match(Path::new(rel_to_start).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
+        m.is_match(
+            Path::new(rel_to_start)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        )
     }
 }
 
@@ -187,12 +244,20 @@ impl Tool for Glob {
     }
     async fn call(&self, args: Value, ctx: &ToolCtx) -> Result<String, ToolError> {
         let pattern = str_arg(&args, "pattern")?.to_owned();
-        let rel = args.get("path").and_then(Value::as_str).unwrap_or("").to_owned();
+        let rel = args
+            .get("path")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
         let workspace = ctx.workspace.clone();
         let readable = ctx.readable.clone();
         blocking(move || {
             let m = matcher(&pattern)?;
-            let start_len = if rel.is_empty() || rel == "." { 0 } else { rel.trim_end_matches('/').len() + 1 };
+            let start_len = if rel.is_empty() || rel == "." {
+                0
+            } else {
+                rel.trim_end_matches('/').len() + 1
+            };
             let mut found = vec![];
             let mut more = false;
             walk(&workspace, &rel, readable.as_ref(), |file| {
@@ -211,7 +276,9 @@ impl Tool for Glob {
             }
             let mut out = found.join("\n");
             if more {
-                out.push_str(&format!("\n[more than {MAX_RESULTS} files match; narrow the pattern or the path]"));
+                out.push_str(&format!(
+                    "\n[more than {MAX_RESULTS} files match; narrow the pattern or the path]"
+                ));
             }
             Ok(out)
         })
@@ -242,7 +309,12 @@ impl Lines<'_> {
             return true;
         }
         let text = String::from_utf8_lossy(bytes);
-        let entry = format!("{}{sep}{}{sep}{}", self.path, line.unwrap_or(0), text.trim_end_matches(['\n', '\r']));
+        let entry = format!(
+            "{}{sep}{}{sep}{}",
+            self.path,
+            line.unwrap_or(0),
+            text.trim_end_matches(['\n', '\r'])
+        );
         if self.out.len() >= MAX_RESULTS || *self.budget_left < entry.len() {
             return false;
         }
@@ -283,16 +355,36 @@ impl Tool for Grep {
     }
     async fn call(&self, args: Value, ctx: &ToolCtx) -> Result<String, ToolError> {
         let pattern = str_arg(&args, "pattern")?.to_owned();
-        let rel = args.get("path").and_then(Value::as_str).unwrap_or("").to_owned();
+        let rel = args
+            .get("path")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
         let glob = args.get("glob").and_then(Value::as_str).map(str::to_owned);
-        let mode = match args.get("output_mode").and_then(Value::as_str).unwrap_or("files_with_matches") {
+        let mode = match args
+            .get("output_mode")
+            .and_then(Value::as_str)
+            .unwrap_or("files_with_matches")
+        {
             "files_with_matches" => Mode::Files,
             "content" => Mode::Content,
             "count" => Mode::Count,
-            other => return Err(ToolError::new("bad_arguments", format!("output_mode `{other}` is not files_with_matches, content or count"))),
+            other => {
+                return Err(ToolError::new(
+                    "bad_arguments",
+                    format!("output_mode `{other}` is not files_with_matches, content or count"),
+                ));
+            }
         };
-        let context = args.get("context").and_then(Value::as_u64).unwrap_or(0).min(MAX_CONTEXT) as usize;
-        let ci = args.get("case_insensitive").and_then(Value::as_bool).unwrap_or(false);
+        let context = args
+            .get("context")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .min(MAX_CONTEXT) as usize;
+        let ci = args
+            .get("case_insensitive")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         let workspace = ctx.workspace.clone();
         let readable = ctx.readable.clone();
         let mut budget = ctx.output_limit.saturating_sub(200);
@@ -300,15 +392,27 @@ impl Tool for Grep {
             let regex = RegexMatcherBuilder::new()
                 .case_insensitive(ci)
                 .build(&pattern)
-                .map_err(|e| ToolError::new("bad_arguments", format!("`{pattern}` is not a valid regular expression: {e}")))?;
-            let filter = glob.as_deref().map(|g| matcher(g).map(|m| (m, g.to_owned()))).transpose()?;
+                .map_err(|e| {
+                    ToolError::new(
+                        "bad_arguments",
+                        format!("`{pattern}` is not a valid regular expression: {e}"),
+                    )
+                })?;
+            let filter = glob
+                .as_deref()
+                .map(|g| matcher(g).map(|m| (m, g.to_owned())))
+                .transpose()?;
             let mut searcher = SearcherBuilder::new()
                 .line_number(true)
                 .before_context(if mode == Mode::Content { context } else { 0 })
                 .after_context(if mode == Mode::Content { context } else { 0 })
                 .binary_detection(BinaryDetection::quit(0))
                 .build();
-            let start_len = if rel.is_empty() || rel == "." { 0 } else { rel.trim_end_matches('/').len() + 1 };
+            let start_len = if rel.is_empty() || rel == "." {
+                0
+            } else {
+                rel.trim_end_matches('/').len() + 1
+            };
             let mut out: Vec<String> = vec![];
             let mut files = 0usize;
             let mut cut = false;
@@ -319,8 +423,16 @@ impl Tool for Grep {
                         return true;
                     }
                 }
-                let mut sink = Lines { path: shown, out: &mut out, matches: 0, content: mode == Mode::Content, budget_left: &mut budget };
-                let Some(file) = found.open() else { return true };
+                let mut sink = Lines {
+                    path: shown,
+                    out: &mut out,
+                    matches: 0,
+                    content: mode == Mode::Content,
+                    budget_left: &mut budget,
+                };
+                let Some(file) = found.open() else {
+                    return true;
+                };
                 if searcher.search_file(&regex, &file, &mut sink).is_err() {
                     return true;
                 }
@@ -332,7 +444,11 @@ impl Tool for Grep {
                 match mode {
                     Mode::Content => {}
                     Mode::Files | Mode::Count => {
-                        let entry = if mode == Mode::Count { format!("{shown}:{n}") } else { shown.to_owned() };
+                        let entry = if mode == Mode::Count {
+                            format!("{shown}:{n}")
+                        } else {
+                            shown.to_owned()
+                        };
                         if out.len() >= MAX_RESULTS || budget < entry.len() {
                             cut = true;
                             return false;
@@ -352,9 +468,15 @@ impl Tool for Grep {
             }
             let mut text = out.join("\n");
             if cut {
-                text.push_str(&format!("\n[results cut after {} lines; narrow the pattern, path or glob]", out.len()));
+                text.push_str(&format!(
+                    "\n[results cut after {} lines; narrow the pattern, path or glob]",
+                    out.len()
+                ));
             } else if mode == Mode::Content {
-                text.push_str(&format!("\n[{files} file{} matched]", if files == 1 { "" } else { "s" }));
+                text.push_str(&format!(
+                    "\n[{files} file{} matched]",
+                    if files == 1 { "" } else { "s" }
+                ));
             }
             Ok(text)
         })
@@ -372,7 +494,10 @@ mod tests {
         let w = dir.path();
         for (p, c) in [
             ("src/main.rs", "fn main() {\n    retry(3);\n}\n"),
-            ("src/retry.rs", "// Retry with backoff.\npub fn retry(n: u32) {}\n"),
+            (
+                "src/retry.rs",
+                "// Retry with backoff.\npub fn retry(n: u32) {}\n",
+            ),
             ("docs/notes.md", "Retries: see src/retry.rs\n"),
             ("target/debug/junk.rs", "fn retry() {}\n"),
             ("bin.dat", "retry\0binary"),
@@ -386,33 +511,101 @@ mod tests {
     }
 
     async fn run(c: &ToolCtx, tool: &str, args: Value) -> Result<String, ToolError> {
-        ToolRegistry::builtin(None).execute(tool, &args.to_string(), c).await
+        ToolRegistry::builtin(None)
+            .execute(tool, &args.to_string(), c)
+            .await
     }
 
     #[tokio::test]
     async fn glob_finds_files_by_pattern_and_honours_gitignore() {
         let (_d, c) = tree();
-        assert_eq!(run(&c, "glob", json!({"pattern": "**/*.rs"})).await.unwrap(), "src/main.rs\nsrc/retry.rs");
-        assert_eq!(run(&c, "glob", json!({"pattern": "*.md"})).await.unwrap(), "docs/notes.md");
-        assert_eq!(run(&c, "glob", json!({"pattern": "*.rs", "path": "src"})).await.unwrap(), "src/main.rs\nsrc/retry.rs");
-        assert_eq!(run(&c, "glob", json!({"pattern": "*.zip"})).await.unwrap(), "no files match `*.zip`");
-        assert_eq!(run(&c, "glob", json!({"pattern": "a[", "path": ""})).await.unwrap_err().code, "bad_arguments");
+        assert_eq!(
+            run(&c, "glob", json!({"pattern": "**/*.rs"}))
+                .await
+                .unwrap(),
+            "src/main.rs\nsrc/retry.rs"
+        );
+        assert_eq!(
+            run(&c, "glob", json!({"pattern": "*.md"})).await.unwrap(),
+            "docs/notes.md"
+        );
+        assert_eq!(
+            run(&c, "glob", json!({"pattern": "*.rs", "path": "src"}))
+                .await
+                .unwrap(),
+            "src/main.rs\nsrc/retry.rs"
+        );
+        assert_eq!(
+            run(&c, "glob", json!({"pattern": "*.zip"})).await.unwrap(),
+            "no files match `*.zip`"
+        );
+        assert_eq!(
+            run(&c, "glob", json!({"pattern": "a[", "path": ""}))
+                .await
+                .unwrap_err()
+                .code,
+            "bad_arguments"
+        );
     }
 
     #[tokio::test]
     async fn grep_modes_context_and_refusals() {
         let (_d, c) = tree();
-        assert_eq!(run(&c, "grep", json!({"pattern": "retry"})).await.unwrap(), "docs/notes.md\nsrc/main.rs\nsrc/retry.rs");
-        assert_eq!(run(&c, "grep", json!({"pattern": "retry", "glob": "*.rs", "output_mode": "count"})).await.unwrap(), "src/main.rs:1\nsrc/retry.rs:1");
         assert_eq!(
-            run(&c, "grep", json!({"pattern": "^retries", "case_insensitive": true, "output_mode": "content"})).await.unwrap(),
+            run(&c, "grep", json!({"pattern": "retry"})).await.unwrap(),
+            "docs/notes.md\nsrc/main.rs\nsrc/retry.rs"
+        );
+        assert_eq!(
+            run(
+                &c,
+                "grep",
+                json!({"pattern": "retry", "glob": "*.rs", "output_mode": "count"})
+            )
+            .await
+            .unwrap(),
+            "src/main.rs:1\nsrc/retry.rs:1"
+        );
+        assert_eq!(
+            run(
+                &c,
+                "grep",
+                json!({"pattern": "^retries", "case_insensitive": true, "output_mode": "content"})
+            )
+            .await
+            .unwrap(),
             "docs/notes.md:1:Retries: see src/retry.rs\n[1 file matched]"
         );
-        let ctx_out = run(&c, "grep", json!({"pattern": "retry\\(3\\)", "output_mode": "content", "context": 1})).await.unwrap();
-        assert_eq!(ctx_out, "src/main.rs-1-fn main() {\nsrc/main.rs:2:    retry(3);\nsrc/main.rs-3-}\n[1 file matched]");
-        assert_eq!(run(&c, "grep", json!({"pattern": "("})).await.unwrap_err().code, "bad_arguments");
-        assert_eq!(run(&c, "grep", json!({"pattern": "x", "output_mode": "lines"})).await.unwrap_err().code, "bad_arguments");
-        assert_eq!(run(&c, "grep", json!({"pattern": "nothing-here"})).await.unwrap(), "no matches for `nothing-here`");
+        let ctx_out = run(
+            &c,
+            "grep",
+            json!({"pattern": "retry\\(3\\)", "output_mode": "content", "context": 1}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            ctx_out,
+            "src/main.rs-1-fn main() {\nsrc/main.rs:2:    retry(3);\nsrc/main.rs-3-}\n[1 file matched]"
+        );
+        assert_eq!(
+            run(&c, "grep", json!({"pattern": "("}))
+                .await
+                .unwrap_err()
+                .code,
+            "bad_arguments"
+        );
+        assert_eq!(
+            run(&c, "grep", json!({"pattern": "x", "output_mode": "lines"}))
+                .await
+                .unwrap_err()
+                .code,
+            "bad_arguments"
+        );
+        assert_eq!(
+            run(&c, "grep", json!({"pattern": "nothing-here"}))
+                .await
+                .unwrap(),
+            "no matches for `nothing-here`"
+        );
     }
 
     #[tokio::test]
@@ -420,7 +613,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("big.txt"), "match me\n".repeat(10_000)).unwrap();
         let c = ToolCtx::new(dir.path(), "k", 4096);
-        let out = run(&c, "grep", json!({"pattern": "match", "output_mode": "content"})).await.unwrap();
-        assert!(out.len() <= 4096 && out.ends_with("narrow the pattern, path or glob]"), "{}", out.len());
+        let out = run(
+            &c,
+            "grep",
+            json!({"pattern": "match", "output_mode": "content"}),
+        )
+        .await
+        .unwrap();
+        assert!(
+            out.len() <= 4096 && out.ends_with("narrow the pattern, path or glob]"),
+            "{}",
+            out.len()
+        );
     }
 }

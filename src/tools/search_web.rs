@@ -39,32 +39,70 @@ impl Tool for WebSearch {
         if query.is_empty() {
             return Err(ToolError::new("bad_arguments", "`query` is empty"));
         }
-        let n = args.get("max_results").and_then(Value::as_u64).unwrap_or(DEFAULT_RESULTS).clamp(1, MAX_RESULTS) as usize;
-        let client = reqwest::Client::builder().timeout(self.timeout).build().map_err(|e| ToolError::new("search_failed", e.to_string()))?;
-        let mut url = reqwest::Url::parse(&self.url)
-            .map_err(|e| ToolError::new("search_failed", format!("SUBAGENTS_SEARCH_URL `{}` is not a URL: {e}", self.url)))?;
-        url.query_pairs_mut().append_pair("q", &query).append_pair("format", "json");
-        let resp = client
-            .get(url)
-            .send()
-            .await
-            .map_err(|e| ToolError::new("search_failed", format!("the search backend did not answer: {e}")))?;
+        let n = args
+            .get("max_results")
+            .and_then(Value::as_u64)
+            .unwrap_or(DEFAULT_RESULTS)
+            .clamp(1, MAX_RESULTS) as usize;
+        let client = reqwest::Client::builder()
+            .timeout(self.timeout)
+            .build()
+            .map_err(|e| ToolError::new("search_failed", e.to_string()))?;
+        let mut url = reqwest::Url::parse(&self.url).map_err(|e| {
+            ToolError::new(
+                "search_failed",
+                format!("SUBAGENTS_SEARCH_URL `{}` is not a URL: {e}", self.url),
+            )
+        })?;
+        url.query_pairs_mut()
+            .append_pair("q", &query)
+            .append_pair("format", "json");
+        let resp = client.get(url).send().await.map_err(|e| {
+            ToolError::new(
+                "search_failed",
+                format!("the search backend did not answer: {e}"),
+            )
+        })?;
         if !resp.status().is_success() {
-            return Err(ToolError::new("search_failed", format!("the search backend answered {}", resp.status())));
+            return Err(ToolError::new(
+                "search_failed",
+                format!("the search backend answered {}", resp.status()),
+            ));
         }
-        let body: Value = resp.json().await.map_err(|e| ToolError::new("search_failed", format!("the search backend's answer is not JSON: {e}")))?;
-        let results = body.get("results").and_then(Value::as_array).cloned().unwrap_or_default();
+        let body: Value = resp.json().await.map_err(|e| {
+            ToolError::new(
+                "search_failed",
+                format!("the search backend's answer is not JSON: {e}"),
+            )
+        })?;
+        let results = body
+            .get("results")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
         if results.is_empty() {
             return Ok(format!("no results for `{query}`"));
         }
-        let field = |r: &Value, k: &str| r.get(k).and_then(Value::as_str).unwrap_or("").trim().to_owned();
+        let field = |r: &Value, k: &str| {
+            r.get(k)
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .trim()
+                .to_owned()
+        };
         let lines: Vec<String> = results
             .iter()
             .take(n)
             .enumerate()
             .map(|(i, r)| {
                 let snippet: String = field(r, "content").chars().take(300).collect();
-                format!("{}. {}\n   {}\n   {}", i + 1, field(r, "title"), field(r, "url"), snippet)
+                format!(
+                    "{}. {}\n   {}\n   {}",
+                    i + 1,
+                    field(r, "title"),
+                    field(r, "url"),
+                    snippet
+                )
             })
             .collect();
         Ok(lines.join("\n"))

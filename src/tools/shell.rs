@@ -46,7 +46,8 @@ impl Tool for Bash {
             .filter(|t| t.is_finite() && *t > 0.0)
             .map(|t| Duration::from_secs_f64(t).min(MAX_TIMEOUT))
             .unwrap_or(DEFAULT_TIMEOUT);
-        std::fs::create_dir_all(&ctx.workspace).map_err(|e| ToolError::new("workspace_unavailable", e.to_string()))?;
+        std::fs::create_dir_all(&ctx.workspace)
+            .map_err(|e| ToolError::new("workspace_unavailable", e.to_string()))?;
         let mut cmd = tokio::process::Command::new("bash");
         cmd.arg("-c")
             .arg(format!("exec 2>&1\n{command}"))
@@ -62,7 +63,9 @@ impl Tool for Bash {
             .process_group(0)
             .kill_on_drop(true);
         crate::procs::confine(&mut cmd);
-        let mut child = cmd.spawn().map_err(|e| ToolError::new("bash_failed", format!("cannot start bash: {e}")))?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| ToolError::new("bash_failed", format!("cannot start bash: {e}")))?;
         let pid = child.id();
         let mut stdout = child.stdout.take().expect("piped");
         // The whole output is kept (the engine offloads a long one to a file), up to a hard cap.
@@ -86,10 +89,17 @@ impl Tool for Bash {
         };
         match tokio::time::timeout(timeout, run).await {
             Ok((out, total, status)) => {
-                let code = status.ok().and_then(|s| s.code()).map(|c| c.to_string()).unwrap_or_else(|| "killed".into());
+                let code = status
+                    .ok()
+                    .and_then(|s| s.code())
+                    .map(|c| c.to_string())
+                    .unwrap_or_else(|| "killed".into());
                 let mut text = String::from_utf8_lossy(&out).into_owned();
                 if total > out.len() {
-                    text.push_str(&format!("\n[output truncated: {} of {total} bytes shown]", out.len()));
+                    text.push_str(&format!(
+                        "\n[output truncated: {} of {total} bytes shown]",
+                        out.len()
+                    ));
                 }
                 Ok(format!("exit code: {code}\n{text}"))
             }
@@ -98,7 +108,13 @@ impl Tool for Bash {
                 if let Some(pid) = pid {
                     let _ = crate::procs::kill_group(pid);
                 }
-                Err(ToolError::new("tool_timeout", format!("the command did not finish within {}s and was killed", timeout.as_secs_f64())))
+                Err(ToolError::new(
+                    "tool_timeout",
+                    format!(
+                        "the command did not finish within {}s and was killed",
+                        timeout.as_secs_f64()
+                    ),
+                ))
             }
         }
     }
@@ -114,17 +130,39 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let c = ToolCtx::new(dir.path(), "run:1:c", 2000);
         let off = ToolRegistry::builtin(None);
-        assert_eq!(off.execute("bash", r#"{"command":"echo hi"}"#, &c).await.unwrap_err().code, "unknown_tool");
-        let on = ToolRegistry::with_settings(super::super::ToolSettings { allow_bash: true, ..Default::default() });
+        assert_eq!(
+            off.execute("bash", r#"{"command":"echo hi"}"#, &c)
+                .await
+                .unwrap_err()
+                .code,
+            "unknown_tool"
+        );
+        let on = ToolRegistry::with_settings(super::super::ToolSettings {
+            allow_bash: true,
+            ..Default::default()
+        });
         let out = on.execute("bash", r#"{"command":"pwd; echo $SUBAGENTS_IDEMPOTENCY_KEY; echo ${OPENAI_API_KEY:-scrubbed}; exit 3"}"#, &c).await.unwrap();
         let pwd = dir.path().canonicalize().unwrap();
-        assert_eq!(out, format!("exit code: 3\n{}\nrun:1:c\nscrubbed\n", pwd.display()));
+        assert_eq!(
+            out,
+            format!("exit code: 3\n{}\nrun:1:c\nscrubbed\n", pwd.display())
+        );
         // Output is kept whole (the engine offloads a long result to a file), up to a hard cap.
-        let big = on.execute("bash", r#"{"command":"yes | head -c 100000"}"#, &c).await.unwrap();
+        let big = on
+            .execute("bash", r#"{"command":"yes | head -c 100000"}"#, &c)
+            .await
+            .unwrap();
         assert_eq!(big.len(), "exit code: 0\n".len() + 100_000);
         // A timeout kills the whole group: the background sleeper does not outlive it.
         let t0 = std::time::Instant::now();
-        let e = on.execute("bash", r#"{"command":"sleep 30 & sleep 30; echo never", "timeout_s": 1}"#, &c).await.unwrap_err();
+        let e = on
+            .execute(
+                "bash",
+                r#"{"command":"sleep 30 & sleep 30; echo never", "timeout_s": 1}"#,
+                &c,
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code, "tool_timeout");
         assert!(t0.elapsed() < Duration::from_secs(10));
     }

@@ -27,19 +27,32 @@ impl Tool for TodoWrite {
         )
     }
     async fn call(&self, args: Value, _: &ToolCtx) -> Result<String, ToolError> {
-        let items = args
-            .get("todos")
-            .and_then(Value::as_array)
-            .ok_or_else(|| ToolError::new("bad_arguments", "`todos` must be a list of {content, status}"))?;
+        let items = args.get("todos").and_then(Value::as_array).ok_or_else(|| {
+            ToolError::new(
+                "bad_arguments",
+                "`todos` must be a list of {content, status}",
+            )
+        })?;
         if items.len() > MAX_ITEMS {
-            return Err(ToolError::new("bad_arguments", format!("a plan holds at most {MAX_ITEMS} items; merge some")));
+            return Err(ToolError::new(
+                "bad_arguments",
+                format!("a plan holds at most {MAX_ITEMS} items; merge some"),
+            ));
         }
         let mut lines = vec![];
         let (mut done, mut active) = (0, 0);
         for (i, item) in items.iter().enumerate() {
-            let content = item.get("content").and_then(Value::as_str).map(str::trim).filter(|c| !c.is_empty()).ok_or_else(|| {
-                ToolError::new("bad_arguments", format!("item {}: `content` must be a non-empty string", i + 1))
-            })?;
+            let content = item
+                .get("content")
+                .and_then(Value::as_str)
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .ok_or_else(|| {
+                    ToolError::new(
+                        "bad_arguments",
+                        format!("item {}: `content` must be a non-empty string", i + 1),
+                    )
+                })?;
             let mark = match item.get("status").and_then(Value::as_str) {
                 Some("pending") => "[ ]",
                 Some("in_progress") => {
@@ -53,7 +66,11 @@ impl Tool for TodoWrite {
                 other => {
                     return Err(ToolError::new(
                         "bad_arguments",
-                        format!("item {}: status {:?} is not pending, in_progress or completed", i + 1, other.unwrap_or("(missing)")),
+                        format!(
+                            "item {}: status {:?} is not pending, in_progress or completed",
+                            i + 1,
+                            other.unwrap_or("(missing)")
+                        ),
                     ));
                 }
             };
@@ -64,7 +81,9 @@ impl Tool for TodoWrite {
         }
         let mut out = format!("Plan: {done} of {} done\n{}", items.len(), lines.join("\n"));
         if active > 1 {
-            out.push_str(&format!("\nnote: {active} items are in progress; keep one at a time"));
+            out.push_str(&format!(
+                "\nnote: {active} items are in progress; keep one at a time"
+            ));
         }
         Ok(out)
     }
@@ -78,16 +97,41 @@ mod tests {
     async fn a_plan_renders_and_bad_items_are_refused() {
         let ctx = ToolCtx::new("/nonexistent", "k", 1000);
         let out = TodoWrite
-            .call(json!({"todos": [
+            .call(
+                json!({"todos": [
                 {"content": "find the config", "status": "completed"},
                 {"content": "read it", "status": "in_progress"},
-                {"content": "answer", "status": "pending"}]}), &ctx)
+                {"content": "answer", "status": "pending"}]}),
+                &ctx,
+            )
             .await
             .unwrap();
-        assert_eq!(out, "Plan: 1 of 3 done\n[x] find the config\n[>] read it\n[ ] answer");
-        let e = TodoWrite.call(json!({"todos": [{"content": "x", "status": "doing"}]}), &ctx).await.unwrap_err();
+        assert_eq!(
+            out,
+            "Plan: 1 of 3 done\n[x] find the config\n[>] read it\n[ ] answer"
+        );
+        let e = TodoWrite
+            .call(
+                json!({"todos": [{"content": "x", "status": "doing"}]}),
+                &ctx,
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code, "bad_arguments");
-        assert_eq!(TodoWrite.call(json!({"todos": [{"content": " ", "status": "pending"}]}), &ctx).await.unwrap_err().code, "bad_arguments");
-        assert_eq!(TodoWrite.call(json!({"todos": []}), &ctx).await.unwrap(), "Plan cleared.");
+        assert_eq!(
+            TodoWrite
+                .call(
+                    json!({"todos": [{"content": " ", "status": "pending"}]}),
+                    &ctx
+                )
+                .await
+                .unwrap_err()
+                .code,
+            "bad_arguments"
+        );
+        assert_eq!(
+            TodoWrite.call(json!({"todos": []}), &ctx).await.unwrap(),
+            "Plan cleared."
+        );
     }
 }

@@ -41,7 +41,12 @@ pub struct FetchPolicy {
 
 impl Default for FetchPolicy {
     fn default() -> Self {
-        FetchPolicy { allow_hosts: vec![], deny_hosts: vec![], max_bytes: 2 * 1024 * 1024, timeout: Duration::from_secs(20) }
+        FetchPolicy {
+            allow_hosts: vec![],
+            deny_hosts: vec![],
+            max_bytes: 2 * 1024 * 1024,
+            timeout: Duration::from_secs(20),
+        }
     }
 }
 
@@ -102,12 +107,17 @@ fn embedded_v4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
 
 /// A host as the lists compare it: lower case, no brackets, no trailing dot.
 fn host_key(h: &str) -> String {
-    h.trim_matches(['[', ']']).trim_end_matches('.').to_ascii_lowercase()
+    h.trim_matches(['[', ']'])
+        .trim_end_matches('.')
+        .to_ascii_lowercase()
 }
 
 /// Whether `host` is `entry` or one of its subdomains (entries compared as [`host_key`]s).
 fn listed(list: &[String], host: &str) -> bool {
-    list.iter().map(|e| host_key(e.trim())).filter(|e| !e.is_empty()).any(|e| host == e || host.ends_with(&format!(".{e}")))
+    list.iter()
+        .map(|e| host_key(e.trim()))
+        .filter(|e| !e.is_empty())
+        .any(|e| host == e || host.ends_with(&format!(".{e}")))
 }
 
 /// `web_fetch`.
@@ -120,33 +130,59 @@ impl WebFetch {
     /// Resolves `url`'s host and returns the address to connect to, or why not.
     async fn check(&self, url: &reqwest::Url) -> Result<SocketAddr, ToolError> {
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(ToolError::new("bad_url", format!("only http and https URLs can be fetched, not `{}`", url.scheme())));
+            return Err(ToolError::new(
+                "bad_url",
+                format!(
+                    "only http and https URLs can be fetched, not `{}`",
+                    url.scheme()
+                ),
+            ));
         }
-        let host = host_key(url.host_str().ok_or_else(|| ToolError::new("bad_url", "the URL has no host"))?);
+        let host = host_key(
+            url.host_str()
+                .ok_or_else(|| ToolError::new("bad_url", "the URL has no host"))?,
+        );
         if host.is_empty() {
             return Err(ToolError::new("bad_url", "the URL has no host"));
         }
         if listed(&self.policy.deny_hosts, &host) {
-            return Err(ToolError::new("host_denied", format!("`{host}` is on the operator's deny list")));
+            return Err(ToolError::new(
+                "host_denied",
+                format!("`{host}` is on the operator's deny list"),
+            ));
         }
         let port = url.port_or_known_default().unwrap_or(80);
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
             .await
             .map_err(|e| ToolError::new("fetch_failed", format!("cannot resolve `{host}`: {e}")))?
             .collect();
-        let first = *addrs.first().ok_or_else(|| ToolError::new("fetch_failed", format!("`{host}` has no address")))?;
+        let first = *addrs
+            .first()
+            .ok_or_else(|| ToolError::new("fetch_failed", format!("`{host}` has no address")))?;
         // A denied host under another name, or by its address: compare what both resolve to.
         if !self.policy.deny_hosts.is_empty() {
             let denied = self.denied_addresses().await;
-            if let Some(a) = addrs.iter().find(|a| denied.contains(&canonical_ip(a.ip()))) {
-                return Err(ToolError::new("host_denied", format!("`{host}` resolves to {}, an address of a host on the operator's deny list", a.ip())));
+            if let Some(a) = addrs
+                .iter()
+                .find(|a| denied.contains(&canonical_ip(a.ip())))
+            {
+                return Err(ToolError::new(
+                    "host_denied",
+                    format!(
+                        "`{host}` resolves to {}, an address of a host on the operator's deny list",
+                        a.ip()
+                    ),
+                ));
             }
         }
         if !listed(&self.policy.allow_hosts, &host) {
             if let Some(bad) = addrs.iter().find(|a| !is_public(a.ip())) {
                 return Err(ToolError::new(
                     "private_address",
-                    format!("`{host}` resolves to {}, a private or local address; fetching it is not allowed (an operator can allow the host with SUBAGENTS_FETCH_ALLOW)", bad.ip()),
+                    format!(
+                        "`{host}` resolves to {}, a private or local address; fetching it is not allowed (an operator can allow the host with SUBAGENTS_FETCH_ALLOW)",
+                        bad.ip()
+                    ),
                 ));
             }
         }
@@ -164,7 +200,12 @@ impl WebFetch {
             match h.parse::<IpAddr>() {
                 Ok(ip) => out.push(canonical_ip(ip)),
                 Err(_) => {
-                    if let Ok(Ok(found)) = tokio::time::timeout(Duration::from_secs(5), tokio::net::lookup_host((h.as_str(), 80))).await {
+                    if let Ok(Ok(found)) = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        tokio::net::lookup_host((h.as_str(), 80)),
+                    )
+                    .await
+                    {
                         out.extend(found.map(|a| canonical_ip(a.ip())));
                     }
                 }
@@ -174,10 +215,15 @@ impl WebFetch {
     }
 
     async fn fetch(&self, start: &str) -> Result<String, ToolError> {
-        let mut url = reqwest::Url::parse(start).map_err(|e| ToolError::new("bad_url", format!("`{start}` is not a URL: {e}")))?;
+        let mut url = reqwest::Url::parse(start)
+            .map_err(|e| ToolError::new("bad_url", format!("`{start}` is not a URL: {e}")))?;
         for _ in 0..=MAX_REDIRECTS {
             let addr = self.check(&url).await?;
-            let host = url.host_str().unwrap_or_default().trim_matches(['[', ']']).to_owned();
+            let host = url
+                .host_str()
+                .unwrap_or_default()
+                .trim_matches(['[', ']'])
+                .to_owned();
             // Pinned to the checked address, and no automatic redirects: each hop is checked.
             let client = reqwest::Client::builder()
                 .no_proxy()
@@ -187,23 +233,40 @@ impl WebFetch {
                 .user_agent("subagents-web-fetch/1")
                 .build()
                 .map_err(|e| ToolError::new("fetch_failed", e.to_string()))?;
-            let resp = client.get(url.clone()).send().await.map_err(|e| ToolError::new("fetch_failed", format!("{url}: {e}")))?;
+            let resp = client
+                .get(url.clone())
+                .send()
+                .await
+                .map_err(|e| ToolError::new("fetch_failed", format!("{url}: {e}")))?;
             if resp.status().is_redirection() {
                 let to = resp
                     .headers()
                     .get(reqwest::header::LOCATION)
                     .and_then(|l| l.to_str().ok())
-                    .ok_or_else(|| ToolError::new("fetch_failed", format!("{url}: a redirect without a Location")))?;
-                url = url.join(to).map_err(|e| ToolError::new("bad_url", format!("redirect to `{to}`: {e}")))?;
+                    .ok_or_else(|| {
+                        ToolError::new(
+                            "fetch_failed",
+                            format!("{url}: a redirect without a Location"),
+                        )
+                    })?;
+                url = url
+                    .join(to)
+                    .map_err(|e| ToolError::new("bad_url", format!("redirect to `{to}`: {e}")))?;
                 continue;
             }
             let status = resp.status();
-            let kind = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_ascii_lowercase();
+            let kind = resp
+                .headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_ascii_lowercase();
             let mut body = Vec::new();
             let mut stream = resp.bytes_stream();
             let mut cut = false;
             while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(|e| ToolError::new("fetch_failed", format!("{url}: {e}")))?;
+                let chunk =
+                    chunk.map_err(|e| ToolError::new("fetch_failed", format!("{url}: {e}")))?;
                 let room = self.policy.max_bytes - body.len();
                 if chunk.len() > room {
                     body.extend_from_slice(&chunk[..room]);
@@ -214,10 +277,17 @@ impl WebFetch {
             }
             let text = if kind.contains("html") || (kind.is_empty() && looks_like_html(&body)) {
                 html_text(body, HTML_BUDGET).await
-            } else if kind.starts_with("text/") || kind.contains("json") || kind.contains("xml") || kind.is_empty() {
+            } else if kind.starts_with("text/")
+                || kind.contains("json")
+                || kind.contains("xml")
+                || kind.is_empty()
+            {
                 String::from_utf8_lossy(&body).into_owned()
             } else {
-                return Err(ToolError::new("not_text", format!("{url} is `{kind}`, not a text page")));
+                return Err(ToolError::new(
+                    "not_text",
+                    format!("{url} is `{kind}`, not a text page"),
+                ));
             };
             let mut out = format!("URL: {url}\nStatus: {}\n\n{}", status.as_u16(), text.trim());
             if cut {
@@ -225,7 +295,10 @@ impl WebFetch {
             }
             return Ok(out);
         }
-        Err(ToolError::new("too_many_redirects", format!("more than {MAX_REDIRECTS} redirects from {start}")))
+        Err(ToolError::new(
+            "too_many_redirects",
+            format!("more than {MAX_REDIRECTS} redirects from {start}"),
+        ))
     }
 }
 
@@ -243,20 +316,33 @@ pub async fn html_text(body: Vec<u8>, budget: Duration) -> String {
     let shape = html_shape(&body);
     if shape.0 <= MAX_HTML_DEPTH && shape.1 <= MAX_HTML_ELEMENTS {
         let page = body.clone();
-        let convert = tokio::task::spawn_blocking(move || html2text::from_read(&page[..], 100).ok());
+        let convert =
+            tokio::task::spawn_blocking(move || html2text::from_read(&page[..], 100).ok());
         match tokio::time::timeout(budget, convert).await {
             Ok(Ok(Some(text))) => return text,
             Ok(_) => {}
-            Err(_) => tracing::warn!(bytes = body.len(), "converting a page ran past its budget; using the plain text stripper"),
+            Err(_) => tracing::warn!(
+                bytes = body.len(),
+                "converting a page ran past its budget; using the plain text stripper"
+            ),
         }
     } else {
-        tracing::info!(depth = shape.0, elements = shape.1, "a page too deep or too large for the HTML converter; using the plain text stripper");
+        tracing::info!(
+            depth = shape.0,
+            elements = shape.1,
+            "a page too deep or too large for the HTML converter; using the plain text stripper"
+        );
     }
-    tokio::task::spawn_blocking(move || strip_tags(&body)).await.unwrap_or_default()
+    tokio::task::spawn_blocking(move || strip_tags(&body))
+        .await
+        .unwrap_or_default()
 }
 
 /// Elements that never hold others, so they open no level of nesting.
-const VOID: &[&str] = &["area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source", "track", "wbr", "!doctype"];
+const VOID: &[&str] = &[
+    "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
+    "track", "wbr", "!doctype",
+];
 
 /// (deepest nesting, elements) of a page, in one pass.
 fn html_shape(body: &[u8]) -> (usize, usize) {
@@ -266,15 +352,24 @@ fn html_shape(body: &[u8]) -> (usize, usize) {
         i += off + 1;
         let closing = body.get(i) == Some(&b'/');
         let start = i + usize::from(closing);
-        let name_len = body[start..].iter().take_while(|b| b.is_ascii_alphanumeric() || **b == b'!').count();
+        let name_len = body[start..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphanumeric() || **b == b'!')
+            .count();
         if name_len == 0 {
             continue;
         }
         let name = String::from_utf8_lossy(&body[start..start + name_len]).to_ascii_lowercase();
-        let end = body[start..].iter().position(|b| *b == b'>').map_or(body.len(), |p| start + p);
+        let end = body[start..]
+            .iter()
+            .position(|b| *b == b'>')
+            .map_or(body.len(), |p| start + p);
         if closing {
             depth = depth.saturating_sub(1);
-        } else if !VOID.contains(&name.as_str()) && !name.starts_with('!') && body.get(end.wrapping_sub(1)) != Some(&b'/') {
+        } else if !VOID.contains(&name.as_str())
+            && !name.starts_with('!')
+            && body.get(end.wrapping_sub(1)) != Some(&b'/')
+        {
             elements += 1;
             depth += 1;
             deepest = deepest.max(depth);
@@ -297,7 +392,10 @@ pub fn strip_tags(body: &[u8]) -> String {
     while i < bytes.len() {
         if bytes[i] == b'<' {
             let rest = &lower[i..];
-            let skip_to = |close: &str| rest.find(close).map_or(bytes.len(), |p| i + p + close.len());
+            let skip_to = |close: &str| {
+                rest.find(close)
+                    .map_or(bytes.len(), |p| i + p + close.len())
+            };
             if rest.starts_with("<!--") {
                 i = skip_to("-->");
                 continue;
@@ -311,8 +409,32 @@ pub fn strip_tags(body: &[u8]) -> String {
                 continue;
             }
             let end = rest.find('>').map_or(bytes.len(), |p| i + p + 1);
-            let name: String = rest[1..].trim_start_matches('/').chars().take_while(|c| c.is_ascii_alphanumeric()).collect();
-            if matches!(name.as_str(), "p" | "div" | "br" | "li" | "tr" | "h1" | "h2" | "h3" | "h4" | "h5" | "h6" | "section" | "article" | "table" | "ul" | "ol" | "pre" | "blockquote" | "hr") {
+            let name: String = rest[1..]
+                .trim_start_matches('/')
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            if matches!(
+                name.as_str(),
+                "p" | "div"
+                    | "br"
+                    | "li"
+                    | "tr"
+                    | "h1"
+                    | "h2"
+                    | "h3"
+                    | "h4"
+                    | "h5"
+                    | "h6"
+                    | "section"
+                    | "article"
+                    | "table"
+                    | "ul"
+                    | "ol"
+                    | "pre"
+                    | "blockquote"
+                    | "hr"
+            ) {
                 out.push('\n');
             } else {
                 out.push(' ');
@@ -364,7 +486,9 @@ fn decode_entities(s: &str) -> String {
             "quot" => Some('"'),
             "apos" | "#39" => Some('\''),
             "nbsp" => Some(' '),
-            n if n.starts_with("#x") || n.starts_with("#X") => u32::from_str_radix(&n[2..], 16).ok().and_then(char::from_u32),
+            n if n.starts_with("#x") || n.starts_with("#X") => u32::from_str_radix(&n[2..], 16)
+                .ok()
+                .and_then(char::from_u32),
             n if n.starts_with('#') => n[1..].parse().ok().and_then(char::from_u32),
             _ => None,
         };
@@ -409,7 +533,15 @@ impl Tool for WebFetch {
         let url = str_arg(&args, "url")?.to_owned();
         tokio::time::timeout(self.policy.timeout, self.fetch(&url))
             .await
-            .map_err(|_| ToolError::new("fetch_timeout", format!("{url} did not answer within {}s", self.policy.timeout.as_secs_f64())))?
+            .map_err(|_| {
+                ToolError::new(
+                    "fetch_timeout",
+                    format!(
+                        "{url} did not answer within {}s",
+                        self.policy.timeout.as_secs_f64()
+                    ),
+                )
+            })?
     }
 }
 
@@ -420,8 +552,26 @@ mod tests {
     #[test]
     fn only_public_addresses_pass() {
         for ip in [
-            "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "0.0.0.0", "100.64.0.1", "::1", "fe80::1", "fd00::1", "::ffff:127.0.0.1", "224.0.0.1",
-            "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe", "::127.0.0.1", "::10.0.0.1", "2002:7f00:1::", "2002:a9fe:a9fe::1", "2001:0:4136:e378::1", "64:ff9b:1::1",
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "::1",
+            "fe80::1",
+            "fd00::1",
+            "::ffff:127.0.0.1",
+            "224.0.0.1",
+            "64:ff9b::7f00:1",
+            "64:ff9b::a9fe:a9fe",
+            "::127.0.0.1",
+            "::10.0.0.1",
+            "2002:7f00:1::",
+            "2002:a9fe:a9fe::1",
+            "2001:0:4136:e378::1",
+            "64:ff9b:1::1",
         ] {
             assert!(!is_public(ip.parse().unwrap()), "{ip}");
         }
@@ -432,7 +582,9 @@ mod tests {
 
     #[tokio::test]
     async fn local_and_odd_urls_are_refused_without_connecting() {
-        let f = WebFetch { policy: FetchPolicy::default() };
+        let f = WebFetch {
+            policy: FetchPolicy::default(),
+        };
         let ctx = ToolCtx::new("/nonexistent", "k", 1000);
         for (url, code) in [
             ("http://127.0.0.1:9/", "private_address"),
@@ -445,13 +597,45 @@ mod tests {
             let e = f.call(json!({"url": url}), &ctx).await.unwrap_err();
             assert_eq!(e.code, code, "{url}: {e}");
         }
-        let denied = WebFetch { policy: FetchPolicy { deny_hosts: vec!["example.org".into(), "127.0.0.9".into()], allow_hosts: vec!["localhost".into()], ..Default::default() } };
-        for url in ["https://example.org/", "https://example.org./", "https://EXAMPLE.org/", "https://www.example.org/"] {
-            assert_eq!(denied.call(json!({"url": url}), &ctx).await.unwrap_err().code, "host_denied", "{url}");
+        let denied = WebFetch {
+            policy: FetchPolicy {
+                deny_hosts: vec!["example.org".into(), "127.0.0.9".into()],
+                allow_hosts: vec!["localhost".into()],
+                ..Default::default()
+            },
+        };
+        for url in [
+            "https://example.org/",
+            "https://example.org./",
+            "https://EXAMPLE.org/",
+            "https://www.example.org/",
+        ] {
+            assert_eq!(
+                denied
+                    .call(json!({"url": url}), &ctx)
+                    .await
+                    .unwrap_err()
+                    .code,
+                "host_denied",
+                "{url}"
+            );
         }
         // An allowed name that resolves to a denied address is still denied.
-        let by_address = WebFetch { policy: FetchPolicy { deny_hosts: vec!["127.0.0.1".into(), "::1".into()], allow_hosts: vec!["localhost".into()], ..Default::default() } };
-        assert_eq!(by_address.call(json!({"url": "http://localhost:9/"}), &ctx).await.unwrap_err().code, "host_denied");
+        let by_address = WebFetch {
+            policy: FetchPolicy {
+                deny_hosts: vec!["127.0.0.1".into(), "::1".into()],
+                allow_hosts: vec!["localhost".into()],
+                ..Default::default()
+            },
+        };
+        assert_eq!(
+            by_address
+                .call(json!({"url": "http://localhost:9/"}), &ctx)
+                .await
+                .unwrap_err()
+                .code,
+            "host_denied"
+        );
     }
 
     #[tokio::test]
@@ -463,13 +647,23 @@ mod tests {
         page.push_str("deep text");
         let t0 = std::time::Instant::now();
         let text = html_text(page.into_bytes(), Duration::from_secs(3)).await;
-        assert!(text.contains("deep text"), "{}", &text[..text.len().min(200)]);
+        assert!(
+            text.contains("deep text"),
+            "{}",
+            &text[..text.len().min(200)]
+        );
         // The converter is not even tried on such a page (the stripper is linear): well under
         // the budget even on a loaded machine.
         assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
         let normal = html_text(b"<html><body><h1>Title</h1><p>Hello &amp; welcome</p><script>x()</script></body></html>".to_vec(), Duration::from_secs(10)).await;
-        assert!(normal.contains("Title") && normal.contains("Hello & welcome") && !normal.contains("x()"), "{normal}");
-        let stripped = strip_tags(b"<p>a &lt;b&gt; &#65;&#x42;</p><style>p{}</style><!-- c --><div>d</div>");
+        assert!(
+            normal.contains("Title")
+                && normal.contains("Hello & welcome")
+                && !normal.contains("x()"),
+            "{normal}"
+        );
+        let stripped =
+            strip_tags(b"<p>a &lt;b&gt; &#65;&#x42;</p><style>p{}</style><!-- c --><div>d</div>");
         assert_eq!(stripped.trim(), "a <b> AB\n\nd");
     }
 }

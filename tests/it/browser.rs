@@ -20,7 +20,11 @@ pub struct Browser {
 
 fn find_binary(names: &[&str]) -> Option<PathBuf> {
     for n in names {
-        for dir in std::env::var("PATH").unwrap_or_default().split(':').chain(["/usr/bin", "/usr/lib/chromium"]) {
+        for dir in std::env::var("PATH")
+            .unwrap_or_default()
+            .split(':')
+            .chain(["/usr/bin", "/usr/lib/chromium"])
+        {
             let p = PathBuf::from(dir).join(n);
             if p.is_file() {
                 return Some(p);
@@ -33,13 +37,26 @@ fn find_binary(names: &[&str]) -> Option<PathBuf> {
 impl Browser {
     /// Starts chromedriver on a free port and opens a headless session `width`×`height`.
     pub async fn start(width: u32, height: u32) -> Browser {
-        let driver_bin = find_binary(&["chromedriver"]).expect("chromedriver not found: install Debian's chromium and chromium-driver (.ci/run does)");
-        let chrome = find_binary(&["chromium", "chromium-browser"]).expect("chromium not found: install Debian's chromium (.ci/run does)");
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let driver_bin = find_binary(&["chromedriver"]).expect(
+            "chromedriver not found: install Debian's chromium and chromium-driver (.ci/run does)",
+        );
+        let chrome = find_binary(&["chromium", "chromium-browser"])
+            .expect("chromium not found: install Debian's chromium (.ci/run does)");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         // Its own process group, so the browsers it starts are killed with it.
         let driver = {
             use std::os::unix::process::CommandExt;
-            Command::new(driver_bin).arg(format!("--port={port}")).stdout(Stdio::null()).stderr(Stdio::null()).process_group(0).spawn().expect("start chromedriver")
+            Command::new(driver_bin)
+                .arg(format!("--port={port}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .expect("start chromedriver")
         };
         let http = reqwest::Client::new();
         let base = format!("http://127.0.0.1:{port}");
@@ -61,9 +78,24 @@ impl Browser {
                      "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
                      format!("--window-size={width},{height}")]
         }}}});
-        let v: Value = http.post(format!("{base}/session")).json(&caps).send().await.unwrap().json().await.unwrap();
-        let session = v["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no WebDriver session: {v}")).to_owned();
-        Browser { driver, base: format!("{base}/session/{session}"), http }
+        let v: Value = http
+            .post(format!("{base}/session"))
+            .json(&caps)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let session = v["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no WebDriver session: {v}"))
+            .to_owned();
+        Browser {
+            driver,
+            base: format!("{base}/session/{session}"),
+            http,
+        }
     }
 
     async fn cmd(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
@@ -77,21 +109,37 @@ impl Browser {
 
     /// Opens `url`.
     pub async fn goto(&self, url: &str) {
-        self.cmd(reqwest::Method::POST, "/url", Some(json!({"url": url}))).await;
+        self.cmd(reqwest::Method::POST, "/url", Some(json!({"url": url})))
+            .await;
     }
 
     /// The page's URL now.
     pub async fn url(&self) -> String {
-        self.cmd(reqwest::Method::GET, "/url", None).await.as_str().unwrap_or_default().to_owned()
+        self.cmd(reqwest::Method::GET, "/url", None)
+            .await
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     }
 
     /// Runs `script` (a function body; `arguments` holds `args`) and returns its value.
     pub async fn js(&self, script: &str, args: Value) -> Value {
-        self.cmd(reqwest::Method::POST, "/execute/sync", Some(json!({"script": script, "args": args}))).await
+        self.cmd(
+            reqwest::Method::POST,
+            "/execute/sync",
+            Some(json!({"script": script, "args": args})),
+        )
+        .await
     }
 
     async fn find(&self, css: &str) -> Option<String> {
-        let v = self.cmd(reqwest::Method::POST, "/element", Some(json!({"using": "css selector", "value": css}))).await;
+        let v = self
+            .cmd(
+                reqwest::Method::POST,
+                "/element",
+                Some(json!({"using": "css selector", "value": css})),
+            )
+            .await;
         v[ELEMENT].as_str().map(str::to_owned)
     }
 
@@ -103,8 +151,14 @@ impl Browser {
                 return e;
             }
             if Instant::now() > deadline {
-                let body = self.js("return document.body.innerText.slice(0, 2000)", json!([])).await;
-                panic!("no `{css}` on {} within {secs}s; the page says:\n{}", self.url().await, body.as_str().unwrap_or_default());
+                let body = self
+                    .js("return document.body.innerText.slice(0, 2000)", json!([]))
+                    .await;
+                panic!(
+                    "no `{css}` on {} within {secs}s; the page says:\n{}",
+                    self.url().await,
+                    body.as_str().unwrap_or_default()
+                );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -119,8 +173,14 @@ impl Browser {
                 return v;
             }
             if Instant::now() > deadline {
-                let body = self.js("return document.body.innerText.slice(0, 2000)", json!([])).await;
-                panic!("{what}: not within {secs}s on {}; the page says:\n{}", self.url().await, body.as_str().unwrap_or_default());
+                let body = self
+                    .js("return document.body.innerText.slice(0, 2000)", json!([]))
+                    .await;
+                panic!(
+                    "{what}: not within {secs}s on {}; the page says:\n{}",
+                    self.url().await,
+                    body.as_str().unwrap_or_default()
+                );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -132,7 +192,13 @@ impl Browser {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let e = self.wait_for(css, 10).await;
-            let v = self.cmd(reqwest::Method::POST, &format!("/element/{e}/click"), Some(json!({}))).await;
+            let v = self
+                .cmd(
+                    reqwest::Method::POST,
+                    &format!("/element/{e}/click"),
+                    Some(json!({})),
+                )
+                .await;
             if v.get("error").is_none() {
                 return;
             }
@@ -144,28 +210,53 @@ impl Browser {
     /// Types `text` into the element matching `css`.
     pub async fn type_into(&self, css: &str, text: &str) {
         let e = self.wait_for(css, 10).await;
-        self.cmd(reqwest::Method::POST, &format!("/element/{e}/clear"), Some(json!({}))).await;
-        self.cmd(reqwest::Method::POST, &format!("/element/{e}/value"), Some(json!({"text": text}))).await;
+        self.cmd(
+            reqwest::Method::POST,
+            &format!("/element/{e}/clear"),
+            Some(json!({})),
+        )
+        .await;
+        self.cmd(
+            reqwest::Method::POST,
+            &format!("/element/{e}/value"),
+            Some(json!({"text": text})),
+        )
+        .await;
     }
 
     /// The visible text of the element matching `css`.
     pub async fn text(&self, css: &str) -> String {
         let e = self.wait_for(css, 10).await;
-        self.cmd(reqwest::Method::GET, &format!("/element/{e}/text"), None).await.as_str().unwrap_or_default().to_owned()
+        self.cmd(reqwest::Method::GET, &format!("/element/{e}/text"), None)
+            .await
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     }
 
     /// Resizes the window.
     pub async fn resize(&self, width: u32, height: u32) {
-        self.cmd(reqwest::Method::POST, "/window/rect", Some(json!({"width": width, "height": height}))).await;
+        self.cmd(
+            reqwest::Method::POST,
+            "/window/rect",
+            Some(json!({"width": width, "height": height})),
+        )
+        .await;
     }
 
     /// Writes a PNG of the window to `$SUBAGENTS_SCREENSHOTS/<name>.png` (default
     /// `target/screenshots`).
     pub async fn screenshot(&self, name: &str) -> PathBuf {
-        let dir = std::env::var("SUBAGENTS_SCREENSHOTS").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/screenshots"));
+        let dir = std::env::var("SUBAGENTS_SCREENSHOTS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/screenshots")
+            });
         std::fs::create_dir_all(&dir).unwrap();
         let b64 = self.cmd(reqwest::Method::GET, "/screenshot", None).await;
-        let png = base64::engine::general_purpose::STANDARD.decode(b64.as_str().expect("screenshot data")).unwrap();
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(b64.as_str().expect("screenshot data"))
+            .unwrap();
         assert!(png.starts_with(b"\x89PNG"), "a screenshot is a PNG");
         let path = dir.join(format!("{name}.png"));
         std::fs::write(&path, png).unwrap();
@@ -189,9 +280,19 @@ impl Drop for Browser {
 /// cannot await.
 fn end_session(session_url: &str) {
     use std::io::{Read, Write};
-    let Some((host, path)) = session_url.strip_prefix("http://").and_then(|r| r.split_once('/')) else { return };
-    let Ok(mut s) = std::net::TcpStream::connect(host) else { return };
+    let Some((host, path)) = session_url
+        .strip_prefix("http://")
+        .and_then(|r| r.split_once('/'))
+    else {
+        return;
+    };
+    let Ok(mut s) = std::net::TcpStream::connect(host) else {
+        return;
+    };
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = write!(s, "DELETE /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let _ = write!(
+        s,
+        "DELETE /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    );
     let _ = s.read_to_end(&mut Vec::new());
 }

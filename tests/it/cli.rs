@@ -9,12 +9,17 @@ fn subagents(dir: &std::path::Path, mock: Option<&MockServer>, args: &[&str]) ->
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
     c.args(args)
         .current_dir(dir)
-        .env("DATABASE_URL", format!("sqlite://{}", dir.join("cli.db").display()))
+        .env(
+            "DATABASE_URL",
+            format!("sqlite://{}", dir.join("cli.db").display()),
+        )
         .env_remove("SUBAGENTS_JOBS_DIR")
         .env_remove("SUBAGENTS_WORKSPACE")
         .env("RUST_LOG", "warn");
     if let Some(m) = mock {
-        c.env("OPENAI_BASE_URL", m.base_url()).env("OPENAI_API_KEY", "x").env("SUBAGENTS_MODEL", "mock-model");
+        c.env("OPENAI_BASE_URL", m.base_url())
+            .env("OPENAI_API_KEY", "x")
+            .env("SUBAGENTS_MODEL", "mock-model");
     }
     c.output().unwrap()
 }
@@ -24,44 +29,94 @@ fn text(b: &[u8]) -> String {
 }
 
 async fn mock() -> MockServer {
-    MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::ZERO, ..Default::default() }).await.unwrap()
+    MockServer::start(
+        ([127, 0, 0, 1], 0).into(),
+        MockOptions {
+            latency: Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_prints_the_answer_and_the_thread_and_continues_it() {
     let dir = tempfile::tempdir().unwrap();
     let m = mock().await;
-    let out = subagents(dir.path(), Some(&m), &["run", "Task one.\nSCENARIO steps=3"]);
+    let out = subagents(
+        dir.path(),
+        Some(&m),
+        &["run", "Task one.\nSCENARIO steps=3"],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "DONE after 3 steps\n");
     let err = text(&out.stderr);
-    assert!(err.contains("step 1: model calls echo"), "progress per step: {err}");
+    assert!(
+        err.contains("step 1: model calls echo"),
+        "progress per step: {err}"
+    );
     assert!(err.contains("echo ok"), "progress per tool call: {err}");
-    let thread = err.split("--thread ").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
-    let out = subagents(dir.path(), Some(&m), &["run", "--thread", &thread, "Task two.\nSCENARIO steps=2 run=2"]);
+    let thread = err
+        .split("--thread ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let out = subagents(
+        dir.path(),
+        Some(&m),
+        &[
+            "run",
+            "--thread",
+            &thread,
+            "Task two.\nSCENARIO steps=2 run=2",
+        ],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains(&thread));
     // A thread id that cannot exist is refused before anything is written.
     let out = subagents(dir.path(), Some(&m), &["run", "--thread", "bad/id", "x"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("not a valid thread id"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("not a valid thread id"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_exit_codes_tell_failure_from_bad_input() {
     let dir = tempfile::tempdir().unwrap();
     let m = mock().await;
-    let out = subagents(dir.path(), Some(&m), &["run", "SCENARIO fail_every=1 fail_status=401"]);
+    let out = subagents(
+        dir.path(),
+        Some(&m),
+        &["run", "SCENARIO fail_every=1 fail_status=401"],
+    );
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
-    assert!(err.contains("[model]") && err.contains("OPENAI_API_KEY"), "{err}");
+    assert!(
+        err.contains("[model]") && err.contains("OPENAI_API_KEY"),
+        "{err}"
+    );
     let out = subagents(dir.path(), Some(&m), &["run", "  "]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("error[empty_input]"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("error[empty_input]"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = subagents(dir.path(), Some(&m), &["run", "--agent", "nobody", "x"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("error[unknown_agent]"));
-    let out = subagents(dir.path(), Some(&m), &["run", "--max-steps", "2", "SCENARIO steps=9"]);
+    let out = subagents(
+        dir.path(),
+        Some(&m),
+        &["run", "--max-steps", "2", "SCENARIO steps=9"],
+    );
     assert!(out.status.success());
     assert_eq!(text(&out.stdout), "FORCED after 2 tool results\n");
     assert!(text(&out.stderr).contains("forced"));
@@ -72,15 +127,30 @@ async fn agents_lists_definitions_and_reports_broken_files_with_their_line() {
     let dir = tempfile::tempdir().unwrap();
     let jobs = dir.path().join("jobs");
     std::fs::create_dir_all(&jobs).unwrap();
-    std::fs::write(jobs.join("good.md"), "---\nname: good\ndescription: a good one\ntools: Read, Grep\n---\nprompt").unwrap();
-    std::fs::write(jobs.join("bad.md"), "---\ndescription: bad\nmax_steps: many\n---\n").unwrap();
+    std::fs::write(
+        jobs.join("good.md"),
+        "---\nname: good\ndescription: a good one\ntools: Read, Grep\n---\nprompt",
+    )
+    .unwrap();
+    std::fs::write(
+        jobs.join("bad.md"),
+        "---\ndescription: bad\nmax_steps: many\n---\n",
+    )
+    .unwrap();
     let out = subagents(dir.path(), None, &["agents"]);
-    assert_eq!(out.status.code(), Some(1), "broken files make a non-zero exit");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "broken files make a non-zero exit"
+    );
     let o = text(&out.stdout);
     assert!(o.contains("good") && o.contains("general-purpose"), "{o}");
     let e = text(&out.stderr);
     assert!(e.contains("bad.md:3:"), "path and line of the problem: {e}");
-    assert!(o.contains("tools: read_file, grep"), "the tools it really gets: {o}");
+    assert!(
+        o.contains("tools: read_file, grep"),
+        "the tools it really gets: {o}"
+    );
 }
 
 #[test]
@@ -93,13 +163,27 @@ fn agents_warns_about_tools_it_cannot_honour_and_strict_fails() {
     assert_eq!(out.status.code(), Some(0), "warnings alone do not fail");
     let o = text(&out.stdout);
     assert!(o.contains("warning: `WebSearch` is not available"), "{o}");
-    assert!(o.contains("warning: `Bash` is not available: bash is off"), "{o}");
-    assert!(o.contains("haiku: no alias in SUBAGENTS_MODEL_ALIASES"), "{o}");
+    assert!(
+        o.contains("warning: `Bash` is not available: bash is off"),
+        "{o}"
+    );
+    assert!(
+        o.contains("haiku: no alias in SUBAGENTS_MODEL_ALIASES"),
+        "{o}"
+    );
     let strict = subagents(dir.path(), None, &["agents", "--strict"]);
-    assert_eq!(strict.status.code(), Some(1), "--strict makes an unknown tool an error");
+    assert_eq!(
+        strict.status.code(),
+        Some(1),
+        "--strict makes an unknown tool an error"
+    );
     // An MCP name counts as unknown only when its server is not configured.
     std::fs::write(jobs.join("planner.md"), "---\nname: planner\ndescription: plans\ntools: Read, mcp__github, mcp__files__read_text_file\n---\nprompt").unwrap();
-    std::fs::write(dir.path().join(".mcp.json"), r#"{"mcpServers": {"files": {"command": "true"}}}"#).unwrap();
+    std::fs::write(
+        dir.path().join(".mcp.json"),
+        r#"{"mcpServers": {"files": {"command": "true"}}}"#,
+    )
+    .unwrap();
     let out = subagents(dir.path(), None, &["agents", "--strict"]);
     let o = text(&out.stdout);
     assert!(o.contains("mcp: mcp__github (no such server in SUBAGENTS_MCP_CONFIG), mcp__files__read_text_file\n"), "{o}");
@@ -117,7 +201,10 @@ fn the_repository_agents_load_cleanly() {
         assert!(a.system_prompt.len() > 200, "{name} has a real prompt");
     }
     let tools = subagents::tools::ToolRegistry::builtin(None);
-    assert_eq!(tools.allowed_for(reg.get("researcher").unwrap()), ["read_file", "grep", "glob", "list_dir", "web_fetch"]);
+    assert_eq!(
+        tools.allowed_for(reg.get("researcher").unwrap()),
+        ["read_file", "grep", "glob", "list_dir", "web_fetch"]
+    );
 }
 
 #[test]
@@ -125,7 +212,17 @@ fn help_explains_the_commands_and_the_scenario_grammar() {
     let dir = tempfile::tempdir().unwrap();
     let out = subagents(dir.path(), None, &["--help"]);
     let h = text(&out.stdout);
-    for w in ["run", "worker", "agents", "demo", "migrate", "mock-llm", "DATABASE_URL", "OPENAI_BASE_URL", "SUBAGENTS_CONCURRENCY"] {
+    for w in [
+        "run",
+        "worker",
+        "agents",
+        "demo",
+        "migrate",
+        "mock-llm",
+        "DATABASE_URL",
+        "OPENAI_BASE_URL",
+        "SUBAGENTS_CONCURRENCY",
+    ] {
         assert!(h.contains(w), "--help lacks {w}:\n{h}");
     }
     let out = subagents(dir.path(), None, &["mock-llm", "--help"]);
@@ -147,8 +244,14 @@ fn demo_runs_with_no_key_and_no_service() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout), "DONE after 4 steps\nDONE after 2 steps\n");
-    assert!(dir.path().join("subagents.db").exists(), "embedded default database created");
+    assert_eq!(
+        text(&out.stdout),
+        "DONE after 4 steps\nDONE after 2 steps\n"
+    );
+    assert!(
+        dir.path().join("subagents.db").exists(),
+        "embedded default database created"
+    );
 }
 
 #[test]
@@ -161,7 +264,11 @@ fn a_bad_database_url_is_a_clear_error() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("DATABASE_URL"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("DATABASE_URL"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
         .args(["run", "x"])
         .current_dir(dir.path())
@@ -169,7 +276,11 @@ fn a_bad_database_url_is_a_clear_error() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("cannot open the database"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("cannot open the database"),
+        "{}",
+        text(&out.stderr)
+    );
     // Unreachable servers are named at start, not discovered later.
     let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
         .args(["worker"])
@@ -178,16 +289,28 @@ fn a_bad_database_url_is_a_clear_error() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("cannot open the database postgres://postgres@127.0.0.1:9/nowhere"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr)
+            .contains("cannot open the database postgres://postgres@127.0.0.1:9/nowhere"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
         .args(["worker"])
         .current_dir(dir.path())
-        .env("DATABASE_URL", format!("sqlite://{}", dir.path().join("x.db").display()))
+        .env(
+            "DATABASE_URL",
+            format!("sqlite://{}", dir.path().join("x.db").display()),
+        )
         .env("REDIS_URL", "redis://127.0.0.1:9")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("cannot reach Redis at redis://127.0.0.1:9"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("cannot reach Redis at redis://127.0.0.1:9"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 /// A worker stopped while it is still starting (here: its database accepts the connection and
@@ -201,7 +324,10 @@ fn a_worker_stopped_while_starting_exits_cleanly() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_subagents"))
         .args(["worker"])
         .current_dir(dir.path())
-        .env("DATABASE_URL", format!("postgres://postgres@127.0.0.1:{port}/silent"))
+        .env(
+            "DATABASE_URL",
+            format!("postgres://postgres@127.0.0.1:{port}/silent"),
+        )
         .env("RUST_LOG", "warn")
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -215,7 +341,11 @@ fn a_worker_stopped_while_starting_exits_cleanly() {
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert!(status.success(), "{status:?}: {err}");
     assert!(err.contains("shutdown requested while starting"), "{err}");
-    assert!(t0.elapsed() < Duration::from_secs(10), "the start was abandoned, not waited out: {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "the start was abandoned, not waited out: {:?}",
+        t0.elapsed()
+    );
 }
 
 /// `bench` as its users run it (README, Benchmarks): one JSON line with the figures, every run
@@ -224,7 +354,26 @@ fn a_worker_stopped_while_starting_exits_cleanly() {
 fn bench_prints_one_json_line_with_its_figures() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite://{}", dir.path().join("bench.db").display());
-    let out = subagents(dir.path(), None, &["bench", "--runs", "6", "--steps", "3", "--concurrency", "3", "--owners", "2", "--dsn", &db, "--calibrate", "--calibrate-secs", "1"]);
+    let out = subagents(
+        dir.path(),
+        None,
+        &[
+            "bench",
+            "--runs",
+            "6",
+            "--steps",
+            "3",
+            "--concurrency",
+            "3",
+            "--owners",
+            "2",
+            "--dsn",
+            &db,
+            "--calibrate",
+            "--calibrate-secs",
+            "1",
+        ],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let line = text(&out.stdout);
     assert_eq!(line.lines().count(), 1, "one line: {line}");
@@ -233,9 +382,25 @@ fn bench_prints_one_json_line_with_its_figures() {
     assert_eq!(v["failures"], 0);
     assert_eq!(v["steps"], 18);
     assert_eq!(v["mock_requests"], 18, "one model call a step");
-    assert!(v["steps_per_s"].as_f64().unwrap() > 0.0 && v["cpu_ms_per_step"].as_f64().unwrap() > 0.0, "{v}");
-    let (commits, ratio) = (v["commits_per_s"].as_f64().unwrap(), v["commit_ratio"].as_f64().unwrap());
-    assert!(commits > 0.0 && (ratio - v["steps_per_s"].as_f64().unwrap() / commits).abs() < 0.01, "{v}");
+    assert!(
+        v["steps_per_s"].as_f64().unwrap() > 0.0 && v["cpu_ms_per_step"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
+    let (commits, ratio) = (
+        v["commits_per_s"].as_f64().unwrap(),
+        v["commit_ratio"].as_f64().unwrap(),
+    );
+    assert!(
+        commits > 0.0 && (ratio - v["steps_per_s"].as_f64().unwrap() / commits).abs() < 0.01,
+        "{v}"
+    );
     let owners = v["owners"].as_object().unwrap();
-    assert_eq!(owners.values().map(|o| o["runs"].as_u64().unwrap()).sum::<u64>(), 6, "every run's queue wait counted: {v}");
+    assert_eq!(
+        owners
+            .values()
+            .map(|o| o["runs"].as_u64().unwrap())
+            .sum::<u64>(),
+        6,
+        "every run's queue wait counted: {v}"
+    );
 }

@@ -14,38 +14,77 @@ use subagents::store::{RunRecord, RunStatus};
 use crate::support::*;
 
 pub(crate) fn parent_job(name: &str) -> (String, String) {
-    (name.to_owned(), format!("---\nname: {name}\ndescription: scripted test parent\n---\nYou delegate work to subagents. MOCK:{name}\n"))
+    (
+        name.to_owned(),
+        format!(
+            "---\nname: {name}\ndescription: scripted test parent\n---\nYou delegate work to subagents. MOCK:{name}\n"
+        ),
+    )
 }
 
 pub(crate) fn call(name: &str, arguments: Value) -> ScriptCall {
-    ScriptCall { name: name.into(), arguments }
+    ScriptCall {
+        name: name.into(),
+        arguments,
+    }
 }
 
 pub(crate) fn calls(c: Vec<ScriptCall>) -> Turn {
-    Turn { content: None, tool_calls: c }
+    Turn {
+        content: None,
+        tool_calls: c,
+    }
 }
 
 pub(crate) fn say(text: &str) -> Turn {
-    Turn { content: Some(text.into()), tool_calls: vec![] }
+    Turn {
+        content: Some(text.into()),
+        tool_calls: vec![],
+    }
 }
 
-async fn app_with(parent: &str, turns: Vec<Turn>, tweak: Box<dyn FnOnce(&mut subagents::config::Settings)>) -> TestApp {
-    let t = spawn_app_with(Options { jobs: vec![parent_job(parent)], tweak, ..Default::default() }).await;
-    t.mock.state.set_script(Script::from([(parent.to_owned(), turns)]));
+async fn app_with(
+    parent: &str,
+    turns: Vec<Turn>,
+    tweak: Box<dyn FnOnce(&mut subagents::config::Settings)>,
+) -> TestApp {
+    let t = spawn_app_with(Options {
+        jobs: vec![parent_job(parent)],
+        tweak,
+        ..Default::default()
+    })
+    .await;
+    t.mock
+        .state
+        .set_script(Script::from([(parent.to_owned(), turns)]));
     t
 }
 
 pub(crate) async fn start_parent(t: &TestApp, agent: &str) -> RunRecord {
-    t.app.start_run(StartRun { agent: Some(agent.into()), input: "Coordinate the work.".into(), ..Default::default() }).await.unwrap()
+    t.app
+        .start_run(StartRun {
+            agent: Some(agent.into()),
+            input: "Coordinate the work.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
 }
 
 /// The parent's tool results, parsed, in call order (as the model sees them).
 pub(crate) async fn tool_results(t: &TestApp, run: &RunRecord) -> Vec<Value> {
-    let history = t.app.store.thread_messages(&run.thread_id, 100_000).await.unwrap();
+    let history = t
+        .app
+        .store
+        .thread_messages(&run.thread_id, 100_000)
+        .await
+        .unwrap();
     subagents::engine::context(&history, run.id)
         .into_iter()
         .filter_map(|m| match m {
-            Message::Tool { content, .. } => Some(serde_json::from_str(&content).unwrap_or(Value::String(content))),
+            Message::Tool { content, .. } => {
+                Some(serde_json::from_str(&content).unwrap_or(Value::String(content)))
+            }
             _ => None,
         })
         .collect()
@@ -67,9 +106,19 @@ async fn a_task_continues_a_childs_thread_by_the_short_id_it_returned() {
     assert_eq!(t.wait(parent.id).await.status, RunStatus::Succeeded);
     let kids = t.app.store.children(parent.id).await.unwrap();
     assert_eq!(kids.len(), 2);
-    assert_eq!(kids[0].thread_id, kids[1].thread_id, "the second task continued the first one's thread");
+    assert_eq!(
+        kids[0].thread_id, kids[1].thread_id,
+        "the second task continued the first one's thread"
+    );
     let results = tool_results(&t, &parent).await;
-    assert!(results[0]["thread_id"].as_str().unwrap().starts_with("sub_general-purpose_"), "{}", results[0]);
+    assert!(
+        results[0]["thread_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("sub_general-purpose_"),
+        "{}",
+        results[0]
+    );
     assert_eq!(results[1]["result"], "DONE after 2 steps");
 }
 
@@ -92,25 +141,54 @@ async fn task_runs_a_child_and_returns_only_its_final_text() {
     assert_eq!(children.len(), 1);
     let child = &children[0];
     assert_eq!(child.status, RunStatus::Succeeded);
-    assert_eq!(child.thread_id, child_thread(&parent.thread_id, parent.id, "call_1_1", "general-purpose"));
-    assert!(child.thread_id.as_str().starts_with(&format!("{}_sub_general-purpose_", parent.thread_id)));
+    assert_eq!(
+        child.thread_id,
+        child_thread(&parent.thread_id, parent.id, "call_1_1", "general-purpose")
+    );
+    assert!(
+        child
+            .thread_id
+            .as_str()
+            .starts_with(&format!("{}_sub_general-purpose_", parent.thread_id))
+    );
     assert_eq!(child.tree.depth, 1);
     assert_eq!(child.tree.root_run_id, Some(parent.id));
     let results = tool_results(&t, &parent).await;
     assert_eq!(results.len(), 1);
     assert_eq!(results[0]["result"], "DONE after 3 steps");
     // The short form, within the parent's thread (task accepts it back to continue it).
-    assert_eq!(format!("{}_{}", parent.thread_id, results[0]["thread_id"].as_str().unwrap()), child.thread_id.as_str());
+    assert_eq!(
+        format!(
+            "{}_{}",
+            parent.thread_id,
+            results[0]["thread_id"].as_str().unwrap()
+        ),
+        child.thread_id.as_str()
+    );
     // The parent parked while the child ran, and heard about it.
     let events = t.events(parent.id).await;
     assert_gap_free(&events, RunStatus::Succeeded);
     let k = kinds(&events);
-    for want in ["child.started", "run.waiting", "child.finished", "run.resumed"] {
+    for want in [
+        "child.started",
+        "run.waiting",
+        "child.finished",
+        "run.resumed",
+    ] {
         assert!(k.contains(&want), "{want} missing from {k:?}");
     }
     // The parent's context holds the child's answer, not its 5 intermediate messages.
-    let parent_msgs = t.app.store.thread_messages(&parent.thread_id, 100_000).await.unwrap();
-    assert_eq!(parent_msgs.len(), 4, "input, task call, task result, answer");
+    let parent_msgs = t
+        .app
+        .store
+        .thread_messages(&parent.thread_id, 100_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        parent_msgs.len(),
+        4,
+        "input, task call, task result, answer"
+    );
     // Usage rolls up.
     let (tree, steps) = t.app.store.tree_usage(parent.id).await.unwrap();
     assert_eq!(steps, 2 + 3);
@@ -124,13 +202,24 @@ async fn three_children_awaited_on_one_worker_slot() {
         .collect();
     let t = app_with(
         "p-all",
-        vec![calls(starts), calls(vec![call("subagent_await", json!({"run_ids": "{{all:run_id}}", "mode": "all"}))]), say("all three done")],
+        vec![
+            calls(starts),
+            calls(vec![call(
+                "subagent_await",
+                json!({"run_ids": "{{all:run_id}}", "mode": "all"}),
+            )]),
+            say("all three done"),
+        ],
         Box::new(|s| s.concurrency = 1),
     )
     .await;
     let parent = start_parent(&t, "p-all").await;
     let done = t.wait(parent.id).await;
-    assert_eq!(done.status, RunStatus::Succeeded, "one slot, parent parked while children ran: {done:?}");
+    assert_eq!(
+        done.status,
+        RunStatus::Succeeded,
+        "one slot, parent parked while children ran: {done:?}"
+    );
     assert_eq!(done.result.as_deref(), Some("all three done"));
     let children = t.app.store.children(parent.id).await.unwrap();
     assert_eq!(children.len(), 3, "each child started exactly once");
@@ -139,9 +228,21 @@ async fn three_children_awaited_on_one_worker_slot() {
     let awaited = &results[3];
     assert_eq!(awaited["wait_timed_out"], false);
     assert_eq!(awaited["runs"].as_array().unwrap().len(), 3);
-    assert!(awaited["runs"].as_array().unwrap().iter().all(|r| r["status"] == "succeeded" && r["result"] == "DONE after 2 steps"));
+    assert!(
+        awaited["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["status"] == "succeeded" && r["result"] == "DONE after 2 steps")
+    );
     let events = t.events(parent.id).await;
-    assert_eq!(kinds(&events).iter().filter(|k| **k == "child.finished").count(), 3);
+    assert_eq!(
+        kinds(&events)
+            .iter()
+            .filter(|k| **k == "child.finished")
+            .count(),
+        3
+    );
 }
 
 #[tokio::test]
@@ -177,24 +278,57 @@ async fn await_any_status_events_cancel_and_foreign_runs() {
     // [start fast, start slow, await any, status fast, events fast, cancel slow, 3 x stranger]
     assert_eq!(r.len(), 9, "{r:#?}");
     assert_eq!(r[2]["wait_timed_out"], false);
-    let statuses: Vec<&str> = r[2]["runs"].as_array().unwrap().iter().map(|x| x["status"].as_str().unwrap()).collect();
+    let statuses: Vec<&str> = r[2]["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["status"].as_str().unwrap())
+        .collect();
     assert_eq!(statuses[0], "succeeded");
     assert_ne!(statuses[1], "succeeded", "any returns at the first end");
     assert_eq!(r[3]["status"], "succeeded");
     assert_eq!(r[3]["result"], "DONE after 1 steps");
     assert!(!r[3]["progress"].as_array().unwrap().is_empty());
     let lines = r[4]["events"].as_array().unwrap();
-    assert!(lines.iter().any(|l| l.as_str().unwrap().contains("succeeded")), "{lines:?}");
-    assert!(lines.iter().all(|l| !l.as_str().unwrap().contains("\"data\"")), "compact lines, not envelopes");
-    assert!(r[5]["result"].as_str().unwrap().starts_with("cancel"), "{}", r[5]);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.as_str().unwrap().contains("succeeded")),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .all(|l| !l.as_str().unwrap().contains("\"data\"")),
+        "compact lines, not envelopes"
+    );
+    assert!(
+        r[5]["result"].as_str().unwrap().starts_with("cancel"),
+        "{}",
+        r[5]
+    );
     for x in &r[6..9] {
         assert!(x.as_str().unwrap().starts_with("error[no_such_run]"), "{x}");
     }
     let slow = r[1]["run_id"].as_str().unwrap().parse().unwrap();
-    let slow = t.app.wait(slow, Duration::from_secs(20)).await.unwrap().unwrap();
+    let slow = t
+        .app
+        .wait(slow, Duration::from_secs(20))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(slow.status, RunStatus::Cancelled);
     // The stranger was not touched.
-    assert_eq!(t.app.store.get_run(stranger.id).await.unwrap().unwrap().status, RunStatus::Succeeded);
+    assert_eq!(
+        t.app
+            .store
+            .get_run(stranger.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        RunStatus::Succeeded
+    );
 }
 
 #[tokio::test]
@@ -214,21 +348,57 @@ async fn cancelling_a_parked_parent_cancels_its_attached_children_only() {
     .await;
     let parent = start_parent(&t, "p-cancel").await;
     let deadline = Instant::now() + Duration::from_secs(20);
-    while t.app.store.get_run(parent.id).await.unwrap().unwrap().status != RunStatus::Waiting {
+    while t
+        .app
+        .store
+        .get_run(parent.id)
+        .await
+        .unwrap()
+        .unwrap()
+        .status
+        != RunStatus::Waiting
+    {
         assert!(Instant::now() < deadline, "parent never parked");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let asked = Instant::now();
     t.app.cancel(parent.id).await.unwrap();
-    assert_eq!(t.app.store.get_run(parent.id).await.unwrap().unwrap().status, RunStatus::Cancelled, "a parked parent is cancelled at once");
+    assert_eq!(
+        t.app
+            .store
+            .get_run(parent.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        RunStatus::Cancelled,
+        "a parked parent is cancelled at once"
+    );
     let children = t.app.store.children(parent.id).await.unwrap();
     let attached = children.iter().find(|c| !c.tree.detached).unwrap();
     let detached = children.iter().find(|c| c.tree.detached).unwrap();
-    let a = t.app.wait(attached.id, Duration::from_secs(10)).await.unwrap().unwrap();
+    let a = t
+        .app
+        .wait(attached.id, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(a.status, RunStatus::Cancelled);
-    assert!(asked.elapsed() < Duration::from_secs(3), "the running child stopped promptly");
-    let d = t.app.wait(detached.id, Duration::from_secs(20)).await.unwrap().unwrap();
-    assert_eq!(d.status, RunStatus::Succeeded, "detached children outlive their parent");
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "the running child stopped promptly"
+    );
+    let d = t
+        .app
+        .wait(detached.id, Duration::from_secs(20))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        d.status,
+        RunStatus::Succeeded,
+        "detached children outlive their parent"
+    );
 }
 
 #[tokio::test]
@@ -245,7 +415,12 @@ async fn a_parent_that_finishes_cancels_its_running_children() {
     let parent = start_parent(&t, "p-leave").await;
     assert_eq!(t.wait(parent.id).await.status, RunStatus::Succeeded);
     let child = t.app.store.children(parent.id).await.unwrap().remove(0);
-    let c = t.app.wait(child.id, Duration::from_secs(10)).await.unwrap().unwrap();
+    let c = t
+        .app
+        .wait(child.id, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(c.status, RunStatus::Cancelled);
 }
 
@@ -268,21 +443,62 @@ async fn depth_limit_bad_subagents_and_result_cut() {
     let parent = start_parent(&t, "p-limits").await;
     assert_eq!(t.wait(parent.id).await.status, RunStatus::Succeeded);
     let r = tool_results(&t, &parent).await;
-    assert!(r[0].as_str().unwrap().starts_with("error[unknown_subagent]"), "{}", r[0]);
-    assert!(r[1].as_str().unwrap().starts_with("error[bad_arguments]"), "{}", r[1]);
-    assert!(r[2].as_str().unwrap().starts_with("error[no_such_thread]"), "{}", r[2]);
+    assert!(
+        r[0].as_str()
+            .unwrap()
+            .starts_with("error[unknown_subagent]"),
+        "{}",
+        r[0]
+    );
+    assert!(
+        r[1].as_str().unwrap().starts_with("error[bad_arguments]"),
+        "{}",
+        r[1]
+    );
+    assert!(
+        r[2].as_str().unwrap().starts_with("error[no_such_thread]"),
+        "{}",
+        r[2]
+    );
     let cut = r[3]["result"].as_str().unwrap();
     // Longer than the limit: the head, and the whole text in the workspace.
-    assert!(cut.starts_with("DONE after") && cut.contains("[result offloaded: it is 18 bytes"), "{cut}");
-    let child = t.app.store.children(parent.id).await.unwrap().into_iter().find(|c| c.status == RunStatus::Succeeded).unwrap().id;
+    assert!(
+        cut.starts_with("DONE after") && cut.contains("[result offloaded: it is 18 bytes"),
+        "{cut}"
+    );
+    let child = t
+        .app
+        .store
+        .children(parent.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|c| c.status == RunStatus::Succeeded)
+        .unwrap()
+        .id;
     let path = format!(".results/{child}/result.txt");
-    assert!(cut.contains(&format!("read_file with path=`{path}`")), "{cut}");
+    assert!(
+        cut.contains(&format!("read_file with path=`{path}`")),
+        "{cut}"
+    );
     let ws = subagents::tools::owner_workspace(&t.app.settings.workspace, &parent.owner);
-    assert!(std::fs::read_to_string(ws.join(&path)).unwrap().starts_with("DONE after"));
+    assert!(
+        std::fs::read_to_string(ws.join(&path))
+            .unwrap()
+            .starts_with("DONE after")
+    );
     // Children (depth 1) are offered no delegation tools.
     let gp = t.app.agents.get("general-purpose").unwrap();
-    assert!(!subagents::delegation::offered(gp, 1, &subagents::delegation::DelegationSettings::default()));
-    assert!(subagents::delegation::offered(gp, 0, &subagents::delegation::DelegationSettings::default()));
+    assert!(!subagents::delegation::offered(
+        gp,
+        1,
+        &subagents::delegation::DelegationSettings::default()
+    ));
+    assert!(subagents::delegation::offered(
+        gp,
+        0,
+        &subagents::delegation::DelegationSettings::default()
+    ));
 }
 
 #[tokio::test]
@@ -291,7 +507,13 @@ async fn delegating_keeps_the_parent_context_small() {
     let work = "Collect the figures.\nSCENARIO steps=8 run=ctx";
     let t = app_with(
         "p-ctx",
-        vec![calls(vec![call("task", json!({"description": work, "subagent": "general-purpose"}))]), say("summary")],
+        vec![
+            calls(vec![call(
+                "task",
+                json!({"description": work, "subagent": "general-purpose"}),
+            )]),
+            say("summary"),
+        ],
         Box::new(|_| {}),
     )
     .await;
@@ -300,20 +522,36 @@ async fn delegating_keeps_the_parent_context_small() {
     assert_eq!(t.wait(parent.id).await.status, RunStatus::Succeeded);
     let log = t.mock.state.log();
     let chars = |run: &RunRecord| -> (usize, usize) {
-        let mine: Vec<_> = log.iter().filter(|e| e.step_key.starts_with(&run.id.to_string()) && e.status == 200).collect();
-        (mine.first().unwrap().prompt_chars, mine.last().unwrap().prompt_chars)
+        let mine: Vec<_> = log
+            .iter()
+            .filter(|e| e.step_key.starts_with(&run.id.to_string()) && e.status == 200)
+            .collect();
+        (
+            mine.first().unwrap().prompt_chars,
+            mine.last().unwrap().prompt_chars,
+        )
     };
     let (i0, i1) = chars(&inline);
     let (d0, d1) = chars(&parent);
     let inline_gain = (i1 - i0) / 4;
     let delegated_gain = (d1 - d0) / 4;
-    println!("context gained by the work: inline ~{inline_gain} tokens, delegated ~{delegated_gain} tokens (chars/4)");
-    assert!(delegated_gain * 3 < inline_gain, "delegation keeps the parent small: {delegated_gain} vs {inline_gain}");
+    println!(
+        "context gained by the work: inline ~{inline_gain} tokens, delegated ~{delegated_gain} tokens (chars/4)"
+    );
+    assert!(
+        delegated_gain * 3 < inline_gain,
+        "delegation keeps the parent small: {delegated_gain} vs {inline_gain}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_while_the_parent_waits_and_the_child_runs() {
-    let t = spawn_app_with(Options { workers: false, jobs: vec![parent_job("p-kill")], ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        workers: false,
+        jobs: vec![parent_job("p-kill")],
+        ..Default::default()
+    })
+    .await;
     t.mock.state.set_script(Script::from([(
         "p-kill".to_owned(),
         vec![
@@ -334,25 +572,38 @@ async fn killed_while_the_parent_waits_and_the_child_runs() {
         if p.status == RunStatus::Waiting && kids.iter().any(|c| c.step >= 2) {
             break;
         }
-        assert!(Instant::now() < deadline, "never reached waiting parent + running child");
+        assert!(
+            Instant::now() < deadline,
+            "never reached waiting parent + running child"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     first.kill().unwrap();
     first.wait().unwrap();
     let mut second = spawn_worker(t.dir.path(), &t.mock, &[]);
-    let done = t.app.wait(parent.id, Duration::from_secs(60)).await.unwrap().unwrap();
+    let done = t
+        .app
+        .wait(parent.id, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
     second.kill().unwrap();
     second.wait().unwrap();
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_eq!(done.result.as_deref(), Some("survived"));
     let kids = t.app.store.children(parent.id).await.unwrap();
     assert_eq!(kids.len(), 2, "each child started exactly once");
-    assert!(kids.iter().all(|c| c.status == RunStatus::Succeeded && c.result.as_deref() == Some("DONE after 6 steps")));
+    assert!(
+        kids.iter().all(|c| c.status == RunStatus::Succeeded
+            && c.result.as_deref() == Some("DONE after 6 steps"))
+    );
     // No committed model response was asked for twice: at most one in-flight step per run.
     let mut per_run: HashMap<String, usize> = HashMap::new();
     for (key, n) in t.served() {
         if n > 1 {
-            *per_run.entry(key.split(':').next().unwrap().to_owned()).or_default() += 1;
+            *per_run
+                .entry(key.split(':').next().unwrap().to_owned())
+                .or_default() += 1;
         }
     }
     assert!(per_run.values().all(|n| *n <= 1), "{per_run:?}");
@@ -369,16 +620,33 @@ async fn a_tree_budget_on_the_root_forces_the_child_and_the_parent_to_answer() {
     .await;
     let parent = t
         .app
-        .start_run(StartRun { agent: Some("p-budget".into()), input: "Coordinate.".into(), max_total_steps: Some(4), ..Default::default() })
+        .start_run(StartRun {
+            agent: Some("p-budget".into()),
+            input: "Coordinate.".into(),
+            max_total_steps: Some(4),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let done = t.wait(parent.id).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     let child = t.app.store.children(parent.id).await.unwrap().remove(0);
-    assert_eq!(child.limits.max_total_steps, Some(4), "children inherit the tree budget");
+    assert_eq!(
+        child.limits.max_total_steps,
+        Some(4),
+        "children inherit the tree budget"
+    );
     assert!(child.forced, "the child hit the tree budget: {child:?}");
-    assert_eq!(child.result.as_deref(), Some("FORCED after 3 tool results"), "tree steps before child step 4: parent 1 + child 3 = budget, so step 4 is forced");
+    assert_eq!(
+        child.result.as_deref(),
+        Some("FORCED after 3 tool results"),
+        "tree steps before child step 4: parent 1 + child 3 = budget, so step 4 is forced"
+    );
     assert!(done.forced, "the parent's own last call was forced too");
     let (_, steps) = t.app.store.tree_usage(parent.id).await.unwrap();
-    assert_eq!(steps, 1 + 4 + 1, "bounded: no step ran past the budget except the forced answers");
+    assert_eq!(
+        steps,
+        1 + 4 + 1,
+        "bounded: no step ran past the budget except the forced answers"
+    );
 }

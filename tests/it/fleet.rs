@@ -13,13 +13,22 @@ use subagents::store::{RunFilter, RunRecord, RunStatus};
 use crate::support::*;
 
 /// A worker process; `extra` environment variables override the defaults.
-fn worker_with(url: &str, redis: &str, mock: &MockServer, concurrency: usize, extra: &[(&str, String)]) -> Child {
+fn worker_with(
+    url: &str,
+    redis: &str,
+    mock: &MockServer,
+    concurrency: usize,
+    extra: &[(&str, String)],
+) -> Child {
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
     c.arg("worker")
         .env("REDIS_URL", redis)
         .env("DATABASE_URL", url)
         .env("SUBAGENTS_JOBS_DIR", "/nonexistent-jobs-dir")
-        .env("SUBAGENTS_WORKSPACE", std::env::temp_dir().join("subagents-fleet-ws"))
+        .env(
+            "SUBAGENTS_WORKSPACE",
+            std::env::temp_dir().join("subagents-fleet-ws"),
+        )
         .env("OPENAI_BASE_URL", mock.base_url())
         .env("OPENAI_API_KEY", "x")
         .env("SUBAGENTS_MODEL", "mock-model")
@@ -53,11 +62,16 @@ enum Turn {
     Alone(#[allow(dead_code)] tokio::sync::OwnedRwLockWriteGuard<()>),
 }
 
-static FLEETS: std::sync::LazyLock<std::sync::Arc<tokio::sync::RwLock<()>>> = std::sync::LazyLock::new(Default::default);
+static FLEETS: std::sync::LazyLock<std::sync::Arc<tokio::sync::RwLock<()>>> =
+    std::sync::LazyLock::new(Default::default);
 
 impl Turn {
     async fn take(alone: bool) -> Turn {
-        if alone { Turn::Alone(FLEETS.clone().write_owned().await) } else { Turn::Shared(FLEETS.clone().read_owned().await) }
+        if alone {
+            Turn::Alone(FLEETS.clone().write_owned().await)
+        } else {
+            Turn::Shared(FLEETS.clone().read_owned().await)
+        }
     }
 }
 
@@ -75,24 +89,59 @@ async fn fleet(latency_ms: u64, workers: usize, concurrency: usize) -> Fleet {
 }
 
 /// A fleet whose starter knows the agents in `jobs` (workers get `SUBAGENTS_JOBS_DIR` themselves).
-async fn fleet_with_jobs(latency_ms: u64, workers: usize, concurrency: usize, jobs: Option<&std::path::Path>) -> Fleet {
-    fleet_custom(MockOptions { latency: Duration::from_millis(latency_ms), ..Default::default() }, workers, concurrency, jobs, &[]).await
+async fn fleet_with_jobs(
+    latency_ms: u64,
+    workers: usize,
+    concurrency: usize,
+    jobs: Option<&std::path::Path>,
+) -> Fleet {
+    fleet_custom(
+        MockOptions {
+            latency: Duration::from_millis(latency_ms),
+            ..Default::default()
+        },
+        workers,
+        concurrency,
+        jobs,
+        &[],
+    )
+    .await
 }
 
 /// A fleet with the mock's options and extra worker environment given.
-async fn fleet_custom(options: MockOptions, workers: usize, concurrency: usize, jobs: Option<&std::path::Path>, extra: &[(&str, String)]) -> Fleet {
+async fn fleet_custom(
+    options: MockOptions,
+    workers: usize,
+    concurrency: usize,
+    jobs: Option<&std::path::Path>,
+    extra: &[(&str, String)],
+) -> Fleet {
     fleet_turn(options, workers, concurrency, jobs, extra, false).await
 }
 
 /// A fleet that runs alone among fleets (for tests that measure time).
-async fn fleet_alone(options: MockOptions, workers: usize, concurrency: usize, extra: &[(&str, String)]) -> Fleet {
+async fn fleet_alone(
+    options: MockOptions,
+    workers: usize,
+    concurrency: usize,
+    extra: &[(&str, String)],
+) -> Fleet {
     fleet_turn(options, workers, concurrency, None, extra, true).await
 }
 
-async fn fleet_turn(options: MockOptions, workers: usize, concurrency: usize, jobs: Option<&std::path::Path>, extra: &[(&str, String)], alone: bool) -> Fleet {
+async fn fleet_turn(
+    options: MockOptions,
+    workers: usize,
+    concurrency: usize,
+    jobs: Option<&std::path::Path>,
+    extra: &[(&str, String)],
+    alone: bool,
+) -> Fleet {
     let turn = Turn::take(alone).await;
     let url = fresh_postgres_database().await;
-    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), options).await.unwrap();
+    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), options)
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut settings = test_settings(dir.path(), &mock);
     settings.database_url = url.clone();
@@ -102,15 +151,33 @@ async fn fleet_turn(options: MockOptions, workers: usize, concurrency: usize, jo
     let redis = RedisServer::start();
     settings.redis_url = Some(redis.url());
     let app = App::open(settings).await.unwrap();
-    let workers = (0..workers).map(|_| worker_with(&url, &redis.url(), &mock, concurrency, extra)).collect();
-    Fleet { app, redis, mock, url, workers, _turn: turn }
+    let workers = (0..workers)
+        .map(|_| worker_with(&url, &redis.url(), &mock, concurrency, extra))
+        .collect();
+    Fleet {
+        app,
+        redis,
+        mock,
+        url,
+        workers,
+        _turn: turn,
+    }
 }
 
 async fn start_runs(f: &Fleet, n: usize, steps: u32, tag: &str) -> Vec<RunRecord> {
     let mut runs = vec![];
     for i in 0..n {
         let input = format!("Task {i}.\nSCENARIO steps={steps} tool=echo run={tag}-{i}");
-        runs.push(f.app.start_run(StartRun { agent: Some("echo".into()), input, ..Default::default() }).await.unwrap());
+        runs.push(
+            f.app
+                .start_run(StartRun {
+                    agent: Some("echo".into()),
+                    input,
+                    ..Default::default()
+                })
+                .await
+                .unwrap(),
+        );
     }
     runs
 }
@@ -121,7 +188,11 @@ async fn wait_all(f: &Fleet, runs: &[RunRecord], limit: Duration) -> Vec<RunReco
     for r in runs {
         let left = deadline.saturating_duration_since(Instant::now());
         let d = f.app.wait(r.id, left).await.unwrap().unwrap();
-        assert!(d.status.is_terminal(), "run {} not finished within {limit:?}: {d:?}", r.id);
+        assert!(
+            d.status.is_terminal(),
+            "run {} not finished within {limit:?}: {d:?}",
+            r.id
+        );
         done.push(d);
     }
     done
@@ -141,31 +212,59 @@ async fn three_workers_share_300_runs_and_run_nothing_twice() {
     }
     let served = count_served(&f.mock.state.log());
     assert_eq!(served.len(), 300 * 5);
-    assert!(served.values().all(|n| *n == 1), "a step's response was requested twice");
+    assert!(
+        served.values().all(|n| *n == 1),
+        "a step's response was requested twice"
+    );
     // The work was spread over the processes.
     let mut by_worker: HashMap<String, usize> = HashMap::new();
     for d in &done {
         let ev = f.app.store.events_after(d.id, 1, 1).await.unwrap();
-        let w = ev[0].data["worker"].as_str().unwrap().split('-').nth(1).unwrap().to_owned();
+        let w = ev[0].data["worker"]
+            .as_str()
+            .unwrap()
+            .split('-')
+            .nth(1)
+            .unwrap()
+            .to_owned();
         *by_worker.entry(w).or_default() += 1;
     }
-    assert!(by_worker.len() >= 2, "runs spread over worker processes: {by_worker:?}");
+    assert!(
+        by_worker.len() >= 2,
+        "runs spread over worker processes: {by_worker:?}"
+    );
     let _ = &f.url;
     // Every run's stream in Redis is its outbox: 1..n, no gap, no duplicate.
-    let mut c = redis::Client::open(f.redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut c = redis::Client::open(f.redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     for d in &done {
         let outbox = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
         let want: Vec<String> = outbox.iter().map(|e| format!("{}-0", e.seq)).collect();
         loop {
-            let stream: redis::streams::StreamRangeReply = redis::AsyncCommands::xrange_all(&mut c, subagents::relay::run_stream(d.id)).await.unwrap();
+            let stream: redis::streams::StreamRangeReply =
+                redis::AsyncCommands::xrange_all(&mut c, subagents::relay::run_stream(d.id))
+                    .await
+                    .unwrap();
             // Token deltas (`N-1`, `N-2`, … after durable event N) may sit between durable
             // entries when the relay was ahead of the model's stream; they are not events.
-            let ids: Vec<String> = stream.ids.iter().map(|e| e.id.clone()).filter(|id| id.ends_with("-0")).collect();
+            let ids: Vec<String> = stream
+                .ids
+                .iter()
+                .map(|e| e.id.clone())
+                .filter(|id| id.ends_with("-0"))
+                .collect();
             if ids == want {
                 break;
             }
-            assert!(Instant::now() < deadline, "run {} stream {ids:?} != outbox {want:?}", d.id);
+            assert!(
+                Instant::now() < deadline,
+                "run {} stream {ids:?} != outbox {want:?}",
+                d.id
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -181,11 +280,19 @@ async fn a_killed_workers_runs_are_finished_by_the_others() {
     'claimed: loop {
         for id in &runs {
             let ev = f.app.store.events_after(id.id, 0, 50).await.unwrap();
-            if ev.iter().any(|e| e.kind == "run.started" && e.data["worker"].as_str().is_some_and(|w| w.contains(&format!("-{pid}-")))) {
+            if ev.iter().any(|e| {
+                e.kind == "run.started"
+                    && e.data["worker"]
+                        .as_str()
+                        .is_some_and(|w| w.contains(&format!("-{pid}-")))
+            }) {
                 break 'claimed;
             }
         }
-        assert!(Instant::now() < deadline, "the first worker never claimed a run");
+        assert!(
+            Instant::now() < deadline,
+            "the first worker never claimed a run"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -203,8 +310,15 @@ async fn a_killed_workers_runs_are_finished_by_the_others() {
         assert_eq!(d.result.as_deref(), Some("DONE after 8 steps"));
         let events = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
         assert_gap_free(&events, RunStatus::Succeeded);
-        let claims: Vec<&str> = events.iter().filter(|e| e.kind == "run.started").filter_map(|e| e.data["worker"].as_str()).collect();
-        if claims.first().is_some_and(|w| w.contains(&format!("-{pid}-"))) {
+        let claims: Vec<&str> = events
+            .iter()
+            .filter(|e| e.kind == "run.started")
+            .filter_map(|e| e.data["worker"].as_str())
+            .collect();
+        if claims
+            .first()
+            .is_some_and(|w| w.contains(&format!("-{pid}-")))
+        {
             resumed += 1;
             assert!(claims.len() >= 2, "the victim's run was claimed again");
         }
@@ -214,11 +328,16 @@ async fn a_killed_workers_runs_are_finished_by_the_others() {
     let mut per_run: HashMap<String, usize> = HashMap::new();
     for (key, n) in count_served(&f.mock.state.log()) {
         if n > 1 {
-            *per_run.entry(key.split(':').next().unwrap().to_owned()).or_default() += n - 1;
+            *per_run
+                .entry(key.split(':').next().unwrap().to_owned())
+                .or_default() += n - 1;
         }
     }
     assert!(per_run.values().all(|n| *n <= 1), "{per_run:?}");
-    assert!(took < Duration::from_secs(30), "finished within lease expiry plus a few seconds: {took:?}");
+    assert!(
+        took < Duration::from_secs(30),
+        "finished within lease expiry plus a few seconds: {took:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,9 +346,12 @@ async fn dropped_database_connections_are_survived() {
     // pools) or are restarted (apalis), and no run is lost.
     let f = fleet(100, 2, 4).await;
     let runs = start_runs(&f, 16, 6, "cut").await;
-    let admin = sqlx::PgPool::connect(&std::env::var("SUBAGENTS_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()))
-        .await
-        .unwrap();
+    let admin = sqlx::PgPool::connect(
+        &std::env::var("SUBAGENTS_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
+    )
+    .await
+    .unwrap();
     let db = f.url.rsplit('/').next().unwrap().to_owned();
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -246,17 +368,30 @@ async fn dropped_database_connections_are_survived() {
     for d in &done {
         assert_eq!(d.status, RunStatus::Succeeded, "{d:?}");
         assert_eq!(d.result.as_deref(), Some("DONE after 6 steps"));
-        assert_gap_free(&f.app.store.events_after(d.id, 0, 1000).await.unwrap(), RunStatus::Succeeded);
+        assert_gap_free(
+            &f.app.store.events_after(d.id, 0, 1000).await.unwrap(),
+            RunStatus::Succeeded,
+        );
     }
 }
 
 /// When each run was first claimed at or after `since` (from its `run.started` / `run.resumed`
 /// events' commit times).
-async fn claimed_after(f: &Fleet, runs: &[RunRecord], since: chrono::DateTime<chrono::Utc>) -> Vec<(RunRecord, Option<chrono::DateTime<chrono::Utc>>)> {
+async fn claimed_after(
+    f: &Fleet,
+    runs: &[RunRecord],
+    since: chrono::DateTime<chrono::Utc>,
+) -> Vec<(RunRecord, Option<chrono::DateTime<chrono::Utc>>)> {
     let mut out = vec![];
     for r in runs {
         let events = f.app.store.events_after(r.id, 0, 10_000).await.unwrap();
-        let at = events.iter().filter(|e| matches!(e.kind.as_str(), "run.started" | "run.resumed") && e.created_at >= since).map(|e| e.created_at).next();
+        let at = events
+            .iter()
+            .filter(|e| {
+                matches!(e.kind.as_str(), "run.started" | "run.resumed") && e.created_at >= since
+            })
+            .map(|e| e.created_at)
+            .next();
         out.push((f.app.store.get_run(r.id).await.unwrap().unwrap(), at));
     }
     out
@@ -292,17 +427,33 @@ async fn a_dead_workers_fetched_runs_start_within_the_lease() {
     // the worker died.
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let died_at = chrono::Utc::now();
-    f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 8, &[("SUBAGENTS_REAP_MS", "250".to_owned())]));
+    f.workers.push(worker_with(
+        &f.url,
+        &f.redis.url(),
+        &f.mock,
+        8,
+        &[("SUBAGENTS_REAP_MS", "250".to_owned())],
+    ));
     let done = wait_all(&f, &runs, Duration::from_secs(60)).await;
-    assert!(done.iter().all(|d| d.status == RunStatus::Succeeded), "{done:?}");
+    assert!(
+        done.iter().all(|d| d.status == RunStatus::Succeeded),
+        "{done:?}"
+    );
     let ttl = chrono::Duration::milliseconds(2000);
     let mut worst = chrono::Duration::zero();
     for (run, claimed) in claimed_after(&f, &runs, died_at).await {
         let waited = claimed.expect("claimed after the death") - died_at;
         worst = worst.max(waited);
-        assert!(waited <= ttl + chrono::Duration::milliseconds(1000), "run {} waited {waited} after its worker died", run.id);
+        assert!(
+            waited <= ttl + chrono::Duration::milliseconds(1000),
+            "run {} waited {waited} after its worker died",
+            run.id
+        );
     }
-    println!("every run whose job a dead worker had fetched was started within {} ms (lease TTL 2000 ms)", worst.num_milliseconds());
+    println!(
+        "every run whose job a dead worker had fetched was started within {} ms (lease TTL 2000 ms)",
+        worst.num_milliseconds()
+    );
 }
 
 /// What a draining worker hands back: the queued runs whose current job it fetched and never
@@ -322,7 +473,11 @@ async fn a_draining_worker_finds_the_runs_it_fetched_and_never_started() {
     }
     // Runs 0 and 1 fetched by the drainer (one `Queued`, one `Running` in apalis's terms), run 2
     // by another worker, runs 3 and 4 still free.
-    for (i, worker, status) in [(0, "drainer", "Queued"), (1, "drainer", "Running"), (2, "other", "Queued")] {
+    for (i, worker, status) in [
+        (0, "drainer", "Queued"),
+        (1, "drainer", "Running"),
+        (2, "other", "Queued"),
+    ] {
         sqlx::query("UPDATE apalis.jobs SET status = $1, lock_by = $2, lock_at = now() WHERE id = (SELECT job_id FROM sa_runs WHERE id = $3)")
             .bind(status)
             .bind(worker)
@@ -336,8 +491,18 @@ async fn a_draining_worker_finds_the_runs_it_fetched_and_never_started() {
     let mut want = vec![runs[0].id, runs[1].id];
     want.sort();
     assert_eq!(found, want);
-    assert_eq!(f.app.store.fetched_not_started("other").await.unwrap(), vec![runs[2].id]);
-    assert!(f.app.store.fetched_not_started("nobody").await.unwrap().is_empty());
+    assert_eq!(
+        f.app.store.fetched_not_started("other").await.unwrap(),
+        vec![runs[2].id]
+    );
+    assert!(
+        f.app
+            .store
+            .fetched_not_started("nobody")
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 /// Delegation in a fleet under SIGKILL: parents awaiting four children each, workers killed at
@@ -347,7 +512,11 @@ async fn parents_and_children_survive_random_kills() {
     use rand::Rng;
     use subagents::model::mock::Script;
     let jobs = tempfile::tempdir().unwrap();
-    std::fs::write(jobs.path().join("fleet-parent.md"), "---\nname: fleet-parent\ndescription: parent\n---\nDelegate. MOCK:fleet-parent\n").unwrap();
+    std::fs::write(
+        jobs.path().join("fleet-parent.md"),
+        "---\nname: fleet-parent\ndescription: parent\n---\nDelegate. MOCK:fleet-parent\n",
+    )
+    .unwrap();
     let mut f = fleet_with_jobs(150, 0, 1, Some(jobs.path())).await;
     let starts = (1..=4)
         .map(|i| subagents::model::mock::ScriptCall {
@@ -355,22 +524,42 @@ async fn parents_and_children_survive_random_kills() {
             arguments: serde_json::json!({"description": format!("Part {i}.\nSCENARIO steps=4 run=part{i}"), "subagent": "general-purpose"}),
         })
         .collect();
-    let await_all = subagents::model::mock::ScriptCall { name: "subagent_await".into(), arguments: serde_json::json!({"run_ids": "{{all:run_id}}"}) };
+    let await_all = subagents::model::mock::ScriptCall {
+        name: "subagent_await".into(),
+        arguments: serde_json::json!({"run_ids": "{{all:run_id}}"}),
+    };
     f.mock.state.set_script(Script::from([(
         "fleet-parent".to_owned(),
         vec![
-            subagents::model::mock::Turn { content: None, tool_calls: starts },
-            subagents::model::mock::Turn { content: None, tool_calls: vec![await_all] },
-            subagents::model::mock::Turn { content: Some("all parts done".into()), tool_calls: vec![] },
+            subagents::model::mock::Turn {
+                content: None,
+                tool_calls: starts,
+            },
+            subagents::model::mock::Turn {
+                content: None,
+                tool_calls: vec![await_all],
+            },
+            subagents::model::mock::Turn {
+                content: Some("all parts done".into()),
+                tool_calls: vec![],
+            },
         ],
     )]));
-    let env = [("SUBAGENTS_JOBS_DIR", jobs.path().display().to_string()), ("SUBAGENTS_REAP_MS", "250".to_owned())];
+    let env = [
+        ("SUBAGENTS_JOBS_DIR", jobs.path().display().to_string()),
+        ("SUBAGENTS_REAP_MS", "250".to_owned()),
+    ];
     for _ in 0..3 {
-        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &env));
+        f.workers
+            .push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &env));
     }
     let mut parents = vec![];
     for i in 0..6 {
-        let req = StartRun { agent: Some("fleet-parent".into()), input: format!("Job {i}."), ..Default::default() };
+        let req = StartRun {
+            agent: Some("fleet-parent".into()),
+            input: format!("Job {i}."),
+            ..Default::default()
+        };
         parents.push(f.app.start_run(req).await.unwrap());
     }
     let mut rng = rand::rng();
@@ -380,7 +569,8 @@ async fn parents_and_children_survive_random_kills() {
         let mut victim = f.workers.remove(i);
         victim.kill().unwrap();
         victim.wait().unwrap();
-        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &env));
+        f.workers
+            .push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &env));
     }
     let done = wait_all(&f, &parents, Duration::from_secs(120)).await;
     let mut crashes = 0;
@@ -392,12 +582,20 @@ async fn parents_and_children_survive_random_kills() {
         for k in &kids {
             assert_eq!(k.status, RunStatus::Succeeded, "{k:?}");
             crashes += k.crashes;
-            assert_gap_free(&f.app.store.events_after(k.id, 0, 1000).await.unwrap(), RunStatus::Succeeded);
+            assert_gap_free(
+                &f.app.store.events_after(k.id, 0, 1000).await.unwrap(),
+                RunStatus::Succeeded,
+            );
         }
         crashes += p.crashes;
-        assert_gap_free(&f.app.store.events_after(p.id, 0, 1000).await.unwrap(), RunStatus::Succeeded);
+        assert_gap_free(
+            &f.app.store.events_after(p.id, 0, 1000).await.unwrap(),
+            RunStatus::Succeeded,
+        );
     }
-    println!("6 parents x 4 children finished through 4 kills ({crashes} runs reclaimed after a crash)");
+    println!(
+        "6 parents x 4 children finished through 4 kills ({crashes} runs reclaimed after a crash)"
+    );
 }
 
 /// Hole 10: a rolling restart. Every worker is SIGTERMed in turn under load and replaced; the
@@ -411,19 +609,32 @@ async fn a_rolling_restart_abandons_no_step() {
     // not happen shows as a resume far later than the second allowed below.
     // A grace far above a step's 300 ms: a loaded machine (the whole suite on two cores) must not
     // turn a drain into a cut.
-    let env = [("SUBAGENTS_DRAIN_GRACE", "20".to_owned()), ("SUBAGENTS_LEASE_TTL", "10".to_owned())];
+    let env = [
+        ("SUBAGENTS_DRAIN_GRACE", "20".to_owned()),
+        ("SUBAGENTS_LEASE_TTL", "10".to_owned()),
+    ];
     for _ in 0..2 {
-        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
+        f.workers
+            .push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
     }
     let runs = start_runs(&f, 12, 8, "rolling").await;
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(700)).await;
         let mut old = f.workers.remove(0);
         // Its replacement first, as a rolling deploy does.
-        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
-        Command::new("kill").args(["-TERM", &old.id().to_string()]).status().unwrap();
-        let status = tokio::task::spawn_blocking(move || old.wait().unwrap()).await.unwrap();
-        assert!(status.success(), "a drained worker exits cleanly: {status:?}");
+        f.workers
+            .push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
+        Command::new("kill")
+            .args(["-TERM", &old.id().to_string()])
+            .status()
+            .unwrap();
+        let status = tokio::task::spawn_blocking(move || old.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(
+            status.success(),
+            "a drained worker exits cleanly: {status:?}"
+        );
     }
     let done = wait_all(&f, &runs, Duration::from_secs(90)).await;
     let mut released = 0;
@@ -438,10 +649,25 @@ async fn a_rolling_restart_abandons_no_step() {
             // the attempts, with their commit times).
             let claims: Vec<String> = events
                 .iter()
-                .filter(|e| matches!(e.kind.as_str(), "run.started" | "run.resumed" | "run.waiting" | "step.started"))
-                .map(|e| format!("{} {}{}", e.created_at.format("%H:%M:%S%.3f"), e.kind, e.data))
+                .filter(|e| {
+                    matches!(
+                        e.kind.as_str(),
+                        "run.started" | "run.resumed" | "run.waiting" | "step.started"
+                    )
+                })
+                .map(|e| {
+                    format!(
+                        "{} {}{}",
+                        e.created_at.format("%H:%M:%S%.3f"),
+                        e.kind,
+                        e.data
+                    )
+                })
                 .collect();
-            panic!("a drain is not a crash, yet run {} counted {} crashes; its claims and steps: {claims:#?}", d.id, d.crashes);
+            panic!(
+                "a drain is not a crash, yet run {} counted {} crashes; its claims and steps: {claims:#?}",
+                d.id, d.crashes
+            );
         }
         assert_gap_free(&events, RunStatus::Succeeded);
         for pair in events.windows(2) {
@@ -452,37 +678,69 @@ async fn a_rolling_restart_abandons_no_step() {
                 // Pushed at once by the release, not found by the reaper after the 10 s lease:
                 // half the lease tells the two apart on a loaded machine (1.02 s was seen with
                 // the whole suite on two cores).
-                assert!(gap <= chrono::Duration::milliseconds(5000), "run {} was released and resumed {gap} later", d.id);
+                assert!(
+                    gap <= chrono::Duration::milliseconds(5000),
+                    "run {} was released and resumed {gap} later",
+                    d.id
+                );
             }
         }
     }
     assert!(released > 0, "the restarts released runs");
     let log = f.mock.state.log();
     let served = count_served(&log);
-    let twice: Vec<&String> = served.iter().filter(|(_, n)| **n > 1).map(|(k, _)| k).collect();
+    let twice: Vec<&String> = served
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(k, _)| k)
+        .collect();
     if !twice.is_empty() {
         // Say how it happened: asked twice within one attempt (the model client retried) or
         // across a release (the step was cut), with the run's events around it.
         let mut why = String::new();
         for key in &twice {
-            let asks: Vec<_> = log.iter().filter(|e| &e.step_key == *key).map(|e| (e.status, e.messages)).collect();
-            let run = runs.iter().find(|r| key.starts_with(&r.id.to_string())).map(|r| r.id);
+            let asks: Vec<_> = log
+                .iter()
+                .filter(|e| &e.step_key == *key)
+                .map(|e| (e.status, e.messages))
+                .collect();
+            let run = runs
+                .iter()
+                .find(|r| key.starts_with(&r.id.to_string()))
+                .map(|r| r.id);
             let events = match run {
-                Some(r) => f.app.store.events_after(r, 0, 1000).await.unwrap().iter().map(|e| format!("{}{}", e.kind, e.data)).collect::<Vec<_>>(),
+                Some(r) => f
+                    .app
+                    .store
+                    .events_after(r, 0, 1000)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|e| format!("{}{}", e.kind, e.data))
+                    .collect::<Vec<_>>(),
                 None => vec![],
             };
-            why.push_str(&format!("\n{key}: asked {asks:?} (status, messages); events: {events:?}"));
+            why.push_str(&format!(
+                "\n{key}: asked {asks:?} (status, messages); events: {events:?}"
+            ));
         }
         panic!("a step was asked for twice:{why}");
     }
-    println!("12 runs through 4 rolling restarts: {released} releases, every step served once, released runs resumed within {} ms", worst.num_milliseconds());
+    println!(
+        "12 runs through 4 rolling restarts: {released} releases, every step served once, released runs resumed within {} ms",
+        worst.num_milliseconds()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_shares_a_model_rate_limit_and_provokes_no_429() {
     // The provider allows 8 requests in any 2 s; the workers are told the same (a minute
     // shortened to 2 s), each on its own, sharing the budget through the database.
-    let options = MockOptions { latency: Duration::from_millis(20), rate_limit: Some((8, Duration::from_secs(2))), ..Default::default() };
+    let options = MockOptions {
+        latency: Duration::from_millis(20),
+        rate_limit: Some((8, Duration::from_secs(2))),
+        ..Default::default()
+    };
     let extra = [
         ("SUBAGENTS_MODEL_LIMITS", "mock-model:rpm=8".to_owned()),
         ("SUBAGENTS_RATE_WINDOW_MS", "2000".to_owned()),
@@ -507,10 +765,15 @@ async fn a_fleet_shares_a_model_rate_limit_and_provokes_no_429() {
     for d in &done {
         let events = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
         assert_gap_free(&events, RunStatus::Succeeded);
-        parked += events.iter().filter(|e| e.kind == "run.waiting" && e.data["waiting_on"] == "rate_limit").count();
+        parked += events
+            .iter()
+            .filter(|e| e.kind == "run.waiting" && e.data["waiting_on"] == "rate_limit")
+            .count();
     }
     assert!(parked > 0, "runs waited for budget visibly");
-    println!("36 model calls at 8 per 2 s over 3 workers: {took:?}, {parked} parks for budget, 0 refused");
+    println!(
+        "36 model calls at 8 per 2 s over 3 workers: {took:?}, {parked} parks for budget, 0 refused"
+    );
 }
 
 /// An owner's own budget (the keys file's `rpm=`), held in Redis: the fleet sends no more of
@@ -520,10 +783,27 @@ async fn a_fleet_shares_a_model_rate_limit_and_provokes_no_429() {
 async fn an_owners_budget_held_in_redis_holds_the_fleet_to_it() {
     // The provider allows 12 requests in any 2 s; the owner `metered` may make 6 per 2 s, the
     // owner `free` as many as it likes.
-    let options = MockOptions { latency: Duration::from_millis(20), rate_limit: Some((12, Duration::from_secs(2))), ..Default::default() };
-    let extra = [("SUBAGENTS_RATE_WINDOW_MS", "2000".to_owned()), ("SUBAGENTS_REAP_MS", "100".to_owned())];
+    let options = MockOptions {
+        latency: Duration::from_millis(20),
+        rate_limit: Some((12, Duration::from_secs(2))),
+        ..Default::default()
+    };
+    let extra = [
+        ("SUBAGENTS_RATE_WINDOW_MS", "2000".to_owned()),
+        ("SUBAGENTS_REAP_MS", "100".to_owned()),
+    ];
     let f = fleet_alone(options, 3, 4, &extra).await;
-    f.app.store.set_owner_budgets(&[("metered".to_owned(), subagents::store::OwnerBudget { rpm: Some(6), tpm: None })]).await.unwrap();
+    f.app
+        .store
+        .set_owner_budgets(&[(
+            "metered".to_owned(),
+            subagents::store::OwnerBudget {
+                rpm: Some(6),
+                tpm: None,
+            },
+        )])
+        .await
+        .unwrap();
     let t0 = Instant::now();
     let runs = start_owned(&f, "metered", 8, 3, "owner-budget").await;
     let free = start_owned(&f, "free", 1, 2, "owner-budget-free").await;
@@ -535,29 +815,51 @@ async fn an_owners_budget_held_in_redis_holds_the_fleet_to_it() {
     // The count is in Redis (its window has not ended yet), none of it in the database.
     let client = redis::Client::open(f.redis.url()).unwrap();
     let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let held: i64 = redis::cmd("ZCARD").arg("subagents:budget:owner:metered").query_async(&mut c).await.unwrap();
+    let held: i64 = redis::cmd("ZCARD")
+        .arg("subagents:budget:owner:metered")
+        .query_async(&mut c)
+        .await
+        .unwrap();
     assert!(held >= 1, "the budget's log is in Redis");
     let pool = sqlx::PgPool::connect(&f.url).await.unwrap();
-    let in_db: i64 = sqlx::query_scalar("SELECT count(*) FROM sa_rate_log").fetch_one(&pool).await.unwrap();
-    assert_eq!(in_db, 0, "nothing counted in the database while Redis is up");
+    let in_db: i64 = sqlx::query_scalar("SELECT count(*) FROM sa_rate_log")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        in_db, 0,
+        "nothing counted in the database while Redis is up"
+    );
     // 24 calls at 6 per 2 s take at least 6 s: the budget held them back.
     assert!(took >= Duration::from_secs(6), "{took:?}");
     let mut parked = 0;
     for d in &done {
         let events = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
         assert_gap_free(&events, RunStatus::Succeeded);
-        parked += events.iter().filter(|e| e.kind == "run.waiting" && e.data["waiting_on"] == "rate_limit").count();
+        parked += events
+            .iter()
+            .filter(|e| e.kind == "run.waiting" && e.data["waiting_on"] == "rate_limit")
+            .count();
     }
     assert!(parked > 0, "runs waited for the owner's budget visibly");
     // The other owner was never held back by it.
     let d = wait_all(&f, &free, Duration::from_secs(30)).await;
     assert_eq!(d[0].status, RunStatus::Succeeded);
     let events = f.app.store.events_after(d[0].id, 0, 1000).await.unwrap();
-    assert!(!events.iter().any(|e| e.kind == "run.waiting"), "{events:?}");
+    assert!(
+        !events.iter().any(|e| e.kind == "run.waiting"),
+        "{events:?}"
+    );
     let log = f.mock.state.log();
-    assert_eq!(log.iter().filter(|e| e.status == 429).count(), 0, "no request went over the provider's limit");
+    assert_eq!(
+        log.iter().filter(|e| e.status == 429).count(),
+        0,
+        "no request went over the provider's limit"
+    );
     assert_eq!(log.iter().filter(|e| e.status == 200).count(), 26);
-    println!("24 calls of one owner at 6 per 2 s over 3 workers: {took:?}, {parked} parks, 0 refused, counted in Redis");
+    println!(
+        "24 calls of one owner at 6 per 2 s over 3 workers: {took:?}, {parked} parks, 0 refused, counted in Redis"
+    );
 }
 
 /// The provider's own signals, with the workers told no limit for the model at all: its
@@ -565,7 +867,11 @@ async fn an_owners_budget_held_in_redis_holds_the_fleet_to_it() {
 /// succeeds, and the provider refuses few requests (only those already on their way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_providers_rate_limit_headers_hold_the_fleet_back() {
-    let options = MockOptions { latency: Duration::from_millis(20), rate_limit: Some((6, Duration::from_secs(2))), ..Default::default() };
+    let options = MockOptions {
+        latency: Duration::from_millis(20),
+        rate_limit: Some((6, Duration::from_secs(2))),
+        ..Default::default()
+    };
     let extra = [
         // The workers are told no limit at all; the provider allows 6 in any 2 s and says so
         // in its headers.
@@ -578,7 +884,11 @@ async fn the_providers_rate_limit_headers_hold_the_fleet_back() {
     let done = wait_all(&f, &runs, Duration::from_secs(120)).await;
     let took = t0.elapsed();
     for d in &done {
-        assert_eq!(d.status, RunStatus::Succeeded, "a 429 parks the run, it does not fail it: {d:?}");
+        assert_eq!(
+            d.status,
+            RunStatus::Succeeded,
+            "a 429 parks the run, it does not fail it: {d:?}"
+        );
     }
     let log = f.mock.state.log();
     let refused = log.iter().filter(|e| e.status == 429).count();
@@ -586,23 +896,41 @@ async fn the_providers_rate_limit_headers_hold_the_fleet_back() {
     let mut parked = 0;
     for d in &done {
         let events = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
-        parked += events.iter().filter(|e| e.kind == "run.waiting" && e.data["waiting_on"] == "rate_limit").count();
+        parked += events
+            .iter()
+            .filter(|e| e.kind == "run.waiting" && e.data["waiting_on"] == "rate_limit")
+            .count();
     }
-    println!("36 calls, provider limit 6 per 2 s, workers told no limit: {took:?}, {refused} refused, {parked} parks");
+    println!(
+        "36 calls, provider limit 6 per 2 s, workers told no limit: {took:?}, {refused} refused, {parked} parks"
+    );
     assert!(parked > 0, "runs waited for the provider's budget");
     // When only the refused run parked (before the block was shared) the same setup saw 40
     // refusals; shared, 6 to 18 in eight runs alone: the calls already on their way when a
     // window filled, and those of workers that read the block up to 200 ms before it was set
     // (a model with no configured limit has its block read at most five times a second per
     // process). Under the whole suite's load the block reaches the workers later: 25 once.
-    assert!(refused <= 30, "{refused} refused: the headers did not hold the fleet back");
+    assert!(
+        refused <= 30,
+        "{refused} refused: the headers did not hold the fleet back"
+    );
 }
 
 async fn start_owned(f: &Fleet, owner: &str, n: usize, steps: u32, tag: &str) -> Vec<RunRecord> {
     let mut runs = vec![];
     for i in 0..n {
         let input = format!("Task {i}.\nSCENARIO steps={steps} tool=echo run={tag}-{i}");
-        runs.push(f.app.start_run(StartRun { agent: Some("echo".into()), input, owner: Some(owner.into()), ..Default::default() }).await.unwrap());
+        runs.push(
+            f.app
+                .start_run(StartRun {
+                    agent: Some("echo".into()),
+                    input,
+                    owner: Some(owner.into()),
+                    ..Default::default()
+                })
+                .await
+                .unwrap(),
+        );
     }
     runs
 }
@@ -617,23 +945,61 @@ async fn a_small_owner_is_not_stuck_behind_a_large_one() {
     // The big owner's runs are all queued before the workers start: enqueueing 2,000 one by one
     // on a loaded machine took as long as the fleet needs to run them, and the queue was
     // nearly empty by the time the small owner came (seen: 90 left).
-    let mut f = fleet_alone(MockOptions { latency: Duration::from_millis(100), ..Default::default() }, 0, 4, &[]).await;
+    let mut f = fleet_alone(
+        MockOptions {
+            latency: Duration::from_millis(100),
+            ..Default::default()
+        },
+        0,
+        4,
+        &[],
+    )
+    .await;
     let big = start_owned(&f, "big", 2000, 2, "big").await;
     for _ in 0..3 {
-        f.workers.push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &[]));
+        f.workers
+            .push(worker_with(&f.url, &f.redis.url(), &f.mock, 4, &[]));
     }
     // The workers are up (the first big run started) before the small owner arrives, so its
     // wait is the queue's, not the workers' start.
     let up = Instant::now() + Duration::from_secs(60);
-    while f.app.store.get_run(big[0].id).await.unwrap().unwrap().started_at.is_none() {
+    while f
+        .app
+        .store
+        .get_run(big[0].id)
+        .await
+        .unwrap()
+        .unwrap()
+        .started_at
+        .is_none()
+    {
         assert!(Instant::now() < up, "the workers never started a run");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let queued = f.app.store.list_runs("big", &RunFilter { status: vec![RunStatus::Queued], ..Default::default() }, 100).await.unwrap().len();
-    assert_eq!(queued, 100, "the big owner has a deep queue when the small one arrives");
+    let queued = f
+        .app
+        .store
+        .list_runs(
+            "big",
+            &RunFilter {
+                status: vec![RunStatus::Queued],
+                ..Default::default()
+            },
+            100,
+        )
+        .await
+        .unwrap()
+        .len();
+    assert_eq!(
+        queued, 100,
+        "the big owner has a deep queue when the small one arrives"
+    );
     let small = start_owned(&f, "small", 10, 2, "small").await;
     let position = f.app.store.queue_position(small[9].id).await.unwrap();
-    assert!(position < 40, "the small owner's last run is near the front, not behind 2,000: {position}");
+    assert!(
+        position < 40,
+        "the small owner's last run is near the front, not behind 2,000: {position}"
+    );
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut waits = vec![];
     for r in &small {
@@ -643,13 +1009,23 @@ async fn a_small_owner_is_not_stuck_behind_a_large_one() {
                 waits.push((started - now.created_at).to_std().unwrap_or_default());
                 break;
             }
-            assert!(Instant::now() < deadline, "run {} of the small owner never started", r.id);
+            assert!(
+                Instant::now() < deadline,
+                "run {} of the small owner never started",
+                r.id
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
     waits.sort();
-    println!("small owner's runs started after {:?} (median) .. {:?} (worst), with 2,000 of the big owner's queued", waits[5], waits[9]);
-    assert!(waits[9] <= Duration::from_secs(1), "every run of the small owner starts within a second: {waits:?}");
+    println!(
+        "small owner's runs started after {:?} (median) .. {:?} (worst), with 2,000 of the big owner's queued",
+        waits[5], waits[9]
+    );
+    assert!(
+        waits[9] <= Duration::from_secs(1),
+        "every run of the small owner starts within a second: {waits:?}"
+    );
 }
 
 /// SUBAGENTS_OWNER_CONCURRENCY: an owner's runs never hold more worker slots than its limit,
@@ -657,7 +1033,10 @@ async fn a_small_owner_is_not_stuck_behind_a_large_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owners_runs_never_take_more_slots_than_its_limit() {
     let f = fleet_custom(
-        MockOptions { latency: Duration::from_millis(150), ..Default::default() },
+        MockOptions {
+            latency: Duration::from_millis(150),
+            ..Default::default()
+        },
         3,
         4,
         None,
@@ -671,10 +1050,36 @@ async fn an_owners_runs_never_take_more_slots_than_its_limit() {
     loop {
         let mut open = 0;
         for owner in ["a", "b"] {
-            let running = f.app.store.list_runs(owner, &RunFilter { status: vec![RunStatus::Running], ..Default::default() }, 100).await.unwrap().len();
+            let running = f
+                .app
+                .store
+                .list_runs(
+                    owner,
+                    &RunFilter {
+                        status: vec![RunStatus::Running],
+                        ..Default::default()
+                    },
+                    100,
+                )
+                .await
+                .unwrap()
+                .len();
             let m = most.entry(owner).or_default();
             *m = (*m).max(running);
-            open += f.app.store.list_runs(owner, &RunFilter { status: vec![RunStatus::Queued, RunStatus::Running], ..Default::default() }, 100).await.unwrap().len();
+            open += f
+                .app
+                .store
+                .list_runs(
+                    owner,
+                    &RunFilter {
+                        status: vec![RunStatus::Queued, RunStatus::Running],
+                        ..Default::default()
+                    },
+                    100,
+                )
+                .await
+                .unwrap()
+                .len();
         }
         if open == 0 {
             break;
@@ -688,11 +1093,23 @@ async fn an_owners_runs_never_take_more_slots_than_its_limit() {
     // Held-back runs waited as queued: no job failed on the way (a failed job is retried by
     // apalis, which would hide an error here).
     let pool = sqlx::PgPool::connect(&f.url).await.unwrap();
-    let failed: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM apalis.jobs WHERE status = 'Failed'").fetch_one(&pool).await.unwrap();
+    let failed: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM apalis.jobs WHERE status = 'Failed'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(failed, 0, "no job failed");
-    let deferred: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM apalis.jobs").fetch_one(&pool).await.unwrap();
-    assert!(deferred > 16, "runs over the limit were pushed again ({deferred} jobs for 16 runs)");
-    println!("most running at once: {most:?} (limit 2 per owner, 12 slots); {deferred} jobs for 16 runs");
+    let deferred: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM apalis.jobs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        deferred > 16,
+        "runs over the limit were pushed again ({deferred} jobs for 16 runs)"
+    );
+    println!(
+        "most running at once: {most:?} (limit 2 per owner, 12 slots); {deferred} jobs for 16 runs"
+    );
     assert_eq!(most["a"], 2, "owner a used its two slots and no more");
     assert_eq!(most["b"], 2, "owner b too");
 }

@@ -11,8 +11,16 @@ use subagents::store::RunStatus;
 
 use crate::support::*;
 
-fn worker(dir: &std::path::Path, mock: &MockServer, journal: &std::path::Path) -> std::process::Child {
-    spawn_worker(dir, mock, &[("SUBAGENTS_TOOL_JOURNAL", journal.display().to_string())])
+fn worker(
+    dir: &std::path::Path,
+    mock: &MockServer,
+    journal: &std::path::Path,
+) -> std::process::Child {
+    spawn_worker(
+        dir,
+        mock,
+        &[("SUBAGENTS_TOOL_JOURNAL", journal.display().to_string())],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -20,12 +28,24 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
     let journal = dir.path().join("journal.tsv");
-    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: Duration::from_millis(250), ..Default::default() })
-        .await
-        .unwrap();
+    let mock = MockServer::start(
+        ([127, 0, 0, 1], 0).into(),
+        MockOptions {
+            latency: Duration::from_millis(250),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let settings = test_settings(dir.path(), &mock);
     let app = App::open(settings).await.unwrap();
-    let run = app.start_run(StartRun { input: "Long task.\nSCENARIO steps=10 tool=echo".into(), ..Default::default() }).await.unwrap();
+    let run = app
+        .start_run(StartRun {
+            input: "Long task.\nSCENARIO steps=10 tool=echo".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
 
     let mut first = worker(dir.path(), &mock, &journal);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -40,35 +60,73 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
     first.kill().unwrap(); // SIGKILL
     first.wait().unwrap();
     let at_kill = app.store.get_run(run.id).await.unwrap().unwrap();
-    assert_eq!(at_kill.status, RunStatus::Running, "the dead worker's run is still running (lease pending expiry)");
+    assert_eq!(
+        at_kill.status,
+        RunStatus::Running,
+        "the dead worker's run is still running (lease pending expiry)"
+    );
     let committed_steps = at_kill.step;
-    let committed_msgs = app.store.thread_messages(&run.thread_id, 100_000).await.unwrap();
+    let committed_msgs = app
+        .store
+        .thread_messages(&run.thread_id, 100_000)
+        .await
+        .unwrap();
 
     let mut second = worker(dir.path(), &mock, &journal);
-    let done = app.wait(run.id, Duration::from_secs(60)).await.unwrap().unwrap();
+    let done = app
+        .wait(run.id, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
     second.kill().unwrap();
     second.wait().unwrap();
 
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_eq!(done.result.as_deref(), Some("DONE after 10 steps"));
     assert_eq!(done.step, 10);
-    assert_eq!(done.attempts, 2, "claimed by the killed worker, then by the new one");
+    assert_eq!(
+        done.attempts, 2,
+        "claimed by the killed worker, then by the new one"
+    );
 
     // Every message committed before the kill is still there, unchanged, in the same place.
-    let msgs = app.store.thread_messages(&run.thread_id, 100_000).await.unwrap();
+    let msgs = app
+        .store
+        .thread_messages(&run.thread_id, 100_000)
+        .await
+        .unwrap();
     assert_eq!(&msgs[..committed_msgs.len()], &committed_msgs[..]);
-    assert_eq!(msgs.iter().filter(|m| matches!(m.message, Message::Assistant { .. })).count(), 10);
-    assert_eq!(msgs.iter().filter(|m| matches!(m.message, Message::Tool { .. })).count(), 9);
+    assert_eq!(
+        msgs.iter()
+            .filter(|m| matches!(m.message, Message::Assistant { .. }))
+            .count(),
+        10
+    );
+    assert_eq!(
+        msgs.iter()
+            .filter(|m| matches!(m.message, Message::Tool { .. }))
+            .count(),
+        9
+    );
 
     // No committed model response was requested again: only the step in flight at the kill
     // (committed_steps + 1) may have been answered twice.
     let served = count_served(&mock.state.log());
     for step in 1..=10u32 {
-        let n = served.get(&format!("{}:{step}", run.id)).copied().unwrap_or(0);
+        let n = served
+            .get(&format!("{}:{step}", run.id))
+            .copied()
+            .unwrap_or(0);
         if step == committed_steps + 1 {
-            assert!((1..=2).contains(&n), "in-flight step {step} served {n} times");
+            assert!(
+                (1..=2).contains(&n),
+                "in-flight step {step} served {n} times"
+            );
         } else {
-            assert_eq!(n, 1, "step {step} served {n} times (committed before the kill: {committed_steps})");
+            assert_eq!(
+                n, 1,
+                "step {step} served {n} times (committed before the kill: {committed_steps})"
+            );
         }
     }
 
@@ -77,13 +135,17 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
     let committed_keys: Vec<String> = committed_msgs
         .iter()
         .filter_map(|m| match &m.message {
-            Message::Tool { tool_call_id, .. } => Some(format!("{}:{}:{}", run.id, m.step, tool_call_id)),
+            Message::Tool { tool_call_id, .. } => {
+                Some(format!("{}:{}:{}", run.id, m.step, tool_call_id))
+            }
             _ => None,
         })
         .collect();
     let mut runs: HashMap<String, usize> = HashMap::new();
     for line in std::fs::read_to_string(&journal).unwrap().lines() {
-        *runs.entry(line.split('\t').next().unwrap().to_owned()).or_default() += 1;
+        *runs
+            .entry(line.split('\t').next().unwrap().to_owned())
+            .or_default() += 1;
     }
     assert_eq!(runs.len(), 9, "every call executed: {runs:?}");
     for (key, n) in &runs {
@@ -93,5 +155,8 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
             assert!(*n <= 2, "{key} ran {n} times");
         }
     }
-    assert_gap_free(&app.store.events_after(run.id, 0, 10_000).await.unwrap(), RunStatus::Succeeded);
+    assert_gap_free(
+        &app.store.events_after(run.id, 0, 10_000).await.unwrap(),
+        RunStatus::Succeeded,
+    );
 }

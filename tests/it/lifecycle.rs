@@ -16,16 +16,34 @@ use crate::support::*;
 /// No reaper: a run that is not woken by the designed path stays stuck.
 const NO_REAPER_MS: u64 = 3_600_000;
 
-async fn scripted(agents: Vec<(&str, Vec<subagents::model::mock::Turn>)>, tweak: impl FnOnce(&mut subagents::config::Settings) + 'static) -> TestApp {
+async fn scripted(
+    agents: Vec<(&str, Vec<subagents::model::mock::Turn>)>,
+    tweak: impl FnOnce(&mut subagents::config::Settings) + 'static,
+) -> TestApp {
     let jobs = agents.iter().map(|(name, _)| parent_job(name)).collect();
-    let t = spawn_app_with(Options { jobs, tweak: Box::new(tweak), ..Default::default() }).await;
-    t.mock.state.set_script(Script::from_iter(agents.into_iter().map(|(n, turns)| (n.to_owned(), turns))));
+    let t = spawn_app_with(Options {
+        jobs,
+        tweak: Box::new(tweak),
+        ..Default::default()
+    })
+    .await;
+    t.mock.state.set_script(Script::from_iter(
+        agents.into_iter().map(|(n, turns)| (n.to_owned(), turns)),
+    ));
     t
 }
 
-async fn wait_for(t: &TestApp, run: subagents::ids::RunId, within: Duration) -> subagents::store::RunRecord {
+async fn wait_for(
+    t: &TestApp,
+    run: subagents::ids::RunId,
+    within: Duration,
+) -> subagents::store::RunRecord {
     let r = t.app.wait(run, within).await.unwrap().unwrap();
-    assert!(r.status.is_terminal(), "run {run} is stuck in {:?} after {within:?}: {r:?}", r.status);
+    assert!(
+        r.status.is_terminal(),
+        "run {run} is stuck in {:?} after {within:?}: {r:?}",
+        r.status
+    );
     r
 }
 
@@ -36,7 +54,10 @@ async fn a_child_ending_while_its_parent_parks_still_wakes_it() {
     // The parent is held just before its park commit until the test has seen the child end.
     let gate = tempfile::tempdir().unwrap();
     let go = gate.path().join("go");
-    let points = format!("before_park_commit=wait({}),after_park_commit=sleep(1200)", go.display());
+    let points = format!(
+        "before_park_commit=wait({}),after_park_commit=sleep(1200)",
+        go.display()
+    );
     let t = scripted(
         vec![("p-race", vec![calls(vec![call("task", json!({"description": "Quick.\nSCENARIO steps=1 run=race", "subagent": "general-purpose"}))]), say("parent done")])],
         move |s| {
@@ -48,14 +69,32 @@ async fn a_child_ending_while_its_parent_parks_still_wakes_it() {
     let parent = start_parent(&t, "p-race").await;
     let deadline = Instant::now() + Duration::from_secs(30);
     let child = loop {
-        if let Some(c) = t.app.store.children(parent.id).await.unwrap().into_iter().find(|c| c.status.is_terminal()) {
+        if let Some(c) = t
+            .app
+            .store
+            .children(parent.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|c| c.status.is_terminal())
+        {
             break c;
         }
         assert!(Instant::now() < deadline, "the child never ended");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert_eq!(child.status, RunStatus::Succeeded);
-    assert_eq!(t.app.store.get_run(parent.id).await.unwrap().unwrap().status, RunStatus::Running, "the parent has not parked yet");
+    assert_eq!(
+        t.app
+            .store
+            .get_run(parent.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        RunStatus::Running,
+        "the parent has not parked yet"
+    );
     std::fs::write(&go, "").unwrap();
     let done = wait_for(&t, parent.id, Duration::from_secs(20)).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
@@ -64,7 +103,10 @@ async fn a_child_ending_while_its_parent_parks_still_wakes_it() {
     assert_gap_free(&events, RunStatus::Succeeded);
     let waiting = events.iter().find(|e| e.kind == "run.waiting").unwrap();
     let finished = events.iter().find(|e| e.kind == "child.finished").unwrap();
-    assert!(finished.seq < waiting.seq, "the child ended before the park committed");
+    assert!(
+        finished.seq < waiting.seq,
+        "the child ended before the park committed"
+    );
 }
 
 /// Hole 3: a run may await a child started by an earlier run of its thread; the child's end
@@ -104,27 +146,59 @@ async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
     )
     .await;
     let first = start_parent(&t, "p-first").await;
-    assert_eq!(wait_for(&t, first.id, Duration::from_secs(20)).await.status, RunStatus::Succeeded);
+    assert_eq!(
+        wait_for(&t, first.id, Duration::from_secs(20)).await.status,
+        RunStatus::Succeeded
+    );
     let child = t.app.store.children(first.id).await.unwrap().remove(0);
-    assert!(!child.status.is_terminal(), "the detached child outlives the run that started it");
+    assert!(
+        !child.status.is_terminal(),
+        "the detached child outlives the run that started it"
+    );
     t.mock.state.set_script(Script::from([(
         "p-second".to_owned(),
-        vec![calls(vec![call("subagent_await", json!({"run_ids": [child.id]}))]), say("awaited it")],
+        vec![
+            calls(vec![call("subagent_await", json!({"run_ids": [child.id]}))]),
+            say("awaited it"),
+        ],
     )]));
     let second = t
         .app
-        .start_run(StartRun { agent: Some("p-second".into()), input: "Collect it.".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .start_run(StartRun {
+            agent: Some("p-second".into()),
+            input: "Collect it.".into(),
+            thread_id: Some(first.thread_id.clone()),
+            ..Default::default()
+        })
         .await
         .unwrap();
-    assert_eq!(t.app.store.get_run(second.id).await.unwrap().unwrap().status, RunStatus::Queued, "no slot free for it yet");
+    assert_eq!(
+        t.app
+            .store
+            .get_run(second.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        RunStatus::Queued,
+        "no slot free for it yet"
+    );
     std::fs::write(&go, "").unwrap();
     let done = wait_for(&t, second.id, Duration::from_secs(20)).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     let results = tool_results(&t, &second).await;
     let awaited = results.last().unwrap();
     assert_eq!(awaited["runs"][0]["status"], "succeeded", "{awaited}");
-    assert!(kinds(&t.events(second.id).await).contains(&"run.waiting"), "it parked on the child");
-    let claims: Vec<_> = t.events(second.id).await.into_iter().map(|e| (e.kind, e.data)).collect();
+    assert!(
+        kinds(&t.events(second.id).await).contains(&"run.waiting"),
+        "it parked on the child"
+    );
+    let claims: Vec<_> = t
+        .events(second.id)
+        .await
+        .into_iter()
+        .map(|e| (e.kind, e.data))
+        .collect();
     assert!(
         (2..=3).contains(&done.attempts),
         "claimed to start and once more when the child ended (at most one replay more, above), never in a loop: {claims:?}"
@@ -135,27 +209,45 @@ async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
 /// a worker that dies right after the child's terminal commit loses neither.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_a_childs_end_loses_neither_the_event_nor_the_wake() {
-    let t = spawn_app_with(Options { workers: false, jobs: vec![parent_job("p-crash")], ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        workers: false,
+        jobs: vec![parent_job("p-crash")],
+        ..Default::default()
+    })
+    .await;
     t.mock.state.set_script(Script::from([(
         "p-crash".to_owned(),
         vec![calls(vec![call("task", json!({"description": "Child.\nSCENARIO steps=2 latency_ms=100 run=crash", "subagent": "general-purpose"}))]), say("parent done")],
     )]));
     let parent = start_parent(&t, "p-crash").await;
     // This worker dies right after the first terminal commit it makes: the child's.
-    let mut doomed = spawn_worker(t.dir.path(), &t.mock, &[("SUBAGENTS_FAILPOINTS", "after_terminal_commit=crash".into())]);
-    let status = tokio::task::spawn_blocking(move || doomed.wait().unwrap()).await.unwrap();
+    let mut doomed = spawn_worker(
+        t.dir.path(),
+        &t.mock,
+        &[("SUBAGENTS_FAILPOINTS", "after_terminal_commit=crash".into())],
+    );
+    let status = tokio::task::spawn_blocking(move || doomed.wait().unwrap())
+        .await
+        .unwrap();
     assert!(!status.success(), "the worker crashed at the failure point");
     let child = t.app.store.children(parent.id).await.unwrap().remove(0);
     assert_eq!(child.status, RunStatus::Succeeded);
     let events = t.events(parent.id).await;
     assert!(
-        events.iter().any(|e| e.kind == "child.finished" && e.data["child_run_id"] == json!(child.id)),
+        events
+            .iter()
+            .any(|e| e.kind == "child.finished" && e.data["child_run_id"] == json!(child.id)),
         "child.finished committed with the child's end: {:?}",
         kinds(&events)
     );
     // The parent is due; a healthy worker's reaper finds it.
     let mut healthy = spawn_worker(t.dir.path(), &t.mock, &[]);
-    let done = t.app.wait(parent.id, Duration::from_secs(30)).await.unwrap().unwrap();
+    let done = t
+        .app
+        .wait(parent.id, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
     healthy.kill().unwrap();
     healthy.wait().unwrap();
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
@@ -195,20 +287,37 @@ async fn a_cancel_during_a_park_ends_the_run_and_wakes_its_parent() {
                 break m.clone();
             }
         }
-        assert!(Instant::now() < deadline, "the middle run never started its leaf");
+        assert!(
+            Instant::now() < deadline,
+            "the middle run never started its leaf"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    assert_eq!(t.app.cancel(mid.id).await.unwrap(), CancelOutcome::Requested);
+    assert_eq!(
+        t.app.cancel(mid.id).await.unwrap(),
+        CancelOutcome::Requested
+    );
     std::fs::write(&go, "").unwrap();
     let mid_done = wait_for(&t, mid.id, Duration::from_secs(10)).await;
     assert_eq!(mid_done.status, RunStatus::Cancelled);
     let mid_events = t.events(mid.id).await;
     assert_gap_free(&mid_events, RunStatus::Cancelled);
-    assert!(!kinds(&mid_events).contains(&"run.waiting"), "the park was refused: {:?}", kinds(&mid_events));
+    assert!(
+        !kinds(&mid_events).contains(&"run.waiting"),
+        "the park was refused: {:?}",
+        kinds(&mid_events)
+    );
     let leaf = t.app.store.children(mid.id).await.unwrap().remove(0);
-    assert_eq!(wait_for(&t, leaf.id, Duration::from_secs(10)).await.status, RunStatus::Cancelled);
+    assert_eq!(
+        wait_for(&t, leaf.id, Duration::from_secs(10)).await.status,
+        RunStatus::Cancelled
+    );
     let root_done = wait_for(&t, root.id, Duration::from_secs(20)).await;
-    assert_eq!(root_done.status, RunStatus::Succeeded, "the parent was woken: {root_done:?}");
+    assert_eq!(
+        root_done.status,
+        RunStatus::Succeeded,
+        "the parent was woken: {root_done:?}"
+    );
     assert_eq!(tool_results(&t, &root).await[0]["status"], "cancelled");
 }
 
@@ -216,18 +325,40 @@ async fn a_cancel_during_a_park_ends_the_run_and_wakes_its_parent() {
 /// next claim, before any model call.
 #[tokio::test]
 async fn a_cancel_pending_at_claim_makes_no_model_call() {
-    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        workers: false,
+        ..Default::default()
+    })
+    .await;
     let run = t.start("SCENARIO steps=3 run=pending-cancel").await;
     // A worker takes it and dies at once (its lease simply runs out).
-    let Claim::Acquired(..) = t.app.store.claim_run(run.id, "dead-worker", Duration::from_millis(20)).await.unwrap() else { panic!() };
-    assert_eq!(t.app.cancel(run.id).await.unwrap(), CancelOutcome::Requested);
+    let Claim::Acquired(..) = t
+        .app
+        .store
+        .claim_run(run.id, "dead-worker", Duration::from_millis(20))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        t.app.cancel(run.id).await.unwrap(),
+        CancelOutcome::Requested
+    );
     let stop = tokio_util::sync::CancellationToken::new();
     let w = t.app.spawn_workers(stop.clone());
     let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
     stop.cancel();
     w.await.unwrap();
     assert_eq!(done.status, RunStatus::Cancelled);
-    assert!(t.mock.state.log().iter().all(|l| !l.step_key.starts_with(&run.id.to_string())), "no model call after the cancel");
+    assert!(
+        t.mock
+            .state
+            .log()
+            .iter()
+            .all(|l| !l.step_key.starts_with(&run.id.to_string())),
+        "no model call after the cancel"
+    );
     assert_gap_free(&t.events(run.id).await, RunStatus::Cancelled);
 }
 
@@ -245,17 +376,34 @@ async fn cancelling_a_parked_run_starts_the_next_run_of_its_thread() {
     .await;
     let parent = start_parent(&t, "p-park").await;
     let deadline = Instant::now() + Duration::from_secs(20);
-    while t.app.store.get_run(parent.id).await.unwrap().unwrap().status != RunStatus::Waiting {
+    while t
+        .app
+        .store
+        .get_run(parent.id)
+        .await
+        .unwrap()
+        .unwrap()
+        .status
+        != RunStatus::Waiting
+    {
         assert!(Instant::now() < deadline, "the parent never parked");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let behind = t
         .app
-        .start_run(StartRun { input: "SCENARIO steps=1 run=behind".into(), thread_id: Some(parent.thread_id.clone()), if_busy: IfBusy::Enqueue, ..Default::default() })
+        .start_run(StartRun {
+            input: "SCENARIO steps=1 run=behind".into(),
+            thread_id: Some(parent.thread_id.clone()),
+            if_busy: IfBusy::Enqueue,
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert_eq!(behind.status, RunStatus::Queued);
-    assert_eq!(t.app.cancel(parent.id).await.unwrap(), CancelOutcome::Cancelled);
+    assert_eq!(
+        t.app.cancel(parent.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
     let done = wait_for(&t, behind.id, Duration::from_secs(10)).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_gap_free(&t.events(parent.id).await, RunStatus::Cancelled);
@@ -284,26 +432,54 @@ async fn a_parked_run_is_woken_only_by_what_it_waits_on() {
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     let events = t.events(parent.id).await;
     let resumed = events.iter().filter(|e| e.kind == "run.resumed").count();
-    assert_eq!(resumed, 1, "woken once, when the awaited child ended: {:?}", kinds(&events));
-    assert_eq!(t.app.store.children(parent.id).await.unwrap().len(), 2, "each child started once");
+    assert_eq!(
+        resumed,
+        1,
+        "woken once, when the awaited child ended: {:?}",
+        kinds(&events)
+    );
+    assert_eq!(
+        t.app.store.children(parent.id).await.unwrap().len(),
+        2,
+        "each child started once"
+    );
 }
 
 /// Hole 7: a claim reads a long thread back in a bounded window (the newest messages), not
 /// whole; the run's own task is always in its context.
 #[tokio::test]
 async fn a_long_thread_is_read_back_in_a_bounded_window() {
-    let t = spawn_app_with(Options { tweak: Box::new(|s| s.context_messages = 6), ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        tweak: Box::new(|s| s.context_messages = 6),
+        ..Default::default()
+    })
+    .await;
     let first = t.run("SCENARIO steps=8 run=long").await;
     assert_eq!(first.status, RunStatus::Succeeded, "{first:?}");
-    assert_eq!(t.app.store.thread_messages(&first.thread_id, 100_000).await.unwrap().len(), 16);
+    assert_eq!(
+        t.app
+            .store
+            .thread_messages(&first.thread_id, 100_000)
+            .await
+            .unwrap()
+            .len(),
+        16
+    );
     let second = t
         .app
-        .start_run(StartRun { input: "SCENARIO steps=1 run=window".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .start_run(StartRun {
+            input: "SCENARIO steps=1 run=window".into(),
+            thread_id: Some(first.thread_id.clone()),
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert_eq!(t.wait(second.id).await.status, RunStatus::Succeeded);
     let log = t.mock.state.log();
-    let req = log.iter().find(|l| l.step_key.starts_with(&second.id.to_string())).unwrap();
+    let req = log
+        .iter()
+        .find(|l| l.step_key.starts_with(&second.id.to_string()))
+        .unwrap();
     // The system prompt and the 6 newest messages (its own task among them), not all 17.
     assert_eq!(req.messages, 7, "{req:?}");
     assert!(req.scenario.contains("window"));
@@ -314,23 +490,52 @@ async fn a_long_thread_is_read_back_in_a_bounded_window() {
 async fn owners_cannot_read_each_others_files() {
     let t = scripted(
         vec![
-            ("p-write", vec![calls(vec![call("write_file", json!({"path": "secret.txt", "content": "alice's"}))]), say("written")]),
-            ("p-read", vec![calls(vec![call("read_file", json!({"path": "secret.txt"}))]), say("read")]),
+            (
+                "p-write",
+                vec![
+                    calls(vec![call(
+                        "write_file",
+                        json!({"path": "secret.txt", "content": "alice's"}),
+                    )]),
+                    say("written"),
+                ],
+            ),
+            (
+                "p-read",
+                vec![
+                    calls(vec![call("read_file", json!({"path": "secret.txt"}))]),
+                    say("read"),
+                ],
+            ),
         ],
         |_| {},
     )
     .await;
-    let start = |agent: &str, owner: &str| StartRun { agent: Some(agent.into()), input: "Go.".into(), owner: Some(owner.into()), ..Default::default() };
+    let start = |agent: &str, owner: &str| StartRun {
+        agent: Some(agent.into()),
+        input: "Go.".into(),
+        owner: Some(owner.into()),
+        ..Default::default()
+    };
     let w = t.app.start_run(start("p-write", "alice")).await.unwrap();
     assert_eq!(t.wait(w.id).await.status, RunStatus::Succeeded);
-    assert_eq!(std::fs::read_to_string(t.dir.path().join("workspace/alice/secret.txt")).unwrap(), "alice's");
+    assert_eq!(
+        std::fs::read_to_string(t.dir.path().join("workspace/alice/secret.txt")).unwrap(),
+        "alice's"
+    );
     let bob = t.app.start_run(start("p-read", "bob")).await.unwrap();
     assert_eq!(t.wait(bob.id).await.status, RunStatus::Succeeded);
     let seen = tool_results(&t, &bob).await;
-    assert!(seen[0].as_str().unwrap().starts_with("error[not_found]"), "bob saw: {seen:?}");
+    assert!(
+        seen[0].as_str().unwrap().starts_with("error[not_found]"),
+        "bob saw: {seen:?}"
+    );
     let alice = t.app.start_run(start("p-read", "alice")).await.unwrap();
     assert_eq!(t.wait(alice.id).await.status, RunStatus::Succeeded);
-    assert_eq!(tool_results(&t, &alice).await[0], json!("     1\talice's\n"));
+    assert_eq!(
+        tool_results(&t, &alice).await[0],
+        json!("     1\talice's\n")
+    );
 }
 
 /// Bounded while parked: a run's wall-time limit ends it even while it waits on a child that
@@ -344,13 +549,24 @@ async fn the_wall_time_limit_ends_a_parked_run() {
     .await;
     let parent = t
         .app
-        .start_run(StartRun { agent: Some("p-slow".into()), input: "Go.".into(), timeout_secs: Some(2), ..Default::default() })
+        .start_run(StartRun {
+            agent: Some("p-slow".into()),
+            input: "Go.".into(),
+            timeout_secs: Some(2),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let done = wait_for(&t, parent.id, Duration::from_secs(30)).await;
     assert_eq!(done.status, RunStatus::Failed, "{done:?}");
-    assert_eq!(done.error.as_ref().unwrap().kind, subagents::store::ErrorKind::Timeout);
+    assert_eq!(
+        done.error.as_ref().unwrap().kind,
+        subagents::store::ErrorKind::Timeout
+    );
     // It ended before its 10 s child did: the child was cancelled with it, not finished.
     let child = t.app.store.children(parent.id).await.unwrap().remove(0);
-    assert_eq!(wait_for(&t, child.id, Duration::from_secs(10)).await.status, RunStatus::Cancelled);
+    assert_eq!(
+        wait_for(&t, child.id, Duration::from_secs(10)).await.status,
+        RunStatus::Cancelled
+    );
 }

@@ -14,7 +14,11 @@ use subagents::store::{RunRecord, RunStatus};
 use crate::delegation::{call, calls, say};
 use crate::support::*;
 
-const PACKAGES: &[&str] = &["@modelcontextprotocol/server-everything@2026.8.31", "@modelcontextprotocol/server-filesystem@2026.8.31", "@modelcontextprotocol/sdk@1.32.2"];
+const PACKAGES: &[&str] = &[
+    "@modelcontextprotocol/server-everything@2026.8.31",
+    "@modelcontextprotocol/server-filesystem@2026.8.31",
+    "@modelcontextprotocol/sdk@1.32.2",
+];
 static INSTALL: Mutex<()> = Mutex::new(());
 
 /// Where the reference servers are installed (`SUBAGENTS_TEST_MCP_DIR`, else `target/mcp-servers`).
@@ -24,7 +28,10 @@ pub(crate) fn servers_dir() -> PathBuf {
         .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/mcp-servers"));
     let _guard = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
     let sdk = dir.join("node_modules/@modelcontextprotocol/sdk/dist/esm/client/index.js");
-    if !entry(&dir, "server-everything").exists() || !entry(&dir, "server-filesystem").exists() || !sdk.exists() {
+    if !entry(&dir, "server-everything").exists()
+        || !entry(&dir, "server-filesystem").exists()
+        || !sdk.exists()
+    {
         std::fs::create_dir_all(&dir).unwrap();
         let ok = std::process::Command::new("npm")
             .args(["install", "--no-audit", "--no-fund", "--prefix"])
@@ -38,14 +45,27 @@ pub(crate) fn servers_dir() -> PathBuf {
 }
 
 fn entry(dir: &Path, package: &str) -> PathBuf {
-    dir.join("node_modules/@modelcontextprotocol").join(package).join("dist/index.js")
+    dir.join("node_modules/@modelcontextprotocol")
+        .join(package)
+        .join("dist/index.js")
 }
 
 fn agent(name: &str, tools: &str) -> (String, String) {
-    (name.to_owned(), format!("---\nname: {name}\ndescription: uses MCP tools\ntools: [{tools}]\n---\nYou use MCP tools. MOCK:{name}\n"))
+    (
+        name.to_owned(),
+        format!(
+            "---\nname: {name}\ndescription: uses MCP tools\ntools: [{tools}]\n---\nYou use MCP tools. MOCK:{name}\n"
+        ),
+    )
 }
 
-async fn app(mcp: Value, jobs: Vec<(String, String)>, script: Vec<Turn>, latency: Duration, timeout: f64) -> TestApp {
+async fn app(
+    mcp: Value,
+    jobs: Vec<(String, String)>,
+    script: Vec<Turn>,
+    latency: Duration,
+    timeout: f64,
+) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join(".mcp.json");
     std::fs::write(&config, json!({"mcpServers": mcp}).to_string()).unwrap();
@@ -66,10 +86,22 @@ async fn app(mcp: Value, jobs: Vec<(String, String)>, script: Vec<Turn>, latency
     t
 }
 
-
 async fn run(t: &TestApp, agent: &str) -> RunRecord {
-    let r = t.app.start_run(StartRun { agent: Some(agent.into()), input: "Use the tools.".into(), ..Default::default() }).await.unwrap();
-    let done = t.app.wait(r.id, Duration::from_secs(120)).await.unwrap().unwrap();
+    let r = t
+        .app
+        .start_run(StartRun {
+            agent: Some(agent.into()),
+            input: "Use the tools.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let done = t
+        .app
+        .wait(r.id, Duration::from_secs(120))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     done
 }
@@ -84,27 +116,61 @@ async fn a_run_calls_real_mcp_servers_over_stdio() {
         "files": {"command": "node", "args": [entry(&dir, "server-filesystem"), t_dir.path()]},
     });
     let script = vec![
-        calls(vec![call("mcp__everything__echo", json!({"message": "hello over stdio"})), call("mcp__everything__get-sum", json!({"a": 2, "b": 40}))]),
-        calls(vec![call("mcp__files__read_text_file", json!({"path": t_dir.path().join("notes.txt")}))]),
+        calls(vec![
+            call(
+                "mcp__everything__echo",
+                json!({"message": "hello over stdio"}),
+            ),
+            call("mcp__everything__get-sum", json!({"a": 2, "b": 40})),
+        ]),
+        calls(vec![call(
+            "mcp__files__read_text_file",
+            json!({"path": t_dir.path().join("notes.txt")}),
+        )]),
         calls(vec![call("mcp__everything__get-tiny-image", json!({}))]),
-        calls(vec![call("mcp__files__list_directory", json!({"path": t_dir.path()}))]),
+        calls(vec![call(
+            "mcp__files__list_directory",
+            json!({"path": t_dir.path()}),
+        )]),
         say("done"),
     ];
-    let t = app(mcp, vec![agent("mcper", "mcp__everything, mcp__files__read_text_file")], script, Duration::ZERO, 60.0).await;
+    let t = app(
+        mcp,
+        vec![agent(
+            "mcper",
+            "mcp__everything, mcp__files__read_text_file",
+        )],
+        script,
+        Duration::ZERO,
+        60.0,
+    )
+    .await;
     let done = run(&t, "mcper").await;
     let res = tool_texts(&t, &done).await;
     assert_eq!(res[0], "Echo: hello over stdio");
     assert!(res[1].contains("42"), "{res:?}");
     assert_eq!(res[2], "MCP works");
-    assert!(res[3].contains("[image image/png"), "images are summarised: {}", res[3]);
+    assert!(
+        res[3].contains("[image image/png"),
+        "images are summarised: {}",
+        res[3]
+    );
     // Of `files` it gets only the tool it named (all of `everything`'s).
-    assert!(res[4].starts_with("error[unknown_tool]: `mcp__files__list_directory` is not available"), "{}", res[4]);
+    assert!(
+        res[4].starts_with("error[unknown_tool]: `mcp__files__list_directory` is not available"),
+        "{}",
+        res[4]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_calls_a_real_mcp_server_over_streamable_http() {
     let dir = servers_dir();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut server = std::process::Command::new("node")
         .arg(entry(&dir, "server-everything"))
         .arg("streamableHttp")
@@ -119,8 +185,21 @@ async fn a_run_calls_a_real_mcp_server_over_streamable_http() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mcp = json!({"remote": {"type": "http", "url": format!("http://127.0.0.1:{port}/mcp")}});
-    let script = vec![calls(vec![call("mcp__remote__echo", json!({"message": "hello over http"}))]), say("done")];
-    let t = app(mcp, vec![agent("http-user", "mcp__remote")], script, Duration::ZERO, 30.0).await;
+    let script = vec![
+        calls(vec![call(
+            "mcp__remote__echo",
+            json!({"message": "hello over http"}),
+        )]),
+        say("done"),
+    ];
+    let t = app(
+        mcp,
+        vec![agent("http-user", "mcp__remote")],
+        script,
+        Duration::ZERO,
+        30.0,
+    )
+    .await;
     let done = run(&t, "http-user").await;
     assert_eq!(tool_texts(&t, &done).await, ["Echo: hello over http"]);
     server.kill().unwrap();
@@ -133,15 +212,40 @@ async fn a_server_killed_mid_run_is_started_again_and_the_run_goes_on() {
     let pids = tempfile::tempdir().unwrap();
     let pidfile = pids.path().join("pid");
     // A wrapper that records the server's pid, so the test can kill exactly it.
-    let command = format!("echo $$ > {}; exec node {}", pidfile.display(), entry(&dir, "server-everything").display());
+    let command = format!(
+        "echo $$ > {}; exec node {}",
+        pidfile.display(),
+        entry(&dir, "server-everything").display()
+    );
     let mcp = json!({"everything": {"command": "bash", "args": ["-c", command]}});
     let script = vec![
-        calls(vec![call("mcp__everything__echo", json!({"message": "before"}))]),
-        calls(vec![call("mcp__everything__echo", json!({"message": "after"}))]),
+        calls(vec![call(
+            "mcp__everything__echo",
+            json!({"message": "before"}),
+        )]),
+        calls(vec![call(
+            "mcp__everything__echo",
+            json!({"message": "after"}),
+        )]),
         say("done"),
     ];
-    let t = app(mcp, vec![agent("survivor", "mcp__everything")], script, Duration::from_millis(700), 60.0).await;
-    let r = t.app.start_run(StartRun { agent: Some("survivor".into()), input: "Use the tools.".into(), ..Default::default() }).await.unwrap();
+    let t = app(
+        mcp,
+        vec![agent("survivor", "mcp__everything")],
+        script,
+        Duration::from_millis(700),
+        60.0,
+    )
+    .await;
+    let r = t
+        .app
+        .start_run(StartRun {
+            agent: Some("survivor".into()),
+            input: "Use the tools.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     // After the first result is committed, kill the server before the second call.
     let deadline = Instant::now() + Duration::from_secs(60);
     while tool_texts(&t, &r).await.is_empty() {
@@ -149,12 +253,26 @@ async fn a_server_killed_mid_run_is_started_again_and_the_run_goes_on() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let first_pid = std::fs::read_to_string(&pidfile).unwrap().trim().to_owned();
-    assert!(std::process::Command::new("kill").args(["-9", &first_pid]).status().unwrap().success());
-    let done = t.app.wait(r.id, Duration::from_secs(120)).await.unwrap().unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-9", &first_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let done = t
+        .app
+        .wait(r.id, Duration::from_secs(120))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_eq!(tool_texts(&t, &done).await, ["Echo: before", "Echo: after"]);
     let second_pid = std::fs::read_to_string(&pidfile).unwrap().trim().to_owned();
-    assert_ne!(first_pid, second_pid, "a new server process answered the second call");
+    assert_ne!(
+        first_pid, second_pid,
+        "a new server process answered the second call"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,17 +284,32 @@ async fn a_server_that_never_answers_or_a_call_that_hangs_gives_a_clear_tool_err
     });
     let script = vec![
         calls(vec![call("mcp__silent__lookup", json!({"q": "x"}))]),
-        calls(vec![call("mcp__everything__trigger-long-running-operation", json!({"duration": 30, "steps": 3}))]),
+        calls(vec![call(
+            "mcp__everything__trigger-long-running-operation",
+            json!({"duration": 30, "steps": 3}),
+        )]),
         say("done anyway"),
     ];
     // The start timeout covers the real server's start too: node takes over a second to
     // answer its handshake when the whole suite loads the two cores (seen once), so 5 s.
-    let t = app(mcp, vec![agent("patient", "mcp__silent__lookup, mcp__everything")], script, Duration::ZERO, 5.0).await;
+    let t = app(
+        mcp,
+        vec![agent("patient", "mcp__silent__lookup, mcp__everything")],
+        script,
+        Duration::ZERO,
+        5.0,
+    )
+    .await;
     let t0 = Instant::now();
     let done = run(&t, "patient").await;
     assert_eq!(done.result.as_deref(), Some("done anyway"));
     let res = tool_texts(&t, &done).await;
-    assert!(res[0].contains("mcp_unavailable") && res[0].contains("silent") && res[0].contains("did not answer within 5s"), "{res:?}");
+    assert!(
+        res[0].contains("mcp_unavailable")
+            && res[0].contains("silent")
+            && res[0].contains("did not answer within 5s"),
+        "{res:?}"
+    );
     assert!(res[1].starts_with("error[tool_timeout]"), "{res:?}");
     assert!(t0.elapsed() < Duration::from_secs(60));
 }

@@ -13,7 +13,12 @@ use crate::support::*;
 
 async fn with_redis(redis: &RedisServer, latency_ms: u64) -> TestApp {
     let url = redis.url();
-    spawn_app_with(Options { latency: Duration::from_millis(latency_ms), tweak: Box::new(move |s| s.redis_url = Some(url)), ..Default::default() }).await
+    spawn_app_with(Options {
+        latency: Duration::from_millis(latency_ms),
+        tweak: Box::new(move |s| s.redis_url = Some(url)),
+        ..Default::default()
+    })
+    .await
 }
 
 /// Waits until the relay has moved every outbox row.
@@ -27,22 +32,48 @@ async fn drained(t: &TestApp) {
 
 /// Asserts every run's stream holds exactly its outbox, in order, and the global stream holds
 /// each event exactly once.
-async fn assert_streams_match_outbox(t: &TestApp, redis: &RedisServer, runs: &[subagents::store::RunRecord]) {
-    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+async fn assert_streams_match_outbox(
+    t: &TestApp,
+    redis: &RedisServer,
+    runs: &[subagents::store::RunRecord],
+) {
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let global: redis::streams::StreamRangeReply = c.xrange_all(global_stream()).await.unwrap();
     let mut seen: HashMap<(String, u64), usize> = HashMap::new();
     for e in &global.ids {
-        let v: serde_json::Value = serde_json::from_str(&e.get::<String>("event").unwrap()).unwrap();
-        *seen.entry((v["run_id"].as_str().unwrap().to_owned(), v["seq"].as_u64().unwrap())).or_default() += 1;
+        let v: serde_json::Value =
+            serde_json::from_str(&e.get::<String>("event").unwrap()).unwrap();
+        *seen
+            .entry((
+                v["run_id"].as_str().unwrap().to_owned(),
+                v["seq"].as_u64().unwrap(),
+            ))
+            .or_default() += 1;
     }
     for r in runs {
         let outbox = t.app.store.events_after(r.id, 0, 10_000).await.unwrap();
-        let stream: redis::streams::StreamRangeReply = c.xrange_all(run_stream(r.id)).await.unwrap();
-        let ids: Vec<String> = stream.ids.iter().map(|e| e.id.clone()).filter(|id| id.ends_with("-0")).collect();
+        let stream: redis::streams::StreamRangeReply =
+            c.xrange_all(run_stream(r.id)).await.unwrap();
+        let ids: Vec<String> = stream
+            .ids
+            .iter()
+            .map(|e| e.id.clone())
+            .filter(|id| id.ends_with("-0"))
+            .collect();
         let want: Vec<String> = outbox.iter().map(|e| format!("{}-0", e.seq)).collect();
         assert_eq!(ids, want, "run {} stream differs from its outbox", r.id);
         for e in &outbox {
-            assert_eq!(seen.get(&(r.id.to_string(), e.seq)), Some(&1), "global stream: run {} seq {}", r.id, e.seq);
+            assert_eq!(
+                seen.get(&(r.id.to_string(), e.seq)),
+                Some(&1),
+                "global stream: run {} seq {}",
+                r.id,
+                e.seq
+            );
         }
     }
 }
@@ -53,7 +84,10 @@ async fn durable_events_reach_redis_in_order_exactly_once() {
     let t = with_redis(&redis, 0).await;
     let mut runs = vec![];
     for i in 0..20 {
-        runs.push(t.start(&format!("SCENARIO steps=4 parallel=2 run=r{i}")).await);
+        runs.push(
+            t.start(&format!("SCENARIO steps=4 parallel=2 run=r{i}"))
+                .await,
+        );
     }
     for r in &runs {
         assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
@@ -61,13 +95,23 @@ async fn durable_events_reach_redis_in_order_exactly_once() {
     drained(&t).await;
     assert_streams_match_outbox(&t, &redis, &runs).await;
     // Republishing is idempotent: mark every outbox row unrelayed and relay it all again.
-    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url).await.unwrap();
-    let n = sqlx::query("UPDATE sa_events SET relayed = 0").execute(&db).await.unwrap().rows_affected();
+    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url)
+        .await
+        .unwrap();
+    let n = sqlx::query("UPDATE sa_events SET relayed = 0")
+        .execute(&db)
+        .await
+        .unwrap()
+        .rows_affected();
     assert!(n > 100);
     drained(&t).await;
     assert_streams_match_outbox(&t, &redis, &runs).await;
     // A finished run's stream expires after the retention period.
-    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let ttl: i64 = c.ttl(run_stream(runs[0].id)).await.unwrap();
     assert!(ttl > 0, "finished runs' streams carry a TTL");
 }
@@ -79,14 +123,35 @@ async fn readers_fall_back_to_the_outbox_for_ranges_redis_lacks() {
     let r = t.run("SCENARIO steps=3").await;
     drained(&t).await;
     let outbox = t.app.store.events_after(r.id, 0, 1000).await.unwrap();
-    assert_eq!(t.app.events_after(r.id, 0, 1000).await.unwrap(), outbox, "served from Redis");
-    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    assert_eq!(
+        t.app.events_after(r.id, 0, 1000).await.unwrap(),
+        outbox,
+        "served from Redis"
+    );
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     // Trim the first three entries: the reader notices the gap and reads the outbox.
-    let _: i64 = redis::cmd("XTRIM").arg(run_stream(r.id)).arg("MINID").arg("4-0").query_async(&mut c).await.unwrap();
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(run_stream(r.id))
+        .arg("MINID")
+        .arg("4-0")
+        .query_async(&mut c)
+        .await
+        .unwrap();
     assert_eq!(t.app.events_after(r.id, 0, 1000).await.unwrap(), outbox);
-    assert_eq!(t.app.events_after(r.id, 3, 1000).await.unwrap(), outbox[3..].to_vec(), "an intact range still comes from Redis");
+    assert_eq!(
+        t.app.events_after(r.id, 3, 1000).await.unwrap(),
+        outbox[3..].to_vec(),
+        "an intact range still comes from Redis"
+    );
     let _: i64 = c.del(run_stream(r.id)).await.unwrap();
-    assert_eq!(t.app.events_after(r.id, 2, 1000).await.unwrap(), outbox[2..].to_vec());
+    assert_eq!(
+        t.app.events_after(r.id, 2, 1000).await.unwrap(),
+        outbox[2..].to_vec()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +160,15 @@ async fn a_redis_outage_delays_events_but_loses_none() {
     let t = with_redis(&redis, 100).await;
     let mut runs = vec![];
     for i in 0..8 {
-        runs.push(t.app.start_run(StartRun { input: format!("SCENARIO steps=6 run=o{i}"), ..Default::default() }).await.unwrap());
+        runs.push(
+            t.app
+                .start_run(StartRun {
+                    input: format!("SCENARIO steps=6 run=o{i}"),
+                    ..Default::default()
+                })
+                .await
+                .unwrap(),
+        );
     }
     tokio::time::sleep(Duration::from_millis(250)).await;
     redis.kill();
@@ -104,10 +177,16 @@ async fn a_redis_outage_delays_events_but_loses_none() {
     for r in &runs {
         assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
     }
-    assert!(!t.app.store.unrelayed(1).await.unwrap().is_empty(), "events wait in the outbox");
+    assert!(
+        !t.app.store.unrelayed(1).await.unwrap().is_empty(),
+        "events wait in the outbox"
+    );
     // Readers are served from the outbox meanwhile.
     let outbox = t.app.store.events_after(runs[0].id, 0, 1000).await.unwrap();
-    assert_eq!(t.app.events_after(runs[0].id, 0, 1000).await.unwrap(), outbox);
+    assert_eq!(
+        t.app.events_after(runs[0].id, 0, 1000).await.unwrap(),
+        outbox
+    );
     redis.restart();
     drained(&t).await;
     assert_streams_match_outbox(&t, &redis, &runs).await;
@@ -120,7 +199,11 @@ async fn token_deltas_follow_their_durable_event_in_the_run_stream() {
     let r = t.run("SCENARIO steps=2").await;
     assert_eq!(r.status, RunStatus::Succeeded);
     drained(&t).await;
-    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let stream: redis::streams::StreamRangeReply = c.xrange_all(run_stream(r.id)).await.unwrap();
     let deltas: Vec<(String, String)> = stream
         .ids
@@ -129,7 +212,10 @@ async fn token_deltas_follow_their_durable_event_in_the_run_stream() {
         .map(|e| (e.id.clone(), e.get::<String>("delta").unwrap()))
         .collect();
     let text: String = deltas.iter().map(|(_, d)| d.as_str()).collect();
-    assert_eq!(text, "DONE after 2 steps", "the final answer streamed as deltas: {deltas:?}");
+    assert_eq!(
+        text, "DONE after 2 steps",
+        "the final answer streamed as deltas: {deltas:?}"
+    );
     // They sit right after the step's durable events, numbered N-1, N-2, …
     let n = deltas[0].0.split('-').next().unwrap().to_owned();
     for (k, (id, _)) in deltas.iter().enumerate() {
@@ -149,15 +235,39 @@ async fn a_redis_outage_moves_the_budgets_to_the_database() {
     let mut redis = RedisServer::start();
     let t = with_redis(&redis, 0).await;
     let owner = subagents::app::LOCAL_OWNER;
-    t.app.store.set_owner_budgets(&[(owner.to_owned(), subagents::store::OwnerBudget { rpm: Some(1000), tpm: None })]).await.unwrap();
-    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url).await.unwrap();
+    t.app
+        .store
+        .set_owner_budgets(&[(
+            owner.to_owned(),
+            subagents::store::OwnerBudget {
+                rpm: Some(1000),
+                tpm: None,
+            },
+        )])
+        .await
+        .unwrap();
+    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url)
+        .await
+        .unwrap();
     let counted = |db: sqlx::SqlitePool| async move {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM sa_rate_log WHERE key = 'owner:' || $1").bind(owner).fetch_one(&db).await.unwrap()
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM sa_rate_log WHERE key = 'owner:' || $1")
+            .bind(owner)
+            .fetch_one(&db)
+            .await
+            .unwrap()
     };
     let first = t.start("SCENARIO steps=2 run=before").await;
     assert_eq!(t.wait(first.id).await.status, RunStatus::Succeeded);
-    let mut c = redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let in_redis: i64 = redis::cmd("ZCARD").arg(format!("subagents:budget:owner:{owner}")).query_async(&mut c).await.unwrap();
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let in_redis: i64 = redis::cmd("ZCARD")
+        .arg(format!("subagents:budget:owner:{owner}"))
+        .query_async(&mut c)
+        .await
+        .unwrap();
     assert_eq!(in_redis, 2, "both calls counted in Redis");
     assert_eq!(counted(db.clone()).await, 0, "none in the database");
     let budgets = &t.app.engine.budgets;
@@ -166,10 +276,20 @@ async fn a_redis_outage_moves_the_budgets_to_the_database() {
     let t0 = Instant::now();
     let second = t.start("SCENARIO steps=2 run=during").await;
     assert_eq!(t.wait(second.id).await.status, RunStatus::Succeeded);
-    assert_eq!(counted(db.clone()).await, 2, "the database counted the calls made during the outage");
+    assert_eq!(
+        counted(db.clone()).await,
+        2,
+        "the database counted the calls made during the outage"
+    );
     // One failed attempt per back-off period, not one per call (a loaded machine may take
     // longer than one period for the run).
-    let periods = 1 + (t0.elapsed().as_secs_f64() / subagents::engine::budget::REDIS_BACKOFF.as_secs_f64()) as u64;
+    let periods = 1
+        + (t0.elapsed().as_secs_f64() / subagents::engine::budget::REDIS_BACKOFF.as_secs_f64())
+            as u64;
     let failed = budgets.redis_failures();
-    assert!((1..=periods).contains(&failed), "{failed} failed attempts in {:?}", t0.elapsed());
+    assert!(
+        (1..=periods).contains(&failed),
+        "{failed} failed attempts in {:?}",
+        t0.elapsed()
+    );
 }

@@ -19,16 +19,49 @@ async fn five_step_run_checkpoints_every_step() {
     assert_eq!(r.step, 5);
     assert!(!r.forced);
     assert!(r.usage.total() > 0, "usage recorded");
-    let msgs = t.app.store.thread_messages(&r.thread_id, 100_000).await.unwrap();
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&r.thread_id, 100_000)
+        .await
+        .unwrap();
     let roles: Vec<&str> = msgs.iter().map(|m| m.message.role()).collect();
-    assert_eq!(roles, ["user", "assistant", "tool", "assistant", "tool", "assistant", "tool", "assistant", "tool", "assistant"]);
-    for (i, m) in msgs.iter().filter(|m| m.message.role() == "tool").enumerate() {
-        assert_eq!(m.message, Message::Tool { tool_call_id: format!("call_{}_1", i + 1), content: format!("step {} call 1", i + 1) });
+    assert_eq!(
+        roles,
+        [
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+            "tool",
+            "assistant",
+            "tool",
+            "assistant",
+            "tool",
+            "assistant"
+        ]
+    );
+    for (i, m) in msgs
+        .iter()
+        .filter(|m| m.message.role() == "tool")
+        .enumerate()
+    {
+        assert_eq!(
+            m.message,
+            Message::Tool {
+                tool_call_id: format!("call_{}_1", i + 1),
+                content: format!("step {} call 1", i + 1)
+            }
+        );
     }
     // Each step's response was requested exactly once.
     let served = t.served();
     for step in 1..=5 {
-        assert_eq!(served.get(&format!("{}:{step}", r.id)), Some(&1), "step {step}: {served:?}");
+        assert_eq!(
+            served.get(&format!("{}:{step}", r.id)),
+            Some(&1),
+            "step {step}: {served:?}"
+        );
     }
     let events = t.events(r.id).await;
     assert_gap_free(&events, RunStatus::Succeeded);
@@ -44,12 +77,26 @@ async fn parallel_tool_calls_each_commit() {
     let t = spawn_app().await;
     let r = t.run("SCENARIO steps=3 parallel=3").await;
     assert_eq!(r.result.as_deref(), Some("DONE after 3 steps"));
-    let msgs = t.app.store.thread_messages(&r.thread_id, 100_000).await.unwrap();
-    assert_eq!(msgs.iter().filter(|m| m.message.role() == "tool").count(), 6);
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&r.thread_id, 100_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        msgs.iter().filter(|m| m.message.role() == "tool").count(),
+        6
+    );
     let events = t.events(r.id).await;
     assert_gap_free(&events, RunStatus::Succeeded);
     // step.completed comes once per step, after that step's last tool result.
-    assert_eq!(kinds(&events).iter().filter(|k| **k == "step.completed").count(), 3);
+    assert_eq!(
+        kinds(&events)
+            .iter()
+            .filter(|k| **k == "step.completed")
+            .count(),
+        3
+    );
 }
 
 #[tokio::test]
@@ -57,7 +104,11 @@ async fn max_steps_forces_a_final_answer_without_tools() {
     let t = spawn_app().await;
     let r = t
         .app
-        .start_run(StartRun { input: "SCENARIO steps=10".into(), max_steps: Some(3), ..Default::default() })
+        .start_run(StartRun {
+            input: "SCENARIO steps=10".into(),
+            max_steps: Some(3),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let r = t.wait(r.id).await;
@@ -66,9 +117,17 @@ async fn max_steps_forces_a_final_answer_without_tools() {
     assert_eq!(r.result.as_deref(), Some("FORCED after 3 tool results"));
     assert_eq!(r.step, 4, "3 tool steps + 1 forced answer");
     let log = t.mock.state.log();
-    let last = log.iter().rfind(|e| e.step_key.starts_with(&r.id.to_string())).unwrap();
+    let last = log
+        .iter()
+        .rfind(|e| e.step_key.starts_with(&r.id.to_string()))
+        .unwrap();
     assert!(!last.offered_tools, "the forced call offers no tools");
-    assert!(log.iter().filter(|e| e.step_key.starts_with(&r.id.to_string())).take(3).all(|e| e.offered_tools));
+    assert!(
+        log.iter()
+            .filter(|e| e.step_key.starts_with(&r.id.to_string()))
+            .take(3)
+            .all(|e| e.offered_tools)
+    );
 }
 
 #[tokio::test]
@@ -76,7 +135,11 @@ async fn token_budget_forces_a_final_answer() {
     let t = spawn_app().await;
     let r = t
         .app
-        .start_run(StartRun { input: "SCENARIO steps=50".into(), max_total_tokens: Some(300), ..Default::default() })
+        .start_run(StartRun {
+            input: "SCENARIO steps=50".into(),
+            max_total_tokens: Some(300),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let r = t.wait(r.id).await;
@@ -91,11 +154,23 @@ async fn identical_calls_are_cut_at_the_third() {
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("journal.tsv");
     let j = journal.clone();
-    let t = spawn_app_with(Options { tweak: Box::new(move |s| s.tool_journal = Some(j)), ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        tweak: Box::new(move |s| s.tool_journal = Some(j)),
+        ..Default::default()
+    })
+    .await;
     let r = t.run("SCENARIO loop=1").await;
     assert_eq!(r.status, RunStatus::Succeeded);
-    assert_eq!(r.result.as_deref(), Some("stopped repeating after 3 tool results"));
-    let msgs = t.app.store.thread_messages(&r.thread_id, 100_000).await.unwrap();
+    assert_eq!(
+        r.result.as_deref(),
+        Some("stopped repeating after 3 tool results")
+    );
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&r.thread_id, 100_000)
+        .await
+        .unwrap();
     let tool_results: Vec<String> = msgs
         .iter()
         .filter_map(|m| match &m.message {
@@ -116,7 +191,10 @@ async fn transient_500s_are_retried_to_success() {
     assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
     assert_eq!(r.result.as_deref(), Some("DONE after 4 steps"));
     let log = t.mock.state.log();
-    assert!(log.iter().any(|e| e.status == 500), "failures were injected");
+    assert!(
+        log.iter().any(|e| e.status == 500),
+        "failures were injected"
+    );
     // Retries repeat failed requests only: each step got exactly one successful answer.
     for (_, n) in t.served() {
         assert_eq!(n, 1);
@@ -127,7 +205,9 @@ async fn transient_500s_are_retried_to_success() {
 async fn rate_limits_honour_retry_after() {
     let t = spawn_app().await;
     let started = Instant::now();
-    let r = t.run("SCENARIO steps=2 fail_every=2 fail_status=429 retry_after=1").await;
+    let r = t
+        .run("SCENARIO steps=2 fail_every=2 fail_status=429 retry_after=1")
+        .await;
     assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
     // The second request got 429 with Retry-After: 1, so at least one second passed.
     assert!(started.elapsed() >= Duration::from_secs(1));
@@ -148,7 +228,11 @@ async fn a_4xx_fails_the_run_with_kind_model() {
 
 #[tokio::test]
 async fn persistent_5xx_fails_after_retries() {
-    let t = spawn_app_with(Options { tweak: Box::new(|s| s.model_retries = 2), ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        tweak: Box::new(|s| s.model_retries = 2),
+        ..Default::default()
+    })
+    .await;
     let r = t.run("SCENARIO steps=3 fail_every=1 fail_status=503").await;
     assert_eq!(r.status, RunStatus::Failed);
     let e = r.error.unwrap();
@@ -179,7 +263,11 @@ async fn a_continued_thread_sees_the_first_runs_messages() {
     assert_eq!(first.status, RunStatus::Succeeded);
     let second = t
         .app
-        .start_run(StartRun { input: "Second task.\nSCENARIO steps=2 run=b".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .start_run(StartRun {
+            input: "Second task.\nSCENARIO steps=2 run=b".into(),
+            thread_id: Some(first.thread_id.clone()),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let second = t.wait(second.id).await;
@@ -188,40 +276,101 @@ async fn a_continued_thread_sees_the_first_runs_messages() {
     assert_eq!(second.result.as_deref(), Some("DONE after 2 steps"));
     // The second run's first request carried system + the first run's 6 messages + its input.
     let log = t.mock.state.log();
-    let req = log.iter().find(|e| e.step_key == format!("{}:1", second.id)).unwrap();
+    let req = log
+        .iter()
+        .find(|e| e.step_key == format!("{}:1", second.id))
+        .unwrap();
     assert_eq!(req.messages, 1 + 6 + 1, "{req:?}");
-    let msgs = t.app.store.thread_messages(&first.thread_id, 100_000).await.unwrap();
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&first.thread_id, 100_000)
+        .await
+        .unwrap();
     assert_eq!(msgs.len(), 6 + 4);
 }
 
 #[tokio::test]
 async fn one_active_run_per_thread() {
-    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        workers: false,
+        ..Default::default()
+    })
+    .await;
     let first = t.start("SCENARIO steps=2").await;
     let err = t
         .app
-        .start_run(StartRun { input: "again".into(), thread_id: Some(first.thread_id.clone()), ..Default::default() })
+        .start_run(StartRun {
+            input: "again".into(),
+            thread_id: Some(first.thread_id.clone()),
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), "thread_busy");
-    assert!(err.to_string().contains(&first.id.to_string()), "names the active run: {err}");
+    assert!(
+        err.to_string().contains(&first.id.to_string()),
+        "names the active run: {err}"
+    );
 }
 
 #[tokio::test]
 async fn bad_inputs_are_refused_with_stable_codes() {
-    let t = spawn_app_with(Options { workers: false, tweak: Box::new(|s| s.max_input_bytes = 100), ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        workers: false,
+        tweak: Box::new(|s| s.max_input_bytes = 100),
+        ..Default::default()
+    })
+    .await;
     let cases = [
-        (StartRun { input: "   ".into(), ..Default::default() }, "empty_input"),
-        (StartRun { input: "x".repeat(101), ..Default::default() }, "input_too_large"),
-        (StartRun { input: "x".into(), agent: Some("nope".into()), ..Default::default() }, "unknown_agent"),
-        (StartRun { input: "x".into(), max_steps: Some(0), ..Default::default() }, "bad_limit"),
+        (
+            StartRun {
+                input: "   ".into(),
+                ..Default::default()
+            },
+            "empty_input",
+        ),
+        (
+            StartRun {
+                input: "x".repeat(101),
+                ..Default::default()
+            },
+            "input_too_large",
+        ),
+        (
+            StartRun {
+                input: "x".into(),
+                agent: Some("nope".into()),
+                ..Default::default()
+            },
+            "unknown_agent",
+        ),
+        (
+            StartRun {
+                input: "x".into(),
+                max_steps: Some(0),
+                ..Default::default()
+            },
+            "bad_limit",
+        ),
     ];
     for (req, code) in cases {
         let e = t.app.start_run(req).await.unwrap_err();
         assert_eq!(e.code(), code, "{e}");
     }
-    let e = t.app.start_run(StartRun { input: "x".into(), agent: Some("nope".into()), ..Default::default() }).await.unwrap_err();
-    assert!(e.to_string().contains("general-purpose"), "lists known agents: {e}");
+    let e = t
+        .app
+        .start_run(StartRun {
+            input: "x".into(),
+            agent: Some("nope".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("general-purpose"),
+        "lists known agents: {e}"
+    );
 }
 
 #[tokio::test]
@@ -234,14 +383,38 @@ async fn a_long_tool_result_is_offloaded_to_the_workspace_not_cut() {
     .await;
     let r = t.run("SCENARIO steps=2 tool=big").await;
     assert_eq!(r.status, RunStatus::Succeeded);
-    let msgs = t.app.store.thread_messages(&r.thread_id, 100_000).await.unwrap();
-    let Message::Tool { content, tool_call_id } = &msgs[2].message else { panic!("{msgs:?}") };
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&r.thread_id, 100_000)
+        .await
+        .unwrap();
+    let Message::Tool {
+        content,
+        tool_call_id,
+    } = &msgs[2].message
+    else {
+        panic!("{msgs:?}")
+    };
     let path = format!(".results/{}/{}.txt", r.id, tool_call_id);
     assert!(content.starts_with("xxxx"), "{content}");
-    assert!(content.contains(&format!("[result offloaded: it is 50000 bytes")), "{content}");
-    assert!(content.contains(&format!("read_file with path=`{path}` offset=")), "{content}");
-    assert!(content.len() < 8_000, "the model sees a head, not the result: {} bytes", content.len());
-    let saved = std::fs::read_to_string(subagents::tools::owner_workspace(&t.app.settings.workspace, &r.owner).join(&path)).unwrap();
+    assert!(
+        content.contains(&format!("[result offloaded: it is 50000 bytes")),
+        "{content}"
+    );
+    assert!(
+        content.contains(&format!("read_file with path=`{path}` offset=")),
+        "{content}"
+    );
+    assert!(
+        content.len() < 8_000,
+        "the model sees a head, not the result: {} bytes",
+        content.len()
+    );
+    let saved = std::fs::read_to_string(
+        subagents::tools::owner_workspace(&t.app.settings.workspace, &r.owner).join(&path),
+    )
+    .unwrap();
     assert_eq!(saved, "x".repeat(50_000), "the whole result is kept");
     let events = t.app.store.events_after(r.id, 0, 1000).await.unwrap();
     let done = events.iter().find(|e| e.kind == "tool.completed").unwrap();
@@ -258,8 +431,15 @@ async fn a_slow_tool_times_out_and_the_model_is_told() {
     .await;
     let r = t.run("SCENARIO steps=2 tool=sleep").await;
     assert_eq!(r.status, RunStatus::Succeeded);
-    let msgs = t.app.store.thread_messages(&r.thread_id, 100_000).await.unwrap();
-    let Message::Tool { content, .. } = &msgs[2].message else { panic!() };
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&r.thread_id, 100_000)
+        .await
+        .unwrap();
+    let Message::Tool { content, .. } = &msgs[2].message else {
+        panic!()
+    };
     assert!(content.starts_with("error[tool_timeout]"), "{content}");
 }
 
@@ -268,7 +448,11 @@ async fn the_wall_time_limit_fails_the_run_with_kind_timeout() {
     let t = spawn_app().await;
     let r = t
         .app
-        .start_run(StartRun { input: "SCENARIO steps=5 latency_ms=800".into(), timeout_secs: Some(1), ..Default::default() })
+        .start_run(StartRun {
+            input: "SCENARIO steps=5 latency_ms=800".into(),
+            timeout_secs: Some(1),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let r = t.wait(r.id).await;
@@ -279,18 +463,32 @@ async fn the_wall_time_limit_fails_the_run_with_kind_timeout() {
 
 #[tokio::test]
 async fn cancel_a_queued_run_at_once() {
-    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        workers: false,
+        ..Default::default()
+    })
+    .await;
     let r = t.start("SCENARIO steps=3").await;
-    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::Cancelled);
+    assert_eq!(
+        t.app.store.request_cancel(r.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
     let r2 = t.app.store.get_run(r.id).await.unwrap().unwrap();
     assert_eq!(r2.status, RunStatus::Cancelled);
-    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::AlreadyFinished(RunStatus::Cancelled));
+    assert_eq!(
+        t.app.store.request_cancel(r.id).await.unwrap(),
+        CancelOutcome::AlreadyFinished(RunStatus::Cancelled)
+    );
     assert_gap_free(&t.events(r.id).await, RunStatus::Cancelled);
 }
 
 #[tokio::test]
 async fn cancel_a_running_run_mid_tool() {
-    let t = spawn_app_with(Options { tools: Some(tools_with(vec![Arc::new(Sleep(Duration::from_secs(30)))])), ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        tools: Some(tools_with(vec![Arc::new(Sleep(Duration::from_secs(30)))])),
+        ..Default::default()
+    })
+    .await;
     let r = t.start("SCENARIO steps=3 tool=sleep").await;
     // Wait until the tool is running.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -299,20 +497,33 @@ async fn cancel_a_running_run_mid_tool() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let asked = Instant::now();
-    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::Requested);
+    assert_eq!(
+        t.app.store.request_cancel(r.id).await.unwrap(),
+        CancelOutcome::Requested
+    );
     let done = t.wait(r.id).await;
     assert_eq!(done.status, RunStatus::Cancelled);
     println!("cancel of a running run took {:?}", asked.elapsed());
     assert_gap_free(&t.events(r.id).await, RunStatus::Cancelled);
-    assert_eq!(t.app.store.request_cancel(r.id).await.unwrap(), CancelOutcome::AlreadyFinished(RunStatus::Cancelled));
+    assert_eq!(
+        t.app.store.request_cancel(r.id).await.unwrap(),
+        CancelOutcome::AlreadyFinished(RunStatus::Cancelled)
+    );
 }
 
 #[tokio::test]
 async fn a_run_enqueued_without_workers_runs_when_a_worker_starts() {
-    let t = spawn_app_with(Options { workers: false, ..Default::default() }).await;
+    let t = spawn_app_with(Options {
+        workers: false,
+        ..Default::default()
+    })
+    .await;
     let r = t.start("SCENARIO steps=2").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(t.app.store.get_run(r.id).await.unwrap().unwrap().status, RunStatus::Queued);
+    assert_eq!(
+        t.app.store.get_run(r.id).await.unwrap().unwrap().status,
+        RunStatus::Queued
+    );
     let stop = tokio_util::sync::CancellationToken::new();
     let w = t.app.spawn_workers(stop.clone());
     let done = t.wait(r.id).await;
@@ -325,7 +536,12 @@ async fn a_run_enqueued_without_workers_runs_when_a_worker_starts() {
 async fn graceful_shutdown_releases_the_run_and_another_worker_resumes_it() {
     // A long lease: on a loaded machine a 1.5 s lease can expire mid-step, and this test is about
     // the drain, not about expiry (tested elsewhere).
-    let mut t = spawn_app_with(Options { latency: Duration::from_millis(150), tweak: Box::new(|s| s.lease_ttl_secs = 10.0), ..Default::default() }).await;
+    let mut t = spawn_app_with(Options {
+        latency: Duration::from_millis(150),
+        tweak: Box::new(|s| s.lease_ttl_secs = 10.0),
+        ..Default::default()
+    })
+    .await;
     let r = t.start("SCENARIO steps=8").await;
     let deadline = Instant::now() + Duration::from_secs(20);
     while t.app.store.get_run(r.id).await.unwrap().unwrap().step < 2 {
@@ -334,7 +550,11 @@ async fn graceful_shutdown_releases_the_run_and_another_worker_resumes_it() {
     }
     t.stop_workers().await;
     let mid = t.app.store.get_run(r.id).await.unwrap().unwrap();
-    assert_eq!(mid.status, RunStatus::Queued, "released to the queue, not finished");
+    assert_eq!(
+        mid.status,
+        RunStatus::Queued,
+        "released to the queue, not finished"
+    );
     assert_eq!(mid.crashes, 0, "a release is not a crash");
     let stop = tokio_util::sync::CancellationToken::new();
     let w = t.app.spawn_workers(stop.clone());
@@ -355,26 +575,57 @@ async fn graceful_shutdown_releases_the_run_and_another_worker_resumes_it() {
 /// refused.
 #[tokio::test]
 async fn a_higher_priority_run_goes_first_within_its_owner() {
-    let t = spawn_app_with(Options { workers: false, tweak: Box::new(|s| s.concurrency = 1), ..Default::default() }).await;
-    let start = |input: String, priority: Option<u8>| subagents::app::StartRun { input, priority, ..Default::default() };
+    let t = spawn_app_with(Options {
+        workers: false,
+        tweak: Box::new(|s| s.concurrency = 1),
+        ..Default::default()
+    })
+    .await;
+    let start = |input: String, priority: Option<u8>| subagents::app::StartRun {
+        input,
+        priority,
+        ..Default::default()
+    };
     let mut normal = vec![];
     for i in 0..5 {
-        normal.push(t.app.start_run(start(format!("SCENARIO steps=1 run=n{i}"), None)).await.unwrap());
+        normal.push(
+            t.app
+                .start_run(start(format!("SCENARIO steps=1 run=n{i}"), None))
+                .await
+                .unwrap(),
+        );
     }
-    let urgent = t.app.start_run(start("SCENARIO steps=1 run=urgent".into(), Some(5))).await.unwrap();
+    let urgent = t
+        .app
+        .start_run(start("SCENARIO steps=1 run=urgent".into(), Some(5)))
+        .await
+        .unwrap();
     assert_eq!(urgent.priority, 5);
-    assert_eq!(t.app.store.queue_position(urgent.id).await.unwrap(), 0, "the urgent run is next");
+    assert_eq!(
+        t.app.store.queue_position(urgent.id).await.unwrap(),
+        0,
+        "the urgent run is next"
+    );
     assert_eq!(t.app.store.queue_position(normal[0].id).await.unwrap(), 1);
     assert_eq!(t.app.store.queue_position(normal[4].id).await.unwrap(), 5);
     for bad in [0u8, 6] {
-        let e = t.app.start_run(start("x".into(), Some(bad))).await.unwrap_err();
+        let e = t
+            .app
+            .start_run(start("x".into(), Some(bad)))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), "bad_limit", "{e}");
     }
     let stop = tokio_util::sync::CancellationToken::new();
     let w = t.app.spawn_workers(stop.clone());
     let urgent = t.wait(urgent.id).await;
     let first = t.wait(normal[0].id).await;
-    assert!(urgent.started_at.unwrap() <= first.started_at.unwrap(), "urgent {:?} vs first normal {:?}", urgent.started_at, first.started_at);
+    assert!(
+        urgent.started_at.unwrap() <= first.started_at.unwrap(),
+        "urgent {:?} vs first normal {:?}",
+        urgent.started_at,
+        first.started_at
+    );
     for r in &normal {
         assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
     }

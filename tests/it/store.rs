@@ -31,8 +31,15 @@ impl Backend {
     /// A second store on the same database, of a process without a relay to Redis.
     async fn without_relay(&self) -> Arc<dyn Store> {
         match &self.jobs {
-            Jobs::Sqlite(_) => Arc::new(SqliteStore::connect(&self.url).await.unwrap().relaying(false)),
-            Jobs::Postgres(_) => Arc::new(PgStore::connect(&self.url).await.unwrap().relaying(false)),
+            Jobs::Sqlite(_) => Arc::new(
+                SqliteStore::connect(&self.url)
+                    .await
+                    .unwrap()
+                    .relaying(false),
+            ),
+            Jobs::Postgres(_) => {
+                Arc::new(PgStore::connect(&self.url).await.unwrap().relaying(false))
+            }
         }
     }
 
@@ -47,16 +54,38 @@ impl Backend {
     /// Puts every event back in the outbox, as if no relay had taken any.
     async fn unmark_all_events(&self) {
         match &self.jobs {
-            Jobs::Sqlite(p) => drop(sqlx::query("UPDATE sa_events SET relayed = 0").execute(p).await.unwrap()),
-            Jobs::Postgres(p) => drop(sqlx::query("UPDATE sa_events SET relayed = 0").execute(p).await.unwrap()),
+            Jobs::Sqlite(p) => drop(
+                sqlx::query("UPDATE sa_events SET relayed = 0")
+                    .execute(p)
+                    .await
+                    .unwrap(),
+            ),
+            Jobs::Postgres(p) => drop(
+                sqlx::query("UPDATE sa_events SET relayed = 0")
+                    .execute(p)
+                    .await
+                    .unwrap(),
+            ),
         }
     }
 
     /// Sets a job's apalis status, as a worker fetching (`Queued`) or starting (`Running`) it does.
     async fn set_job_status(&self, job_id: &str, status: &str) {
         let n = match &self.jobs {
-            Jobs::Sqlite(p) => sqlx::query("UPDATE Jobs SET status = ? WHERE id = ?").bind(status).bind(job_id).execute(p).await.unwrap().rows_affected(),
-            Jobs::Postgres(p) => sqlx::query("UPDATE apalis.jobs SET status = $1 WHERE id = $2").bind(status).bind(job_id).execute(p).await.unwrap().rows_affected(),
+            Jobs::Sqlite(p) => sqlx::query("UPDATE Jobs SET status = ? WHERE id = ?")
+                .bind(status)
+                .bind(job_id)
+                .execute(p)
+                .await
+                .unwrap()
+                .rows_affected(),
+            Jobs::Postgres(p) => sqlx::query("UPDATE apalis.jobs SET status = $1 WHERE id = $2")
+                .bind(status)
+                .bind(job_id)
+                .execute(p)
+                .await
+                .unwrap()
+                .rows_affected(),
         };
         assert_eq!(n, 1, "job {job_id} exists");
     }
@@ -64,13 +93,21 @@ impl Backend {
     /// A job's status, priority and body, as apalis would fetch them.
     async fn job(&self, job_id: &str) -> Option<(String, i64, Vec<u8>, String)> {
         match &self.jobs {
-            Jobs::Sqlite(p) => sqlx::query_as("SELECT status, priority, job, job_type FROM Jobs WHERE id = ?").bind(job_id).fetch_optional(p).await.unwrap(),
-            Jobs::Postgres(p) => sqlx::query_as::<_, (String, i32, Vec<u8>, String)>("SELECT status, priority, job, job_type FROM apalis.jobs WHERE id = $1")
-                .bind(job_id)
-                .fetch_optional(p)
-                .await
-                .unwrap()
-                .map(|(s, p, j, t)| (s, i64::from(p), j, t)),
+            Jobs::Sqlite(p) => {
+                sqlx::query_as("SELECT status, priority, job, job_type FROM Jobs WHERE id = ?")
+                    .bind(job_id)
+                    .fetch_optional(p)
+                    .await
+                    .unwrap()
+            }
+            Jobs::Postgres(p) => sqlx::query_as::<_, (String, i32, Vec<u8>, String)>(
+                "SELECT status, priority, job, job_type FROM apalis.jobs WHERE id = $1",
+            )
+            .bind(job_id)
+            .fetch_optional(p)
+            .await
+            .unwrap()
+            .map(|(s, p, j, t)| (s, i64::from(p), j, t)),
         }
     }
 }
@@ -87,14 +124,24 @@ pub async fn sqlite() -> Backend {
     let url = format!("sqlite://{}", dir.path().join("s.db").display());
     let s = SqliteStore::connect(&url).await.unwrap();
     let jobs = Jobs::Sqlite(s.pool().clone());
-    Backend { store: Arc::new(s), jobs, url, _dir: Some(dir) }
+    Backend {
+        store: Arc::new(s),
+        jobs,
+        url,
+        _dir: Some(dir),
+    }
 }
 
 pub async fn postgres() -> Backend {
     let url = crate::support::fresh_postgres_database().await;
     let s = PgStore::connect(&url).await.unwrap();
     let jobs = Jobs::Postgres(s.pool().clone());
-    Backend { store: Arc::new(s), jobs, url, _dir: None }
+    Backend {
+        store: Arc::new(s),
+        jobs,
+        url,
+        _dir: None,
+    }
 }
 
 /// Generates one test per backend from one async fn taking the backend.
@@ -148,11 +195,17 @@ conformance!(
 async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
     use sqlx::Connection;
     let s = postgres().await;
-    let Jobs::Postgres(pool) = &s.jobs else { unreachable!() };
+    let Jobs::Postgres(pool) = &s.jobs else {
+        unreachable!()
+    };
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
     // A few connections in use at once, then all idle in the pool.
-    let held: Vec<_> = futures::future::join_all((0..3).map(|_| pool.acquire())).await.into_iter().map(Result::unwrap).collect();
+    let held: Vec<_> = futures::future::join_all((0..3).map(|_| pool.acquire()))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     drop(held);
     tokio::time::sleep(Duration::from_millis(300)).await; // their release pings are done
     let idle = pool.num_idle();
@@ -161,16 +214,28 @@ async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
     // Another session ends every backend of this database but its own, as a restart would.
     let mut admin = sqlx::PgConnection::connect(&s.url).await.unwrap();
     let ended = end_every_backend(&mut admin).await;
-    assert!(ended >= idle as i64, "ended {ended} of {idle} idle connections");
+    assert!(
+        ended >= idle as i64,
+        "ended {ended} of {idle} idle connections"
+    );
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Every idle connection is dead; each use meets one of them first, and still answers.
     for i in 0..idle + 1 {
-        let seen = s.get_run(run.id).await.unwrap_or_else(|e| panic!("read {i} met a dead connection: {e}"));
+        let seen = s
+            .get_run(run.id)
+            .await
+            .unwrap_or_else(|e| panic!("read {i} met a dead connection: {e}"));
         assert_eq!(seen.map(|r| r.id), Some(run.id));
-        let held: Vec<_> = futures::future::join_all((0..3).map(|_| pool.acquire())).await.into_iter().map(Result::unwrap).collect();
+        let held: Vec<_> = futures::future::join_all((0..3).map(|_| pool.acquire()))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
         drop(held);
     }
-    s.create_run(new_run(&ThreadId::generate())).await.expect("a start after the connections were dropped");
+    s.create_run(new_run(&ThreadId::generate()))
+        .await
+        .expect("a start after the connections were dropped");
 }
 
 /// Ends every backend of this database but `admin`'s own, as a restart would; how many.
@@ -200,7 +265,10 @@ async fn postgres_committers_survive_their_kept_connections_being_cut() {
     let mut admin = sqlx::PgConnection::connect(&s.url).await.unwrap();
     let cp = |round: u32, lease: &Lease| Checkpoint {
         messages: vec![msg(lease.run_id, &format!("m{round}"))],
-        events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": round})), NewEvent::new(EventKind::StepCompleted, json!({"step": round}))],
+        events: vec![
+            NewEvent::new(EventKind::StepStarted, json!({"step": round})),
+            NewEvent::new(EventKind::StepCompleted, json!({"step": round})),
+        ],
         step: Some(round + 1),
         ..Default::default()
     };
@@ -209,29 +277,60 @@ async fn postgres_committers_survive_their_kept_connections_being_cut() {
     // (groups), then alone after the kept connections sat idle past the untested second.
     for (together, idle) in [(false, 0), (true, 0), (false, 1300), (true, 1300)] {
         // Every committer busy at once, so each takes (and keeps) a connection.
-        for r in futures::future::join_all(leases.iter().map(|(_, l)| s.checkpoint(l, cp(round, l)))).await {
+        for r in
+            futures::future::join_all(leases.iter().map(|(_, l)| s.checkpoint(l, cp(round, l))))
+                .await
+        {
             r.unwrap_or_else(|e| panic!("round {round}, before the cut: {e}"));
         }
         round += 1;
         let ended = end_every_backend(&mut admin).await;
-        assert!(ended > 0, "round {round}: the committers' connections were cut");
+        assert!(
+            ended > 0,
+            "round {round}: the committers' connections were cut"
+        );
         tokio::time::sleep(Duration::from_millis(100 + idle)).await;
         if together {
-            for r in futures::future::join_all(leases.iter().map(|(_, l)| s.checkpoint(l, cp(round, l)))).await {
+            for r in
+                futures::future::join_all(leases.iter().map(|(_, l)| s.checkpoint(l, cp(round, l))))
+                    .await
+            {
                 r.unwrap_or_else(|e| panic!("round {round}, together after the cut: {e}"));
             }
         } else {
             for (_, l) in &leases {
-                s.checkpoint(l, cp(round, l)).await.unwrap_or_else(|e| panic!("round {round}, alone after the cut: {e}"));
+                s.checkpoint(l, cp(round, l))
+                    .await
+                    .unwrap_or_else(|e| panic!("round {round}, alone after the cut: {e}"));
             }
         }
         round += 1;
     }
     for (t, lease) in &leases {
-        let keys: Vec<String> = s.thread_messages(t, 100).await.unwrap().iter().map(|m| m.key.rsplit(':').next().unwrap().to_owned()).collect();
-        assert_eq!(keys, (0..round).map(|r| format!("m{r}")).collect::<Vec<_>>(), "each step's message once, in order");
-        let seqs: Vec<u64> = s.events_after(lease.run_id, 0, 1000).await.unwrap().iter().map(|e| e.seq).collect();
-        assert_eq!(seqs, (1..=2 + 2 * u64::from(round)).collect::<Vec<u64>>(), "gap-free, and no step's events twice");
+        let keys: Vec<String> = s
+            .thread_messages(t, 100)
+            .await
+            .unwrap()
+            .iter()
+            .map(|m| m.key.rsplit(':').next().unwrap().to_owned())
+            .collect();
+        assert_eq!(
+            keys,
+            (0..round).map(|r| format!("m{r}")).collect::<Vec<_>>(),
+            "each step's message once, in order"
+        );
+        let seqs: Vec<u64> = s
+            .events_after(lease.run_id, 0, 1000)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.seq)
+            .collect();
+        assert_eq!(
+            seqs,
+            (1..=2 + 2 * u64::from(round)).collect::<Vec<u64>>(),
+            "gap-free, and no step's events twice"
+        );
         assert_eq!(s.get_run(lease.run_id).await.unwrap().unwrap().step, round);
     }
 }
@@ -244,7 +343,13 @@ fn new_run(thread: &ThreadId) -> NewRun {
         agent: "general-purpose".into(),
         input: "hi".into(),
         metadata: json!({}),
-        limits: RunLimits { max_steps: 5, timeout_secs: 60, max_total_tokens: None, max_total_steps: None, compact_at: None },
+        limits: RunLimits {
+            max_steps: 5,
+            timeout_secs: 60,
+            max_total_tokens: None,
+            max_total_steps: None,
+            compact_at: None,
+        },
         parent_run_id: None,
         tree: TreePosition::default(),
         job_id: new_job_id(),
@@ -260,40 +365,119 @@ fn new_run(thread: &ThreadId) -> NewRun {
 async fn claimed_run(s: &Backend, ttl: Duration) -> (ThreadId, Lease) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w1", ttl).await.unwrap() else { panic!("a new run is claimable") };
+    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w1", ttl).await.unwrap() else {
+        panic!("a new run is claimable")
+    };
     (t, lease)
 }
 
 fn msg(run: RunId, key: &str) -> NewMessage {
-    NewMessage { step: 1, key: format!("{run}:{key}"), message: Message::User { content: key.into() } }
+    NewMessage {
+        step: 1,
+        key: format!("{run}:{key}"),
+        message: Message::User {
+            content: key.into(),
+        },
+    }
 }
 
 async fn a_stale_epoch_cannot_write(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(old, _) = s.claim_run(run.id, "w1", Duration::from_millis(100)).await.unwrap() else { panic!() };
+    let Claim::Acquired(old, _) = s
+        .claim_run(run.id, "w1", Duration::from_millis(100))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     // Not claimable while the lease is valid.
-    assert!(matches!(s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Running))));
+    assert!(matches!(
+        s.claim_run(run.id, "w2", Duration::from_secs(10))
+            .await
+            .unwrap(),
+        Claim::NotClaimable(Some(RunStatus::Running))
+    ));
     tokio::time::sleep(Duration::from_millis(150)).await;
-    assert_eq!(s.expire_leases(5).await.unwrap(), [Expired { run_id: run.id, gave_up: false }]);
-    let Claim::Acquired(new, rec) = s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    assert_eq!(
+        s.expire_leases(5).await.unwrap(),
+        [Expired {
+            run_id: run.id,
+            gave_up: false
+        }]
+    );
+    let Claim::Acquired(new, rec) = s
+        .claim_run(run.id, "w2", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     assert_eq!(new.epoch, old.epoch + 1);
     assert_eq!(rec.attempts, 2);
-    let err = s.checkpoint(&old, Checkpoint { messages: vec![msg(run.id, "a")], ..Default::default() }).await.unwrap_err();
+    let err = s
+        .checkpoint(
+            &old,
+            Checkpoint {
+                messages: vec![msg(run.id, "a")],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
     assert!(matches!(err, StoreError::LeaseLost(_)), "{err}");
-    assert!(matches!(s.renew_lease(&old).await.unwrap_err(), StoreError::LeaseLost(_)));
+    assert!(matches!(
+        s.renew_lease(&old).await.unwrap_err(),
+        StoreError::LeaseLost(_)
+    ));
     // The zombie's write left nothing behind.
     assert!(s.thread_messages(&t, 100_000).await.unwrap().is_empty());
-    s.checkpoint(&new, Checkpoint { messages: vec![msg(run.id, "a")], ..Default::default() }).await.unwrap();
+    s.checkpoint(
+        &new,
+        Checkpoint {
+            messages: vec![msg(run.id, "a")],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 1);
     // Nor can a lease on a run that does not exist write anything (PostgreSQL's history
     // tables have no foreign keys: the fence alone keeps them whole).
-    let ghost = Lease { run_id: RunId::new(), epoch: 1, owner: "w3".into(), ttl: Duration::from_secs(10) };
-    let event = NewEvent { kind: EventKind::StepStarted, data: json!({"step": 1}) };
-    let err = s.checkpoint(&ghost, Checkpoint { messages: vec![msg(ghost.run_id, "g")], events: vec![event], ..Default::default() }).await.unwrap_err();
+    let ghost = Lease {
+        run_id: RunId::new(),
+        epoch: 1,
+        owner: "w3".into(),
+        ttl: Duration::from_secs(10),
+    };
+    let event = NewEvent {
+        kind: EventKind::StepStarted,
+        data: json!({"step": 1}),
+    };
+    let err = s
+        .checkpoint(
+            &ghost,
+            Checkpoint {
+                messages: vec![msg(ghost.run_id, "g")],
+                events: vec![event],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
     assert!(matches!(err, StoreError::LeaseLost(_)), "{err}");
-    assert!(s.events_after(ghost.run_id, 0, 100).await.unwrap().is_empty(), "no event of a run that does not exist");
-    assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 1, "no message either");
+    assert!(
+        s.events_after(ghost.run_id, 0, 100)
+            .await
+            .unwrap()
+            .is_empty(),
+        "no event of a run that does not exist"
+    );
+    assert_eq!(
+        s.thread_messages(&t, 100_000).await.unwrap().len(),
+        1,
+        "no message either"
+    );
 }
 
 /// Many runs' lease renewals at once (PostgreSQL renews them in one statement per group):
@@ -306,7 +490,10 @@ async fn leases_renewed_together_are_each_fenced_by_their_own_epoch(s: Backend) 
         let run = s.get_run(lease.run_id).await.unwrap().unwrap();
         let stale = i % 5 == 0;
         if i % 7 == 3 && !stale {
-            assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Requested);
+            assert_eq!(
+                s.request_cancel(run.id).await.unwrap(),
+                CancelOutcome::Requested
+            );
         }
         if stale {
             lease.epoch -= 1;
@@ -318,7 +505,8 @@ async fn leases_renewed_together_are_each_fenced_by_their_own_epoch(s: Backend) 
             tokio::time::sleep(Duration::from_millis(1200)).await;
         }
         let before = chrono::Utc::now() - chrono::Duration::milliseconds(5);
-        let answers = futures::future::join_all(leases.iter().map(|(_, _, l)| s.renew_lease(l))).await;
+        let answers =
+            futures::future::join_all(leases.iter().map(|(_, _, l)| s.renew_lease(l))).await;
         for ((i, stale, lease), answer) in leases.iter().zip(answers) {
             match answer {
                 Err(StoreError::LeaseLost(id)) => {
@@ -327,20 +515,41 @@ async fn leases_renewed_together_are_each_fenced_by_their_own_epoch(s: Backend) 
                 }
                 Ok(st) => {
                     assert!(!stale, "run {i}: a stale lease was renewed");
-                    assert_eq!(st.cancel_requested, i % 7 == 3, "run {i}: another run's cancel, or its own missed");
+                    assert_eq!(
+                        st.cancel_requested,
+                        i % 7 == 3,
+                        "run {i}: another run's cancel, or its own missed"
+                    );
                     let r = s.get_run(lease.run_id).await.unwrap().unwrap();
-                    assert!(r.heartbeat_at.is_some_and(|h| h >= before), "run {i}: no heartbeat recorded: {:?}", r.heartbeat_at);
+                    assert!(
+                        r.heartbeat_at.is_some_and(|h| h >= before),
+                        "run {i}: no heartbeat recorded: {:?}",
+                        r.heartbeat_at
+                    );
                 }
                 Err(e) => panic!("run {i}: {e}"),
             }
         }
     }
     // 2.4 s after the claims, with a 2 s lease: only the leases never renewed have expired.
-    let mut expired: Vec<RunId> = s.expire_leases(5).await.unwrap().into_iter().map(|e| e.run_id).collect();
-    let mut want: Vec<RunId> = leases.iter().filter(|(_, stale, _)| *stale).map(|(_, _, l)| l.run_id).collect();
+    let mut expired: Vec<RunId> = s
+        .expire_leases(5)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.run_id)
+        .collect();
+    let mut want: Vec<RunId> = leases
+        .iter()
+        .filter(|(_, stale, _)| *stale)
+        .map(|(_, _, l)| l.run_id)
+        .collect();
     expired.sort();
     want.sort();
-    assert_eq!(expired, want, "renewed leases moved, the stale ones did not");
+    assert_eq!(
+        expired, want,
+        "renewed leases moved, the stale ones did not"
+    );
 }
 
 /// A busy worker: every run's heartbeat renews beside its steps' checkpoints, both in groups
@@ -356,13 +565,17 @@ async fn renewals_beside_checkpoints_never_deadlock(s: Backend) {
         let checkpoints = futures::future::join_all(leases.iter().map(|lease| {
             let cp = Checkpoint {
                 messages: vec![msg(lease.run_id, &format!("m{round}"))],
-                events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": round}))],
+                events: vec![NewEvent::new(
+                    EventKind::StepStarted,
+                    json!({"step": round}),
+                )],
                 step: Some(round + 1),
                 ..Default::default()
             };
             s.checkpoint(lease, cp)
         }));
-        let renewals = futures::future::join_all(leases.iter().rev().map(|lease| s.renew_lease(lease)));
+        let renewals =
+            futures::future::join_all(leases.iter().rev().map(|lease| s.renew_lease(lease)));
         let (checkpoints, renewals) = tokio::join!(checkpoints, renewals);
         for r in checkpoints {
             r.unwrap_or_else(|e| panic!("round {round}: a checkpoint failed: {e}"));
@@ -401,7 +614,10 @@ async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Ba
         let writes = used.iter().map(|(_, lease)| {
             let cp = Checkpoint {
                 messages: vec![msg(lease.run_id, &format!("m{round}"))],
-                events: vec![NewEvent::new(EventKind::StepStarted, json!({"step": round})), NewEvent::new(EventKind::StepCompleted, json!({"step": round}))],
+                events: vec![
+                    NewEvent::new(EventKind::StepStarted, json!({"step": round})),
+                    NewEvent::new(EventKind::StepCompleted, json!({"step": round})),
+                ],
                 step: Some(round + 1),
                 ..Default::default()
             };
@@ -422,10 +638,19 @@ async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Ba
         let run = s.get_run(lease.run_id).await.unwrap().unwrap();
         if *stale {
             assert!(msgs.is_empty(), "a stale lease wrote messages");
-            assert_eq!(events.len(), 2, "only run.queued and run.started: {events:?}");
+            assert_eq!(
+                events.len(),
+                2,
+                "only run.queued and run.started: {events:?}"
+            );
             assert_eq!(run.step, 0);
         } else {
-            assert_eq!(msgs.iter().map(|m| m.key.rsplit(':').next().unwrap().to_owned()).collect::<Vec<_>>(), ["m0", "m1", "m2"]);
+            assert_eq!(
+                msgs.iter()
+                    .map(|m| m.key.rsplit(':').next().unwrap().to_owned())
+                    .collect::<Vec<_>>(),
+                ["m0", "m1", "m2"]
+            );
             let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
             assert_eq!(seqs, (1..=8).collect::<Vec<u64>>(), "gap-free seqs");
             assert_eq!(run.step, 3);
@@ -436,60 +661,208 @@ async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Ba
 async fn approvals_park_wake_and_answer_once(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let future = chrono::Utc::now().timestamp_millis() + 60_000;
-    let approval = |id: &str, expires_at| NewApproval { id: id.into(), tool: "bash".into(), input: json!({"command": "ls"}), reason: "the rule `Bash` asks".into(), expires_at, grant_scope: "rule:Bash".into() };
+    let approval = |id: &str, expires_at| NewApproval {
+        id: id.into(),
+        tool: "bash".into(),
+        input: json!({"command": "ls"}),
+        reason: "the rule `Bash` asks".into(),
+        expires_at,
+        grant_scope: "rule:Bash".into(),
+    };
     let decision = json!({"verdict": "ask", "approval_id": "apr_1"});
-    s.commit_decision(&lease, "k1", decision.clone(), Some(approval("apr_1", future)), vec![NewEvent::new(EventKind::ApprovalRequested, json!({}))]).await.unwrap();
+    s.commit_decision(
+        &lease,
+        "k1",
+        decision.clone(),
+        Some(approval("apr_1", future)),
+        vec![NewEvent::new(EventKind::ApprovalRequested, json!({}))],
+    )
+    .await
+    .unwrap();
     // Idempotent by key: the same call decided again adds nothing.
-    s.commit_decision(&lease, "k1", json!({"verdict": "allow"}), Some(approval("apr_other", future)), vec![]).await.unwrap();
+    s.commit_decision(
+        &lease,
+        "k1",
+        json!({"verdict": "allow"}),
+        Some(approval("apr_other", future)),
+        vec![],
+    )
+    .await
+    .unwrap();
     assert_eq!(s.tool_decision("k1").await.unwrap(), Some(decision));
     assert!(s.approval("apr_other").await.unwrap().is_none());
     let a = s.approval("apr_1").await.unwrap().unwrap();
-    assert_eq!((a.status, a.root_run_id, a.input["command"].as_str()), (ApprovalStatus::Pending, run.id, Some("ls")));
-    let listed = s.list_approvals("o", Some(ApprovalStatus::Pending), Some(run.id), None, 10).await.unwrap();
+    assert_eq!(
+        (a.status, a.root_run_id, a.input["command"].as_str()),
+        (ApprovalStatus::Pending, run.id, Some("ls"))
+    );
+    let listed = s
+        .list_approvals("o", Some(ApprovalStatus::Pending), Some(run.id), None, 10)
+        .await
+        .unwrap();
     assert_eq!(listed.len(), 1);
-    assert!(s.list_approvals("someone-else", None, None, None, 10).await.unwrap().is_empty());
+    assert!(
+        s.list_approvals("someone-else", None, None, None, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     // Parked on it: not due while pending.
-    let park = Park { events: vec![], wake_at: Some(future), waits_on: vec![], approvals: vec!["apr_1".into()] };
-    assert_eq!(s.park(&lease, park).await.unwrap(), Parked::Parked { due: false });
-    let answer = |allow, run_tree| ApprovalAnswer { allow, reason: Some("ok".into()), updated_input: None, run_tree, by: "o".into() };
-    assert_eq!(s.answer_approval("apr_1", "someone-else", answer(true, true)).await.unwrap(), Answered::NotFound);
-    assert_eq!(s.answer_approval("apr_1", "o", answer(true, true)).await.unwrap(), Answered::Done { run_id: run.id });
-    assert_eq!(s.answer_approval("apr_1", "o", answer(false, false)).await.unwrap(), Answered::Closed(ApprovalStatus::Allowed));
+    let park = Park {
+        events: vec![],
+        wake_at: Some(future),
+        waits_on: vec![],
+        approvals: vec!["apr_1".into()],
+    };
+    assert_eq!(
+        s.park(&lease, park).await.unwrap(),
+        Parked::Parked { due: false }
+    );
+    let answer = |allow, run_tree| ApprovalAnswer {
+        allow,
+        reason: Some("ok".into()),
+        updated_input: None,
+        run_tree,
+        by: "o".into(),
+    };
+    assert_eq!(
+        s.answer_approval("apr_1", "someone-else", answer(true, true))
+            .await
+            .unwrap(),
+        Answered::NotFound
+    );
+    assert_eq!(
+        s.answer_approval("apr_1", "o", answer(true, true))
+            .await
+            .unwrap(),
+        Answered::Done { run_id: run.id }
+    );
+    assert_eq!(
+        s.answer_approval("apr_1", "o", answer(false, false))
+            .await
+            .unwrap(),
+        Answered::Closed(ApprovalStatus::Allowed)
+    );
     let woken = s.get_run(run.id).await.unwrap().unwrap();
-    assert!(woken.wake_at.unwrap() <= chrono::Utc::now().timestamp_millis(), "answering wakes the parked run");
-    assert!(s.has_grant(run.id, "rule:Bash").await.unwrap() && !s.has_grant(run.id, "bash").await.unwrap());
-    let kinds: Vec<String> = s.events_after(run.id, 0, 100).await.unwrap().into_iter().map(|e| e.kind).collect();
+    assert!(
+        woken.wake_at.unwrap() <= chrono::Utc::now().timestamp_millis(),
+        "answering wakes the parked run"
+    );
+    assert!(
+        s.has_grant(run.id, "rule:Bash").await.unwrap()
+            && !s.has_grant(run.id, "bash").await.unwrap()
+    );
+    let kinds: Vec<String> = s
+        .events_after(run.id, 0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
     assert!(kinds.contains(&"approval.resolved".to_owned()), "{kinds:?}");
     // An answer that raced the park: the park finds it answered and is due at once.
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    s.commit_decision(&lease, "k2", json!({"verdict": "ask"}), Some(approval("apr_2", future)), vec![]).await.unwrap();
-    assert!(matches!(s.answer_approval("apr_2", "o", answer(false, false)).await.unwrap(), Answered::Done { .. }));
-    let park = Park { events: vec![], wake_at: Some(future), waits_on: vec![], approvals: vec!["apr_2".into()] };
-    assert_eq!(s.park(&lease, park).await.unwrap(), Parked::Parked { due: true });
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    s.commit_decision(
+        &lease,
+        "k2",
+        json!({"verdict": "ask"}),
+        Some(approval("apr_2", future)),
+        vec![],
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        s.answer_approval("apr_2", "o", answer(false, false))
+            .await
+            .unwrap(),
+        Answered::Done { .. }
+    ));
+    let park = Park {
+        events: vec![],
+        wake_at: Some(future),
+        waits_on: vec![],
+        approvals: vec!["apr_2".into()],
+    };
+    assert_eq!(
+        s.park(&lease, park).await.unwrap(),
+        Parked::Parked { due: true }
+    );
     // Past its time it cannot be answered, and expires.
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    s.commit_decision(&lease, "k3", json!({"verdict": "ask"}), Some(approval("apr_3", 1)), vec![]).await.unwrap();
-    assert_eq!(s.answer_approval("apr_3", "o", answer(true, false)).await.unwrap(), Answered::Closed(ApprovalStatus::Expired));
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    s.commit_decision(
+        &lease,
+        "k3",
+        json!({"verdict": "ask"}),
+        Some(approval("apr_3", 1)),
+        vec![],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.answer_approval("apr_3", "o", answer(true, false))
+            .await
+            .unwrap(),
+        Answered::Closed(ApprovalStatus::Expired)
+    );
     assert!(s.expire_approval("apr_3").await.unwrap());
     assert!(!s.expire_approval("apr_3").await.unwrap());
-    assert_eq!(s.approval("apr_3").await.unwrap().unwrap().status, ApprovalStatus::Expired);
+    assert_eq!(
+        s.approval("apr_3").await.unwrap().unwrap().status,
+        ApprovalStatus::Expired
+    );
 }
 
 async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let keys = ["a", "b", "c", "d"];
-    s.checkpoint(&lease, Checkpoint { messages: keys.iter().map(|k| msg(run.id, k)).collect(), ..Default::default() }).await.unwrap();
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            messages: keys.iter().map(|k| msg(run.id, k)).collect(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let all = s.thread_messages(&t, 100).await.unwrap();
     assert_eq!(s.latest_compaction(&t).await.unwrap(), None);
     // A claimed run's one read: no compaction yet, so the newest messages of the whole thread.
     let keys_of = |m: &[StoredMessage]| m.iter().map(|m| m.key.clone()).collect::<Vec<_>>();
     let (none, msgs) = s.context(&t, 3).await.unwrap();
     assert_eq!((none, keys_of(&msgs)), (None, keys_of(&all[1..])));
-    assert_eq!(s.context(&ThreadId::generate(), 10).await.unwrap(), (None, vec![]), "a thread with nothing");
+    assert_eq!(
+        s.context(&ThreadId::generate(), 10).await.unwrap(),
+        (None, vec![]),
+        "a thread with nothing"
+    );
     let c = CompactionBody {
         first_message_id: all[0].id,
         last_message_id: all[1].id,
@@ -499,54 +872,134 @@ async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) 
         tokens_after: 300,
         reason: "threshold".into(),
     };
-    let event = || vec![NewEvent::new(EventKind::ContextCompacted, json!({"range": [1, 2]}))];
-    s.commit_compaction(&lease, c.clone(), Default::default(), event()).await.unwrap();
+    let event = || {
+        vec![NewEvent::new(
+            EventKind::ContextCompacted,
+            json!({"range": [1, 2]}),
+        )]
+    };
+    s.commit_compaction(&lease, c.clone(), Default::default(), event())
+        .await
+        .unwrap();
     // A replay of the same compaction adds no second row (its event is a new one).
-    s.commit_compaction(&lease, c.clone(), Default::default(), event()).await.unwrap();
+    s.commit_compaction(&lease, c.clone(), Default::default(), event())
+        .await
+        .unwrap();
     let list = s.compactions(&t).await.unwrap();
     assert_eq!(list.len(), 1);
     let latest = s.latest_compaction(&t).await.unwrap().unwrap();
-    assert_eq!((latest.run_id, latest.last_message_id, latest.summary.as_str(), latest.tokens_after), (run.id, all[1].id, "a and b", 300));
+    assert_eq!(
+        (
+            latest.run_id,
+            latest.last_message_id,
+            latest.summary.as_str(),
+            latest.tokens_after
+        ),
+        (run.id, all[1].id, "a and b", 300)
+    );
     // A context rebuilt from it reads only what came after it; the thread keeps everything.
-    let after: Vec<String> = s.messages_after(&t, latest.last_message_id, 100).await.unwrap().into_iter().map(|m| m.key).collect();
+    let after: Vec<String> = s
+        .messages_after(&t, latest.last_message_id, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.key)
+        .collect();
     assert_eq!(after, [format!("{}:c", run.id), format!("{}:d", run.id)]);
-    assert_eq!(s.messages_after(&t, latest.last_message_id, 1).await.unwrap()[0].key, format!("{}:d", run.id), "the newest, when bounded");
+    assert_eq!(
+        s.messages_after(&t, latest.last_message_id, 1)
+            .await
+            .unwrap()[0]
+            .key,
+        format!("{}:d", run.id),
+        "the newest, when bounded"
+    );
     assert_eq!(s.thread_messages(&t, 100).await.unwrap().len(), 4);
     // The one read answers as the two do.
     let (compaction, msgs) = s.context(&t, 100).await.unwrap();
     assert_eq!(compaction.as_ref(), Some(&latest));
     assert_eq!(keys_of(&msgs), after);
-    assert_eq!(msgs, s.messages_after(&t, latest.last_message_id, 100).await.unwrap());
-    assert_eq!(keys_of(&s.context(&t, 1).await.unwrap().1), [format!("{}:d", run.id)], "the newest, when bounded");
+    assert_eq!(
+        msgs,
+        s.messages_after(&t, latest.last_message_id, 100)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        keys_of(&s.context(&t, 1).await.unwrap().1),
+        [format!("{}:d", run.id)],
+        "the newest, when bounded"
+    );
     // A stale lease cannot compact.
-    let stale = Lease { epoch: lease.epoch - 1, ..lease.clone() };
-    let other = CompactionBody { first_message_id: all[2].id, last_message_id: all[2].id, ..c };
-    assert!(matches!(s.commit_compaction(&stale, other, Default::default(), event()).await.unwrap_err(), StoreError::LeaseLost(_)));
+    let stale = Lease {
+        epoch: lease.epoch - 1,
+        ..lease.clone()
+    };
+    let other = CompactionBody {
+        first_message_id: all[2].id,
+        last_message_id: all[2].id,
+        ..c
+    };
+    assert!(matches!(
+        s.commit_compaction(&stale, other, Default::default(), event())
+            .await
+            .unwrap_err(),
+        StoreError::LeaseLost(_)
+    ));
     assert_eq!(s.compactions(&t).await.unwrap().len(), 1);
-    let kinds: Vec<String> = s.events_after(run.id, 0, 100).await.unwrap().into_iter().map(|e| e.kind).collect();
-    assert_eq!(kinds.iter().filter(|k| *k == "context.compacted").count(), 2);
+    let kinds: Vec<String> = s
+        .events_after(run.id, 0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "context.compacted").count(),
+        2
+    );
 }
 
 async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     for _ in 0..2 {
         s.checkpoint(
             &lease,
             Checkpoint {
                 messages: vec![msg(run.id, "a"), msg(run.id, "b")],
-                events: vec![NewEvent::new(EventKind::StepStarted, json!({})), NewEvent::new(EventKind::StepCompleted, json!({}))],
+                events: vec![
+                    NewEvent::new(EventKind::StepStarted, json!({})),
+                    NewEvent::new(EventKind::StepCompleted, json!({})),
+                ],
                 ..Default::default()
             },
         )
         .await
         .unwrap();
     }
-    assert_eq!(s.thread_messages(&t, 100_000).await.unwrap().len(), 2, "same keys appended once");
+    assert_eq!(
+        s.thread_messages(&t, 100_000).await.unwrap().len(),
+        2,
+        "same keys appended once"
+    );
     let ev = s.events_after(run.id, 0, 100).await.unwrap();
-    assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
-    assert_eq!(s.events_after(run.id, 4, 1).await.unwrap()[0].seq, 5, "cursor and limit");
+    assert_eq!(
+        ev.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5, 6]
+    );
+    assert_eq!(
+        s.events_after(run.id, 4, 1).await.unwrap()[0].seq,
+        5,
+        "cursor and limit"
+    );
 }
 
 /// The relay reports what went through as one range per run; exactly those events leave the
@@ -556,15 +1009,38 @@ async fn the_outbox_marks_what_the_relay_reports_and_nothing_else(s: Backend) {
     for _ in 0..2 {
         let t = ThreadId::generate();
         let run = s.create_run(new_run(&t)).await.unwrap().run;
-        let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-        let events = vec![NewEvent::new(EventKind::StepStarted, json!({})), NewEvent::new(EventKind::StepCompleted, json!({}))];
-        s.checkpoint(&lease, Checkpoint { events, ..Default::default() }).await.unwrap();
+        let Claim::Acquired(lease, _) = s
+            .claim_run(run.id, "w", Duration::from_secs(10))
+            .await
+            .unwrap()
+        else {
+            panic!()
+        };
+        let events = vec![
+            NewEvent::new(EventKind::StepStarted, json!({})),
+            NewEvent::new(EventKind::StepCompleted, json!({})),
+        ];
+        s.checkpoint(
+            &lease,
+            Checkpoint {
+                events,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
         runs.push(run.id);
     }
     let pending = |v: Vec<EventRecord>| v.iter().map(|e| (e.run_id, e.seq)).collect::<Vec<_>>();
     let all = pending(s.unrelayed(100).await.unwrap());
-    assert_eq!(all.len(), 8, "queued, started and two step events per run: {all:?}");
-    s.mark_relayed(&[(runs[0], 2, 3), (runs[1], 1, 4)]).await.unwrap();
+    assert_eq!(
+        all.len(),
+        8,
+        "queued, started and two step events per run: {all:?}"
+    );
+    s.mark_relayed(&[(runs[0], 2, 3), (runs[1], 1, 4)])
+        .await
+        .unwrap();
     let left = pending(s.unrelayed(100).await.unwrap());
     assert_eq!(left, [(runs[0], 1), (runs[0], 4)]);
     s.mark_relayed(&[(runs[0], 1, 4)]).await.unwrap();
@@ -582,8 +1058,18 @@ async fn relays_marking_the_same_events_at_once_both_succeed(s: Backend) {
     let mut runs = vec![];
     for _ in 0..30 {
         let (_, lease) = claimed_run(&s, Duration::from_secs(60)).await;
-        let events = (0..62).map(|i| NewEvent::new(EventKind::StepStarted, json!({"step": i}))).collect();
-        s.checkpoint(&lease, Checkpoint { events, ..Default::default() }).await.unwrap();
+        let events = (0..62)
+            .map(|i| NewEvent::new(EventKind::StepStarted, json!({"step": i})))
+            .collect();
+        s.checkpoint(
+            &lease,
+            Checkpoint {
+                events,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
         runs.push(lease.run_id);
     }
     // Events 1..=64 of each run: queued, started and 62 steps. Each round puts all of them
@@ -597,7 +1083,11 @@ async fn relays_marking_the_same_events_at_once_both_succeed(s: Backend) {
         a.unwrap_or_else(|e| panic!("round {round}, the first relay: {e}"));
         b.unwrap_or_else(|e| panic!("round {round}, the second relay: {e}"));
         let left = s.unrelayed(10_000).await.unwrap();
-        assert!(left.is_empty(), "round {round}: {} events left in the outbox", left.len());
+        assert!(
+            left.is_empty(),
+            "round {round}: {} events left in the outbox",
+            left.len()
+        );
     }
 }
 
@@ -607,45 +1097,164 @@ async fn relays_marking_the_same_events_at_once_both_succeed(s: Backend) {
 /// relay on the same database still leaves its own there.
 async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
     let quiet = s.without_relay().await;
-    let parent = quiet.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lp, _) = quiet.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let parent = quiet
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let Claim::Acquired(lp, _) = quiet
+        .claim_run(parent.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let child = quiet.create_run(child_of(&parent)).await.unwrap().run;
-    let Claim::Acquired(lc, _) = quiet.claim_run(child.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    let step = || vec![NewEvent::new(EventKind::StepStarted, json!({})), NewEvent::new(EventKind::StepCompleted, json!({}))];
+    let Claim::Acquired(lc, _) = quiet
+        .claim_run(child.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let step = || {
+        vec![
+            NewEvent::new(EventKind::StepStarted, json!({})),
+            NewEvent::new(EventKind::StepCompleted, json!({})),
+        ]
+    };
     // Two progress checkpoints at once go through a group commit; then the child ends alone.
     let (a, b) = tokio::join!(
-        quiet.checkpoint(&lp, Checkpoint { events: step(), ..Default::default() }),
-        quiet.checkpoint(&lc, Checkpoint { events: step(), ..Default::default() })
+        quiet.checkpoint(
+            &lp,
+            Checkpoint {
+                events: step(),
+                ..Default::default()
+            }
+        ),
+        quiet.checkpoint(
+            &lc,
+            Checkpoint {
+                events: step(),
+                ..Default::default()
+            }
+        )
     );
     a.unwrap();
     b.unwrap();
     let end = vec![NewEvent::new(EventKind::RunSucceeded, json!({}))];
-    quiet.checkpoint(&lc, Checkpoint { events: end, finish: Some(Finish::Succeeded { result: "r".into(), forced: false }), ..Default::default() }).await.unwrap();
-    assert!(quiet.append_events(parent.id, vec![NewEvent::new(EventKind::ChildStarted, json!({}))]).await.unwrap());
-    let queued = quiet.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    assert_eq!(quiet.request_cancel(queued.id).await.unwrap(), CancelOutcome::Cancelled);
+    quiet
+        .checkpoint(
+            &lc,
+            Checkpoint {
+                events: end,
+                finish: Some(Finish::Succeeded {
+                    result: "r".into(),
+                    forced: false,
+                }),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        quiet
+            .append_events(
+                parent.id,
+                vec![NewEvent::new(EventKind::ChildStarted, json!({}))]
+            )
+            .await
+            .unwrap()
+    );
+    let queued = quiet
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    assert_eq!(
+        quiet.request_cancel(queued.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
     let parent_events = quiet.events_after(parent.id, 0, 100).await.unwrap();
-    assert!(parent_events.iter().any(|e| e.kind == "child.finished"), "{parent_events:?}");
-    assert_eq!(quiet.events_after(child.id, 0, 100).await.unwrap().len(), 5, "queued, started, two step events, succeeded");
-    assert!(quiet.unrelayed(1000).await.unwrap().is_empty(), "nothing waits for a relay that does not exist");
-    let relayed = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let waiting: Vec<_> = s.unrelayed(1000).await.unwrap().iter().map(|e| (e.run_id, e.seq)).collect();
-    assert_eq!(waiting, [(relayed.id, 1)], "a store with a relay leaves its events for it");
+    assert!(
+        parent_events.iter().any(|e| e.kind == "child.finished"),
+        "{parent_events:?}"
+    );
+    assert_eq!(
+        quiet.events_after(child.id, 0, 100).await.unwrap().len(),
+        5,
+        "queued, started, two step events, succeeded"
+    );
+    assert!(
+        quiet.unrelayed(1000).await.unwrap().is_empty(),
+        "nothing waits for a relay that does not exist"
+    );
+    let relayed = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let waiting: Vec<_> = s
+        .unrelayed(1000)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| (e.run_id, e.seq))
+        .collect();
+    assert_eq!(
+        waiting,
+        [(relayed.id, 1)],
+        "a store with a relay leaves its events for it"
+    );
 }
 
 async fn terminal_states_never_change(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    s.checkpoint(&lease, Checkpoint { finish: Some(Finish::Succeeded { result: "r".into(), forced: false }), ..Default::default() })
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
         .await
-        .unwrap();
-    let again = s.checkpoint(&lease, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await;
+        .unwrap()
+    else {
+        panic!()
+    };
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            finish: Some(Finish::Succeeded {
+                result: "r".into(),
+                forced: false,
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let again = s
+        .checkpoint(
+            &lease,
+            Checkpoint {
+                finish: Some(Finish::Cancelled),
+                ..Default::default()
+            },
+        )
+        .await;
     assert!(matches!(again, Err(StoreError::LeaseLost(_))));
-    assert!(matches!(s.claim_run(run.id, "w2", Duration::from_secs(1)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Succeeded))));
-    assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::AlreadyFinished(RunStatus::Succeeded));
+    assert!(matches!(
+        s.claim_run(run.id, "w2", Duration::from_secs(1))
+            .await
+            .unwrap(),
+        Claim::NotClaimable(Some(RunStatus::Succeeded))
+    ));
+    assert_eq!(
+        s.request_cancel(run.id).await.unwrap(),
+        CancelOutcome::AlreadyFinished(RunStatus::Succeeded)
+    );
     let r = s.get_run(run.id).await.unwrap().unwrap();
-    assert_eq!((r.status, r.result.as_deref()), (RunStatus::Succeeded, Some("r")));
+    assert_eq!(
+        (r.status, r.result.as_deref()),
+        (RunStatus::Succeeded, Some("r"))
+    );
     // The thread is free again.
     s.create_run(new_run(&t)).await.unwrap();
 }
@@ -659,7 +1268,10 @@ async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
     }
     let mut other = new_run(&t);
     other.owner = "someone-else".into();
-    assert!(matches!(s.create_run(other).await.unwrap_err(), StoreError::ThreadOwnedElsewhere(_)));
+    assert!(matches!(
+        s.create_run(other).await.unwrap_err(),
+        StoreError::ThreadOwnedElsewhere(_)
+    ));
 }
 
 async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
@@ -672,26 +1284,82 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     n.if_busy = IfBusy::Enqueue;
     let third = s.create_run(n).await.unwrap().run;
     // Only the oldest queued run of the thread is claimable.
-    assert!(matches!(s.claim_run(third.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
-    let Claim::Acquired(l1, _) = s.claim_run(first.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    assert!(matches!(
+        s.claim_run(third.id, "w", Duration::from_secs(10))
+            .await
+            .unwrap(),
+        Claim::NotClaimable(Some(RunStatus::Queued))
+    ));
+    let Claim::Acquired(l1, _) = s
+        .claim_run(first.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     // While the first runs, the second waits.
-    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::NotClaimable(Some(RunStatus::Queued))));
-    assert!(s.orphans(Duration::ZERO).await.unwrap().iter().all(|o| o.run_id != second.id), "a blocked run is not an orphan");
-    s.checkpoint(&l1, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await.unwrap();
+    assert!(matches!(
+        s.claim_run(second.id, "w", Duration::from_secs(10))
+            .await
+            .unwrap(),
+        Claim::NotClaimable(Some(RunStatus::Queued))
+    ));
+    assert!(
+        s.orphans(Duration::ZERO)
+            .await
+            .unwrap()
+            .iter()
+            .all(|o| o.run_id != second.id),
+        "a blocked run is not an orphan"
+    );
+    s.checkpoint(
+        &l1,
+        Checkpoint {
+            finish: Some(Finish::Cancelled),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     // A queued run whose own job still waits to be fetched needs no second one: that job's
     // claim starts it, the thread being free.
-    assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job (written with its start) is pending");
+    assert_eq!(
+        s.next_queued(&t).await.unwrap(),
+        None,
+        "its own job (written with its start) is pending"
+    );
     s.set_job_status(&second.job_id, "Done").await;
-    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its job ended (its handler found the thread busy): it needs one");
+    assert_eq!(
+        s.next_queued(&t).await.unwrap(),
+        Some(second.id),
+        "its job ended (its handler found the thread busy): it needs one"
+    );
     s.set_job_status(&second.job_id, "Pending").await;
-    assert_eq!(s.next_queued(&t).await.unwrap(), None, "its own job is pending");
+    assert_eq!(
+        s.next_queued(&t).await.unwrap(),
+        None,
+        "its own job is pending"
+    );
     // apalis marks a job `Running` and `Done` after its handler started: `Queued` may already
     // be a handler that found the thread busy and let go. A second job is the safe answer.
     s.set_job_status(&second.job_id, "Queued").await;
-    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its own job may have let go already");
+    assert_eq!(
+        s.next_queued(&t).await.unwrap(),
+        Some(second.id),
+        "its own job may have let go already"
+    );
     s.set_job_status(&second.job_id, "Running").await;
-    assert_eq!(s.next_queued(&t).await.unwrap(), Some(second.id), "its own job started: it may have found the thread busy and let go");
-    assert!(matches!(s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)));
+    assert_eq!(
+        s.next_queued(&t).await.unwrap(),
+        Some(second.id),
+        "its own job started: it may have found the thread busy and let go"
+    );
+    assert!(matches!(
+        s.claim_run(second.id, "w", Duration::from_secs(10))
+            .await
+            .unwrap(),
+        Claim::Acquired(..)
+    ));
 }
 
 /// A start writes the run's first job in its own transaction, as apalis's push would: pending,
@@ -702,16 +1370,32 @@ async fn a_start_writes_the_runs_job_with_its_place_in_the_queue(s: Backend) {
     let mut urgent = new_run(&ThreadId::generate());
     urgent.priority = 5;
     let mut runs = vec![];
-    for n in [new_run(&ThreadId::generate()), new_run(&ThreadId::generate()), urgent] {
+    for n in [
+        new_run(&ThreadId::generate()),
+        new_run(&ThreadId::generate()),
+        urgent,
+    ] {
         let (job, priority) = (n.job_id.clone(), n.priority);
         let created = s.create_run(n).await.unwrap();
         runs.push((created.run.id, job, created.ahead, priority));
     }
-    assert_eq!(runs.iter().map(|r| r.2).collect::<Vec<_>>(), [0, 1, 0], "the urgent run goes ahead of both");
+    assert_eq!(
+        runs.iter().map(|r| r.2).collect::<Vec<_>>(),
+        [0, 1, 0],
+        "the urgent run goes ahead of both"
+    );
     for (run, job, ahead, priority) in &runs {
-        let (status, job_priority, body, queue) = s.job(job).await.expect("the start wrote the job");
-        assert_eq!((status.as_str(), queue.as_str()), ("Pending", subagents::queue::QUEUE_NAME));
-        assert_eq!(job_priority, subagents::queue::job_priority(*ahead, *priority) as i64, "run {run}");
+        let (status, job_priority, body, queue) =
+            s.job(job).await.expect("the start wrote the job");
+        assert_eq!(
+            (status.as_str(), queue.as_str()),
+            ("Pending", subagents::queue::QUEUE_NAME)
+        );
+        assert_eq!(
+            job_priority,
+            subagents::queue::job_priority(*ahead, *priority) as i64,
+            "run {run}"
+        );
         let decoded: subagents::queue::RunJob = serde_json::from_slice(&body).unwrap();
         assert_eq!(decoded.run_id, *run, "apalis's codec reads the run back");
     }
@@ -720,8 +1404,14 @@ async fn a_start_writes_the_runs_job_with_its_place_in_the_queue(s: Backend) {
     s.create_run(new_run(&t)).await.unwrap();
     let busy = new_run(&t);
     let busy_job = busy.job_id.clone();
-    assert!(matches!(s.create_run(busy).await.unwrap_err(), StoreError::Busy { .. }));
-    assert!(s.job(&busy_job).await.is_none(), "a refused start writes no job");
+    assert!(matches!(
+        s.create_run(busy).await.unwrap_err(),
+        StoreError::Busy { .. }
+    ));
+    assert!(
+        s.job(&busy_job).await.is_none(),
+        "a refused start writes no job"
+    );
     let mut first = new_run(&ThreadId::generate());
     first.idempotency_key = Some("k".into());
     let mut again = new_run(&ThreadId::generate());
@@ -729,7 +1419,10 @@ async fn a_start_writes_the_runs_job_with_its_place_in_the_queue(s: Backend) {
     let again_job = again.job_id.clone();
     s.create_run(first).await.unwrap();
     assert!(s.create_run(again).await.unwrap().existing);
-    assert!(s.job(&again_job).await.is_none(), "a repeated start writes no second job");
+    assert!(
+        s.job(&again_job).await.is_none(),
+        "a repeated start writes no second job"
+    );
 }
 
 async fn idempotency_keys_return_the_first_run(s: Backend) {
@@ -749,102 +1442,300 @@ async fn idempotency_keys_return_the_first_run(s: Backend) {
 }
 
 async fn runs_whose_workers_keep_dying_fail_as_lost(s: Backend) {
-    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let run = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
     for crash in 1..=2u32 {
-        assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10)).await.unwrap(), Claim::Acquired(..)));
+        assert!(matches!(
+            s.claim_run(run.id, "w", Duration::from_millis(10))
+                .await
+                .unwrap(),
+            Claim::Acquired(..)
+        ));
         tokio::time::sleep(Duration::from_millis(20)).await;
         let expired = s.expire_leases(3).await.unwrap();
-        assert_eq!(expired, [Expired { run_id: run.id, gave_up: false }], "crash {crash} puts it back on the queue");
+        assert_eq!(
+            expired,
+            [Expired {
+                run_id: run.id,
+                gave_up: false
+            }],
+            "crash {crash} puts it back on the queue"
+        );
         let r = s.get_run(run.id).await.unwrap().unwrap();
         assert_eq!((r.status, r.crashes), (RunStatus::Queued, crash));
     }
-    assert!(matches!(s.claim_run(run.id, "w", Duration::from_millis(10)).await.unwrap(), Claim::Acquired(..)));
+    assert!(matches!(
+        s.claim_run(run.id, "w", Duration::from_millis(10))
+            .await
+            .unwrap(),
+        Claim::Acquired(..)
+    ));
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert_eq!(s.expire_leases(3).await.unwrap(), [Expired { run_id: run.id, gave_up: true }]);
+    assert_eq!(
+        s.expire_leases(3).await.unwrap(),
+        [Expired {
+            run_id: run.id,
+            gave_up: true
+        }]
+    );
     let r = s.get_run(run.id).await.unwrap().unwrap();
     assert_eq!(r.status, RunStatus::Failed);
     assert_eq!(r.error.unwrap().kind, ErrorKind::Lost);
     let ev = s.events_after(run.id, 0, 100).await.unwrap();
     assert_eq!(ev.last().unwrap().kind, "run.failed");
-    assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=ev.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        ev.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (1..=ev.len() as u64).collect::<Vec<_>>()
+    );
 }
 
 /// Hole 1: parking, waking and graceful releases are not crashes. A run that parked five times
 /// and was released once still survives a crash with a crash budget of 2.
 async fn parking_and_releases_do_not_spend_the_crash_budget(s: Backend) {
-    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let run = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
     for _ in 0..5 {
-        let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-        let park = Park { wake_at: Some(now_ms() + 60_000), ..Default::default() };
-        assert_eq!(s.park(&lease, park).await.unwrap(), Parked::Parked { due: false });
+        let Claim::Acquired(lease, _) = s
+            .claim_run(run.id, "w", Duration::from_secs(10))
+            .await
+            .unwrap()
+        else {
+            panic!()
+        };
+        let park = Park {
+            wake_at: Some(now_ms() + 60_000),
+            ..Default::default()
+        };
+        assert_eq!(
+            s.park(&lease, park).await.unwrap(),
+            Parked::Parked { due: false }
+        );
     }
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     assert!(s.release_lease(&lease, &new_job_id(), false).await.unwrap());
-    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Queued, "a release queues it again at once");
-    let Claim::Acquired(..) = s.claim_run(run.id, "w", Duration::from_millis(10)).await.unwrap() else { panic!() };
+    assert_eq!(
+        s.get_run(run.id).await.unwrap().unwrap().status,
+        RunStatus::Queued,
+        "a release queues it again at once"
+    );
+    let Claim::Acquired(..) = s
+        .claim_run(run.id, "w", Duration::from_millis(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert_eq!(s.expire_leases(2).await.unwrap(), [Expired { run_id: run.id, gave_up: false }]);
+    assert_eq!(
+        s.expire_leases(2).await.unwrap(),
+        [Expired {
+            run_id: run.id,
+            gave_up: false
+        }]
+    );
     let r = s.get_run(run.id).await.unwrap().unwrap();
     assert_eq!((r.status, r.attempts, r.crashes), (RunStatus::Queued, 7, 1));
-    let Claim::Acquired(..) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!("one crash must not lose it") };
+    let Claim::Acquired(..) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!("one crash must not lose it")
+    };
 }
 
 async fn orphans_are_found_after_the_grace_period(s: Backend) {
-    let queued = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let parked = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(parked.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    s.park(&lease, Park { wake_at: Some(now_ms() + 20), ..Default::default() }).await.unwrap();
-    assert!(s.orphans(Duration::from_secs(60)).await.unwrap().is_empty(), "fresh enqueues are left alone");
+    let queued = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let parked = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let Claim::Acquired(lease, _) = s
+        .claim_run(parked.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    s.park(
+        &lease,
+        Park {
+            wake_at: Some(now_ms() + 20),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        s.orphans(Duration::from_secs(60)).await.unwrap().is_empty(),
+        "fresh enqueues are left alone"
+    );
     tokio::time::sleep(Duration::from_millis(50)).await;
     // The queued run's job ended without starting it (here: marked so); the parked one's
     // deadline passed.
     s.set_job_status(&queued.job_id, "Done").await;
     let found = s.orphans(Duration::from_millis(1)).await.unwrap();
-    assert!(found.iter().any(|o| o.run_id == queued.id && o.status == RunStatus::Queued), "{found:?}");
-    assert!(found.iter().any(|o| o.run_id == parked.id && o.status == RunStatus::Waiting), "{found:?}");
+    assert!(
+        found
+            .iter()
+            .any(|o| o.run_id == queued.id && o.status == RunStatus::Queued),
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|o| o.run_id == parked.id && o.status == RunStatus::Waiting),
+        "{found:?}"
+    );
     s.set_job(queued.id, &new_job_id()).await.unwrap();
     s.set_job(parked.id, &new_job_id()).await.unwrap();
     let found = s.orphans(Duration::from_secs(1)).await.unwrap();
-    assert!(found.is_empty(), "re-enqueued runs are not orphans within the grace: {found:?}");
+    assert!(
+        found.is_empty(),
+        "re-enqueued runs are not orphans within the grace: {found:?}"
+    );
 }
 
 async fn parked_runs_are_claimed_again_and_cancelled_at_once(s: Backend) {
-    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    s.park(&lease, Park { wake_at: Some(12345), ..Default::default() }).await.unwrap();
+    let run = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    s.park(
+        &lease,
+        Park {
+            wake_at: Some(12345),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let parked = s.get_run(run.id).await.unwrap().unwrap();
-    assert_eq!((parked.status, parked.wake_at), (RunStatus::Waiting, Some(12345)));
+    assert_eq!(
+        (parked.status, parked.wake_at),
+        (RunStatus::Waiting, Some(12345))
+    );
     // A parked run holds no lease: the old epoch cannot write.
-    assert!(matches!(s.checkpoint(&lease, Checkpoint::default()).await, Err(StoreError::LeaseLost(_))));
-    let Claim::Acquired(again, rec) = s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    assert_eq!((rec.claimed_from, rec.wake_at), (Some(RunStatus::Waiting), None));
+    assert!(matches!(
+        s.checkpoint(&lease, Checkpoint::default()).await,
+        Err(StoreError::LeaseLost(_))
+    ));
+    let Claim::Acquired(again, rec) = s
+        .claim_run(run.id, "w2", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (rec.claimed_from, rec.wake_at),
+        (Some(RunStatus::Waiting), None)
+    );
     let ev = s.events_after(run.id, 0, 100).await.unwrap();
     assert_eq!(ev.last().unwrap().kind, "run.resumed");
-    s.park(&again, Park { wake_at: Some(now_ms() + 60_000), ..Default::default() }).await.unwrap();
-    assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Cancelled, "parked runs are cancelled at once");
-    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Cancelled);
+    s.park(
+        &again,
+        Park {
+            wake_at: Some(now_ms() + 60_000),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.request_cancel(run.id).await.unwrap(),
+        CancelOutcome::Cancelled,
+        "parked runs are cancelled at once"
+    );
+    assert_eq!(
+        s.get_run(run.id).await.unwrap().unwrap().status,
+        RunStatus::Cancelled
+    );
     let d1 = s.wait_deadline("k", 100).await.unwrap();
     let d2 = s.wait_deadline("k", 999).await.unwrap();
-    assert_eq!((d1, d2), (100, 100), "a deadline is fixed at the first attempt");
+    assert_eq!(
+        (d1, d2),
+        (100, 100),
+        "a deadline is fixed at the first attempt"
+    );
 }
 
 /// Hole 5: a cancel requested while the run was deciding to park refuses the park; the holder
 /// then finishes it as cancelled.
 async fn a_pending_cancel_refuses_the_park(s: Backend) {
-    let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    assert_eq!(s.request_cancel(run.id).await.unwrap(), CancelOutcome::Requested);
-    let park = Park { wake_at: Some(now_ms() + 60_000), ..Default::default() };
+    let run = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let Claim::Acquired(lease, _) = s
+        .claim_run(run.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        s.request_cancel(run.id).await.unwrap(),
+        CancelOutcome::Requested
+    );
+    let park = Park {
+        wake_at: Some(now_ms() + 60_000),
+        ..Default::default()
+    };
     assert_eq!(s.park(&lease, park).await.unwrap(), Parked::CancelPending);
-    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Running);
-    s.checkpoint(&lease, Checkpoint { finish: Some(Finish::Cancelled), ..Default::default() }).await.unwrap();
-    assert_eq!(s.get_run(run.id).await.unwrap().unwrap().status, RunStatus::Cancelled);
+    assert_eq!(
+        s.get_run(run.id).await.unwrap().unwrap().status,
+        RunStatus::Running
+    );
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            finish: Some(Finish::Cancelled),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.get_run(run.id).await.unwrap().unwrap().status,
+        RunStatus::Cancelled
+    );
 }
 
 fn child_of(parent: &RunRecord) -> NewRun {
     let mut c = new_run(&ThreadId::generate());
     c.parent_run_id = Some(parent.id);
-    c.tree = TreePosition { root_run_id: Some(parent.id), depth: 1, detached: false };
+    c.tree = TreePosition {
+        root_run_id: Some(parent.id),
+        depth: 1,
+        detached: false,
+    };
     c.place = QueuePlace::Front;
     c
 }
@@ -854,7 +1745,13 @@ fn child_of(parent: &RunRecord) -> NewRun {
 async fn a_childs_end_reports_and_wakes_in_the_same_commit(s: Backend) {
     let t = ThreadId::generate();
     let first = s.create_run(new_run(&t)).await.unwrap().run;
-    let Claim::Acquired(l1, _) = s.claim_run(first.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let Claim::Acquired(l1, _) = s
+        .claim_run(first.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let detached = || {
         let mut c = child_of(&first);
         c.tree.detached = true;
@@ -866,111 +1763,338 @@ async fn a_childs_end_reports_and_wakes_in_the_same_commit(s: Backend) {
     // The first run ends (its detached children live on); a second run of the same thread
     // awaits them.
     let end = vec![NewEvent::new(EventKind::RunSucceeded, json!({}))];
-    s.checkpoint(&l1, Checkpoint { events: end, finish: Some(Finish::Succeeded { result: "x".into(), forced: false }), ..Default::default() })
-        .await
-        .unwrap();
+    s.checkpoint(
+        &l1,
+        Checkpoint {
+            events: end,
+            finish: Some(Finish::Succeeded {
+                result: "x".into(),
+                forced: false,
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let mut second = new_run(&t);
     second.if_busy = IfBusy::Enqueue;
     let second = s.create_run(second).await.unwrap().run;
-    let Claim::Acquired(l2, _) = s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    let park = Park { waits_on: vec![finished.id, cancelled_queued.id, lost.id], ..Default::default() };
-    assert_eq!(s.park(&l2, park).await.unwrap(), Parked::Parked { due: false });
+    let Claim::Acquired(l2, _) = s
+        .claim_run(second.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let park = Park {
+        waits_on: vec![finished.id, cancelled_queued.id, lost.id],
+        ..Default::default()
+    };
+    assert_eq!(
+        s.park(&l2, park).await.unwrap(),
+        Parked::Parked { due: false }
+    );
     assert!(s.due_waiters(finished.id).await.unwrap().is_empty());
 
     // Ends by a finish checkpoint.
-    let Claim::Acquired(lc, _) = s.claim_run(finished.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    s.checkpoint(&lc, Checkpoint { finish: Some(Finish::Succeeded { result: "r".into(), forced: false }), ..Default::default() })
+    let Claim::Acquired(lc, _) = s
+        .claim_run(finished.id, "w", Duration::from_secs(10))
         .await
-        .unwrap();
-    assert_eq!(s.due_waiters(finished.id).await.unwrap(), [second.id], "the later run of the thread is woken");
+        .unwrap()
+    else {
+        panic!()
+    };
+    s.checkpoint(
+        &lc,
+        Checkpoint {
+            finish: Some(Finish::Succeeded {
+                result: "r".into(),
+                forced: false,
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        s.due_waiters(finished.id).await.unwrap(),
+        [second.id],
+        "the later run of the thread is woken"
+    );
     let woken = s.get_run(second.id).await.unwrap().unwrap();
     assert_eq!(woken.status, RunStatus::Waiting);
     assert!(woken.wake_at.is_some_and(|w| w <= now_ms()));
     // Re-park on the rest; ends by cancel while queued.
-    let Claim::Acquired(l2, _) = s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    let park = Park { waits_on: vec![cancelled_queued.id, lost.id], ..Default::default() };
-    assert_eq!(s.park(&l2, park).await.unwrap(), Parked::Parked { due: false });
-    assert_eq!(s.request_cancel(cancelled_queued.id).await.unwrap(), CancelOutcome::Cancelled);
-    assert_eq!(s.due_waiters(cancelled_queued.id).await.unwrap(), [second.id]);
+    let Claim::Acquired(l2, _) = s
+        .claim_run(second.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let park = Park {
+        waits_on: vec![cancelled_queued.id, lost.id],
+        ..Default::default()
+    };
+    assert_eq!(
+        s.park(&l2, park).await.unwrap(),
+        Parked::Parked { due: false }
+    );
+    assert_eq!(
+        s.request_cancel(cancelled_queued.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
+    assert_eq!(
+        s.due_waiters(cancelled_queued.id).await.unwrap(),
+        [second.id]
+    );
     // Re-park on the last; it ends by giving up after a crash.
-    let Claim::Acquired(l2, _) = s.claim_run(second.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    assert_eq!(s.park(&l2, Park { waits_on: vec![lost.id], ..Default::default() }).await.unwrap(), Parked::Parked { due: false });
-    let Claim::Acquired(..) = s.claim_run(lost.id, "w", Duration::from_millis(5)).await.unwrap() else { panic!() };
+    let Claim::Acquired(l2, _) = s
+        .claim_run(second.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        s.park(
+            &l2,
+            Park {
+                waits_on: vec![lost.id],
+                ..Default::default()
+            }
+        )
+        .await
+        .unwrap(),
+        Parked::Parked { due: false }
+    );
+    let Claim::Acquired(..) = s
+        .claim_run(lost.id, "w", Duration::from_millis(5))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     tokio::time::sleep(Duration::from_millis(20)).await;
     let expired = s.expire_leases(1).await.unwrap();
-    assert!(expired.contains(&Expired { run_id: lost.id, gave_up: true }), "{expired:?}");
+    assert!(
+        expired.contains(&Expired {
+            run_id: lost.id,
+            gave_up: true
+        }),
+        "{expired:?}"
+    );
     assert_eq!(s.due_waiters(lost.id).await.unwrap(), [second.id]);
 
     // The first run had ended before its children: nothing follows its terminal event.
     let ev = s.events_after(first.id, 0, 100).await.unwrap();
-    assert_eq!(ev.last().unwrap().kind, "run.succeeded", "{:?}", ev.iter().map(|e| &e.kind).collect::<Vec<_>>());
-    assert!(!s.append_events(first.id, vec![NewEvent::new(EventKind::ChildStarted, json!({}))]).await.unwrap());
-    assert_eq!(s.events_after(first.id, 0, 100).await.unwrap().len(), ev.len());
+    assert_eq!(
+        ev.last().unwrap().kind,
+        "run.succeeded",
+        "{:?}",
+        ev.iter().map(|e| &e.kind).collect::<Vec<_>>()
+    );
+    assert!(
+        !s.append_events(
+            first.id,
+            vec![NewEvent::new(EventKind::ChildStarted, json!({}))]
+        )
+        .await
+        .unwrap()
+    );
+    assert_eq!(
+        s.events_after(first.id, 0, 100).await.unwrap().len(),
+        ev.len()
+    );
 }
 
 /// A live parent gets `child.finished` in its outbox with the child's end, whichever way the
 /// child ended.
 async fn a_live_parent_hears_of_every_childs_end(s: Backend) {
-    let parent = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lp, _) = s.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let parent = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let Claim::Acquired(lp, _) = s
+        .claim_run(parent.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let a = s.create_run(child_of(&parent)).await.unwrap().run;
     let b = s.create_run(child_of(&parent)).await.unwrap().run;
-    assert_eq!(s.request_cancel(a.id).await.unwrap(), CancelOutcome::Cancelled);
-    let Claim::Acquired(lb, _) = s.claim_run(b.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    let err = RunError { kind: ErrorKind::Model, message: "m".into() };
-    s.checkpoint(&lb, Checkpoint { finish: Some(Finish::Failed(err)), ..Default::default() }).await.unwrap();
+    assert_eq!(
+        s.request_cancel(a.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
+    let Claim::Acquired(lb, _) = s
+        .claim_run(b.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let err = RunError {
+        kind: ErrorKind::Model,
+        message: "m".into(),
+    };
+    s.checkpoint(
+        &lb,
+        Checkpoint {
+            finish: Some(Finish::Failed(err)),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let ev = s.events_after(parent.id, 0, 100).await.unwrap();
-    let finished: Vec<_> = ev.iter().filter(|e| e.kind == "child.finished").map(|e| (e.data["child_run_id"].clone(), e.data["status"].clone())).collect();
-    assert_eq!(finished, [(json!(a.id), json!("cancelled")), (json!(b.id), json!("failed"))]);
-    assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=ev.len() as u64).collect::<Vec<_>>());
+    let finished: Vec<_> = ev
+        .iter()
+        .filter(|e| e.kind == "child.finished")
+        .map(|e| (e.data["child_run_id"].clone(), e.data["status"].clone()))
+        .collect();
+    assert_eq!(
+        finished,
+        [
+            (json!(a.id), json!("cancelled")),
+            (json!(b.id), json!("failed"))
+        ]
+    );
+    assert_eq!(
+        ev.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (1..=ev.len() as u64).collect::<Vec<_>>()
+    );
     // The parent never parked on them: nothing to wake, and it still holds its lease.
     s.renew_lease(&lp).await.unwrap();
 }
 
 /// Hole 2: a park on runs that already ended is due at once (the end raced the park).
 async fn a_park_on_ended_runs_is_due_at_once(s: Backend) {
-    let parent = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lp, _) = s.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let parent = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let Claim::Acquired(lp, _) = s
+        .claim_run(parent.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let child = s.create_run(child_of(&parent)).await.unwrap().run;
-    assert_eq!(s.request_cancel(child.id).await.unwrap(), CancelOutcome::Cancelled);
-    let park = Park { waits_on: vec![child.id], ..Default::default() };
-    assert_eq!(s.park(&lp, park).await.unwrap(), Parked::Parked { due: true });
+    assert_eq!(
+        s.request_cancel(child.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
+    let park = Park {
+        waits_on: vec![child.id],
+        ..Default::default()
+    };
+    assert_eq!(
+        s.park(&lp, park).await.unwrap(),
+        Parked::Parked { due: true }
+    );
     let r = s.get_run(parent.id).await.unwrap().unwrap();
     assert!(r.status == RunStatus::Waiting && r.wake_at.is_some_and(|w| w <= now_ms()));
-    assert!(s.orphans(Duration::ZERO).await.unwrap().iter().any(|o| o.run_id == parent.id), "the reaper finds it due");
+    assert!(
+        s.orphans(Duration::ZERO)
+            .await
+            .unwrap()
+            .iter()
+            .any(|o| o.run_id == parent.id),
+        "the reaper finds it due"
+    );
 }
 
 /// A parent's end takes its attached children with it in the same commit — queued and parked
 /// ones cancelled (and their own children), running ones asked to stop — so a crash right after
 /// the parent's end cannot leave them going; detached children live on.
 async fn a_runs_end_ends_its_attached_children_in_the_same_commit(s: Backend) {
-    let parent = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let Claim::Acquired(lp, _) = s.claim_run(parent.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let parent = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let Claim::Acquired(lp, _) = s
+        .claim_run(parent.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let queued = s.create_run(child_of(&parent)).await.unwrap().run;
     let running = s.create_run(child_of(&parent)).await.unwrap().run;
-    let Claim::Acquired(lr, _) = s.claim_run(running.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let Claim::Acquired(lr, _) = s
+        .claim_run(running.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let parked = s.create_run(child_of(&parent)).await.unwrap().run;
-    let Claim::Acquired(lw, _) = s.claim_run(parked.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
+    let Claim::Acquired(lw, _) = s
+        .claim_run(parked.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
     let grandchild = s.create_run(child_of(&parked)).await.unwrap().run;
-    s.park(&lw, Park { waits_on: vec![grandchild.id], ..Default::default() }).await.unwrap();
+    s.park(
+        &lw,
+        Park {
+            waits_on: vec![grandchild.id],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let mut d = child_of(&parent);
     d.tree.detached = true;
     let detached = s.create_run(d).await.unwrap().run;
-    let err = RunError { kind: ErrorKind::Model, message: "m".into() };
-    s.checkpoint(&lp, Checkpoint { finish: Some(Finish::Failed(err)), ..Default::default() }).await.unwrap();
+    let err = RunError {
+        kind: ErrorKind::Model,
+        message: "m".into(),
+    };
+    s.checkpoint(
+        &lp,
+        Checkpoint {
+            finish: Some(Finish::Failed(err)),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let store = &s;
     let status = |id| async move { store.get_run(id).await.unwrap().unwrap() };
     assert_eq!(status(queued.id).await.status, RunStatus::Cancelled);
     assert_eq!(status(parked.id).await.status, RunStatus::Cancelled);
-    assert_eq!(status(grandchild.id).await.status, RunStatus::Cancelled, "and their own children");
+    assert_eq!(
+        status(grandchild.id).await.status,
+        RunStatus::Cancelled,
+        "and their own children"
+    );
     let r = status(running.id).await;
-    assert!(r.status == RunStatus::Running && r.cancel_requested, "a running child is asked to stop: {r:?}");
+    assert!(
+        r.status == RunStatus::Running && r.cancel_requested,
+        "a running child is asked to stop: {r:?}"
+    );
     assert!(s.renew_lease(&lr).await.unwrap().cancel_requested);
-    assert_eq!(status(detached.id).await.status, RunStatus::Queued, "a detached child lives on");
+    assert_eq!(
+        status(detached.id).await.status,
+        RunStatus::Queued,
+        "a detached child lives on"
+    );
     for id in [queued.id, parked.id, grandchild.id] {
         let ev = s.events_after(id, 0, 100).await.unwrap();
         assert_eq!(ev.last().unwrap().kind, "run.cancelled");
-        assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=ev.len() as u64).collect::<Vec<_>>());
+        assert_eq!(
+            ev.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            (1..=ev.len() as u64).collect::<Vec<_>>()
+        );
     }
 }
 
@@ -996,12 +2120,28 @@ async fn the_transition_table_is_enforced(s: Backend) {
             let now = s.get_run(run.id).await.unwrap().unwrap().status;
             match next_status(from, event) {
                 Ok(to) => {
-                    assert!(applied, "{} on {}: allowed but refused", from.as_str(), event.name());
+                    assert!(
+                        applied,
+                        "{} on {}: allowed but refused",
+                        from.as_str(),
+                        event.name()
+                    );
                     assert_eq!(now, to, "{} on {}", from.as_str(), event.name());
                 }
                 Err(_) => {
-                    assert!(!applied, "{} on {}: illegal but applied", from.as_str(), event.name());
-                    assert_eq!(now, from, "{} on {}: refused but moved", from.as_str(), event.name());
+                    assert!(
+                        !applied,
+                        "{} on {}: illegal but applied",
+                        from.as_str(),
+                        event.name()
+                    );
+                    assert_eq!(
+                        now,
+                        from,
+                        "{} on {}: refused but moved",
+                        from.as_str(),
+                        event.name()
+                    );
                 }
             }
         }
@@ -1009,21 +2149,57 @@ async fn the_transition_table_is_enforced(s: Backend) {
 
     /// A run in `st`, with a lease carrying its current epoch (so only the status can refuse).
     async fn run_in(s: &Backend, st: RunStatus) -> (RunRecord, Lease) {
-        let run = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+        let run = s
+            .create_run(new_run(&ThreadId::generate()))
+            .await
+            .unwrap()
+            .run;
         let ttl = Duration::from_millis(5);
         if st != RunStatus::Queued && st != RunStatus::Cancelled {
-            let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", ttl).await.unwrap() else { panic!() };
+            let Claim::Acquired(lease, _) = s.claim_run(run.id, "w", ttl).await.unwrap() else {
+                panic!()
+            };
             match st {
                 RunStatus::Waiting => {
-                    s.park(&lease, Park { wake_at: Some(now_ms() + 600_000), ..Default::default() }).await.unwrap();
+                    s.park(
+                        &lease,
+                        Park {
+                            wake_at: Some(now_ms() + 600_000),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .unwrap();
                 }
                 RunStatus::Succeeded => {
-                    let f = Finish::Succeeded { result: "r".into(), forced: false };
-                    s.checkpoint(&lease, Checkpoint { finish: Some(f), ..Default::default() }).await.unwrap();
+                    let f = Finish::Succeeded {
+                        result: "r".into(),
+                        forced: false,
+                    };
+                    s.checkpoint(
+                        &lease,
+                        Checkpoint {
+                            finish: Some(f),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .unwrap();
                 }
                 RunStatus::Failed => {
-                    let f = Finish::Failed(RunError { kind: ErrorKind::Tool, message: "t".into() });
-                    s.checkpoint(&lease, Checkpoint { finish: Some(f), ..Default::default() }).await.unwrap();
+                    let f = Finish::Failed(RunError {
+                        kind: ErrorKind::Tool,
+                        message: "t".into(),
+                    });
+                    s.checkpoint(
+                        &lease,
+                        Checkpoint {
+                            finish: Some(f),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .unwrap();
                 }
                 _ => {}
             }
@@ -1035,32 +2211,69 @@ async fn the_transition_table_is_enforced(s: Backend) {
         tokio::time::sleep(Duration::from_millis(10)).await;
         let run = s.get_run(run.id).await.unwrap().unwrap();
         assert_eq!(run.status, st);
-        let lease = Lease { run_id: run.id, epoch: run.lease_epoch, owner: "w".into(), ttl };
+        let lease = Lease {
+            run_id: run.id,
+            epoch: run.lease_epoch,
+            owner: "w".into(),
+            ttl,
+        };
         (run, lease)
     }
 
     async fn apply(s: &Backend, run: &RunRecord, lease: &Lease, event: Transition) -> bool {
         match event {
-            Transition::Claim => matches!(s.claim_run(run.id, "w2", Duration::from_secs(10)).await.unwrap(), Claim::Acquired(..)),
+            Transition::Claim => matches!(
+                s.claim_run(run.id, "w2", Duration::from_secs(10))
+                    .await
+                    .unwrap(),
+                Claim::Acquired(..)
+            ),
             Transition::Heartbeat => s.renew_lease(lease).await.is_ok(),
             Transition::Park => {
-                let park = Park { wake_at: Some(now_ms() + 600_000), ..Default::default() };
+                let park = Park {
+                    wake_at: Some(now_ms() + 600_000),
+                    ..Default::default()
+                };
                 matches!(s.park(lease, park).await, Ok(Parked::Parked { .. }))
             }
             Transition::Wake => s.wake(run.id).await.unwrap(),
             Transition::Release => s.release_lease(lease, &new_job_id(), false).await.unwrap(),
             Transition::Finish(t) => {
                 let finish = match t {
-                    Terminal::Succeeded => Finish::Succeeded { result: "r".into(), forced: false },
-                    Terminal::Failed => Finish::Failed(RunError { kind: ErrorKind::Tool, message: "t".into() }),
+                    Terminal::Succeeded => Finish::Succeeded {
+                        result: "r".into(),
+                        forced: false,
+                    },
+                    Terminal::Failed => Finish::Failed(RunError {
+                        kind: ErrorKind::Tool,
+                        message: "t".into(),
+                    }),
                     Terminal::Cancelled => Finish::Cancelled,
                 };
-                s.checkpoint(lease, Checkpoint { finish: Some(finish), ..Default::default() }).await.is_ok()
+                s.checkpoint(
+                    lease,
+                    Checkpoint {
+                        finish: Some(finish),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .is_ok()
             }
-            Transition::RequestCancel => s.request_cancel(run.id).await.unwrap() == CancelOutcome::Requested,
-            Transition::Cancel => s.request_cancel(run.id).await.unwrap() == CancelOutcome::Cancelled,
-            Transition::Expire => s.expire_leases(1000).await.unwrap().contains(&Expired { run_id: run.id, gave_up: false }),
-            Transition::GiveUp => s.expire_leases(1).await.unwrap().contains(&Expired { run_id: run.id, gave_up: true }),
+            Transition::RequestCancel => {
+                s.request_cancel(run.id).await.unwrap() == CancelOutcome::Requested
+            }
+            Transition::Cancel => {
+                s.request_cancel(run.id).await.unwrap() == CancelOutcome::Cancelled
+            }
+            Transition::Expire => s.expire_leases(1000).await.unwrap().contains(&Expired {
+                run_id: run.id,
+                gave_up: false,
+            }),
+            Transition::GiveUp => s.expire_leases(1).await.unwrap().contains(&Expired {
+                run_id: run.id,
+                gave_up: true,
+            }),
         }
     }
 }
@@ -1070,25 +2283,92 @@ async fn listing_and_tree_queries(s: Backend) {
     let root = s.create_run(new_run(&t)).await.unwrap().run;
     let mut c = new_run(&ThreadId::generate());
     c.parent_run_id = Some(root.id);
-    c.tree = TreePosition { root_run_id: Some(root.id), depth: 1, detached: false };
+    c.tree = TreePosition {
+        root_run_id: Some(root.id),
+        depth: 1,
+        detached: false,
+    };
     let child = s.create_run(c).await.unwrap().run;
-    let Claim::Acquired(lease, _) = s.claim_run(child.id, "w", Duration::from_secs(10)).await.unwrap() else { panic!() };
-    let usage = subagents::model::Usage { prompt_tokens: 10, completion_tokens: 5 };
-    s.checkpoint(&lease, Checkpoint { step: Some(2), usage, ..Default::default() }).await.unwrap();
+    let Claim::Acquired(lease, _) = s
+        .claim_run(child.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let usage = subagents::model::Usage {
+        prompt_tokens: 10,
+        completion_tokens: 5,
+    };
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            step: Some(2),
+            usage,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let (tree, steps) = s.tree_usage(root.id).await.unwrap();
     assert_eq!((tree.total(), steps), (15, 2));
-    assert_eq!(s.children(root.id).await.unwrap().iter().map(|r| r.id).collect::<Vec<_>>(), [child.id]);
+    assert_eq!(
+        s.children(root.id)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.id)
+            .collect::<Vec<_>>(),
+        [child.id]
+    );
     let all = s.list_runs("o", &RunFilter::default(), 10).await.unwrap();
-    assert_eq!(all.iter().map(|r| r.id).collect::<Vec<_>>(), [child.id, root.id], "newest first");
-    let running = s.list_runs("o", &RunFilter { status: vec![RunStatus::Running], ..Default::default() }, 10).await.unwrap();
+    assert_eq!(
+        all.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [child.id, root.id],
+        "newest first"
+    );
+    let running = s
+        .list_runs(
+            "o",
+            &RunFilter {
+                status: vec![RunStatus::Running],
+                ..Default::default()
+            },
+            10,
+        )
+        .await
+        .unwrap();
     assert_eq!(running.len(), 1);
-    let page2 = s.list_runs("o", &RunFilter { before: Some(child.id), ..Default::default() }, 10).await.unwrap();
+    let page2 = s
+        .list_runs(
+            "o",
+            &RunFilter {
+                before: Some(child.id),
+                ..Default::default()
+            },
+            10,
+        )
+        .await
+        .unwrap();
     assert_eq!(page2.iter().map(|r| r.id).collect::<Vec<_>>(), [root.id]);
-    assert!(s.list_runs("someone-else", &RunFilter::default(), 10).await.unwrap().is_empty());
+    assert!(
+        s.list_runs("someone-else", &RunFilter::default(), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     let counts = s.status_counts().await.unwrap();
-    assert!(counts.contains(&(RunStatus::Queued, 1)) && counts.contains(&(RunStatus::Running, 1)), "{counts:?}");
+    assert!(
+        counts.contains(&(RunStatus::Queued, 1)) && counts.contains(&(RunStatus::Running, 1)),
+        "{counts:?}"
+    );
     assert_eq!(s.queue_position(root.id).await.unwrap(), 0);
-    s.append_events(root.id, vec![NewEvent::new(EventKind::ChildFinished, json!({}))]).await.unwrap();
+    s.append_events(
+        root.id,
+        vec![NewEvent::new(EventKind::ChildFinished, json!({}))],
+    )
+    .await
+    .unwrap();
     let ev = s.events_after(root.id, 0, 10).await.unwrap();
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
     assert!(s.get_thread(&t).await.unwrap().is_some());
@@ -1109,7 +2389,11 @@ async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: B
             n.owner = owner.into();
             n.priority = priority;
             // Every other start joins at the front, as a child does.
-            n.place = if i % 2 == 1 { QueuePlace::Front } else { QueuePlace::Back };
+            n.place = if i % 2 == 1 {
+                QueuePlace::Front
+            } else {
+                QueuePlace::Back
+            };
             let place = n.place;
             let created = s.create_run(n).await.unwrap();
             // The start answers with its place, counted as the rank counts it.
@@ -1118,24 +2402,52 @@ async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: B
                 QueuePlace::Back => mine.filter(|o| o.2 >= priority).count(),
                 QueuePlace::Front => mine.filter(|o| o.2 > priority).count(),
             } as u32;
-            assert_eq!(created.ahead, expected, "start {i} of owner {owner}, priority {priority}, {place:?}");
+            assert_eq!(
+                created.ahead, expected,
+                "start {i} of owner {owner}, priority {priority}, {place:?}"
+            );
             runs.push((created.run.id, owner, priority));
         }
     }
     // Owner a's runs leave the queue: one runs, one is cancelled; a third runs and is given
     // back to the queue by a draining worker, so it counts again.
     let (running, cancelled, released) = (runs[2].0, runs[4].0, runs[6].0);
-    assert!(matches!(s.claim_run(running, "w", Duration::from_secs(30)).await.unwrap(), Claim::Acquired(..)));
-    assert_eq!(s.request_cancel(cancelled).await.unwrap(), CancelOutcome::Cancelled);
-    let Claim::Acquired(lease, _) = s.claim_run(released, "w", Duration::from_secs(30)).await.unwrap() else { panic!("claimable") };
+    assert!(matches!(
+        s.claim_run(running, "w", Duration::from_secs(30))
+            .await
+            .unwrap(),
+        Claim::Acquired(..)
+    ));
+    assert_eq!(
+        s.request_cancel(cancelled).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
+    let Claim::Acquired(lease, _) = s
+        .claim_run(released, "w", Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("claimable")
+    };
     assert!(s.release_lease(&lease, &new_job_id(), false).await.unwrap());
-    let queued: Vec<_> = runs.iter().filter(|r| r.0 != running && r.0 != cancelled).collect();
+    let queued: Vec<_> = runs
+        .iter()
+        .filter(|r| r.0 != running && r.0 != cancelled)
+        .collect();
     for &(id, owner, priority) in &queued {
         let mine = || queued.iter().filter(|o| o.1 == *owner && o.0 != *id);
         let back = mine().filter(|o| o.2 >= *priority).count() as u32;
         let front = mine().filter(|o| o.2 > *priority).count() as u32;
-        assert_eq!(s.queue_rank(*id, QueuePlace::Back).await.unwrap(), (back, *priority), "owner {owner}, priority {priority}, at the back");
-        assert_eq!(s.queue_rank(*id, QueuePlace::Front).await.unwrap(), (front, *priority), "owner {owner}, priority {priority}, at the front");
+        assert_eq!(
+            s.queue_rank(*id, QueuePlace::Back).await.unwrap(),
+            (back, *priority),
+            "owner {owner}, priority {priority}, at the back"
+        );
+        assert_eq!(
+            s.queue_rank(*id, QueuePlace::Front).await.unwrap(),
+            (front, *priority),
+            "owner {owner}, priority {priority}, at the front"
+        );
     }
     // The counts hold under concurrent enqueues and claims (PostgreSQL spreads each owner's
     // count over stripes so these do not wait on one row).
@@ -1146,14 +2458,30 @@ async fn a_runs_rank_counts_the_queued_runs_ahead_of_it_in_its_owners_queue(s: B
     }))
     .await;
     let ids: Vec<RunId> = made.into_iter().map(|c| c.unwrap().run.id).collect();
-    let claims = futures::future::join_all(ids[..20].iter().map(|id| s.claim_run(*id, "w", Duration::from_secs(30)))).await;
+    let claims = futures::future::join_all(
+        ids[..20]
+            .iter()
+            .map(|id| s.claim_run(*id, "w", Duration::from_secs(30))),
+    )
+    .await;
     assert!(claims.iter().all(|c| matches!(c, Ok(Claim::Acquired(..)))));
-    assert_eq!(s.queue_rank(ids[47], QueuePlace::Back).await.unwrap(), (27, 3), "48 made, 20 claimed, itself not counted");
+    assert_eq!(
+        s.queue_rank(ids[47], QueuePlace::Back).await.unwrap(),
+        (27, 3),
+        "48 made, 20 claimed, itself not counted"
+    );
     // A run no longer queued is ranked among the queued ones without counting itself.
     for (id, priority) in [(running, runs[2].2), (cancelled, runs[4].2)] {
-        let of_a = |p: &dyn Fn(u8) -> bool| queued.iter().filter(|o| o.1 == "a" && p(o.2)).count() as u32;
-        assert_eq!(s.queue_rank(id, QueuePlace::Back).await.unwrap(), (of_a(&|p| p >= priority), priority));
-        assert_eq!(s.queue_rank(id, QueuePlace::Front).await.unwrap(), (of_a(&|p| p > priority), priority));
+        let of_a =
+            |p: &dyn Fn(u8) -> bool| queued.iter().filter(|o| o.1 == "a" && p(o.2)).count() as u32;
+        assert_eq!(
+            s.queue_rank(id, QueuePlace::Back).await.unwrap(),
+            (of_a(&|p| p >= priority), priority)
+        );
+        assert_eq!(
+            s.queue_rank(id, QueuePlace::Front).await.unwrap(),
+            (of_a(&|p| p > priority), priority)
+        );
     }
 }
 
@@ -1166,28 +2494,56 @@ async fn the_apis_reads_never_wait_for_an_open_write(s: Backend) {
     let held: Box<dyn std::any::Any + Send> = match &s.jobs {
         Jobs::Sqlite(p) => {
             let mut tx = p.begin().await.unwrap();
-            sqlx::query("UPDATE sa_runs SET input = 'uncommitted' WHERE id = ?").bind(run.id.to_string()).execute(&mut *tx).await.unwrap();
+            sqlx::query("UPDATE sa_runs SET input = 'uncommitted' WHERE id = ?")
+                .bind(run.id.to_string())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
             Box::new(tx)
         }
         Jobs::Postgres(p) => {
             let mut tx = p.begin().await.unwrap();
-            sqlx::query("UPDATE sa_runs SET input = 'uncommitted' WHERE id = $1").bind(run.id.to_string()).execute(&mut *tx).await.unwrap();
+            sqlx::query("UPDATE sa_runs SET input = 'uncommitted' WHERE id = $1")
+                .bind(run.id.to_string())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
             Box::new(tx)
         }
     };
     let quick = Duration::from_secs(3);
-    let seen = tokio::time::timeout(quick, s.get_run(run.id)).await.expect("a run view waited for the writer").unwrap().unwrap();
-    assert_eq!(seen.input, "hi", "a read sees the last commit, not the open write");
-    tokio::time::timeout(quick, s.events_after(run.id, 0, 10)).await.expect("an event page waited for the writer").unwrap();
-    let listed = tokio::time::timeout(quick, s.list_runs("o", &RunFilter::default(), 10)).await.expect("a listing waited for the writer").unwrap();
+    let seen = tokio::time::timeout(quick, s.get_run(run.id))
+        .await
+        .expect("a run view waited for the writer")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        seen.input, "hi",
+        "a read sees the last commit, not the open write"
+    );
+    tokio::time::timeout(quick, s.events_after(run.id, 0, 10))
+        .await
+        .expect("an event page waited for the writer")
+        .unwrap();
+    let listed = tokio::time::timeout(quick, s.list_runs("o", &RunFilter::default(), 10))
+        .await
+        .expect("a listing waited for the writer")
+        .unwrap();
     assert_eq!(listed.len(), 1);
-    tokio::time::timeout(quick, s.status_counts()).await.expect("the counts waited for the writer").unwrap();
+    tokio::time::timeout(quick, s.status_counts())
+        .await
+        .expect("the counts waited for the writer")
+        .unwrap();
     // A start behind the open write waits for it rather than failing.
     let store = s.store.clone();
-    let behind = tokio::spawn(async move { store.create_run(new_run(&ThreadId::generate())).await });
+    let behind =
+        tokio::spawn(async move { store.create_run(new_run(&ThreadId::generate())).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     drop(held); // rolled back
-    let started = tokio::time::timeout(Duration::from_secs(10), behind).await.expect("the start behind the write never went through").unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(10), behind)
+        .await
+        .expect("the start behind the write never went through")
+        .unwrap();
     assert!(started.is_ok(), "{started:?}");
     assert_eq!(s.get_run(run.id).await.unwrap().unwrap().input, "hi");
 }

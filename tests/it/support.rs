@@ -3,9 +3,9 @@
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
-use std::time::Instant;
 use std::sync::Arc;
 use std::time::Duration;
+use std::time::Instant;
 
 use subagents::app::{App, StartRun};
 use subagents::config::Settings;
@@ -45,7 +45,8 @@ pub fn test_settings(dir: &std::path::Path, mock: &MockServer) -> Settings {
 }
 
 /// Replaces the model client with one wrapping it.
-pub type WrapModel = fn(Arc<dyn subagents::model::ChatModel>) -> Arc<dyn subagents::model::ChatModel>;
+pub type WrapModel =
+    fn(Arc<dyn subagents::model::ChatModel>) -> Arc<dyn subagents::model::ChatModel>;
 
 pub struct Options {
     pub workers: bool,
@@ -60,7 +61,14 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { workers: true, latency: Duration::ZERO, tools: None, tweak: Box::new(|_| {}), jobs: vec![], wrap_model: None }
+        Self {
+            workers: true,
+            latency: Duration::ZERO,
+            tools: None,
+            tweak: Box::new(|_| {}),
+            jobs: vec![],
+            wrap_model: None,
+        }
     }
 }
 
@@ -74,30 +82,58 @@ pub async fn spawn_app_with(opts: Options) -> TestApp {
     for (name, content) in &opts.jobs {
         std::fs::write(dir.path().join("jobs").join(format!("{name}.md")), content).unwrap();
     }
-    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions { latency: opts.latency, ..Default::default() })
-        .await
-        .unwrap();
+    let mock = MockServer::start(
+        ([127, 0, 0, 1], 0).into(),
+        MockOptions {
+            latency: opts.latency,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let mut settings = test_settings(dir.path(), &mock);
     (opts.tweak)(&mut settings);
     let mut model = App::model_client(&settings);
     if let Some(wrap) = opts.wrap_model {
         model = wrap(model);
     }
-    let tools = opts.tools.unwrap_or_else(|| ToolRegistry::with_settings(App::tool_settings(&settings)));
+    let tools = opts
+        .tools
+        .unwrap_or_else(|| ToolRegistry::with_settings(App::tool_settings(&settings)));
     let app = Arc::new(App::open_custom(settings, model, tools).await.unwrap());
     let shutdown = CancellationToken::new();
     let workers = opts.workers.then(|| app.spawn_workers(shutdown.clone()));
-    TestApp { app, mock, dir, shutdown, workers }
+    TestApp {
+        app,
+        mock,
+        dir,
+        shutdown,
+        workers,
+    }
 }
 
 impl TestApp {
     pub async fn start(&self, input: &str) -> RunRecord {
-        self.app.start_run(StartRun { input: input.into(), ..Default::default() }).await.unwrap()
+        self.app
+            .start_run(StartRun {
+                input: input.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
     }
 
     pub async fn wait(&self, run: RunId) -> RunRecord {
-        let r = self.app.wait(run, Duration::from_secs(60)).await.unwrap().unwrap();
-        assert!(r.status.is_terminal(), "run {run} did not finish within 60 s: {r:?}");
+        let r = self
+            .app
+            .wait(run, Duration::from_secs(60))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            r.status.is_terminal(),
+            "run {run} did not finish within 60 s: {r:?}"
+        );
         r
     }
 
@@ -124,7 +160,14 @@ impl TestApp {
 
     /// Serves the API with keys built by the caller (a keys file, say).
     pub async fn serve_keys(&self, k: subagents::api::auth::Keys) -> String {
-        let server = subagents::api::Server::start(self.app.clone(), k, ([127, 0, 0, 1], 0).into(), self.shutdown.clone()).await.unwrap();
+        let server = subagents::api::Server::start(
+            self.app.clone(),
+            k,
+            ([127, 0, 0, 1], 0).into(),
+            self.shutdown.clone(),
+        )
+        .await
+        .unwrap();
         format!("http://{}", server.addr)
     }
 
@@ -158,7 +201,11 @@ pub fn assert_gap_free(events: &[EventRecord], status: RunStatus) {
         other => panic!("not terminal: {other:?}"),
     };
     assert_eq!(last, want);
-    assert_eq!(events.iter().filter(|e| e.kind == want).count(), 1, "exactly one terminal event");
+    assert_eq!(
+        events.iter().filter(|e| e.kind == want).count(),
+        1,
+        "exactly one terminal event"
+    );
 }
 
 pub fn kinds(events: &[EventRecord]) -> Vec<&str> {
@@ -180,7 +227,11 @@ impl subagents::tools::Tool for Sleep {
             },
         }
     }
-    async fn call(&self, _: serde_json::Value, _: &subagents::tools::ToolCtx) -> Result<String, subagents::tools::ToolError> {
+    async fn call(
+        &self,
+        _: serde_json::Value,
+        _: &subagents::tools::ToolCtx,
+    ) -> Result<String, subagents::tools::ToolError> {
         tokio::time::sleep(self.0).await;
         Ok("slept".into())
     }
@@ -201,7 +252,11 @@ impl subagents::tools::Tool for Big {
             },
         }
     }
-    async fn call(&self, _: serde_json::Value, _: &subagents::tools::ToolCtx) -> Result<String, subagents::tools::ToolError> {
+    async fn call(
+        &self,
+        _: serde_json::Value,
+        _: &subagents::tools::ToolCtx,
+    ) -> Result<String, subagents::tools::ToolError> {
         Ok("x".repeat(self.0))
     }
 }
@@ -217,23 +272,36 @@ pub fn tools_with(extra: Vec<Arc<dyn subagents::tools::Tool>>) -> ToolRegistry {
 /// A fresh, empty PostgreSQL database for one test. The server comes from
 /// `SUBAGENTS_TEST_POSTGRES` (default: the local one, trust auth), which `.ci/run` starts.
 pub async fn fresh_postgres_database() -> String {
-    let admin = std::env::var("SUBAGENTS_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let admin = std::env::var("SUBAGENTS_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let name = format!("sa_test_{}", uuid::Uuid::now_v7().simple());
-    let pool = sqlx::PgPool::connect(&admin).await.expect("PostgreSQL for the tests (set SUBAGENTS_TEST_POSTGRES)");
+    let pool = sqlx::PgPool::connect(&admin)
+        .await
+        .expect("PostgreSQL for the tests (set SUBAGENTS_TEST_POSTGRES)");
     // Drop test databases left by runs over an hour old (their names carry a UUID v7, whose
     // first 48 bits are the creation time in ms), so a developer machine does not fill up.
-    let old: Vec<String> = sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'sa\\_test\\_%'")
-        .fetch_all(&pool)
-        .await
-        .unwrap_or_default();
+    let old: Vec<String> =
+        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'sa\\_test\\_%'")
+            .fetch_all(&pool)
+            .await
+            .unwrap_or_default();
     let hour_ago = chrono::Utc::now().timestamp_millis() - 3_600_000;
     for db in old {
-        let born = db.strip_prefix("sa_test_").and_then(|h| i64::from_str_radix(h.get(..12)?, 16).ok());
+        let born = db
+            .strip_prefix("sa_test_")
+            .and_then(|h| i64::from_str_radix(h.get(..12)?, 16).ok());
         if born.is_some_and(|b| b < hour_ago) {
-            let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))).execute(&pool).await;
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+            )))
+            .execute(&pool)
+            .await;
         }
     }
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&pool).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&pool)
+        .await
+        .unwrap();
     pool.close().await;
     let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
     format!("{base}/{name}")
@@ -248,8 +316,16 @@ pub struct RedisServer {
 
 impl RedisServer {
     pub fn start() -> RedisServer {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut s = RedisServer { port, dir: tempfile::tempdir().unwrap(), child: None };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut s = RedisServer {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+        };
         s.restart();
         s
     }
@@ -257,7 +333,18 @@ impl RedisServer {
     /// (Re)starts it; the append-only file makes a restart keep what was written.
     pub fn restart(&mut self) {
         let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes", "--appendfsync", "always"])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ])
             .arg("--dir")
             .arg(self.dir.path())
             .stdout(Stdio::null())
@@ -290,13 +377,15 @@ impl Drop for RedisServer {
     }
 }
 
-
 /// A `subagents worker` process on the test's SQLite file (in `dir`) and mock model; `extra`
 /// environment variables are added or override the defaults.
 pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, String)]) -> Child {
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
     c.arg("worker")
-        .env("DATABASE_URL", format!("sqlite://{}", dir.join("test.db").display()))
+        .env(
+            "DATABASE_URL",
+            format!("sqlite://{}", dir.join("test.db").display()),
+        )
         .env("SUBAGENTS_JOBS_DIR", dir.join("jobs"))
         .env("SUBAGENTS_WORKSPACE", dir.join("workspace"))
         .env("OPENAI_BASE_URL", mock.base_url())
@@ -315,7 +404,12 @@ pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, St
 
 /// The tool results of a run, as the model saw them (text).
 pub async fn tool_texts(t: &TestApp, r: &RunRecord) -> Vec<String> {
-    let msgs = t.app.store.thread_messages(&r.thread_id, 10_000).await.unwrap();
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&r.thread_id, 10_000)
+        .await
+        .unwrap();
     subagents::engine::context(&msgs, r.id)
         .into_iter()
         .filter_map(|m| match m {
