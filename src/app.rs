@@ -516,10 +516,10 @@ impl App {
     pub async fn cancel(&self, run: RunId) -> Result<crate::store::CancelOutcome, StoreError> {
         let outcome = crate::runs::cancel(self.store.as_ref(), &self.queue, run).await?;
         // The worker holding it may be another process: tell it now, not at its next lease renewal.
-        if outcome == crate::store::CancelOutcome::Requested {
-            if let Some(r) = &self.redis {
-                r.announce_cancel(run).await;
-            }
+        if outcome == crate::store::CancelOutcome::Requested
+            && let Some(r) = &self.redis
+        {
+            r.announce_cancel(run).await;
         }
         Ok(outcome)
     }

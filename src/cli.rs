@@ -632,14 +632,14 @@ async fn follow(app: &App, run: RunId, progress: &Progress) -> anyhow::Result<Ru
             progress.event(e);
         }
         if events.is_empty() {
-            if let Some(r) = app.store.get_run(run).await? {
-                if r.status.is_terminal() {
-                    // Drain anything committed with the terminal state.
-                    for e in app.store.events_after(run, cursor, 1000).await? {
-                        progress.event(&e);
-                    }
-                    return Ok(r);
+            if let Some(r) = app.store.get_run(run).await?
+                && r.status.is_terminal()
+            {
+                // Drain anything committed with the terminal state.
+                for e in app.store.events_after(run, cursor, 1000).await? {
+                    progress.event(&e);
                 }
+                return Ok(r);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

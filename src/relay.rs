@@ -357,7 +357,7 @@ impl RedisEvents {
         after: u64,
         limit: u32,
     ) -> Result<Vec<EventRecord>, StoreError> {
-        match self.from_redis(run, after, limit).await {
+        match self.read_redis(run, after, limit).await {
             Ok(Some(events)) => Ok(events),
             Ok(None) => store.events_after(run, after, limit).await,
             Err(e) => {
@@ -367,7 +367,7 @@ impl RedisEvents {
         }
     }
 
-    async fn from_redis(
+    async fn read_redis(
         &self,
         run: RunId,
         after: u64,
@@ -469,11 +469,10 @@ impl RedisEvents {
                                     m = msgs.next() => {
                                         let Some(m) = m else { break };
                                         let text: String = m.get_payload().unwrap_or_default();
-                                        if let Some((kind, id)) = text.split_once(':') {
-                                            if let Ok(run) = id.parse::<RunId>() {
+                                        if let Some((kind, id)) = text.split_once(':')
+                                            && let Ok(run) = id.parse::<RunId>() {
                                                 store.wake_local(run, kind == "cancel");
                                             }
-                                        }
                                     }
                                 }
                             }

@@ -161,12 +161,12 @@ pub async fn start_run(
             "compact_at {p}% is out of range 10..=95 (percent of the context window)"
         )));
     }
-    if let Some(k) = &req.idempotency_key {
-        if k.is_empty() || k.len() > 200 {
-            return Err(StartError::BadLimit(
-                "idempotency_key must be 1 to 200 characters".into(),
-            ));
-        }
+    if let Some(k) = &req.idempotency_key
+        && (k.is_empty() || k.len() > 200)
+    {
+        return Err(StartError::BadLimit(
+            "idempotency_key must be 1 to 200 characters".into(),
+        ));
     }
     let priority = req.priority.unwrap_or(DEFAULT_PRIORITY);
     if !(1..=5).contains(&priority) {
@@ -369,14 +369,13 @@ pub async fn answer_approval(
     answer: crate::store::ApprovalAnswer,
 ) -> Result<crate::store::Answered, StoreError> {
     let outcome = store.answer_approval(id, owner, answer).await?;
-    if let crate::store::Answered::Done { run_id } = &outcome {
-        if store
+    if let crate::store::Answered::Done { run_id } = &outcome
+        && store
             .get_run(*run_id)
             .await?
             .is_some_and(|r| r.status == crate::store::RunStatus::Waiting)
-        {
-            push(store, queue, *run_id).await?;
-        }
+    {
+        push(store, queue, *run_id).await?;
     }
     Ok(outcome)
 }

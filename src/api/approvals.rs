@@ -87,13 +87,13 @@ pub async fn list(
             "limit must be 1 to 200",
         ));
     }
-    if let Some(c) = &q.cursor {
-        if !c.starts_with("apr_") || c.len() > 64 {
-            return Err(ApiError::bad_request(
-                "invalid_cursor",
-                "cursor must be the next_cursor of an earlier page",
-            ));
-        }
+    if let Some(c) = &q.cursor
+        && (!c.starts_with("apr_") || c.len() > 64)
+    {
+        return Err(ApiError::bad_request(
+            "invalid_cursor",
+            "cursor must be the next_cursor of an earlier page",
+        ));
     }
     let approvals = state
         .app

@@ -196,14 +196,14 @@ async fn start_from(
         .map(|t| t.parse::<ThreadId>())
         .transpose()
         .map_err(|e| ApiError::bad_request("invalid_id", e.to_string()))?;
-    if let Some(m) = &body.metadata {
-        if !m.is_object() {
-            return Err(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request",
-                "metadata must be a JSON object",
-            ));
-        }
+    if let Some(m) = &body.metadata
+        && !m.is_object()
+    {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            "metadata must be a JSON object",
+        ));
     }
     let limits = body.limits.unwrap_or_default();
     if limits

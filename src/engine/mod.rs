@@ -777,7 +777,7 @@ impl Engine {
                 crate::delegation::TOOL_NAMES.contains(&t.as_str())
                     || chain.ancestors().all(|a| lists(a, t))
             });
-            tool_specs.retain(|s| tool_names.iter().any(|n| *n == s.function.name));
+            tool_specs.retain(|s| tool_names.contains(&s.function.name));
         }
         let model = self.model_for(run, &agent).await?;
         let mut budget = Budget::resolve(

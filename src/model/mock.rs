@@ -629,31 +629,31 @@ async fn completions_inner(
         state.record(log(400));
         return context_length_error(window, prompt_tokens);
     }
-    if let Some(s) = &scenario {
-        if s.fail_every > 0 {
-            let n = {
-                let mut c = state.counters.lock().unwrap();
-                let n = c.entry(s.key.clone()).or_default();
-                *n += 1;
-                *n
-            };
-            if n % s.fail_every as u64 == 0 {
-                state.record(log(s.fail_status));
-                let status = StatusCode::from_u16(s.fail_status)
-                    .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                let mut resp = oai_error(
-                    status,
-                    &format!(
-                        "scripted failure (request {n} of scenario, fail_every={})",
-                        s.fail_every
-                    ),
-                );
-                if let Some(ra) = s.retry_after {
-                    resp.headers_mut()
-                        .insert("retry-after", ra.to_string().parse().unwrap());
-                }
-                return resp;
+    if let Some(s) = &scenario
+        && s.fail_every > 0
+    {
+        let n = {
+            let mut c = state.counters.lock().unwrap();
+            let n = c.entry(s.key.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        if n % s.fail_every as u64 == 0 {
+            state.record(log(s.fail_status));
+            let status =
+                StatusCode::from_u16(s.fail_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut resp = oai_error(
+                status,
+                &format!(
+                    "scripted failure (request {n} of scenario, fail_every={})",
+                    s.fail_every
+                ),
+            );
+            if let Some(ra) = s.retry_after {
+                resp.headers_mut()
+                    .insert("retry-after", ra.to_string().parse().unwrap());
             }
+            return resp;
         }
     }
     let script = state.script.lock().unwrap().clone();

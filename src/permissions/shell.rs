@@ -282,9 +282,11 @@ fn word(w: &Word, a: &mut Analysis, depth: usize) -> String {
         }
     };
     let mut out = String::new();
-    let literal = pieces
-        .iter()
-        .all(|p| literal_piece(&p.piece, &mut out, a, depth));
+    // Every piece is looked at, so a substitution after an expansion is still walked.
+    let mut literal = true;
+    for p in &pieces {
+        literal &= literal_piece(&p.piece, &mut out, a, depth);
+    }
     if literal { out } else { w.value.clone() }
 }
 
@@ -300,9 +302,12 @@ fn literal_piece(p: &WordPiece, out: &mut String, a: &mut Analysis, depth: usize
             true
         }
         WordPiece::DoubleQuotedSequence(inner) | WordPiece::GettextDoubleQuotedSequence(inner) => {
-            inner
-                .iter()
-                .fold(true, |ok, p| literal_piece(&p.piece, out, a, depth) && ok)
+            // Every piece is looked at (a substitution after an expansion is still walked).
+            let mut literal = true;
+            for p in inner {
+                literal &= literal_piece(&p.piece, out, a, depth);
+            }
+            literal
         }
         // `~` is the workspace (HOME): it names a directory, it runs nothing.
         WordPiece::TildeExpansion(_) => {
@@ -393,6 +398,7 @@ mod tests {
             ("cat <<EOF\nhi\nEOF", None),
             ("cat <(rm -rf x)", Some("rm")),
             ("echo $((1+2))", None),
+            ("echo $X$(rm -rf x)", Some("rm")),
             ("git status 'unterminated", None),
             ("git status )", None),
             ("> file", None),

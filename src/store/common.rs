@@ -137,6 +137,7 @@ macro_rules! store_impl {
             /// this one (a parent only wakes for the children it waits on: a detached child
             /// ending does not disturb it), the end of this run's own waits, and the end of its
             /// attached children.
+            #[allow(clippy::too_many_arguments)]
             async fn terminal_effects(
                 tx: &mut sqlx::Transaction<'_, $db>,
                 run: RunId,

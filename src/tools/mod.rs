@@ -623,14 +623,13 @@ impl ToolRegistry {
                 "arguments must be a JSON object",
             ));
         }
-        if let Some(j) = &self.journal {
-            if let Ok(mut f) = std::fs::OpenOptions::new()
+        if let Some(j) = &self.journal
+            && let Ok(mut f) = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(j)
-            {
-                let _ = writeln!(f, "{}\t{name}", ctx.idempotency_key);
-            }
+        {
+            let _ = writeln!(f, "{}\t{name}", ctx.idempotency_key);
         }
         tool.call(args, ctx).await
     }

@@ -418,10 +418,10 @@ impl Tool for Grep {
             let mut cut = false;
             walk(&workspace, &rel, readable.as_ref(), |found| {
                 let shown = found.shown;
-                if let Some((m, g)) = &filter {
-                    if !glob_matches(m, g, &shown[start_len..]) {
-                        return true;
-                    }
+                if let Some((m, g)) = &filter
+                    && !glob_matches(m, g, &shown[start_len..])
+                {
+                    return true;
                 }
                 let mut sink = Lines {
                     path: shown,

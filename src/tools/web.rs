@@ -175,16 +175,16 @@ impl WebFetch {
                 ));
             }
         }
-        if !listed(&self.policy.allow_hosts, &host) {
-            if let Some(bad) = addrs.iter().find(|a| !is_public(a.ip())) {
-                return Err(ToolError::new(
-                    "private_address",
-                    format!(
-                        "`{host}` resolves to {}, a private or local address; fetching it is not allowed (an operator can allow the host with SUBAGENTS_FETCH_ALLOW)",
-                        bad.ip()
-                    ),
-                ));
-            }
+        if !listed(&self.policy.allow_hosts, &host)
+            && let Some(bad) = addrs.iter().find(|a| !is_public(a.ip()))
+        {
+            return Err(ToolError::new(
+                "private_address",
+                format!(
+                    "`{host}` resolves to {}, a private or local address; fetching it is not allowed (an operator can allow the host with SUBAGENTS_FETCH_ALLOW)",
+                    bad.ip()
+                ),
+            ));
         }
         Ok(first)
     }

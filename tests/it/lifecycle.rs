@@ -282,10 +282,10 @@ async fn a_cancel_during_a_park_ends_the_run_and_wakes_its_parent() {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mid = loop {
         let kids = t.app.store.children(root.id).await.unwrap();
-        if let Some(m) = kids.first() {
-            if !t.app.store.children(m.id).await.unwrap().is_empty() {
-                break m.clone();
-            }
+        if let Some(m) = kids.first()
+            && !t.app.store.children(m.id).await.unwrap().is_empty()
+        {
+            break m.clone();
         }
         assert!(
             Instant::now() < deadline,

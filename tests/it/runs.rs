@@ -399,7 +399,7 @@ async fn a_long_tool_result_is_offloaded_to_the_workspace_not_cut() {
     let path = format!(".results/{}/{}.txt", r.id, tool_call_id);
     assert!(content.starts_with("xxxx"), "{content}");
     assert!(
-        content.contains(&format!("[result offloaded: it is 50000 bytes")),
+        content.contains(&"[result offloaded: it is 50000 bytes".to_string()),
         "{content}"
     );
     assert!(
