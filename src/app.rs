@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::agents::{AgentFileError, AgentRegistry};
 use crate::config::Settings;
 use crate::engine::{Engine, EngineSettings};
-use crate::ids::RunId;
+use crate::ids::{RunId, ThreadId};
 use crate::model::openai::{OpenAiClient, OpenAiConfig};
 use crate::model::{ChatModel, RetryPolicy};
 use crate::queue::Queue;
@@ -509,6 +509,21 @@ impl App {
         answer: crate::store::ApprovalAnswer,
     ) -> Result<crate::store::Answered, StoreError> {
         crate::runs::answer_approval(self.store.as_ref(), &self.queue, id, owner, answer).await
+    }
+
+    /// The stored id of `owner`'s thread `chosen` (see [`ThreadId::scoped`]): its scoped id, or,
+    /// for a thread stored before threads were scoped (or a stored id its owner was shown, as in
+    /// an event), that id when the thread is the owner's. A thread that does not exist yet gets
+    /// the scoped id.
+    pub async fn thread_for(&self, owner: &str, chosen: &ThreadId) -> Result<ThreadId, StoreError> {
+        let scoped = chosen.scoped(owner);
+        if scoped == *chosen || self.store.get_thread(&scoped).await?.is_some() {
+            return Ok(scoped);
+        }
+        Ok(match self.store.get_thread(chosen).await? {
+            Some(t) if t.owner == owner => chosen.clone(),
+            _ => scoped,
+        })
     }
 
     /// Cancels a run and its attached descendants; a run that ends here (queued or parked)

@@ -516,7 +516,7 @@ impl Ctx<'_> {
                     self.store
                         .append_events(
                             self.parent.id,
-                            vec![NewEvent::new(EventKind::ChildStarted, json!({"child_run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "call_id": call_id, "detached": detached}))],
+                            vec![NewEvent::new(EventKind::ChildStarted, json!({"child_run_id": r.id, "thread_id": r.thread_id.visible_to(&r.owner), "agent": r.agent, "call_id": call_id, "detached": detached}))],
                         )
                         .await?;
                 }

@@ -65,6 +65,11 @@ impl FromStr for RunId {
 /// The id of a thread: free-form text chosen by the caller (or generated), because callers want
 /// to name conversations after their own entities (`ticket-4711`). Limited to a safe alphabet so
 /// it can appear in URLs, stream keys and file names unescaped.
+///
+/// Thread ids are each owner's own namespace: two owners may both have a thread `ticket-4711`.
+/// A thread is stored under [`ThreadId::scoped`] (its owner's scope, `o<16 hex>.`, before the
+/// id the caller chose; none for the local owner) and shown as [`ThreadId::visible_to`] its
+/// owner.
 #[derive(
     Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema,
 )]
@@ -72,10 +77,60 @@ impl FromStr for RunId {
 #[schema(value_type = String, pattern = "^[A-Za-z0-9_.:-]{1,200}$")]
 pub struct ThreadId(String);
 
-/// Longest accepted thread id, in bytes.
+/// Longest thread id a caller may choose, in bytes.
 pub const MAX_THREAD_ID_LEN: usize = 200;
+/// Longest thread id as stored: a caller's, its owner's scope before it, and (for a child's
+/// thread) the suffix delegation adds.
+const MAX_STORED_LEN: usize = 256;
+/// The owner whose threads are stored under the ids it chose: the CLI's and a keyless server's.
+const UNSCOPED_OWNER: &str = "local";
+
+/// The prefix `owner`'s thread ids are stored under (`None` for the local owner).
+fn scope(owner: &str) -> Option<String> {
+    use sha2::Digest;
+    if owner == UNSCOPED_OWNER {
+        return None;
+    }
+    let h = sha2::Sha256::digest(owner.as_bytes());
+    Some(format!(
+        "o{}.",
+        h.iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    ))
+}
 
 impl ThreadId {
+    /// A thread id as a caller chose it: at most [`MAX_THREAD_ID_LEN`] bytes (stored ids may
+    /// be longer, see [`ThreadId::scoped`]).
+    pub fn chosen(s: &str) -> Result<ThreadId, IdError> {
+        if s.len() > MAX_THREAD_ID_LEN {
+            return Err(IdError::BadThreadId(s.to_owned()));
+        }
+        s.parse()
+    }
+
+    /// The id `owner`'s thread `self` (as the owner chose it) is stored under.
+    pub fn scoped(&self, owner: &str) -> ThreadId {
+        match scope(owner) {
+            Some(prefix) => ThreadId(format!("{prefix}{}", self.0)),
+            None => self.clone(),
+        }
+    }
+
+    /// This stored id as `owner` sees it: without `owner`'s scope (an id stored before threads
+    /// were scoped, or another owner's, is shown as it is).
+    pub fn visible_to(&self, owner: &str) -> ThreadId {
+        match scope(owner) {
+            Some(prefix) => match self.0.strip_prefix(&prefix) {
+                Some(rest) if !rest.is_empty() => ThreadId(rest.to_owned()),
+                _ => self.clone(),
+            },
+            None => self.clone(),
+        }
+    }
+
     /// A fresh thread id: `thr_` and a UUID v7 in simple form.
     pub fn generate() -> Self {
         Self(format!("thr_{}", Uuid::now_v7().simple()))
@@ -97,7 +152,7 @@ impl FromStr for ThreadId {
     type Err = IdError;
     fn from_str(s: &str) -> Result<Self, IdError> {
         let ok = !s.is_empty()
-            && s.len() <= MAX_THREAD_ID_LEN
+            && s.len() <= MAX_STORED_LEN
             && s.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
         if ok {
@@ -141,7 +196,35 @@ mod tests {
         assert!("ticket-4711".parse::<ThreadId>().is_ok());
         assert!("".parse::<ThreadId>().is_err());
         assert!("a/b".parse::<ThreadId>().is_err());
-        assert!("x".repeat(201).parse::<ThreadId>().is_err());
+        assert!(ThreadId::chosen(&"x".repeat(201)).is_err());
+        assert!(ThreadId::chosen(&"x".repeat(200)).is_ok());
+        assert!("x".repeat(257).parse::<ThreadId>().is_err());
+        // Each owner its own namespace; the local owner's ids are stored as chosen.
+        let t: ThreadId = "ticket-4711".parse().unwrap();
+        let (a, b) = (t.scoped("alice"), t.scoped("bob"));
+        assert_ne!(a, b);
+        assert_eq!(t.scoped("local"), t);
+        assert_eq!(
+            (a.visible_to("alice"), b.visible_to("bob")),
+            (t.clone(), t.clone())
+        );
+        assert_eq!(
+            a.visible_to("bob"),
+            a,
+            "another owner's scope is not stripped"
+        );
+        assert!(
+            a.as_str().parse::<ThreadId>().is_ok(),
+            "a stored id is an id"
+        );
+        assert!(
+            ThreadId::chosen(&"x".repeat(200))
+                .unwrap()
+                .scoped("alice")
+                .as_str()
+                .parse::<ThreadId>()
+                .is_ok()
+        );
         assert!(ThreadId::generate().as_str().starts_with("thr_"));
     }
 

@@ -133,7 +133,7 @@ impl McpRuns {
             .iter()
             .filter_map(crate::events::progress_line)
             .collect();
-        let mut v = json!({"run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "status": r.status, "step": r.step, "progress": progress});
+        let mut v = json!({"run_id": r.id, "thread_id": r.thread_id.visible_to(&r.owner), "agent": r.agent, "status": r.status, "step": r.step, "progress": progress});
         if let Some(res) = &r.result {
             v["result"] = json!(res);
         }
@@ -188,16 +188,26 @@ impl McpRuns {
         let input = args["input"]
             .as_str()
             .ok_or_else(|| ErrorData::invalid_params("`input` is required", None))?;
-        let thread_id = args["thread_id"]
+        let owner = self.owner_of(ctx);
+        let chosen = args["thread_id"]
             .as_str()
-            .map(|t| t.parse())
+            .map(crate::ids::ThreadId::chosen)
             .transpose()
             .map_err(|e| ErrorData::invalid_params(format!("thread_id: {e}"), None))?;
+        let thread_id = match chosen {
+            Some(t) => Some(
+                self.app
+                    .thread_for(&owner, &t)
+                    .await
+                    .map_err(|e| ErrorData::internal_error(e.to_string(), None))?,
+            ),
+            None => None,
+        };
         let req = StartRun {
             agent: Some(agent.to_owned()),
             input: input.to_owned(),
             thread_id,
-            owner: Some(self.owner_of(ctx)),
+            owner: Some(owner),
             ..Default::default()
         };
         // Committed before anything is returned: the run survives this process from here on.
@@ -290,8 +300,9 @@ impl McpRuns {
                     r.status.as_str(),
                     r.step
                 ))]);
-                res.structured_content =
-                    Some(json!({"run_id": r.id, "thread_id": r.thread_id, "status": r.status}));
+                res.structured_content = Some(
+                    json!({"run_id": r.id, "thread_id": r.thread_id.visible_to(&r.owner), "status": r.status}),
+                );
                 return Ok(res.into());
             }
         }

@@ -155,6 +155,14 @@ impl Keys {
         Ok(())
     }
 
+    /// Every owner with a key.
+    pub fn owners(&self) -> impl Iterator<Item = &str> {
+        let mut all: Vec<&str> = self.by_hash.values().map(String::as_str).collect();
+        all.sort_unstable();
+        all.dedup();
+        all.into_iter()
+    }
+
     /// The owner of a presented key.
     pub fn owner_of(&self, key: &str) -> Option<&str> {
         self.by_hash.get(&hash(key)).map(String::as_str)

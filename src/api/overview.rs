@@ -461,6 +461,9 @@ pub async fn bulk(
                 ));
             }
             let mut f = q.filter()?;
+            if let Some(t) = &f.thread_id {
+                f.thread_id = Some(state.app.thread_for(&owner.0, t).await?);
+            }
             let mut ids = vec![];
             loop {
                 let page = state.app.store.list_runs(&owner.0, &f, 100).await?;

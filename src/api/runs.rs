@@ -191,11 +191,11 @@ async fn start_from(
     owner: &Owner,
     body: StartBody,
 ) -> Result<(RunRecord, bool), ApiError> {
-    let thread_id = body
-        .thread_id
-        .map(|t| t.parse::<ThreadId>())
-        .transpose()
-        .map_err(|e| ApiError::bad_request("invalid_id", e.to_string()))?;
+    let thread_id = match body.thread_id.as_deref().map(ThreadId::chosen).transpose() {
+        Ok(Some(t)) => Some(state.app.thread_for(&owner.0, &t).await?),
+        Ok(None) => None,
+        Err(e) => return Err(ApiError::bad_request("invalid_id", e.to_string())),
+    };
     if let Some(m) = &body.metadata
         && !m.is_object()
     {
@@ -547,9 +547,12 @@ impl ListQuery {
         Ok(RunFilter {
             status,
             agent: self.agent,
-            thread_id: self.thread_id.map(|t| t.parse()).transpose().map_err(
-                |e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()),
-            )?,
+            thread_id: self
+                .thread_id
+                .as_deref()
+                .map(ThreadId::chosen)
+                .transpose()
+                .map_err(|e| ApiError::bad_request("invalid_id", e.to_string()))?,
             parent_run_id: self
                 .parent_run_id
                 .as_deref()
@@ -600,7 +603,10 @@ pub async fn list(
         Some(o) => o,
         None => owner.0.clone(),
     };
-    let filter = q.filter()?;
+    let mut filter = q.filter()?;
+    if let Some(t) = &filter.thread_id {
+        filter.thread_id = Some(state.app.thread_for(&whose, t).await?);
+    }
     let runs = state.app.store.list_runs(&whose, &filter, limit).await?;
     let next_cursor = (runs.len() == limit as usize)
         .then(|| runs.last().map(|r| r.id))

@@ -53,11 +53,26 @@ pub async fn thread(
         ));
     }
     let store = state.app.store.as_ref();
-    let t = match store.get_thread(&id).await? {
-        // An admin may open any owner's thread, as any run.
-        Some(t) if t.owner == owner.0 || state.keys.is_admin(&owner.0) => t,
+    let admin = state.keys.is_admin(&owner.0);
+    let mut stored = state.app.thread_for(&owner.0, &id).await?;
+    let mut found = store.get_thread(&stored).await?;
+    // An admin may open any owner's thread, as any run: by its stored id, or by the id its
+    // owner chose.
+    if admin && found.as_ref().is_none_or(|t| t.owner != owner.0) {
+        for candidate in
+            std::iter::once(id.clone()).chain(state.keys.owners().map(|o| id.scoped(o)))
+        {
+            if let Some(t) = store.get_thread(&candidate).await? {
+                (stored, found) = (candidate, Some(t));
+                break;
+            }
+        }
+    }
+    let t = match found {
+        Some(t) if t.owner == owner.0 || admin => t,
         _ => return Err(ApiError::not_found("thread")),
     };
+    let id = stored;
     let runs = store
         .list_runs(
             &t.owner,
@@ -81,7 +96,7 @@ pub async fn thread(
     let next_after = messages.last().map(|m| m.id).unwrap_or(after);
     let compactions = store.compactions(&id).await?;
     Ok(Json(ThreadView {
-        id: t.id,
+        id: t.id.visible_to(&t.owner),
         created_at: t.created_at,
         updated_at: t.updated_at,
         runs: run_views,

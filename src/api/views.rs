@@ -183,7 +183,8 @@ impl RunView {
         };
         Ok(RunView {
             id: r.id,
-            thread_id: r.thread_id,
+            // As its owner chose it (stored ids carry the owner's scope).
+            thread_id: r.thread_id.visible_to(&r.owner),
             agent: r.agent,
             status: r.status,
             parent_run_id: r.parent_run_id,

@@ -151,14 +151,17 @@ macro_rules! store_impl {
                 if let Some(parent) = parent {
                     let row = sqlx::query(
                         "UPDATE sa_runs SET event_seq = event_seq + 1 \
-                         WHERE id = $1 AND status IN ('queued','running','waiting') RETURNING event_seq",
+                         WHERE id = $1 AND status IN ('queued','running','waiting') RETURNING event_seq, owner",
                     )
                     .bind(parent)
                     .fetch_optional(&mut **tx)
                     .await?;
                     if let Some(row) = row {
                         let seq: i64 = row.get(0);
-                        let mut data = serde_json::json!({"child_run_id": run, "thread_id": thread, "status": status});
+                        // As the owner (the parent's, so the child's) chose it.
+                        let owner: String = row.get(1);
+                        let shown = thread.parse::<ThreadId>().map(|t| t.visible_to(&owner).to_string()).unwrap_or_else(|_| thread.to_owned());
+                        let mut data = serde_json::json!({"child_run_id": run, "thread_id": shown, "status": status});
                         if let Some(e) = error {
                             data["error"] = serde_json::json!(e);
                         }

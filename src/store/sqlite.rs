@@ -257,7 +257,7 @@ store_impl!(
             1,
             &[NewEvent::new(
                 EventKind::RunQueued,
-                serde_json::json!({"agent": new.agent, "thread_id": new.thread_id, "parent_run_id": new.parent_run_id}),
+                serde_json::json!({"agent": new.agent, "thread_id": new.thread_id.visible_to(&new.owner), "parent_run_id": new.parent_run_id}),
             )],
             self.relayed_at_insert(),
         )

@@ -325,11 +325,19 @@ async fn owners_are_isolated_and_keys_required() {
     assert_eq!(list["runs"].as_array().unwrap().len(), 0);
     let (_, list) = alice.get("/v1/runs").await;
     assert_eq!(list["runs"].as_array().unwrap().len(), 1);
-    // Bob cannot continue Alice's thread either.
+    // Bob cannot continue Alice's thread either: the same id names a thread of his own.
     let (s, v) = bob
         .post("/v1/runs", json!({"input": "x", "thread_id": thread}))
         .await;
-    assert_eq!(s, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(s, StatusCode::ACCEPTED, "{v}");
+    assert_eq!(v["thread_id"], thread, "bob sees the id he chose");
+    let (_, mine) = alice.get(&format!("/v1/threads/{thread}")).await;
+    assert_eq!(
+        mine["runs"].as_array().unwrap().len(),
+        1,
+        "alice's thread holds only her run: {mine}"
+    );
+    assert!(!mine.to_string().contains(v["id"].as_str().unwrap()));
     for api in [&nobody, &wrong] {
         let (s, v) = api.get("/v1/runs").await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);

@@ -1184,3 +1184,149 @@ async fn rules_that_name_no_tool_are_reported_at_load() {
             .collect();
     assert_eq!(reported, ["WRITE", "write", "Write_File", "mcp__Files"]);
 }
+
+// Thread ids are each owner's own: a name one owner used first is still free for another.
+#[tokio::test]
+async fn thread_ids_are_each_owners_own() {
+    let t = spawn_app_with(Options::default()).await;
+    let base = t.serve("alice:alice-secret-key,bob:bob-secret-key").await;
+    let http = reqwest::Client::new();
+    let start = |key: &'static str, input: &str, thread: &str| {
+        http.post(format!("{base}/v1/runs/wait"))
+            .bearer_auth(key)
+            .json(&json!({"input": input, "thread_id": thread, "timeout_s": 30, "if_busy": "enqueue"}))
+            .send()
+    };
+    // Bob takes the name first; Alice uses it all the same.
+    let b: Value = start(
+        "bob-secret-key",
+        "bob's words\nSCENARIO steps=1 run=b",
+        "shared",
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let a: Value = start(
+        "alice-secret-key",
+        "alice's words\nSCENARIO steps=1 run=a",
+        "shared",
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(
+        (b["status"].as_str(), a["status"].as_str()),
+        (Some("succeeded"), Some("succeeded")),
+        "{b} {a}"
+    );
+    assert_eq!(
+        (b["thread_id"].as_str(), a["thread_id"].as_str()),
+        (Some("shared"), Some("shared"))
+    );
+    let view = |key: &'static str, path: String| {
+        let http = http.clone();
+        async move {
+            http.get(path)
+                .bearer_auth(key)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let alices = view("alice-secret-key", format!("{base}/v1/threads/shared")).await;
+    let bobs = view("bob-secret-key", format!("{base}/v1/threads/shared")).await;
+    assert_eq!(alices["id"], "shared");
+    assert!(
+        alices.to_string().contains("alice's words") && !alices.to_string().contains("bob's words"),
+        "{alices}"
+    );
+    assert!(
+        bobs.to_string().contains("bob's words") && !bobs.to_string().contains("alice's words"),
+        "{bobs}"
+    );
+    let listed = view(
+        "alice-secret-key",
+        format!("{base}/v1/runs?thread_id=shared"),
+    )
+    .await;
+    assert_eq!(listed["runs"].as_array().unwrap().len(), 1);
+    let events = view(
+        "alice-secret-key",
+        format!("{base}/v1/runs/{}/events", a["id"].as_str().unwrap()),
+    )
+    .await;
+    assert_eq!(
+        events["events"][0]["data"]["thread_id"], "shared",
+        "events name the thread as its owner does"
+    );
+    // A thread stored before threads were scoped stays its owner's, under the same id.
+    let old = t
+        .app
+        .start_run(StartRun {
+            input: "old words\nSCENARIO steps=1 run=old".into(),
+            thread_id: Some("legacy-1".parse().unwrap()),
+            owner: Some("alice".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    t.wait(old.id).await;
+    let cont: Value = start(
+        "alice-secret-key",
+        "more\nSCENARIO steps=1 run=more",
+        "legacy-1",
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let cont_run = t
+        .app
+        .store
+        .get_run(cont["id"].as_str().unwrap().parse().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        cont_run.thread_id.as_str(),
+        "legacy-1",
+        "alice continues her old thread"
+    );
+    assert_eq!(cont["thread_id"], "legacy-1");
+    let theirs: Value = start(
+        "bob-secret-key",
+        "bob again\nSCENARIO steps=1 run=b2",
+        "legacy-1",
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let theirs_run = t
+        .app
+        .store
+        .get_run(theirs["id"].as_str().unwrap().parse().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(
+        theirs_run.thread_id.as_str(),
+        "legacy-1",
+        "bob's legacy-1 is his own"
+    );
+    let old_thread = view("alice-secret-key", format!("{base}/v1/threads/legacy-1")).await;
+    assert_eq!(
+        old_thread["runs"].as_array().unwrap().len(),
+        2,
+        "{old_thread}"
+    );
+}
