@@ -313,3 +313,77 @@ async fn a_server_that_never_answers_or_a_call_that_hangs_gives_a_clear_tool_err
     assert!(res[1].starts_with("error[tool_timeout]"), "{res:?}");
     assert!(t0.elapsed() < Duration::from_secs(60));
 }
+
+/// A stdio server written here with the official TypeScript SDK: its `whoami` tool answers with
+/// its process id and the names of the variables it was started with.
+fn probe_server(dir: &Path) -> PathBuf {
+    let sdk = servers_dir().join("node_modules/@modelcontextprotocol/sdk/dist/esm/server");
+    let script = dir.join("probe.mjs");
+    std::fs::write(
+        &script,
+        format!(
+            r#"import {{ McpServer }} from "{sdk}/mcp.js";
+import {{ StdioServerTransport }} from "{sdk}/stdio.js";
+const server = new McpServer({{ name: "probe", version: "1.0.0" }});
+server.tool("whoami", async () => ({{ content: [{{ type: "text", text: JSON.stringify({{ pid: process.pid, env: Object.keys(process.env).sort() }}) }}] }}));
+await server.connect(new StdioServerTransport());
+"#,
+            sdk = sdk.display()
+        ),
+    )
+    .unwrap();
+    script
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stdio_server_is_one_process_per_owner_and_gets_no_worker_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = probe_server(dir.path());
+    let agent = (
+        "prober".to_owned(),
+        "---\nname: prober\ndescription: asks who serves it\ntools: [mcp__probe__whoami]\n---\nMOCK:prober\n".to_owned(),
+    );
+    let t = app(
+        json!({"probe": {"command": "node", "args": [script], "env": {"DECLARED": "yes"}}}),
+        vec![agent],
+        vec![
+            calls(vec![call("mcp__probe__whoami", json!({}))]),
+            say("done"),
+        ],
+        Duration::ZERO,
+        30.0,
+    )
+    .await;
+    let mut seen = vec![];
+    for owner in ["alice", "bob", "alice"] {
+        let r = t
+            .app
+            .start_run(StartRun {
+                agent: Some("prober".into()),
+                input: "Who?".into(),
+                owner: Some(owner.into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let done = t.wait(r.id).await;
+        assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+        let v: Value = serde_json::from_str(&tool_texts(&t, &done).await[0]).unwrap();
+        seen.push(v);
+    }
+    assert_ne!(
+        seen[0]["pid"], seen[1]["pid"],
+        "alice's and bob's runs share a server process"
+    );
+    assert_eq!(
+        seen[0]["pid"], seen[2]["pid"],
+        "an owner's runs reuse its process"
+    );
+    for name in seen[0]["env"].as_array().unwrap() {
+        let name = name.as_str().unwrap();
+        assert!(
+            subagents::procs::INHERITED.contains(&name) || name == "DECLARED",
+            "the server got `{name}` from the worker's environment"
+        );
+    }
+}

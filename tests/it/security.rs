@@ -950,15 +950,21 @@ async fn a_key_cannot_queue_or_wait_without_bound() {
         reqwest::StatusCode::ACCEPTED,
         "another owner is not held back"
     );
-    // One wait per key: while the first is open, the next is refused (asked until the first is
-    // surely open: no guess at how long that takes).
-    let first = tokio::spawn(
-        http.get(format!("{base}/v1/runs/{}/wait?timeout_s=60", ids[0]))
-            .bearer_auth("alice-secret-key")
-            .send(),
-    );
+    // One wait per key: while a long wait is open, a second is refused. Probing races the long
+    // wait for the one place, so a long wait that lost (it ended at once) is opened again.
+    let long_wait = || {
+        tokio::spawn(
+            http.get(format!("{base}/v1/runs/{}/wait?timeout_s=60", ids[0]))
+                .bearer_auth("alice-secret-key")
+                .send(),
+        )
+    };
+    let mut first = long_wait();
     let deadline = Instant::now() + Duration::from_secs(30);
     let refused = loop {
+        if first.is_finished() {
+            first = long_wait();
+        }
         let second = http
             .get(format!("{base}/v1/runs/{}/wait?timeout_s=0", ids[1]))
             .bearer_auth("alice-secret-key")
