@@ -128,6 +128,9 @@ impl App {
                 ..RetryPolicy::default()
             },
             request_timeout: settings.model_timeout(),
+            step_header: settings
+                .step_header
+                .unwrap_or_else(|| settings.local_model_endpoint()),
         }))
     }
 
@@ -205,6 +208,9 @@ impl App {
                 ..Default::default()
             },
             search_url: settings.search_url.clone(),
+            hide_echo: !settings
+                .echo_tool
+                .unwrap_or_else(|| settings.local_model_endpoint()),
         }
     }
 

@@ -428,6 +428,18 @@ pub struct Settings {
     )]
     pub metrics_token: Option<String>,
 
+    /// Send each model request's run and step (`x-subagents-step: RUN:STEP`) to the model
+    /// endpoint. Unset: only to an endpoint on this machine (the mock reads it); a provider
+    /// elsewhere is not told our ids unless this says so.
+    #[arg(long, env = "SUBAGENTS_STEP_HEADER", global = true, value_parser = clap::builder::BoolishValueParser::new())]
+    pub step_header: Option<bool>,
+
+    /// Offer the built-in `echo` tool (it returns its text: for tests and benchmarks). Unset:
+    /// only when the model endpoint is on this machine (the mock); a real model is not offered
+    /// a tool that does nothing.
+    #[arg(long, env = "SUBAGENTS_ECHO_TOOL", global = true, value_parser = clap::builder::BoolishValueParser::new())]
+    pub echo_tool: Option<bool>,
+
     /// Append one line per tool execution (`idempotency-key<TAB>tool`) to this file.
     #[arg(long, env = "SUBAGENTS_TOOL_JOURNAL", global = true)]
     pub tool_journal: Option<PathBuf>,
@@ -467,6 +479,23 @@ impl Settings {
                 .expect("defaults parse");
         s.database_url = database_url.to_owned();
         s
+    }
+
+    /// Whether the model endpoint is on this machine (a loopback host): the mock, a local
+    /// server, a test.
+    pub fn local_model_endpoint(&self) -> bool {
+        reqwest::Url::parse(&self.openai_base_url)
+            .ok()
+            .and_then(|u| u.host_str().map(str::to_owned))
+            .is_some_and(|h| {
+                let h = h
+                    .trim_matches(['[', ']'])
+                    .trim_end_matches('.')
+                    .to_ascii_lowercase();
+                h == "localhost"
+                    || h.parse::<std::net::IpAddr>()
+                        .is_ok_and(|ip| ip.is_loopback())
+            })
     }
 
     /// Lease length.

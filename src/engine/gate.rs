@@ -69,6 +69,27 @@ pub(super) enum Gate {
     Park(Wait),
 }
 
+/// The verdict a committed decision (`sa_tool_decisions`) records. Read back, anything else
+/// (missing, misspelt, from a newer build) is no verdict at all, and the call is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Decided {
+    /// Run the call.
+    Allow,
+    /// Refused by a rule, a mode or a hook's deny.
+    Deny,
+    /// A person decides: the decision names its approval.
+    Ask,
+    /// A hook blocked it.
+    Blocked,
+}
+
+impl Decided {
+    fn read(decision: &Value) -> Option<Decided> {
+        serde_json::from_value(decision.get("verdict")?.clone()).ok()
+    }
+}
+
 /// Tools that manage children already started: they pass without a decision.
 const UNGATED: &[&str] = &[
     "subagent_status",
@@ -150,7 +171,7 @@ impl Engine {
         let rules = chain.verdict(tool, &used, workspace);
         let (verdict, by) = match (&outcome.blocked, &outcome.decision, rules) {
             (Some(reason), _, _) => {
-                decision["verdict"] = json!("blocked");
+                decision["verdict"] = json!(Decided::Blocked);
                 decision["reason"] = json!(reason);
                 (None, "hook")
             }
@@ -182,11 +203,11 @@ impl Engine {
                 metrics::counter!("subagents_hook_blocks_total").increment(1);
                 events.push(NewEvent::new(EventKind::HookBlocked, json!({"step": step, "call_id": call.id, "tool": tool, "reason": decision["reason"]})));
             }
-            Some(Verdict::Allow) => decision["verdict"] = json!("allow"),
+            Some(Verdict::Allow) => decision["verdict"] = json!(Decided::Allow),
             Some(Verdict::Deny(reason)) => {
                 metrics::counter!("subagents_permission_denials_total").increment(1);
                 events.push(NewEvent::new(EventKind::ToolDenied, json!({"step": step, "call_id": call.id, "tool": tool, "reason": reason, "by": by})));
-                decision["verdict"] = json!("deny");
+                decision["verdict"] = json!(Decided::Deny);
                 decision["reason"] = json!(reason);
             }
             Some(Verdict::Ask(reason)) => {
@@ -213,7 +234,7 @@ impl Engine {
                     expires_at,
                     grant_scope,
                 });
-                decision["verdict"] = json!("ask");
+                decision["verdict"] = json!(Decided::Ask);
                 decision["reason"] = json!(reason);
                 decision["approval_id"] = json!(id);
             }
@@ -250,16 +271,16 @@ impl Engine {
                 .unwrap_or_else(|| call.function.arguments.clone())
         };
         let reason = d["reason"].as_str().unwrap_or("").to_owned();
-        Ok(match d["verdict"].as_str() {
-            Some("allow") => Gate::Run {
+        Ok(match Decided::read(d) {
+            Some(Decided::Allow) => Gate::Run {
                 arguments: arguments(d.get("updated_input")),
                 context,
             },
-            Some("blocked") => Gate::Refuse(format!("error[blocked_by_hook]: {reason}")),
-            Some("deny") => Gate::Refuse(format!(
+            Some(Decided::Blocked) => Gate::Refuse(format!("error[blocked_by_hook]: {reason}")),
+            Some(Decided::Deny) => Gate::Refuse(format!(
                 "error[permission_denied]: {reason}; this call was not run. Do not repeat it: continue without it or answer."
             )),
-            Some("ask") => {
+            Some(Decided::Ask) => {
                 let id = d["approval_id"].as_str().unwrap_or("");
                 let Some(mut a) = self.store.approval(id).await? else {
                     return Ok(Gate::Refuse(format!(
@@ -290,8 +311,8 @@ impl Engine {
                     ApprovalStatus::Expired => Gate::Refuse("error[approval_expired]: nobody approved this call in time; it was not run. Continue without it or answer.".into()),
                 }
             }
-            other => {
-                tracing::error!(verdict = ?other, "a committed tool decision names no verdict this build knows; refusing the call");
+            None => {
+                tracing::error!(verdict = %d["verdict"], "a committed tool decision names no verdict this build knows; refusing the call");
                 Gate::Refuse("error[permission_denied]: the decision recorded for this call cannot be read; it was not run.".into())
             }
         })

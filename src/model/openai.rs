@@ -27,6 +27,8 @@ pub struct OpenAiConfig {
     pub retry: RetryPolicy,
     /// Limit on one whole attempt (connect, wait, stream).
     pub request_timeout: Duration,
+    /// Send `x-subagents-step: RUN:STEP` with each request (see `SUBAGENTS_STEP_HEADER`).
+    pub step_header: bool,
 }
 
 impl std::fmt::Debug for OpenAiConfig {
@@ -96,11 +98,10 @@ impl OpenAiClient {
         if !req.tools.is_empty() {
             body["tools"] = json!(req.tools);
         }
-        let mut builder = self
-            .http
-            .post(self.url())
-            .json(&body)
-            .header("x-subagents-step", &req.step_key);
+        let mut builder = self.http.post(self.url()).json(&body);
+        if self.config.step_header {
+            builder = builder.header("x-subagents-step", &req.step_key);
+        }
         if !self.config.api_key.is_empty() {
             builder = builder.bearer_auth(&self.config.api_key);
         }

@@ -403,6 +403,9 @@ pub struct ToolSettings {
     pub fetch: FetchPolicy,
     /// The search backend of `web_search` (a SearXNG-compatible JSON endpoint), if any.
     pub search_url: Option<String>,
+    /// Leave `echo` out (a real model has no use for a tool that does nothing; see
+    /// `SUBAGENTS_ECHO_TOOL`).
+    pub hide_echo: bool,
 }
 
 /// The tools this process can offer, by name.
@@ -489,8 +492,7 @@ impl ToolRegistry {
     /// The built-ins with these settings.
     pub fn with_settings(settings: ToolSettings) -> Self {
         let mut tools: BTreeMap<String, Arc<dyn Tool>> = BTreeMap::new();
-        let builtins: Vec<Arc<dyn Tool>> = vec![
-            Arc::new(Echo),
+        let mut builtins: Vec<Arc<dyn Tool>> = vec![
             Arc::new(fs::ReadFile),
             Arc::new(fs::WriteFile),
             Arc::new(fs::EditFile),
@@ -503,6 +505,9 @@ impl ToolRegistry {
             }),
             Arc::new(todo::TodoWrite),
         ];
+        if !settings.hide_echo {
+            builtins.push(Arc::new(Echo));
+        }
         for t in builtins {
             tools.insert(t.spec().function.name.clone(), t);
         }

@@ -1336,3 +1336,81 @@ async fn thread_ids_are_each_owners_own() {
         "{old_thread}"
     );
 }
+
+// A committed decision whose verdict cannot be read refuses the call (it was replayed as
+// `allow` when the verdict was misspelt).
+#[tokio::test]
+async fn a_decision_with_an_unknown_verdict_is_refused_not_allowed() {
+    let t = app(
+        json!({"permissions": {"ask": ["echo"]}}),
+        vec![prober("echo", "")],
+        |_| {},
+    )
+    .await;
+    t.mock.state.set_script(Script::from([(
+        "prober".to_owned(),
+        vec![
+            calls(vec![call("echo", json!({"text": "hi"}))]),
+            say("done"),
+        ],
+    )]));
+    let r = t
+        .app
+        .start_run(StartRun {
+            agent: Some("prober".into()),
+            input: "Probe.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let approval = loop {
+        let pending = t
+            .app
+            .store
+            .list_approvals(
+                "local",
+                Some(subagents::store::ApprovalStatus::Pending),
+                Some(r.id),
+                None,
+                10,
+            )
+            .await
+            .unwrap();
+        if let Some(a) = pending.into_iter().next() {
+            break a;
+        }
+        assert!(Instant::now() < deadline, "no approval");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    };
+    // The stored decision's verdict is damaged while the run waits.
+    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url)
+        .await
+        .unwrap();
+    let changed = sqlx::query("UPDATE sa_tool_decisions SET decision = replace(decision, '\"verdict\":\"ask\"', '\"verdict\":\"allwo\"')")
+        .execute(&db)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(changed, 1);
+    t.app
+        .answer_approval(
+            &approval.id,
+            "local",
+            subagents::store::ApprovalAnswer {
+                allow: true,
+                reason: None,
+                updated_input: None,
+                run_tree: false,
+                by: "test".into(),
+            },
+        )
+        .await
+        .unwrap();
+    let done = t.wait(r.id).await;
+    let res = tool_texts(&t, &done).await;
+    assert!(
+        res[0].starts_with("error[permission_denied]") && res[0].contains("cannot be read"),
+        "{res:?}"
+    );
+}

@@ -406,3 +406,29 @@ async fn web_search_uses_the_configured_backend() {
     );
     assert_eq!(reg.resolve(&agent).tools, ["web_search"]);
 }
+
+#[test]
+fn only_an_endpoint_on_this_machine_gets_echo_and_the_step_header_by_default() {
+    let mut s = subagents::config::Settings::defaults("sqlite://x.db");
+    for (url, local) in [
+        ("http://127.0.0.1:8089/v1", true),
+        ("http://localhost:1/v1", true),
+        ("http://[::1]:1/v1", true),
+        ("https://api.openai.com/v1", false),
+        ("http://10.0.0.5/v1", false),
+    ] {
+        s.openai_base_url = url.into();
+        assert_eq!(s.local_model_endpoint(), local, "{url}");
+        let tools =
+            subagents::tools::ToolRegistry::with_settings(subagents::app::App::tool_settings(&s));
+        assert_eq!(
+            tools.specs(&["echo".to_owned()]).len(),
+            usize::from(local),
+            "{url}"
+        );
+    }
+    s.echo_tool = Some(true);
+    let tools =
+        subagents::tools::ToolRegistry::with_settings(subagents::app::App::tool_settings(&s));
+    assert_eq!(tools.specs(&["echo".to_owned()]).len(), 1);
+}
