@@ -37,7 +37,7 @@ pub struct TodoView {
     pub status: String,
 }
 
-/// A run, as DESIGN.md's API section defines it.
+/// A run, as the API shows it (docs/http-api.md).
 #[derive(Serialize, Clone, Debug, ToSchema)]
 pub struct RunView {
     /// Id.

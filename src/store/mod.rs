@@ -1,5 +1,5 @@
 //! The store: threads, runs, the checkpointed conversation (messages) and the event outbox.
-//! The database is the truth (DESIGN.md invariant 1): every write a run makes goes through
+//! The database is the truth: every write a run makes goes through
 //! [`Store::checkpoint`], which is fenced by the run's lease epoch (invariant 3) and commits the
 //! run's counters, its new messages and its events in one transaction (the outbox).
 //!
@@ -580,7 +580,7 @@ pub struct CompactionBody {
     pub reason: String,
 }
 
-/// Durable event types (DESIGN.md "Events").
+/// Durable event types (docs/design.md, §6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EventKind {
     /// `run.queued`
@@ -646,6 +646,30 @@ pub enum EventKind {
 }
 
 impl EventKind {
+    /// Every event type (docs/design.md's events table is checked against it).
+    pub const ALL: [EventKind; 20] = [
+        EventKind::RunQueued,
+        EventKind::RunStarted,
+        EventKind::StepStarted,
+        EventKind::ModelCompleted,
+        EventKind::ToolStarted,
+        EventKind::ToolCompleted,
+        EventKind::StepCompleted,
+        EventKind::RunSucceeded,
+        EventKind::RunFailed,
+        EventKind::RunCancelled,
+        EventKind::RunWaiting,
+        EventKind::RunResumed,
+        EventKind::ChildStarted,
+        EventKind::ChildFinished,
+        EventKind::ContextCompacting,
+        EventKind::ContextCompacted,
+        EventKind::ApprovalRequested,
+        EventKind::ApprovalResolved,
+        EventKind::ToolDenied,
+        EventKind::HookBlocked,
+    ];
+
     /// The wire name.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -133,7 +133,7 @@ impl SqliteStore {
     }
 
     /// Applies migrations. apalis's and ours share `_sqlx_migrations`, so each migrator is told
-    /// to ignore the other's entries (apalis trap 3 in shared/notes).
+    /// to ignore the other's entries.
     pub async fn migrate(&self) -> Result<()> {
         let mut ours = sqlx::migrate!("./migrations/sqlite");
         ours.set_ignore_missing(true);

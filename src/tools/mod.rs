@@ -2,7 +2,7 @@
 //! web ([`web`]) and, when an operator enables it, a shell ([`shell`]) — working in the owner's
 //! workspace directory (every path opened through a `cap-std` capability, so nothing leaves
 //! it), and the mapping of Claude Code's tool names onto them ([`lookup`]). Every call
-//! gets the idempotency key `{run_id}:{step}:{call_id}` (DESIGN.md invariant 2): a call that was
+//! gets the idempotency key `{run_id}:{step}:{call_id}`: a call that was
 //! in flight when a worker died runs again with the same key, and a tool with side effects can
 //! use it to do its work only once.
 

@@ -182,6 +182,43 @@ async fn start_runs(f: &Fleet, n: usize, steps: u32, tag: &str) -> Vec<RunRecord
     runs
 }
 
+/// Waits until one of the worker processes `pids` holds one of `runs` (a running run whose
+/// latest claim names the worker) and returns its pid; `None` once every run has ended.
+async fn holder(f: &Fleet, runs: &[RunRecord], pids: &[u32]) -> Option<u32> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut going = 0;
+        for r in runs {
+            let now = f.app.store.get_run(r.id).await.unwrap().unwrap();
+            if now.status.is_terminal() {
+                continue;
+            }
+            going += 1;
+            if now.status != RunStatus::Running {
+                continue;
+            }
+            let events = f.app.store.events_after(r.id, 0, 1000).await.unwrap();
+            let claimed_by = events
+                .iter()
+                .rev()
+                .find(|e| e.kind == "run.started" || e.kind == "run.resumed")
+                .and_then(|e| e.data["worker"].as_str().map(str::to_owned));
+            if let Some(pid) = pids.iter().find(|p| {
+                claimed_by
+                    .as_deref()
+                    .is_some_and(|w| w.starts_with(&format!("subagents-{p}-")))
+            }) {
+                return Some(*pid);
+            }
+        }
+        if going == 0 {
+            return None;
+        }
+        assert!(Instant::now() < deadline, "no worker claimed a run");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn wait_all(f: &Fleet, runs: &[RunRecord], limit: Duration) -> Vec<RunRecord> {
     let deadline = Instant::now() + limit;
     let mut done = vec![];
@@ -619,8 +656,15 @@ async fn a_rolling_restart_abandons_no_step() {
     }
     let runs = start_runs(&f, 12, 8, "rolling").await;
     for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(700)).await;
-        let mut old = f.workers.remove(0);
+        // The worker to go holds a run mid-way, so its drain has something to release (a fixed
+        // pause raced the workers' start on a loaded machine, and one worker may fetch every
+        // job: nothing was released).
+        let pids: Vec<u32> = f.workers.iter().map(|w| w.id()).collect();
+        let Some(pid) = holder(&f, &runs, &pids).await else {
+            break;
+        };
+        let i = pids.iter().position(|p| *p == pid).unwrap();
+        let mut old = f.workers.remove(i);
         // Its replacement first, as a rolling deploy does.
         f.workers
             .push(worker_with(&f.url, &f.redis.url(), &f.mock, 16, &env));
