@@ -20,8 +20,7 @@ use crate::model::{FunctionSpec, ToolSpec};
 use crate::queue::Queue;
 use crate::runs::{StartError, StartRun};
 use crate::store::{
-    CancelOutcome, EventKind, IfBusy, NewEvent, RunLog, RunRecord, RunStatus, StoreError,
-    TreePosition,
+    CancelOutcome, Event, IfBusy, NewEvent, RunLog, RunRecord, RunStatus, StoreError, TreePosition,
 };
 
 /// A delegation call's result for the model.
@@ -516,7 +515,15 @@ impl Ctx<'_> {
                     self.store
                         .append_events(
                             self.parent.id,
-                            vec![NewEvent::new(EventKind::ChildStarted, json!({"child_run_id": r.id, "thread_id": r.thread_id.visible_to(&r.owner), "agent": r.agent, "call_id": call_id, "detached": detached}))],
+                            vec![NewEvent::from(Event::ChildStarted(
+                                crate::domain::event::ChildStarted {
+                                    child_run_id: r.id,
+                                    thread_id: r.thread_id.visible_to(&r.owner).to_string(),
+                                    agent: r.agent.clone(),
+                                    call_id: call_id.to_owned(),
+                                    detached,
+                                },
+                            ))],
                         )
                         .await?;
                 }

@@ -2,6 +2,7 @@
 //! status tools, which must not fill a model's context with raw envelopes), and which event
 //! types end a run's stream.
 
+use crate::domain::Event;
 use crate::store::EventRecord;
 
 /// True for the event that ends a run's stream.
@@ -9,78 +10,52 @@ pub fn is_terminal(kind: &str) -> bool {
     matches!(kind, "run.succeeded" | "run.failed" | "run.cancelled")
 }
 
-/// A short human line for an event, or `None` for events not worth a line.
+/// A short human line for an event, or `None` for events not worth a line (or data that is not
+/// an event this build knows).
 pub fn progress_line(e: &EventRecord) -> Option<String> {
-    let d = &e.data;
-    let step = d["step"].as_u64().unwrap_or(0);
-    Some(match e.kind.as_str() {
-        "run.queued" => "queued".to_owned(),
-        "run.started" => format!(
-            "started (attempt {}, worker {})",
-            d["attempt"],
-            d["worker"].as_str().unwrap_or("?")
-        ),
-        "model.completed" => {
-            let calls: Vec<&str> = d["tool_calls"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
-                .unwrap_or_default();
-            if calls.is_empty() {
-                format!("step {step}: model answered")
-            } else {
-                format!("step {step}: model calls {}", calls.join(", "))
-            }
+    Some(match Event::parse(&e.kind, &e.data)? {
+        Event::RunQueued(_) => "queued".to_owned(),
+        Event::RunStarted(c) => format!("started (attempt {}, worker {})", c.attempt, c.worker),
+        Event::ModelCompleted(m) if m.tool_calls.is_empty() => {
+            format!("step {}: model answered", m.step)
         }
-        "tool.completed" => {
-            let preview: String = d["preview"]
-                .as_str()
-                .unwrap_or("")
+        Event::ModelCompleted(m) => {
+            format!("step {}: model calls {}", m.step, m.tool_calls.join(", "))
+        }
+        Event::ToolCompleted(t) => {
+            let preview: String = t
+                .preview
                 .chars()
                 .take(70)
                 .collect::<String>()
                 .replace('\n', " ");
-            let mark = if d["ok"] == true { "ok" } else { "error" };
-            format!("  {} {mark}: {preview}", d["tool"].as_str().unwrap_or("?"))
+            format!(
+                "  {} {}: {preview}",
+                t.tool,
+                if t.ok { "ok" } else { "error" }
+            )
         }
-        "run.succeeded" => format!(
+        Event::RunSucceeded(r) => format!(
             "succeeded{}",
-            if d["forced"] == true {
+            if r.forced {
                 " (answer forced by a limit)"
             } else {
                 ""
             }
         ),
-        "run.failed" => format!(
-            "failed [{}]: {}",
-            d["error"]["kind"].as_str().unwrap_or("?"),
-            d["error"]["message"].as_str().unwrap_or("")
-        ),
-        "run.cancelled" => "cancelled".to_owned(),
-        "run.waiting" if d["waiting_on"] == "approval" => "waiting for approval".to_owned(),
-        "approval.requested" => format!(
+        Event::RunFailed(f) => format!("failed [{}]: {}", f.error.kind.as_str(), f.error.message),
+        Event::RunCancelled(_) => "cancelled".to_owned(),
+        Event::RunWaiting(w) if w.waiting_on == "approval" => "waiting for approval".to_owned(),
+        Event::ApprovalRequested(a) => format!(
             "  {} needs approval ({}): {}",
-            d["tool"].as_str().unwrap_or("?"),
-            d["approval_id"].as_str().unwrap_or("?"),
-            d["reason"].as_str().unwrap_or("")
+            a.tool, a.approval_id, a.reason
         ),
-        "approval.resolved" => format!(
-            "  approval {} {}",
-            d["approval_id"].as_str().unwrap_or("?"),
-            d["decision"].as_str().unwrap_or("?")
-        ),
-        "tool.denied" => format!(
-            "  {} denied: {}",
-            d["tool"].as_str().unwrap_or("?"),
-            d["reason"].as_str().unwrap_or("")
-        ),
-        "hook.blocked" => format!(
-            "  {} blocked by a hook: {}",
-            d["tool"].as_str().unwrap_or("?"),
-            d["reason"].as_str().unwrap_or("")
-        ),
-        "context.compacted" => format!(
+        Event::ApprovalResolved(a) => format!("  approval {} {}", a.approval_id, a.decision),
+        Event::ToolDenied(d) => format!("  {} denied: {}", d.tool, d.reason),
+        Event::HookBlocked(h) => format!("  {} blocked by a hook: {}", h.tool, h.reason),
+        Event::ContextCompacted(c) => format!(
             "context compacted: {} -> {} tokens",
-            d["tokens_before"], d["tokens_after"]
+            c.tokens_before, c.tokens_after
         ),
         _ => return None,
     })

@@ -29,6 +29,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod delegation;
+pub mod domain;
 pub mod engine;
 pub mod events;
 pub mod failpoints;

@@ -21,13 +21,12 @@ use serde_json::json;
 
 use super::{Engine, Stop, context};
 use crate::agents::AgentDef;
+use crate::domain::event;
 use crate::ids::RunId;
 use crate::model::compact::{self, Entry};
 use crate::model::tokens::{Calibration, Counter, ModelTable};
 use crate::model::{ChatRequest, Message, ToolSpec};
-use crate::store::{
-    Compaction, CompactionBody, EventKind, Lease, NewEvent, RunRecord, StoredMessage,
-};
+use crate::store::{Compaction, CompactionBody, Event, Lease, NewEvent, RunRecord, StoredMessage};
 
 /// Context settings that do not vary per run.
 #[derive(Clone, Debug)]
@@ -448,7 +447,11 @@ impl Engine {
         self.lifecycle_hooks(run, agent, crate::policy::HookEvent::PreCompact, json!({"trigger": if reason == Reason::Threshold { "auto" } else { reason.as_str() }, "first_message_id": ev.first_id, "last_message_id": ev.last_id})).await;
         let messages_before = ctx.messages(&agent.system_prompt, run.id);
         let (_, tokens_before) = budget.estimate(&messages_before, tools);
-        let range = json!({"first_message_id": ev.first_id, "last_message_id": ev.last_id, "messages": ev.count});
+        let range = event::Range {
+            first_message_id: ev.first_id,
+            last_message_id: ev.last_id,
+            messages: ev.count as i64,
+        };
         tracing::info!(
             reason = reason.as_str(),
             tokens_before,
@@ -458,13 +461,21 @@ impl Engine {
             "compacting the context"
         );
         self.store
-            .checkpoint(lease, crate::store::Checkpoint {
-                events: vec![NewEvent::new(
-                    EventKind::ContextCompacting,
-                    json!({"step": step, "reason": reason.as_str(), "tokens_before": tokens_before, "range": range}),
-                )],
-                ..Default::default()
-            })
+            .checkpoint(
+                lease,
+                crate::store::Checkpoint {
+                    events: vec![
+                        Event::ContextCompacting(event::Compacting {
+                            step,
+                            reason: reason.as_str().into(),
+                            tokens_before: tokens_before as u64,
+                            range: range.clone(),
+                        })
+                        .into(),
+                    ],
+                    ..Default::default()
+                },
+            )
             .await?;
 
         // The transcript: the earlier summary, then the range in order (the task marked).
@@ -590,12 +601,16 @@ impl Engine {
         let (_, tokens_after) =
             budget.estimate(&after.messages(&agent.system_prompt, run.id), tools);
         body.tokens_after = tokens_after as i64;
-        let event = NewEvent::new(
-            EventKind::ContextCompacted,
-            json!({"step": step, "reason": reason.as_str(), "tokens_before": tokens_before, "tokens_after": tokens_after, "range": range,
-                   "usage": {"prompt_tokens": spent.0.prompt_tokens, "completion_tokens": spent.0.completion_tokens},
-                   "cost_usd": (spent.1 > 0).then(|| crate::model::prices::dollars(spent.1))}),
-        );
+        let event: NewEvent = Event::ContextCompacted(event::Compacted {
+            step,
+            reason: reason.as_str().into(),
+            tokens_before: tokens_before as u64,
+            tokens_after: tokens_after as u64,
+            range,
+            usage: spent.0,
+            cost_usd: (spent.1 > 0).then(|| crate::model::prices::dollars(spent.1)),
+        })
+        .into();
         self.settings
             .failpoints
             .hit("before_compaction_commit")

@@ -15,11 +15,12 @@ use serde_json::{Value, json};
 use super::{Engine, Stop};
 use crate::agents::{AgentDef, AgentRegistry};
 use crate::delegation::Wait;
+use crate::domain::event;
 use crate::hooks::{self, HookDecision};
 use crate::model::ToolCall;
 use crate::permissions::{self, Verdict};
 use crate::policy::{HookEvent, Policy};
-use crate::store::{ApprovalStatus, EventKind, Lease, NewApproval, NewEvent, RunRecord};
+use crate::store::{ApprovalStatus, Event, Lease, NewApproval, NewEvent, RunRecord};
 
 /// Policy settings that do not vary per run.
 #[derive(Clone, Debug)]
@@ -201,12 +202,23 @@ impl Engine {
         match verdict {
             None => {
                 metrics::counter!("subagents_hook_blocks_total").increment(1);
-                events.push(NewEvent::new(EventKind::HookBlocked, json!({"step": step, "call_id": call.id, "tool": tool, "reason": decision["reason"]})));
+                events.push(NewEvent::from(Event::HookBlocked(event::HookBlocked {
+                    step,
+                    call_id: call.id.clone(),
+                    tool: tool.to_owned(),
+                    reason: decision["reason"].as_str().unwrap_or_default().to_owned(),
+                })));
             }
             Some(Verdict::Allow) => decision["verdict"] = json!(Decided::Allow),
             Some(Verdict::Deny(reason)) => {
                 metrics::counter!("subagents_permission_denials_total").increment(1);
-                events.push(NewEvent::new(EventKind::ToolDenied, json!({"step": step, "call_id": call.id, "tool": tool, "reason": reason, "by": by})));
+                events.push(NewEvent::from(Event::ToolDenied(event::ToolDenied {
+                    step,
+                    call_id: call.id.clone(),
+                    tool: tool.to_owned(),
+                    reason: reason.clone(),
+                    by: by.to_owned(),
+                })));
                 decision["verdict"] = json!(Decided::Deny);
                 decision["reason"] = json!(reason);
             }
@@ -221,10 +233,19 @@ impl Engine {
                     .timestamp_millis()
                     .saturating_add(timeout.as_millis().min(i64::MAX as u128) as i64);
                 metrics::counter!("subagents_approvals_requested_total").increment(1);
-                events.push(NewEvent::new(
-                    EventKind::ApprovalRequested,
-                    json!({"step": step, "call_id": call.id, "approval_id": id, "tool": tool, "input": used, "reason": reason, "by": by, "expires_at": expires_at, "answerable_by": run.owner}),
-                ));
+                events.push(NewEvent::from(Event::ApprovalRequested(
+                    event::ApprovalRequested {
+                        step,
+                        call_id: call.id.clone(),
+                        approval_id: id.clone(),
+                        tool: tool.to_owned(),
+                        input: used.clone(),
+                        reason: reason.clone(),
+                        by: by.to_owned(),
+                        expires_at,
+                        answerable_by: run.owner.clone(),
+                    },
+                )));
                 let grant_scope = chain.grant_scope(tool, &used);
                 approval = Some(NewApproval {
                     id: id.clone(),

@@ -30,12 +30,13 @@ use tracing::{Instrument, info_span};
 
 use crate::agents::{AgentDef, AgentRegistry};
 use crate::delegation::{Answer, DelegationSettings, Wait};
+use crate::domain::event;
 use crate::failpoints::Failpoints;
 use crate::ids::RunId;
 use crate::model::{ChatModel, ChatRequest, Message, ModelError, ToolCall};
 use crate::queue::Queue;
 use crate::store::{
-    Checkpoint, Claim, ErrorKind, EventKind, Finish, Lease, NewEvent, NewMessage, Park, Parked,
+    Checkpoint, Claim, ErrorKind, Event, Finish, Lease, NewEvent, NewMessage, Park, Parked,
     RunError, RunLog, RunRecord, StoreError, StoredMessage,
 };
 use crate::tools::{ToolCtx, ToolRegistry};
@@ -440,12 +441,15 @@ impl Engine {
             Finish::Cancelled => {}
         }
         let event = match &finish {
-            Finish::Succeeded { result, forced } => NewEvent::new(
-                EventKind::RunSucceeded,
-                json!({"result": result, "forced": forced}),
-            ),
-            Finish::Failed(e) => NewEvent::new(EventKind::RunFailed, json!({"error": e})),
-            Finish::Cancelled => NewEvent::new(EventKind::RunCancelled, json!({})),
+            Finish::Succeeded { result, forced } => Event::RunSucceeded(event::RunSucceeded {
+                result: result.clone(),
+                forced: *forced,
+            }),
+            Finish::Failed(e) => Event::RunFailed(event::RunFailed {
+                error: e.clone(),
+                crashes: None,
+            }),
+            Finish::Cancelled => Event::RunCancelled(event::RunCancelled::default()),
         };
         let status = finish.terminal().status();
         match &finish {
@@ -460,7 +464,7 @@ impl Engine {
             .checkpoint(
                 lease,
                 Checkpoint {
-                    events: vec![event],
+                    events: vec![event.into()],
                     finish: Some(finish),
                     ..Default::default()
                 },
@@ -506,11 +510,14 @@ impl Engine {
         } else {
             "children"
         };
-        let mut data = json!({"step": run.step.max(1), "waiting_on": waiting_on, "run_ids": wait.on, "wake_at": wait.wake_at});
-        if !wait.approvals.is_empty() {
-            data["approval_ids"] = json!(wait.approvals);
-        }
-        let event = NewEvent::new(EventKind::RunWaiting, data);
+        let event: NewEvent = Event::RunWaiting(event::RunWaiting {
+            step: run.step.max(1),
+            waiting_on: waiting_on.into(),
+            run_ids: wait.on.clone(),
+            wake_at: wait.wake_at,
+            approval_ids: (!wait.approvals.is_empty()).then(|| wait.approvals.clone()),
+        })
+        .into();
         let park = Park {
             events: vec![event],
             wake_at: wait.wake_at,
@@ -593,10 +600,13 @@ impl Engine {
         if run.limits.max_total_tokens.is_some() || run.limits.max_total_steps.is_some() {
             return None;
         }
-        Some(NewEvent::new(
-            EventKind::StepStarted,
-            json!({"step": done + 1, "forced": done >= run.limits.max_steps}),
-        ))
+        Some(
+            Event::StepStarted(event::StepStarted {
+                step: done + 1,
+                forced: done >= run.limits.max_steps,
+            })
+            .into(),
+        )
     }
 
     /// A parent that ends cancels its still-running attached children. The terminal commit
@@ -987,10 +997,9 @@ impl Engine {
                     .checkpoint(
                         lease,
                         Checkpoint {
-                            events: vec![NewEvent::new(
-                                EventKind::StepStarted,
-                                json!({"step": step, "forced": forced}),
-                            )],
+                            events: vec![
+                                Event::StepStarted(event::StepStarted { step, forced }).into(),
+                            ],
                             ..Default::default()
                         },
                     )
@@ -1245,12 +1254,16 @@ impl Engine {
                 metrics::counter!("subagents_cost_nanodollars_total", "model" => model.clone())
                     .increment(c);
             }
-            let model_event = NewEvent::new(
-                EventKind::ModelCompleted,
-                json!({"step": step, "tool_calls": calls.iter().map(|c| &c.function.name).collect::<Vec<_>>(),
-                       "usage": resp.usage, "finish_reason": resp.finish_reason, "model": model, "ms": model_ms,
-                       "cost_usd": cost.map(crate::model::prices::dollars)}),
-            );
+            let model_event: NewEvent = Event::ModelCompleted(event::ModelCompleted {
+                step,
+                tool_calls: calls.iter().map(|c| c.function.name.clone()).collect(),
+                usage: resp.usage,
+                finish_reason: resp.finish_reason.clone(),
+                model: model.clone(),
+                ms: model_ms,
+                cost_usd: cost.map(crate::model::prices::dollars),
+            })
+            .into();
             let mut cp = Checkpoint {
                 messages: vec![NewMessage { step, key, message }],
                 events: vec![model_event],
@@ -1262,14 +1275,15 @@ impl Engine {
             if calls.is_empty() {
                 // The final answer: message, events and terminal state in one commit.
                 let result = resp.content.unwrap_or_default();
-                cp.events.push(NewEvent::new(
-                    EventKind::StepCompleted,
-                    json!({"step": step}),
-                ));
-                cp.events.push(NewEvent::new(
-                    EventKind::RunSucceeded,
-                    json!({"result": result, "forced": forced}),
-                ));
+                cp.events
+                    .push(Event::StepCompleted(event::StepCompleted { step }).into());
+                cp.events.push(
+                    Event::RunSucceeded(event::RunSucceeded {
+                        result: result.clone(),
+                        forced,
+                    })
+                    .into(),
+                );
                 cp.finish = Some(Finish::Succeeded {
                     result: result.clone(),
                     forced,
@@ -1294,10 +1308,8 @@ impl Engine {
                 let plain = tool_names.iter().any(|t| t == name)
                     && !crate::delegation::TOOL_NAMES.contains(&name);
                 if plain && !refused.get(&c.id).copied().unwrap_or(false) {
-                    cp.events.push(NewEvent::new(
-                        EventKind::ToolStarted,
-                        tool_started(step, c, run.crashes),
-                    ));
+                    cp.events
+                        .push(Event::ToolStarted(tool_started(step, c, run.crashes)).into());
                 }
             }
             let committed = cp.messages[0].clone();
@@ -1386,7 +1398,7 @@ impl Engine {
                     if !announced {
                         self.store
                             .checkpoint(lease, Checkpoint {
-                                events: vec![NewEvent::new(EventKind::ToolStarted, tool_started(step, call, run.crashes))],
+                                events: vec![Event::ToolStarted(tool_started(step, call, run.crashes)).into()],
                                 ..Default::default()
                             })
                             .await?;
@@ -1428,16 +1440,23 @@ impl Engine {
                     span.record("error.type", if refused { "loop_refused" } else { "tool_error" });
                 }
                 let preview: String = text.chars().take(200).collect();
-                let mut events = vec![NewEvent::new(
-                    EventKind::ToolCompleted,
-                    json!({"step": step, "call_id": call.id, "tool": call.function.name, "ok": ok, "truncated": truncated, "offloaded": truncated, "refused": refused, "preview": preview,
-                           "ms": call_t0.elapsed().as_millis() as u64}),
-                )];
+                let mut events: Vec<NewEvent> = vec![Event::ToolCompleted(event::ToolCompleted {
+                    step,
+                    call_id: call.id.clone(),
+                    tool: call.function.name.clone(),
+                    ok,
+                    truncated,
+                    offloaded: truncated,
+                    refused,
+                    preview,
+                    ms: call_t0.elapsed().as_millis() as u64,
+                })
+                .into()];
                 // Serialize the commits of this step so exactly the last one closes the step.
                 let mut left = remaining.lock().await;
                 *left -= 1;
                 if *left == 0 {
-                    events.push(NewEvent::new(EventKind::StepCompleted, json!({"step": step})));
+                    events.push(Event::StepCompleted(event::StepCompleted { step }).into());
                     events.extend(next_step.clone());
                 }
                 let msg = NewMessage {
@@ -1472,12 +1491,12 @@ impl Engine {
         let events = self.store.events_after(run.id, 0, 100_000).await?;
         let starts: Vec<u32> = events
             .iter()
-            .filter(|e| {
-                e.kind == EventKind::ToolStarted.as_str()
-                    && e.data["step"] == step
-                    && e.data["call_id"] == call_id
+            .filter_map(|e| match Event::parse(&e.kind, &e.data) {
+                Some(Event::ToolStarted(t)) if t.step == step && t.call_id == call_id => {
+                    Some(t.crashes)
+                }
+                _ => None,
             })
-            .map(|e| e.data["crashes"].as_u64().unwrap_or(0) as u32)
             .collect();
         let next = starts
             .iter()
@@ -1694,7 +1713,7 @@ fn lists(agent: &AgentDef, tool: &str) -> bool {
 
 /// `tool.started`'s data; `crashes` is the run's count when the call started, so a replay can
 /// tell how often the call's worker died under it (see [`Engine::crashes_under`]).
-fn tool_started(step: u32, call: &crate::model::ToolCall, crashes: u32) -> serde_json::Value {
+fn tool_started(step: u32, call: &crate::model::ToolCall, crashes: u32) -> event::ToolStarted {
     let args = &call.function.arguments;
     let cut = if args.len() > EVENT_ARGUMENTS_BYTES {
         let mut end = EVENT_ARGUMENTS_BYTES;
@@ -1705,5 +1724,11 @@ fn tool_started(step: u32, call: &crate::model::ToolCall, crashes: u32) -> serde
     } else {
         args.clone()
     };
-    json!({"step": step, "call_id": call.id, "tool": call.function.name, "arguments": cut, "crashes": crashes})
+    event::ToolStarted {
+        step,
+        call_id: call.id.clone(),
+        tool: call.function.name.clone(),
+        arguments: cut,
+        crashes,
+    }
 }

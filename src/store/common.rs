@@ -113,8 +113,8 @@ macro_rules! store_impl {
                 q.push_values(events.iter().enumerate(), |mut b, (i, ev)| {
                     b.push_bind(run.clone())
                         .push_bind((first_seq + i as u64) as i64)
-                        .push_bind(ev.kind.as_str())
-                        .push_bind(ev.data.to_string())
+                        .push_bind(ev.kind())
+                        .push_bind(ev.data().to_string())
                         .push_bind(now)
                         .push_bind(relayed);
                 });
@@ -161,12 +161,9 @@ macro_rules! store_impl {
                         // As the owner (the parent's, so the child's) chose it.
                         let owner: String = row.get(1);
                         let shown = thread.parse::<ThreadId>().map(|t| t.visible_to(&owner).to_string()).unwrap_or_else(|_| thread.to_owned());
-                        let mut data = serde_json::json!({"child_run_id": run, "thread_id": shown, "status": status});
-                        if let Some(e) = error {
-                            data["error"] = serde_json::json!(e);
-                        }
+                        let event = Event::ChildFinished(event::ChildFinished { child_run_id: run, thread_id: shown, status, error: error.cloned() });
                         let parent_id: RunId = parent.parse().map_err(|e| corrupt("parent id", e))?;
-                        Self::insert_events(tx, parent_id, seq as u64, &[NewEvent::new(EventKind::ChildFinished, data)], relayed).await?;
+                        Self::insert_events(tx, parent_id, seq as u64, &[event.into()], relayed).await?;
                     }
                 }
                 if reach.waits {
@@ -233,8 +230,9 @@ macro_rules! store_impl {
                         let id: String = row.get(0);
                         let child: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
                         let seq: i64 = row.get(1);
-                        let data = serde_json::json!({"reason": "parent_ended", "parent_run_id": parent});
-                        Self::insert_events(tx, child, seq as u64, &[NewEvent::new(EventKind::RunCancelled, data)], relayed).await?;
+                        let parent_run_id = Some(parent.parse().map_err(|e| corrupt("parent id", e))?);
+                        let event = Event::RunCancelled(event::RunCancelled { reason: Some("parent_ended".into()), parent_run_id, while_: None });
+                        Self::insert_events(tx, child, seq as u64, &[event.into()], relayed).await?;
                         Self::end_waits(tx, &id).await?;
                         stack.push(id);
                     }
@@ -439,7 +437,7 @@ macro_rules! store_impl {
                         &mut tx,
                         run,
                         seq as u64,
-                        &[NewEvent::new(EventKind::RunFailed, serde_json::json!({"error": error, "crashes": crashes}))],
+                        &[Event::RunFailed(event::RunFailed { error: error.clone(), crashes: Some(crashes.max(0) as u32) }).into()],
                         self.relayed_at_insert(),
                     )
                     .await?;
@@ -752,7 +750,7 @@ macro_rules! store_impl {
                             &mut tx,
                             run,
                             seq as u64,
-                            &[NewEvent::new(EventKind::RunCancelled, serde_json::json!({"while": state.as_str()}))],
+                            &[Event::RunCancelled(event::RunCancelled { while_: Some(state), ..Default::default() }).into()],
                             self.relayed_at_insert(),
                         )
                         .await?;
@@ -1253,8 +1251,8 @@ macro_rules! store_impl {
                     .await?;
                 let seq: i64 = row.get(0);
                 let run_id: RunId = run.parse().map_err(|e| corrupt("approval run id", e))?;
-                let data = serde_json::json!({"approval_id": id, "tool": tool, "decision": status, "reason": answer.reason, "scope": scope});
-                Self::insert_events(&mut tx, run_id, seq as u64, &[NewEvent::new(EventKind::ApprovalResolved, data)], self.relayed_at_insert()).await?;
+                let event = Event::ApprovalResolved(event::ApprovalResolved { approval_id: id.to_owned(), tool, decision: status.to_owned(), reason: answer.reason.clone(), scope: scope.to_owned() });
+                Self::insert_events(&mut tx, run_id, seq as u64, &[event.into()], self.relayed_at_insert()).await?;
                 tx.commit().await?;
                 self.notifier.notify(run_id);
                 Ok(Answered::Done { run_id })

@@ -282,7 +282,7 @@ mod tests {
 
     use super::*;
     use crate::model::Message;
-    use crate::store::{NewEvent, NewMessage};
+    use crate::store::NewMessage;
 
     /// A backend whose group commits land and then report an error, as when the connection
     /// breaks between the database's commit and its answer; it keeps every event it wrote.
@@ -304,7 +304,7 @@ mod tests {
             events
                 .entry(lease.run_id)
                 .or_default()
-                .extend(cp.events.iter().map(|e| e.kind.as_str().to_owned()));
+                .extend(cp.events.iter().map(|e| e.kind().to_owned()));
         }
     }
 
@@ -359,10 +359,12 @@ mod tests {
                         content: "x".into(),
                     },
                 }],
-                events: vec![NewEvent::new(
-                    crate::store::EventKind::StepCompleted,
-                    serde_json::json!({}),
-                )],
+                events: vec![
+                    crate::store::Event::StepCompleted(crate::domain::event::StepCompleted {
+                        step: 1,
+                    })
+                    .into(),
+                ],
                 ..Default::default()
             };
             group.commit(&backend, lease, cp)

@@ -228,60 +228,9 @@ pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 pub use crate::lifecycle::{IllegalTransition, RunStatus, Terminal, Transition};
 
-/// Why a run failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum ErrorKind {
-    /// The model endpoint refused or kept failing.
-    Model,
-    /// A tool failed in a way the run cannot continue from.
-    Tool,
-    /// The run's wall-time limit passed.
-    Timeout,
-    /// A bug or an unexpected storage failure.
-    Internal,
-    /// Workers kept dying on this run; retries exhausted.
-    Lost,
-    /// The context could not be brought inside the model's window (compaction failed three
-    /// times in a row, or the system prompt and task alone do not fit).
-    Context,
-}
-
-impl ErrorKind {
-    /// Stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorKind::Model => "model",
-            ErrorKind::Tool => "tool",
-            ErrorKind::Timeout => "timeout",
-            ErrorKind::Internal => "internal",
-            ErrorKind::Lost => "lost",
-            ErrorKind::Context => "context",
-        }
-    }
-
-    /// Parses a stored name.
-    pub fn parse(s: &str) -> Option<ErrorKind> {
-        Some(match s {
-            "model" => ErrorKind::Model,
-            "tool" => ErrorKind::Tool,
-            "timeout" => ErrorKind::Timeout,
-            "internal" => ErrorKind::Internal,
-            "lost" => ErrorKind::Lost,
-            "context" => ErrorKind::Context,
-            _ => return None,
-        })
-    }
-}
-
-/// A failed run's error.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct RunError {
-    /// Class of failure.
-    pub kind: ErrorKind,
-    /// What happened, for people.
-    pub message: String,
-}
+#[allow(unused_imports)]
+use crate::domain::event;
+pub use crate::domain::{ErrorKind, Event, RunError};
 
 /// Limits resolved when the run is created (agent definition, then caller overrides), stored
 /// with the run so a resumed run obeys the same limits as the first attempt.
@@ -580,136 +529,32 @@ pub struct CompactionBody {
     pub reason: String,
 }
 
-/// Durable event types (docs/design.md, §6).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum EventKind {
-    /// `run.queued`
-    #[serde(rename = "run.queued")]
-    RunQueued,
-    /// `run.started`
-    #[serde(rename = "run.started")]
-    RunStarted,
-    /// `step.started`
-    #[serde(rename = "step.started")]
-    StepStarted,
-    /// `model.completed`
-    #[serde(rename = "model.completed")]
-    ModelCompleted,
-    /// `tool.started`
-    #[serde(rename = "tool.started")]
-    ToolStarted,
-    /// `tool.completed`
-    #[serde(rename = "tool.completed")]
-    ToolCompleted,
-    /// `step.completed`
-    #[serde(rename = "step.completed")]
-    StepCompleted,
-    /// `run.succeeded`
-    #[serde(rename = "run.succeeded")]
-    RunSucceeded,
-    /// `run.failed`
-    #[serde(rename = "run.failed")]
-    RunFailed,
-    /// `run.cancelled`
-    #[serde(rename = "run.cancelled")]
-    RunCancelled,
-    /// `run.waiting`
-    #[serde(rename = "run.waiting")]
-    RunWaiting,
-    /// `run.resumed`
-    #[serde(rename = "run.resumed")]
-    RunResumed,
-    /// `child.started`
-    #[serde(rename = "child.started")]
-    ChildStarted,
-    /// `child.finished`
-    #[serde(rename = "child.finished")]
-    ChildFinished,
-    /// `context.compacting`: a compaction step began (tokens before, the range it will replace).
-    #[serde(rename = "context.compacting")]
-    ContextCompacting,
-    /// `context.compacted`: its summary is committed (tokens before and after, the range).
-    #[serde(rename = "context.compacted")]
-    ContextCompacted,
-    /// `approval.requested`: a tool call waits for a person (the run parks).
-    #[serde(rename = "approval.requested")]
-    ApprovalRequested,
-    /// `approval.resolved`: the answer (allowed, denied, expired).
-    #[serde(rename = "approval.resolved")]
-    ApprovalResolved,
-    /// `tool.denied`: a permission rule or mode (or a hook's deny) refused a call.
-    #[serde(rename = "tool.denied")]
-    ToolDenied,
-    /// `hook.blocked`: a hook blocked a call (exit 2 or `decision: block`).
-    #[serde(rename = "hook.blocked")]
-    HookBlocked,
+/// An event to append to a run's outbox: the stored form of an [`Event`], and built only from
+/// one.
+#[derive(Clone, Debug)]
+pub struct NewEvent {
+    kind: &'static str,
+    data: Value,
 }
 
-impl EventKind {
-    /// Every event type (docs/design.md's events table is checked against it).
-    pub const ALL: [EventKind; 20] = [
-        EventKind::RunQueued,
-        EventKind::RunStarted,
-        EventKind::StepStarted,
-        EventKind::ModelCompleted,
-        EventKind::ToolStarted,
-        EventKind::ToolCompleted,
-        EventKind::StepCompleted,
-        EventKind::RunSucceeded,
-        EventKind::RunFailed,
-        EventKind::RunCancelled,
-        EventKind::RunWaiting,
-        EventKind::RunResumed,
-        EventKind::ChildStarted,
-        EventKind::ChildFinished,
-        EventKind::ContextCompacting,
-        EventKind::ContextCompacted,
-        EventKind::ApprovalRequested,
-        EventKind::ApprovalResolved,
-        EventKind::ToolDenied,
-        EventKind::HookBlocked,
-    ];
-
-    /// The wire name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventKind::RunQueued => "run.queued",
-            EventKind::RunStarted => "run.started",
-            EventKind::StepStarted => "step.started",
-            EventKind::ModelCompleted => "model.completed",
-            EventKind::ToolStarted => "tool.started",
-            EventKind::ToolCompleted => "tool.completed",
-            EventKind::StepCompleted => "step.completed",
-            EventKind::RunSucceeded => "run.succeeded",
-            EventKind::RunFailed => "run.failed",
-            EventKind::RunCancelled => "run.cancelled",
-            EventKind::RunWaiting => "run.waiting",
-            EventKind::RunResumed => "run.resumed",
-            EventKind::ChildStarted => "child.started",
-            EventKind::ChildFinished => "child.finished",
-            EventKind::ContextCompacting => "context.compacting",
-            EventKind::ContextCompacted => "context.compacted",
-            EventKind::ApprovalRequested => "approval.requested",
-            EventKind::ApprovalResolved => "approval.resolved",
-            EventKind::ToolDenied => "tool.denied",
-            EventKind::HookBlocked => "hook.blocked",
+impl From<Event> for NewEvent {
+    fn from(e: Event) -> Self {
+        NewEvent {
+            kind: e.name(),
+            data: e.data(),
         }
     }
 }
 
-/// An event to append to a run's outbox.
-#[derive(Clone, Debug)]
-pub struct NewEvent {
-    /// Type.
-    pub kind: EventKind,
-    /// Payload.
-    pub data: Value,
-}
-
 impl NewEvent {
-    /// Shorthand.
-    pub fn new(kind: EventKind, data: Value) -> Self {
-        Self { kind, data }
+    /// The type's wire name.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// The payload.
+    pub fn data(&self) -> &Value {
+        &self.data
     }
 }
 

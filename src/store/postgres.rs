@@ -468,12 +468,8 @@ fn checkpoint_query<'q>(
         .iter()
         .map(|m| serde_json::to_string(&m.message).expect("message serializes"))
         .collect();
-    let e_type: Vec<String> = cp
-        .events
-        .iter()
-        .map(|e| e.kind.as_str().to_owned())
-        .collect();
-    let e_data: Vec<String> = cp.events.iter().map(|e| e.data.to_string()).collect();
+    let e_type: Vec<String> = cp.events.iter().map(|e| e.kind().to_owned()).collect();
+    let e_data: Vec<String> = cp.events.iter().map(|e| e.data().to_string()).collect();
     let sql = format!(
         "WITH f AS ( \
            UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
@@ -681,8 +677,8 @@ impl group::Progress for Commits {
             for (i, e) in cp.events.iter().enumerate() {
                 r.e_run.push(run.clone());
                 r.e_ord.push(i as i64 + 1);
-                r.e_type.push(e.kind.as_str().to_owned());
-                r.e_data.push(e.data.to_string());
+                r.e_type.push(e.kind().to_owned());
+                r.e_data.push(e.data().to_string());
             }
         }
         let (mut conn, _) = self.connection().await?;

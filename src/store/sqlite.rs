@@ -252,16 +252,18 @@ store_impl!(
         .await?;
             let run = run_from_row(&inserted)?;
             Self::insert_events(
-            &mut tx,
-            new.id,
-            1,
-            &[NewEvent::new(
-                EventKind::RunQueued,
-                serde_json::json!({"agent": new.agent, "thread_id": new.thread_id.visible_to(&new.owner), "parent_run_id": new.parent_run_id}),
-            )],
-            self.relayed_at_insert(),
-        )
-        .await?;
+                &mut tx,
+                new.id,
+                1,
+                &[Event::RunQueued(event::RunQueued {
+                    agent: new.agent.clone(),
+                    thread_id: new.thread_id.visible_to(&new.owner).to_string(),
+                    parent_run_id: new.parent_run_id,
+                })
+                .into()],
+                self.relayed_at_insert(),
+            )
+            .await?;
             let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place)
                 .await?
                 .ok_or_else(|| corrupt("run vanished", new.id))?;
@@ -322,22 +324,25 @@ store_impl!(
             // The claimed row comes back whole: no second read.
             let run = run_from_row(&row)?;
             let from = run.claimed_from.unwrap_or(RunStatus::Queued);
-            let kind = if from == RunStatus::Waiting {
-                EventKind::RunResumed
+            let claim = event::Claimed {
+                attempt: run.attempts,
+                crashes: run.crashes,
+                worker: owner.to_owned(),
+                from,
+            };
+            let event = if from == RunStatus::Waiting {
+                Event::RunResumed(claim)
             } else {
-                EventKind::RunStarted
+                Event::RunStarted(claim)
             };
             Self::insert_events(
-            &mut tx,
-            id,
-            run.event_seq,
-            &[NewEvent::new(
-                kind,
-                serde_json::json!({"attempt": run.attempts, "crashes": run.crashes, "worker": owner, "from": from.as_str()}),
-            )],
-            self.relayed_at_insert(),
-        )
-        .await?;
+                &mut tx,
+                id,
+                run.event_seq,
+                &[event.into()],
+                self.relayed_at_insert(),
+            )
+            .await?;
             tx.commit().await?;
             self.notifier.notify(id);
             Ok(Claim::Acquired(
@@ -502,8 +507,8 @@ impl<'a> Appends<'a> {
             q.push_values(chunk, |mut b, (run, seq, e)| {
                 b.push_bind(run.as_str())
                     .push_bind(*seq)
-                    .push_bind(e.kind.as_str())
-                    .push_bind(e.data.to_string())
+                    .push_bind(e.kind())
+                    .push_bind(e.data().to_string())
                     .push_bind(now)
                     .push_bind(relayed);
             });

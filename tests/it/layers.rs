@@ -16,6 +16,7 @@ const LAYERS: &[&[&str]] = &[
         "secrets",
     ],
     &["model", "notify", "agents", "procs"],
+    &["domain"],
     &["tools", "store", "mcp"],
     &["events", "hooks", "permissions"],
     &["relay", "queue"],

@@ -265,10 +265,7 @@ async fn postgres_committers_survive_their_kept_connections_being_cut() {
     let mut admin = sqlx::PgConnection::connect(&s.url).await.unwrap();
     let cp = |round: u32, lease: &Lease| Checkpoint {
         messages: vec![msg(lease.run_id, &format!("m{round}"))],
-        events: vec![
-            NewEvent::new(EventKind::StepStarted, json!({"step": round})),
-            NewEvent::new(EventKind::StepCompleted, json!({"step": round})),
-        ],
+        events: vec![step_started(round), step_completed(round)],
         step: Some(round + 1),
         ..Default::default()
     };
@@ -450,10 +447,7 @@ async fn a_stale_epoch_cannot_write(s: Backend) {
         owner: "w3".into(),
         ttl: Duration::from_secs(10),
     };
-    let event = NewEvent {
-        kind: EventKind::StepStarted,
-        data: json!({"step": 1}),
-    };
+    let event = step_started(1);
     let err = s
         .checkpoint(
             &ghost,
@@ -565,10 +559,7 @@ async fn renewals_beside_checkpoints_never_deadlock(s: Backend) {
         let checkpoints = futures::future::join_all(leases.iter().map(|lease| {
             let cp = Checkpoint {
                 messages: vec![msg(lease.run_id, &format!("m{round}"))],
-                events: vec![NewEvent::new(
-                    EventKind::StepStarted,
-                    json!({"step": round}),
-                )],
+                events: vec![step_started(round)],
                 step: Some(round + 1),
                 ..Default::default()
             };
@@ -614,10 +605,7 @@ async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Ba
         let writes = used.iter().map(|(_, lease)| {
             let cp = Checkpoint {
                 messages: vec![msg(lease.run_id, &format!("m{round}"))],
-                events: vec![
-                    NewEvent::new(EventKind::StepStarted, json!({"step": round})),
-                    NewEvent::new(EventKind::StepCompleted, json!({"step": round})),
-                ],
+                events: vec![step_started(round), step_completed(round)],
                 step: Some(round + 1),
                 ..Default::default()
             };
@@ -683,7 +671,7 @@ async fn approvals_park_wake_and_answer_once(s: Backend) {
         "k1",
         decision.clone(),
         Some(approval("apr_1", future)),
-        vec![NewEvent::new(EventKind::ApprovalRequested, json!({}))],
+        vec![sample("approval.requested")],
     )
     .await
     .unwrap();
@@ -872,12 +860,7 @@ async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) 
         tokens_after: 300,
         reason: "threshold".into(),
     };
-    let event = || {
-        vec![NewEvent::new(
-            EventKind::ContextCompacted,
-            json!({"range": [1, 2]}),
-        )]
-    };
+    let event = || vec![sample("context.compacted")];
     s.commit_compaction(&lease, c.clone(), Default::default(), event())
         .await
         .unwrap();
@@ -975,10 +958,7 @@ async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
             &lease,
             Checkpoint {
                 messages: vec![msg(run.id, "a"), msg(run.id, "b")],
-                events: vec![
-                    NewEvent::new(EventKind::StepStarted, json!({})),
-                    NewEvent::new(EventKind::StepCompleted, json!({})),
-                ],
+                events: vec![step_started(0), step_completed(0)],
                 ..Default::default()
             },
         )
@@ -1016,10 +996,7 @@ async fn the_outbox_marks_what_the_relay_reports_and_nothing_else(s: Backend) {
         else {
             panic!()
         };
-        let events = vec![
-            NewEvent::new(EventKind::StepStarted, json!({})),
-            NewEvent::new(EventKind::StepCompleted, json!({})),
-        ];
+        let events = vec![step_started(0), step_completed(0)];
         s.checkpoint(
             &lease,
             Checkpoint {
@@ -1058,9 +1035,7 @@ async fn relays_marking_the_same_events_at_once_both_succeed(s: Backend) {
     let mut runs = vec![];
     for _ in 0..30 {
         let (_, lease) = claimed_run(&s, Duration::from_secs(60)).await;
-        let events = (0..62)
-            .map(|i| NewEvent::new(EventKind::StepStarted, json!({"step": i})))
-            .collect();
+        let events = (0..62).map(step_started).collect();
         s.checkpoint(
             &lease,
             Checkpoint {
@@ -1117,12 +1092,7 @@ async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
     else {
         panic!()
     };
-    let step = || {
-        vec![
-            NewEvent::new(EventKind::StepStarted, json!({})),
-            NewEvent::new(EventKind::StepCompleted, json!({})),
-        ]
-    };
+    let step = || vec![step_started(0), step_completed(0)];
     // Two progress checkpoints at once go through a group commit; then the child ends alone.
     let (a, b) = tokio::join!(
         quiet.checkpoint(
@@ -1142,7 +1112,7 @@ async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
     );
     a.unwrap();
     b.unwrap();
-    let end = vec![NewEvent::new(EventKind::RunSucceeded, json!({}))];
+    let end = vec![sample("run.succeeded")];
     quiet
         .checkpoint(
             &lc,
@@ -1159,10 +1129,7 @@ async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
         .unwrap();
     assert!(
         quiet
-            .append_events(
-                parent.id,
-                vec![NewEvent::new(EventKind::ChildStarted, json!({}))]
-            )
+            .append_events(parent.id, vec![sample("child.started")])
             .await
             .unwrap()
     );
@@ -1762,7 +1729,7 @@ async fn a_childs_end_reports_and_wakes_in_the_same_commit(s: Backend) {
     let lost = s.create_run(detached()).await.unwrap().run;
     // The first run ends (its detached children live on); a second run of the same thread
     // awaits them.
-    let end = vec![NewEvent::new(EventKind::RunSucceeded, json!({}))];
+    let end = vec![sample("run.succeeded")];
     s.checkpoint(
         &l1,
         Checkpoint {
@@ -1895,12 +1862,9 @@ async fn a_childs_end_reports_and_wakes_in_the_same_commit(s: Backend) {
         ev.iter().map(|e| &e.kind).collect::<Vec<_>>()
     );
     assert!(
-        !s.append_events(
-            first.id,
-            vec![NewEvent::new(EventKind::ChildStarted, json!({}))]
-        )
-        .await
-        .unwrap()
+        !s.append_events(first.id, vec![sample("child.started")])
+            .await
+            .unwrap()
     );
     assert_eq!(
         s.events_after(first.id, 0, 100).await.unwrap().len(),
@@ -2363,12 +2327,9 @@ async fn listing_and_tree_queries(s: Backend) {
         "{counts:?}"
     );
     assert_eq!(s.queue_position(root.id).await.unwrap(), 0);
-    s.append_events(
-        root.id,
-        vec![NewEvent::new(EventKind::ChildFinished, json!({}))],
-    )
-    .await
-    .unwrap();
+    s.append_events(root.id, vec![sample("child.finished")])
+        .await
+        .unwrap();
     let ev = s.events_after(root.id, 0, 10).await.unwrap();
     assert_eq!(ev.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
     assert!(s.get_thread(&t).await.unwrap().is_some());
@@ -2546,4 +2507,27 @@ async fn the_apis_reads_never_wait_for_an_open_write(s: Backend) {
         .unwrap();
     assert!(started.is_ok(), "{started:?}");
     assert_eq!(s.get_run(run.id).await.unwrap().unwrap().input, "hi");
+}
+
+/// A `step.started` event, as the engine writes it.
+fn step_started(step: u32) -> NewEvent {
+    Event::StepStarted(subagents::domain::event::StepStarted {
+        step,
+        forced: false,
+    })
+    .into()
+}
+
+/// A `step.completed` event.
+fn step_completed(step: u32) -> NewEvent {
+    Event::StepCompleted(subagents::domain::event::StepCompleted { step }).into()
+}
+
+/// An event of type `name` (its sample payload: these tests look at seqs and effects, not data).
+fn sample(name: &str) -> NewEvent {
+    Event::samples()
+        .into_iter()
+        .find(|e| e.name() == name)
+        .expect("a sample of every type")
+        .into()
 }

@@ -189,6 +189,16 @@ pub fn count_served(log: &[LogEntry]) -> HashMap<String, usize> {
 
 /// Asserts the event stream is 1..=n without gaps and ends with the run's terminal event.
 pub fn assert_gap_free(events: &[EventRecord], status: RunStatus) {
+    // Every event, however it was written (in Rust or in SQL), is one of the typed events.
+    for e in events {
+        assert!(
+            subagents::domain::Event::parse(&e.kind, &e.data).is_some(),
+            "event {} (seq {}) does not match its type's payload: {}",
+            e.kind,
+            e.seq,
+            e.data
+        );
+    }
     for (i, e) in events.iter().enumerate() {
         assert_eq!(e.seq, i as u64 + 1, "event seq gap at {i}: {events:#?}");
     }
