@@ -43,20 +43,24 @@ async fn app(
     .await
 }
 
-/// Runs the prober on `turns` to its end.
-async fn probe(t: &TestApp, turns: Vec<Turn>) -> RunRecord {
+/// Starts the prober on `turns`.
+async fn start_probe(t: &TestApp, turns: Vec<Turn>) -> RunRecord {
     t.mock
         .state
         .set_script(Script::from([("prober".to_owned(), turns)]));
-    let r = t
-        .app
+    t.app
         .start_run(StartRun {
             agent: Some("prober".into()),
             input: "Probe.".into(),
             ..Default::default()
         })
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Runs the prober on `turns` to its end.
+async fn probe(t: &TestApp, turns: Vec<Turn>) -> RunRecord {
+    let r = start_probe(t, turns).await;
     t.wait(r.id).await
 }
 
@@ -125,22 +129,14 @@ async fn bash_cannot_read_the_workers_keys_through_proc() {
     })
     .await;
     let look = "for f in environ cmdline; do echo \"== $f\"; tr '\\0' '\\n' < /proc/$PPID/$f; done; echo '== mem'; grep -a -c secret /proc/$PPID/mem; echo '== env'; env";
-    t.mock.state.set_script(Script::from([(
-        "prober".to_owned(),
+    let r = start_probe(
+        &t,
         vec![
             calls(vec![call("bash", json!({"command": look}))]),
             say("done"),
         ],
-    )]));
-    let r = t
-        .app
-        .start_run(StartRun {
-            agent: Some("prober".into()),
-            input: "Probe.".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    )
+    .await;
     let secrets = [
         ("OPENAI_API_KEY", "sk-test-secret-4242"),
         ("SUBAGENTS_API_KEYS", "alice:alice-key-secret-9999"),
@@ -366,22 +362,14 @@ async fn a_call_whose_worker_died_twice_is_not_run_a_third_time() {
         ..Default::default()
     })
     .await;
-    t.mock.state.set_script(Script::from([(
-        "prober".to_owned(),
+    let r = start_probe(
+        &t,
         vec![
             calls(vec![call("echo", json!({"text": "boom"}))]),
             say("survived"),
         ],
-    )]));
-    let r = t
-        .app
-        .start_run(StartRun {
-            agent: Some("prober".into()),
-            input: "Probe.".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    )
+    .await;
     let journal = t.dir.path().join("journal.txt");
     // The tool's return takes its worker down, every time (as an allocation that aborts did).
     let env = [
@@ -541,22 +529,14 @@ async fn a_rewritten_input_meets_the_deny_rules_again() {
         json!({"permissions": {"deny": ["echo(forbidden words)"], "ask": ["echo(ask me)"]}});
     let t = app(no_hook, vec![prober("echo", "")], |_| {}).await;
     let base = t.serve("").await;
-    t.mock.state.set_script(Script::from([(
-        "prober".to_owned(),
+    let r = start_probe(
+        &t,
         vec![
             calls(vec![call("echo", json!({"text": "ask me"}))]),
             say("done"),
         ],
-    )]));
-    let r = t
-        .app
-        .start_run(StartRun {
-            agent: Some("prober".into()),
-            input: "Probe.".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    )
+    .await;
     let http = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     let approval = loop {
@@ -1284,46 +1264,28 @@ async fn thread_ids_are_each_owners_own() {
         .await
         .unwrap();
     t.wait(old.id).await;
-    let cont: Value = start(
-        "alice-secret-key",
-        "more\nSCENARIO steps=1 run=more",
-        "legacy-1",
-    )
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
-    let cont_run = t
-        .app
-        .store
-        .get_run(cont["id"].as_str().unwrap().parse().unwrap())
-        .await
-        .unwrap()
-        .unwrap();
+    // Starts a run through the API; the answer and the run as stored.
+    let stored = |key: &'static str, input: &'static str| {
+        let (start, t) = (&start, &t);
+        async move {
+            let v: Value = start(key, input, "legacy-1")
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let id = v["id"].as_str().unwrap().parse().unwrap();
+            (v.clone(), t.app.store.get_run(id).await.unwrap().unwrap())
+        }
+    };
+    let (cont, cont_run) = stored("alice-secret-key", "more\nSCENARIO steps=1 run=more").await;
     assert_eq!(
         cont_run.thread_id.as_str(),
         "legacy-1",
         "alice continues her old thread"
     );
     assert_eq!(cont["thread_id"], "legacy-1");
-    let theirs: Value = start(
-        "bob-secret-key",
-        "bob again\nSCENARIO steps=1 run=b2",
-        "legacy-1",
-    )
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
-    let theirs_run = t
-        .app
-        .store
-        .get_run(theirs["id"].as_str().unwrap().parse().unwrap())
-        .await
-        .unwrap()
-        .unwrap();
+    let (_, theirs_run) = stored("bob-secret-key", "bob again\nSCENARIO steps=1 run=b2").await;
     assert_ne!(
         theirs_run.thread_id.as_str(),
         "legacy-1",
@@ -1347,22 +1309,14 @@ async fn a_decision_with_an_unknown_verdict_is_refused_not_allowed() {
         |_| {},
     )
     .await;
-    t.mock.state.set_script(Script::from([(
-        "prober".to_owned(),
+    let r = start_probe(
+        &t,
         vec![
             calls(vec![call("echo", json!({"text": "hi"}))]),
             say("done"),
         ],
-    )]));
-    let r = t
-        .app
-        .start_run(StartRun {
-            agent: Some("prober".into()),
-            input: "Probe.".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    )
+    .await;
     let deadline = Instant::now() + Duration::from_secs(30);
     let approval = loop {
         let pending = t
