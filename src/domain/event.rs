@@ -413,14 +413,32 @@ impl Event {
         }
     }
 
-    /// Its payload as stored (`data`).
+    /// Its payload as stored (`data`): the payload struct serialised on its own (an event is
+    /// built at every step; going through the tagged enum would build the envelope too).
     pub fn data(&self) -> Value {
-        match serde_json::to_value(self) {
-            Ok(Value::Object(mut o)) => o
-                .remove("data")
-                .unwrap_or_else(|| Value::Object(Default::default())),
-            _ => Value::Object(Default::default()),
-        }
+        let v = match self {
+            Event::RunQueued(p) => serde_json::to_value(p),
+            Event::RunStarted(p) | Event::RunResumed(p) => serde_json::to_value(p),
+            Event::StepStarted(p) => serde_json::to_value(p),
+            Event::ModelCompleted(p) => serde_json::to_value(p),
+            Event::ToolStarted(p) => serde_json::to_value(p),
+            Event::ToolCompleted(p) => serde_json::to_value(p),
+            Event::StepCompleted(p) => serde_json::to_value(p),
+            Event::ContextCompacting(p) => serde_json::to_value(p),
+            Event::ContextCompacted(p) => serde_json::to_value(p),
+            Event::ApprovalRequested(p) => serde_json::to_value(p),
+            Event::ApprovalResolved(p) => serde_json::to_value(p),
+            Event::ToolDenied(p) => serde_json::to_value(p),
+            Event::HookBlocked(p) => serde_json::to_value(p),
+            Event::RunWaiting(p) => serde_json::to_value(p),
+            Event::ChildStarted(p) => serde_json::to_value(p),
+            Event::ChildFinished(p) => serde_json::to_value(p),
+            Event::RunSucceeded(p) => serde_json::to_value(p),
+            Event::RunFailed(p) => serde_json::to_value(p),
+            Event::RunCancelled(p) => serde_json::to_value(p),
+        };
+        // Payloads are plain structs of strings, numbers and JSON: they always serialise.
+        v.unwrap_or_else(|_| Value::Object(Default::default()))
     }
 
     /// An event read back from its type and payload; `None` for data that is not one.

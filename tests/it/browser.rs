@@ -226,12 +226,23 @@ impl Browser {
 
     /// The visible text of the element matching `css`.
     pub async fn text(&self, css: &str) -> String {
-        let e = self.wait_for(css, 10).await;
-        self.cmd(reqwest::Method::GET, &format!("/element/{e}/text"), None)
-            .await
-            .as_str()
-            .unwrap_or_default()
-            .to_owned()
+        // The page redraws as events arrive: an element found a moment ago may be gone
+        // ("stale element reference", an error object instead of text). Find it again.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let e = self.wait_for(css, 10).await;
+            let v = self
+                .cmd(reqwest::Method::GET, &format!("/element/{e}/text"), None)
+                .await;
+            if let Some(t) = v.as_str() {
+                return t.to_owned();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no text for {css}: {v}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
     }
 
     /// Resizes the window.
