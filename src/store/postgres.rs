@@ -237,7 +237,13 @@ store_impl!(
             // One round trip (`sa_start_run_with_job`, migrations/postgres/0014): the checks and
             // inserts, the run's first job, and the answer with the run's row and its place in its
             // owner's queue.
-            let event = serde_json::json!({"agent": new.agent, "thread_id": new.thread_id.visible_to(&new.owner), "parent_run_id": new.parent_run_id});
+            // The function writes it as the run's `run.queued` (seq 1).
+            let event = Event::RunQueued(event::RunQueued {
+                agent: new.agent.clone(),
+                thread_id: new.thread_id.visible_to(&new.owner).to_string(),
+                parent_run_id: new.parent_run_id,
+            })
+            .data();
             let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
