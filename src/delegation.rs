@@ -46,6 +46,27 @@ pub struct Wait {
 }
 
 impl Wait {
+    /// What the run waits for, as `run.waiting` says.
+    pub fn reason(&self) -> crate::domain::event::WaitingOn {
+        use crate::domain::event::WaitingOn;
+        if self.rate_limited {
+            WaitingOn::RateLimit
+        } else if self.on.is_empty() && !self.approvals.is_empty() {
+            WaitingOn::Approval
+        } else {
+            WaitingOn::Children
+        }
+    }
+
+    /// A wait on a model's rate limit until `at` (Unix ms).
+    pub fn rate_limited(at: i64) -> Wait {
+        Wait {
+            wake_at: Some(at),
+            rate_limited: true,
+            ..Wait::default()
+        }
+    }
+
     /// Two calls of one step that both wait: wake on either's runs, at the earlier deadline.
     pub fn merge(mut self, other: Wait) -> Wait {
         for r in other.on {

@@ -94,6 +94,18 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
     carrier.remove("traceparent")
 }
 
+/// The `traceparent` every attempt of a run continues when neither its caller nor a parent run
+/// gave it one, so a run that parks and is claimed again is one trace, not one per claim: the
+/// trace id is the tree's root run id, and the parent span id is taken from the run's own id
+/// (no span of that id is sent: backends show the attempts as siblings under it).
+pub fn run_traceparent(root: uuid::Uuid, run: uuid::Uuid) -> String {
+    let mut tail = [0u8; 8];
+    tail.copy_from_slice(&run.as_bytes()[8..]);
+    // A span id of zero is invalid.
+    let span = u64::from_be_bytes(tail) | 1;
+    format!("00-{}-{span:016x}-01", root.simple())
+}
+
 /// Makes `span` a child of the span `traceparent` names (a parent run's tool call, or a
 /// caller's own trace passed in a run's metadata). A malformed value is ignored.
 pub fn adopt(span: &tracing::Span, traceparent: &str) {
@@ -138,4 +150,22 @@ pub fn render_metrics() -> String {
         .and_then(|h| h.as_ref())
         .map(|h| h.render())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runs_own_traceparent_is_valid_and_the_same_at_every_claim() {
+        let root = uuid::Uuid::now_v7();
+        let run = uuid::Uuid::now_v7();
+        let tp = run_traceparent(root, run);
+        assert_eq!(tp, run_traceparent(root, run));
+        let carrier = HashMap::from([("traceparent".to_owned(), tp)]);
+        let cx = TraceContextPropagator::new().extract(&carrier);
+        let sc = cx.span().span_context().clone();
+        assert!(sc.is_valid());
+        assert_eq!(sc.trace_id().to_string(), root.simple().to_string());
+    }
 }

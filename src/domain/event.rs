@@ -301,14 +301,26 @@ pub struct HookBlocked {
     pub reason: String,
 }
 
+/// What a parked run waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitingOn {
+    /// Children it started (or awaits) to end.
+    Children,
+    /// A person to answer an approval.
+    Approval,
+    /// A model's rate limit to free up.
+    RateLimit,
+}
+
 /// `run.waiting`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunWaiting {
     /// The step it parked in.
     pub step: u32,
-    /// `children`, `approval` or `rate_limit`.
-    pub waiting_on: String,
+    /// What it waits for.
+    pub waiting_on: WaitingOn,
     /// The children it waits for.
     pub run_ids: Vec<RunId>,
     /// When it wakes by itself (Unix ms), if it does.
@@ -557,7 +569,7 @@ impl Event {
             }),
             Event::RunWaiting(RunWaiting {
                 step: 1,
-                waiting_on: "children".into(),
+                waiting_on: WaitingOn::Children,
                 run_ids: vec![run],
                 wake_at: Some(1),
                 approval_ids: Some(vec![]),

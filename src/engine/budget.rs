@@ -5,6 +5,10 @@
 //! keeps the count for the next few seconds, then Redis is tried again: for that time the two
 //! halves of the fleet may each spend a full window, which is the price of not stopping (or
 //! slowing) every model call during an outage.
+//!
+//! In this crate "budget" means only this: what a rate window still allows. A run's own limits
+//! (steps, tokens, wall time; a tree's totals) are limits, and what fits a model's context is
+//! its window ([`super::compaction::Window`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,6 +31,29 @@ const REDIS_WAIT: Duration = Duration::from_millis(500);
 /// After Redis failed, how long the database keeps the count before Redis is tried again (so
 /// an outage does not slow every model call by a failed attempt).
 pub const REDIS_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Model rate limits: by model, at most `requests` calls and `tokens` prompt tokens per `window`.
+#[derive(Clone, Debug, Default)]
+pub struct RateLimits {
+    /// Limits by model name.
+    pub by_model: crate::config::ModelLimits,
+    /// The window (a minute; tests shorten it).
+    pub window: Duration,
+}
+
+/// Whether a model call may go now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// It took its share of every budget that applies.
+    Go,
+    /// A budget is used up: wait until `until` (Unix ms).
+    Wait {
+        /// When to try again.
+        until: i64,
+        /// The provider said so (its headers or a 429), rather than a configured limit.
+        provider: bool,
+    },
+}
 
 /// Where budgets are taken from.
 pub struct Budgets {
@@ -170,6 +197,62 @@ impl Budgets {
             return Ok(());
         }
         self.store.block_budget(key, until_ms).await
+    }
+
+    /// Takes one call of `model` for `owner` from every budget that applies: the owner's first
+    /// (a call the owner may not make takes nothing from the model's), then the model's
+    /// configured limit. A model with no configured limit takes from no budget, but the
+    /// provider's word (its rate-limit headers, a 429) still holds the whole fleet back.
+    /// `estimate` (the call's prompt tokens) is only counted when a budget applies.
+    pub async fn admit(
+        &self,
+        limits: &RateLimits,
+        owner: &str,
+        model: &str,
+        estimate: impl FnOnce() -> u64,
+    ) -> Result<Admission, StoreError> {
+        let model_limit = limits.by_model.get(model).copied();
+        let owner_limit = self.owner(owner).await?;
+        if model_limit.is_some() || owner_limit.is_some() {
+            let window = super::decide::counted_window_ms(limits.window);
+            let estimate = estimate();
+            if let Some(o) = owner_limit
+                && let Some(until) = self
+                    .take(&format!("owner:{owner}"), window, o.rpm, o.tpm, estimate)
+                    .await?
+            {
+                return Ok(Admission::Wait {
+                    until,
+                    provider: false,
+                });
+            }
+            if let Some((requests, tokens)) = model_limit
+                && let Some(until) = self
+                    .take(
+                        &format!("model:{model}"),
+                        window,
+                        requests,
+                        tokens,
+                        estimate,
+                    )
+                    .await?
+            {
+                return Ok(Admission::Wait {
+                    until,
+                    provider: false,
+                });
+            }
+        }
+        if model_limit.is_none()
+            && let Some(until) = self.blocked(&format!("model:{model}")).await?
+        {
+            let noise = uuid::Uuid::new_v4().as_u128();
+            return Ok(Admission::Wait {
+                until: super::decide::spread_wake(until, crate::store::now_ms(), noise),
+                provider: true,
+            });
+        }
+        Ok(Admission::Go)
     }
 
     /// The owner's own budget from the keys file, if it sets one (read at most every

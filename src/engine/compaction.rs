@@ -1,6 +1,6 @@
 //! Keeping a run inside its model's context window.
 //!
-//! Before every model call the executor estimates the request ([`Budget::estimate`]). When it
+//! Before every model call the executor estimates the request ([`Window::estimate`]). When it
 //! would pass `compact_at` (default 85 % of the window), or a new run starts on a thread whose
 //! carried-over context already fills half of that, the run takes a **compaction step**: one
 //! model call without tools summarises the oldest part of the context, and the summary commits
@@ -19,14 +19,15 @@ use std::sync::Arc;
 
 use serde_json::json;
 
-use super::{Engine, Stop, context};
+use super::attempt::Attempt;
+use super::{Engine, Flow, context};
 use crate::agents::AgentDef;
 use crate::domain::event;
 use crate::ids::RunId;
 use crate::model::compact::{self, Entry};
 use crate::model::tokens::{Calibration, Counter, ModelTable};
-use crate::model::{ChatRequest, Message, ToolSpec};
-use crate::store::{Compaction, CompactionBody, Event, Lease, NewEvent, RunRecord, StoredMessage};
+use crate::model::{ChatRequest, Message, ToolSpec, Usage};
+use crate::store::{Compaction, CompactionBody, Event, RunRecord, StoredMessage};
 
 /// Context settings that do not vary per run.
 #[derive(Clone, Debug)]
@@ -55,15 +56,15 @@ impl Default for ContextSettings {
     }
 }
 
-/// A run's context limits, resolved once per claim.
+/// A run's context window and the thresholds in it, resolved once per claim.
 #[derive(Clone, Debug)]
-pub struct Budget {
+pub struct Window {
     /// The model the run calls.
     pub model: String,
     /// Its tokenizer.
     pub counter: Counter,
-    /// Its window.
-    pub window: u64,
+    /// Its window, in tokens.
+    pub tokens: u64,
     /// Compact when an estimated request passes this many tokens.
     pub compact_at: u64,
     /// Tokens of newest messages a compaction keeps.
@@ -107,7 +108,7 @@ fn message_key(m: &Message) -> u64 {
     h.finish()
 }
 
-impl Budget {
+impl Window {
     /// The limits for `run` on `agent` calling `model`: the run's `compact_at`, then the
     /// agent's, then the process's; the agent's `context_window:`, then the model table.
     pub fn resolve(
@@ -115,7 +116,7 @@ impl Budget {
         agent: &AgentDef,
         run_compact_at: Option<u8>,
         model: &str,
-    ) -> Budget {
+    ) -> Window {
         let (known, _) = settings.table.window(model);
         let mut window = agent.context_window.unwrap_or(known.context);
         // A provider that refused a request as too long taught us a smaller window.
@@ -126,10 +127,10 @@ impl Budget {
             .or(agent.compact_at)
             .unwrap_or(settings.compact_at)
             .clamp(10, 95) as u64;
-        let mut b = Budget {
+        let mut b = Window {
             model: model.to_owned(),
             counter: Counter::for_model(model),
-            window: 0,
+            tokens: 0,
             compact_at: 0,
             keep: 0,
             result_tokens: 0,
@@ -143,7 +144,7 @@ impl Budget {
     }
 
     fn set_window(&mut self, window: u64, tool_result_tokens: usize) {
-        self.window = window;
+        self.tokens = window;
         self.compact_at = window * self.compact_percent / 100;
         self.keep = window * self.keep_percent / 100;
         // A result may take a quarter of a small window at most.
@@ -181,19 +182,19 @@ impl Budget {
     /// per model, for the runs after it.
     pub fn too_long(&mut self, raw: usize, body: &str) {
         let scaled = self.calibration.scale(&self.model, raw) as u64;
-        let stated = stated_window(body).filter(|w| *w >= 256 && *w < self.window);
+        let stated = stated_window(body).filter(|w| *w >= 256 && *w < self.tokens);
         let window = stated
             .unwrap_or(scaled * 9 / 10)
-            .clamp(256, self.window.max(256));
-        if window < self.window {
-            tracing::warn!(model = %self.model, from = self.window, to = window, "the provider's window is smaller than configured; using it");
+            .clamp(256, self.tokens.max(256));
+        if window < self.tokens {
+            tracing::warn!(model = %self.model, from = self.tokens, to = window, "the provider's window is smaller than configured; using it");
             self.calibration.learn_window(&self.model, window);
             let result_tokens = self.result_tokens;
             self.set_window(window, result_tokens);
         }
     }
 
-    /// Bytes a paging tool shows per call, so its page stays under the result budget.
+    /// Bytes a paging tool shows per call, so its page stays under the result window.
     pub fn page_bytes(&self) -> usize {
         self.result_tokens.saturating_mul(3)
     }
@@ -337,6 +338,49 @@ pub fn select(
     })
 }
 
+/// What to compact of `ctx` (see [`select`]), each message counted once. The task sits at
+/// index 0 when restored; it is never part of a range.
+fn choose(run: &RunRecord, window: &Window, ctx: &RunContext, chunk: u64) -> Option<Eviction> {
+    let input_key = format!("{}:input", run.id);
+    let counter = window.counter;
+    let cache: HashMap<&str, usize> = ctx
+        .history
+        .iter()
+        .map(|m| (m.key.as_str(), counter.message(&m.message)))
+        .collect();
+    let tokens = |m: &StoredMessage| cache.get(m.key.as_str()).copied().unwrap_or(0);
+    select(
+        &ctx.history,
+        &input_key,
+        &tokens,
+        window.keep,
+        chunk.max(256),
+    )
+}
+
+/// The context as it is rebuilt once `body` commits: the summary, the task (restored when it
+/// was in the range), and the messages after the range.
+fn rebuilt(run: &RunRecord, ctx: &RunContext, ev: &Eviction, body: &CompactionBody) -> RunContext {
+    let input_key = format!("{}:input", run.id);
+    RunContext {
+        compaction: Some(Compaction {
+            id: 0,
+            run_id: run.id,
+            body: body.clone(),
+            created_at: chrono::Utc::now(),
+        }),
+        history: ctx
+            .history
+            .iter()
+            .enumerate()
+            .filter(|(i, m)| *i >= ev.end || m.key == input_key)
+            .map(|(_, m)| m.clone())
+            .collect(),
+        task_restored: ctx.history[..ev.end].iter().any(|m| m.key == input_key)
+            || ctx.task_restored,
+    }
+}
+
 /// Why a compaction runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
@@ -377,7 +421,7 @@ fn summary_words(window: u64) -> usize {
 
 impl Engine {
     /// Reads the run's context: the thread's latest compaction and the messages after it.
-    pub(super) async fn load_context(&self, run: &RunRecord) -> Result<RunContext, Stop> {
+    pub(super) async fn load_context(&self, run: &RunRecord) -> Flow<RunContext> {
         let (compaction, mut history) = self
             .store
             .context(&run.thread_id, self.settings.context_messages.max(1))
@@ -410,43 +454,85 @@ impl Engine {
 
     /// One compaction step: chooses the oldest part of the context, has the model summarise
     /// it, and commits the summary with the range it replaces. The caller reloads the context.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn compact(
         &self,
-        lease: &Lease,
-        run: &RunRecord,
-        agent: &AgentDef,
-        budget: &Budget,
-        ctx: &RunContext,
+        a: &Attempt<'_>,
         tools: &[ToolSpec],
         reason: Reason,
         step: u32,
-        failures: u32,
-    ) -> Result<Compacted, Stop> {
-        let input_key = format!("{}:input", run.id);
-        let counter = budget.counter;
-        let mut cache: HashMap<&str, usize> = HashMap::new();
-        for m in &ctx.history {
-            cache.insert(m.key.as_str(), counter.message(&m.message));
-        }
-        let tokens = |m: &StoredMessage| cache.get(m.key.as_str()).copied().unwrap_or(0);
+    ) -> Flow<Compacted> {
+        let (run, window, ctx) = (a.run, &a.window, &a.ctx);
         // The summariser's input must fit the window with room for its answer; each failure
         // halves it.
-        let summary_room = summary_words(budget.window) as u64 * 2;
-        let chunk = (budget.window.saturating_sub(summary_room) * 6 / 10) >> failures.min(4);
-        // The task sits at index 0 when restored; it is never part of a range.
-        let Some(ev) = select(
-            &ctx.history,
-            &input_key,
-            &tokens,
-            budget.keep,
-            chunk.max(256),
-        ) else {
+        let summary_room = summary_words(window.tokens) as u64 * 2;
+        let chunk =
+            (window.tokens.saturating_sub(summary_room) * 6 / 10) >> a.pressure.failures.min(4);
+        let Some(ev) = choose(run, window, ctx, chunk) else {
             return Ok(Compacted::Nothing);
         };
-        self.lifecycle_hooks(run, agent, crate::policy::HookEvent::PreCompact, json!({"trigger": if reason == Reason::Threshold { "auto" } else { reason.as_str() }, "first_message_id": ev.first_id, "last_message_id": ev.last_id})).await;
-        let messages_before = ctx.messages(&agent.system_prompt, run.id);
-        let (_, tokens_before) = budget.estimate(&messages_before, tools);
+        let (tokens_before, range) = self.announce(a, &ev, tools, reason, step).await?;
+        let t0 = std::time::Instant::now();
+        let (summary, spent) = match self.summarise(a, &ev, chunk).await {
+            Ok(done) => done,
+            Err(why) => return Ok(Compacted::Failed(why)),
+        };
+        metrics::histogram!("subagents_compaction_seconds").record(t0.elapsed().as_secs_f64());
+        let summary = summary + &self.children_going(run).await?;
+        let mut body = CompactionBody {
+            first_message_id: ev.first_id,
+            last_message_id: ev.last_id,
+            messages: ev.count as i64,
+            summary,
+            tokens_before: tokens_before as i64,
+            tokens_after: 0,
+            reason: reason.as_str().into(),
+        };
+        // The context as it will be rebuilt, to report the tokens after.
+        let after = rebuilt(run, ctx, &ev, &body);
+        let (_, tokens_after) =
+            window.estimate(&after.messages(&a.agent.system_prompt, run.id), tools);
+        body.tokens_after = tokens_after as i64;
+        let compacted = Event::ContextCompacted(event::Compacted {
+            step,
+            reason: reason.as_str().into(),
+            tokens_before: tokens_before as u64,
+            tokens_after: tokens_after as u64,
+            range,
+            usage: spent.0,
+            cost_usd: (spent.1 > 0).then(|| crate::model::prices::dollars(spent.1)),
+        });
+        let fp = &self.settings.failpoints;
+        fp.hit("before_compaction_commit").await;
+        self.store
+            .commit_compaction(a.lease, body, spent, vec![compacted.into()])
+            .await?;
+        fp.hit("after_compaction_commit").await;
+        metrics::counter!("subagents_compactions_total", "reason" => reason.as_str()).increment(1);
+        let ms = t0.elapsed().as_millis() as u64;
+        tracing::info!(tokens_before, tokens_after, ms, "context compacted");
+        Ok(Compacted::Done)
+    }
+
+    /// Tells what a compaction is about to replace: the PreCompact hooks, the log and the
+    /// `context.compacting` event. Returns the tokens before and the range.
+    async fn announce(
+        &self,
+        a: &Attempt<'_>,
+        ev: &Eviction,
+        tools: &[ToolSpec],
+        reason: Reason,
+        step: u32,
+    ) -> Flow<(usize, event::Range)> {
+        let trigger = if reason == Reason::Threshold {
+            "auto"
+        } else {
+            reason.as_str()
+        };
+        let extra = json!({"trigger": trigger, "first_message_id": ev.first_id, "last_message_id": ev.last_id});
+        let hook = crate::policy::HookEvent::PreCompact;
+        self.lifecycle_hooks(a.run, &a.agent, hook, extra).await;
+        let messages_before = a.ctx.messages(&a.agent.system_prompt, a.run.id);
+        let (_, tokens_before) = a.window.estimate(&messages_before, tools);
         let range = event::Range {
             first_message_id: ev.first_id,
             last_message_id: ev.last_id,
@@ -460,45 +546,49 @@ impl Engine {
             messages = ev.count,
             "compacting the context"
         );
-        self.store
-            .checkpoint(
-                lease,
-                crate::store::Checkpoint {
-                    events: vec![
-                        Event::ContextCompacting(event::Compacting {
-                            step,
-                            reason: reason.as_str().into(),
-                            tokens_before: tokens_before as u64,
-                            range: range.clone(),
-                        })
-                        .into(),
-                    ],
-                    ..Default::default()
-                },
-            )
-            .await?;
+        let compacting = Event::ContextCompacting(event::Compacting {
+            step,
+            reason: reason.as_str().into(),
+            tokens_before: tokens_before as u64,
+            range: range.clone(),
+        });
+        let cp = crate::store::Checkpoint {
+            events: vec![compacting.into()],
+            ..Default::default()
+        };
+        self.store.checkpoint(a.lease, cp).await?;
+        Ok((tokens_before, range))
+    }
 
+    /// Has the model summarise the chosen range (after any earlier summary); returns the
+    /// summary and what it cost, or why there is none.
+    async fn summarise(
+        &self,
+        a: &Attempt<'_>,
+        ev: &Eviction,
+        chunk: u64,
+    ) -> Result<(String, (Usage, u64)), String> {
+        let (run, window, ctx) = (a.run, &a.window, &a.ctx);
+        let input_key = format!("{}:input", run.id);
         // The transcript: the earlier summary, then the range in order (the task marked).
         let mut entries = vec![];
         if let Some(c) = &ctx.compaction {
             entries.push(Entry::EarlierSummary(&c.summary));
         }
         for m in &ctx.history[..ev.end] {
-            if m.key == input_key {
-                if !ctx.task_restored {
-                    entries.push(Entry::Task);
-                }
-            } else {
+            if m.key != input_key {
                 entries.push(Entry::Message(&m.message));
+            } else if !ctx.task_restored {
+                entries.push(Entry::Task);
             }
         }
         let per_message = (chunk / 4).clamp(200, 4000) as usize;
-        let transcript = compact::transcript(&entries, &counter, per_message);
+        let transcript = compact::transcript(&entries, &window.counter, per_message);
         let req = ChatRequest {
-            model: budget.model.clone(),
+            model: window.model.clone(),
             messages: vec![
                 Message::System {
-                    content: compact::prompt(summary_words(budget.window)),
+                    content: compact::prompt(summary_words(window.tokens)),
                 },
                 Message::User {
                     content: transcript,
@@ -507,37 +597,21 @@ impl Engine {
             tools: vec![],
             step_key: format!("{}:compact:{}-{}", run.id, ev.first_id, ev.last_id),
         };
-        let t0 = std::time::Instant::now();
-        let (summary, spent) = match self.model.complete(&req, &|_| {}).await {
-            Ok(r) => {
-                let cost = self
-                    .settings
-                    .prices
-                    .cost_nanos(&budget.model, &r.usage)
-                    .unwrap_or(0);
-                let spent = (r.usage, cost);
-                match r
-                    .content
-                    .map(|c| c.trim().to_owned())
-                    .filter(|c| !c.is_empty())
-                {
-                    Some(s) => (s, spent),
-                    None => {
-                        return Ok(Compacted::Failed(
-                            "the model answered the summary request with nothing".into(),
-                        ));
-                    }
-                }
-            }
-            Err(e) => {
-                return Ok(Compacted::Failed(format!(
-                    "the summary request failed: {e}"
-                )));
-            }
+        let r = match self.model.complete(&req, &|_| {}).await {
+            Ok(r) => r,
+            Err(e) => return Err(format!("the summary request failed: {e}")),
         };
-        metrics::histogram!("subagents_compaction_seconds").record(t0.elapsed().as_secs_f64());
+        let prices = &self.settings.prices;
+        let cost = prices.cost_nanos(&window.model, &r.usage).unwrap_or(0);
+        match r.content.map(|c| c.trim().to_owned()) {
+            Some(s) if !s.is_empty() => Ok((s, (r.usage, cost))),
+            _ => Err("the model answered the summary request with nothing".into()),
+        }
+    }
 
-        // Sub-agent runs still going are listed from the store, so no summary can lose them.
+    /// The run's sub-agent runs still going, listed from the store under the summary, so no
+    /// summary can lose them; empty when there are none.
+    async fn children_going(&self, run: &RunRecord) -> Flow<String> {
         let pending: Vec<String> = self
             .store
             .children(run.id)
@@ -553,105 +627,47 @@ impl Engine {
                     .chars()
                     .take(80)
                     .collect();
+                let status = c.status.as_str();
                 format!(
-                    "run_id {} (agent {}, {}): {}",
+                    "run_id {} (agent {}, {status}): {}",
                     c.id,
                     c.agent,
-                    c.status.as_str(),
                     what.trim()
                 )
             })
             .collect();
-        let mut summary_text = summary;
-        if !pending.is_empty() {
-            let Message::User { content } = compact::summary_message("", 0, 0, &pending) else {
-                unreachable!()
-            };
-            if let Some(i) = content.find("\n\nSub-agent runs") {
-                summary_text.push_str(&content[i..]);
-            }
+        if pending.is_empty() {
+            return Ok(String::new());
         }
-        // The context as it will be rebuilt, to report the tokens after.
-        let mut body = CompactionBody {
-            first_message_id: ev.first_id,
-            last_message_id: ev.last_id,
-            messages: ev.count as i64,
-            summary: summary_text,
-            tokens_before: tokens_before as i64,
-            tokens_after: 0,
-            reason: reason.as_str().into(),
+        let Message::User { content } = compact::summary_message("", 0, 0, &pending) else {
+            unreachable!("a summary message is a user message")
         };
-        let after = RunContext {
-            compaction: Some(Compaction {
-                id: 0,
-                run_id: run.id,
-                body: body.clone(),
-                created_at: chrono::Utc::now(),
-            }),
-            history: ctx
-                .history
-                .iter()
-                .enumerate()
-                .filter(|(i, m)| *i >= ev.end || m.key == input_key)
-                .map(|(_, m)| m.clone())
-                .collect(),
-            task_restored: ctx.history[..ev.end].iter().any(|m| m.key == input_key)
-                || ctx.task_restored,
-        };
-        let (_, tokens_after) =
-            budget.estimate(&after.messages(&agent.system_prompt, run.id), tools);
-        body.tokens_after = tokens_after as i64;
-        let event: NewEvent = Event::ContextCompacted(event::Compacted {
-            step,
-            reason: reason.as_str().into(),
-            tokens_before: tokens_before as u64,
-            tokens_after: tokens_after as u64,
-            range,
-            usage: spent.0,
-            cost_usd: (spent.1 > 0).then(|| crate::model::prices::dollars(spent.1)),
-        })
-        .into();
-        self.settings
-            .failpoints
-            .hit("before_compaction_commit")
-            .await;
-        self.store
-            .commit_compaction(lease, body, spent, vec![event])
-            .await?;
-        self.settings
-            .failpoints
-            .hit("after_compaction_commit")
-            .await;
-        metrics::counter!("subagents_compactions_total", "reason" => reason.as_str()).increment(1);
-        tracing::info!(
-            tokens_before,
-            tokens_after,
-            ms = t0.elapsed().as_millis() as u64,
-            "context compacted"
-        );
-        Ok(Compacted::Done)
+        Ok(content
+            .find("\n\nSub-agent runs")
+            .map(|i| content[i..].to_owned())
+            .unwrap_or_default())
     }
 
-    /// A tool result as the model gets it: whole when it fits the result budget, otherwise
+    /// A tool result as the model gets it: whole when it fits the result limit, otherwise
     /// written to `.results/<run>/<call>.txt` in the workspace, with its head and that path.
     pub(super) async fn fit_result(
         &self,
-        budget: &Budget,
+        window: &Window,
         workspace: &std::path::Path,
         run: RunId,
         call_id: &str,
         text: String,
     ) -> (String, bool) {
         // A token is at least one byte: short texts need no count.
-        if text.len() <= budget.result_tokens {
+        if text.len() <= window.result_tokens {
             return (text, false);
         }
-        let tokens = budget.counter.text(&text);
-        if tokens <= budget.result_tokens {
+        let tokens = window.counter.text(&text);
+        if tokens <= window.result_tokens {
             return (text, false);
         }
-        let head_tokens = (budget.result_tokens / 4).clamp(64, 2000);
-        let head_len = budget.counter.head(&text, head_tokens).0.len();
+        let head_tokens = (window.result_tokens / 4).clamp(64, 2000);
+        let head_len = window.counter.head(&text, head_tokens).0.len();
         let rel = format!(".results/{run}/{call_id}.txt");
         match crate::tools::offload(
             workspace,
@@ -659,7 +675,7 @@ impl Engine {
             text.clone(),
             head_len,
             tokens,
-            budget.result_tokens,
+            window.result_tokens,
         )
         .await
         {
@@ -783,7 +799,7 @@ mod tests {
 
     #[test]
     fn estimates_are_the_counters_whether_memoised_or_not() {
-        let b = Budget::resolve(
+        let b = Window::resolve(
             &ContextSettings::default(),
             &AgentDef::general_purpose(),
             None,
@@ -811,15 +827,15 @@ mod tests {
             context_window: Some(16_000),
             ..AgentDef::general_purpose()
         };
-        let mut b = Budget::resolve(&settings, &agent, None, "m");
-        assert_eq!((b.window, b.compact_at, b.keep), (16_000, 13_600, 1_600));
+        let mut b = Window::resolve(&settings, &agent, None, "m");
+        assert_eq!((b.tokens, b.compact_at, b.keep), (16_000, 13_600, 1_600));
         b.too_long(7_000, r#"{"error":{"message":"This model's maximum context length is 6,000 tokens. However, your messages resulted in 7000 tokens."}}"#);
-        assert_eq!((b.window, b.compact_at), (6_000, 5_100));
+        assert_eq!((b.tokens, b.compact_at), (6_000, 5_100));
         // Remembered for the next run on this model.
-        assert_eq!(Budget::resolve(&settings, &agent, None, "m").window, 6_000);
-        let mut b = Budget::resolve(&settings, &agent, None, "other");
+        assert_eq!(Window::resolve(&settings, &agent, None, "m").tokens, 6_000);
+        let mut b = Window::resolve(&settings, &agent, None, "other");
         b.too_long(10_000, "prompt too long");
-        assert_eq!(b.window, 9_000);
+        assert_eq!(b.tokens, 9_000);
     }
 
     #[test]

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::{Engine, Stop};
+use super::attempt::Attempt;
+use super::{Engine, Flow};
 use crate::agents::{AgentDef, AgentRegistry};
 use crate::delegation::Wait;
 use crate::domain::event;
@@ -20,7 +21,7 @@ use crate::hooks::{self, HookDecision};
 use crate::model::ToolCall;
 use crate::permissions::{self, Verdict};
 use crate::policy::{HookEvent, Policy};
-use crate::store::{ApprovalStatus, Event, Lease, NewApproval, NewEvent, RunRecord};
+use crate::store::{ApprovalStatus, Event, NewApproval, NewEvent, RunRecord};
 
 /// Policy settings that do not vary per run.
 #[derive(Clone, Debug)]
@@ -105,166 +106,197 @@ impl Engine {
     }
 
     /// Decides whether `call` runs (see the module doc).
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn gate(
         &self,
-        lease: &Lease,
-        run: &RunRecord,
-        agent: &AgentDef,
+        a: &Attempt<'_>,
         step: u32,
         call: &ToolCall,
         key: &str,
-        workspace: &Path,
-    ) -> Result<Gate, Stop> {
+    ) -> Flow<Gate> {
         let tool = call.function.name.as_str();
+        let as_asked = || Gate::Run {
+            arguments: call.function.arguments.clone(),
+            context: vec![],
+        };
         if UNGATED.contains(&tool) {
-            return Ok(Gate::Run {
-                arguments: call.function.arguments.clone(),
-                context: vec![],
-            });
+            return Ok(as_asked());
         }
         let input: Value =
             serde_json::from_str(&call.function.arguments).unwrap_or_else(|_| json!({}));
-        let configs = self.hook_configs(agent);
+        let configs = self.hook_configs(&a.agent);
         let pre = hooks::matching(&configs, HookEvent::PreToolUse, Some(tool));
-        let chain = self.rule_chain(run).await?;
+        let chain = self.rule_chain(a.run).await?;
         // No hook to ask and the rules allow it: configuration alone decides, the same way on
         // a replay, so there is nothing to look up or commit (a read and a commit per call
         // saved). A call that an approver answered is asked again by these rules, so it still
         // finds its committed answer below.
-        if pre.is_empty() && matches!(chain.verdict(tool, &input, workspace), Verdict::Allow) {
-            return Ok(Gate::Run {
-                arguments: call.function.arguments.clone(),
-                context: vec![],
-            });
+        if pre.is_empty() && matches!(chain.verdict(tool, &input, &a.workspace), Verdict::Allow) {
+            return Ok(as_asked());
         }
         if let Some(decided) = self.store.tool_decision(key).await? {
-            return self.apply(&decided, call, &chain, workspace).await;
+            return self.apply(&decided, call, &chain, &a.workspace).await;
         }
         let outcome = if pre.is_empty() {
             hooks::Outcome::default()
         } else {
-            let payload = hooks::input(
-                HookEvent::PreToolUse,
-                run,
-                workspace,
-                json!({"tool_name": hooks::claude_name(tool), "subagents_tool": tool, "tool_use_id": call.id, "tool_input": input}),
-            );
-            hooks::run(
-                &pre,
-                payload,
-                &self.settings.policy.hook_env(workspace),
-                &self.settings.policy.http,
-            )
-            .await
+            let extra = json!({"tool_name": hooks::claude_name(tool), "subagents_tool": tool, "tool_use_id": call.id, "tool_input": input});
+            let payload = hooks::input(HookEvent::PreToolUse, a.run, &a.workspace, extra);
+            let env = self.settings.policy.hook_env(&a.workspace);
+            hooks::run(&pre, payload, &env, &self.settings.policy.http).await
         };
         let used = outcome.updated_input.clone().unwrap_or(input);
-        let mut decision = json!({"call_id": call.id, "tool": tool});
-        if let Some(u) = &outcome.updated_input {
-            decision["updated_input"] = u.clone();
-        }
-        if !outcome.additional_context.is_empty() {
-            decision["context"] = json!(outcome.additional_context);
-        }
-        // The rules see the input the call would run with (a hook may have rewritten it), and
-        // a hook may settle what they ask, never what they deny: its `allow` cannot lift a
-        // deny of the agent's own rules, the settings file or any ancestor's.
-        let rules = chain.verdict(tool, &used, workspace);
-        let (verdict, by) = match (&outcome.blocked, &outcome.decision, rules) {
-            (Some(reason), _, _) => {
-                decision["verdict"] = json!(Decided::Blocked);
-                decision["reason"] = json!(reason);
-                (None, "hook")
-            }
+        let (verdict, by) = self.verdict(a, tool, &used, &outcome, &chain).await?;
+        let decision = self
+            .record(a, step, call, key, &used, outcome, verdict, by, &chain)
+            .await?;
+        self.apply(&decision, call, &chain, &a.workspace).await
+    }
+
+    /// The verdict on a call that runs with `used`, and who gave it. The rules see the input
+    /// the call would run with (a hook may have rewritten it), and a hook may settle what they
+    /// ask, never what they deny: its `allow` cannot lift a deny of the agent's own rules, the
+    /// settings file or any ancestor's. `None`: a hook blocked it. An ask an earlier approval
+    /// granted for the run's tree is allowed.
+    async fn verdict(
+        &self,
+        a: &Attempt<'_>,
+        tool: &str,
+        used: &Value,
+        outcome: &hooks::Outcome,
+        chain: &RuleChain,
+    ) -> Flow<(Option<Verdict>, &'static str)> {
+        let rules = chain.verdict(tool, used, &a.workspace);
+        Ok(match (&outcome.blocked, &outcome.decision, rules) {
+            (Some(_), _, _) => (None, "hook"),
             (None, Some((HookDecision::Deny, r)), _) => (Some(Verdict::Deny(r.clone())), "hook"),
             (None, _, Verdict::Deny(r)) => (Some(Verdict::Deny(r)), "rules"),
             (None, Some((HookDecision::Ask, r)), _) => (Some(Verdict::Ask(r.clone())), "hook"),
             (None, Some((HookDecision::Allow, _)), _) => (Some(Verdict::Allow), "hook"),
             (None, None, Verdict::Ask(r)) => {
-                if self
-                    .store
-                    .has_grant(
-                        run.tree.root_run_id.unwrap_or(run.id),
-                        &chain.grant_scope(tool, &used),
-                    )
-                    .await?
-                {
+                let root = a.run.tree.root_run_id.unwrap_or(a.run.id);
+                let scope = chain.grant_scope(tool, used);
+                if self.store.has_grant(root, &scope).await? {
                     (Some(Verdict::Allow), "grant")
                 } else {
                     (Some(Verdict::Ask(r)), "rules")
                 }
             }
             (None, None, v) => (Some(v), "rules"),
-        };
-        decision["by"] = json!(by);
-        let mut events = vec![];
+        })
+    }
+
+    /// Commits the decision on a call, keyed by it, with its event and, for an ask, the
+    /// approval it waits on. Returns the decision as committed.
+    #[allow(clippy::too_many_arguments)]
+    async fn record(
+        &self,
+        a: &Attempt<'_>,
+        step: u32,
+        call: &ToolCall,
+        key: &str,
+        used: &Value,
+        outcome: hooks::Outcome,
+        verdict: Option<Verdict>,
+        by: &str,
+        chain: &RuleChain,
+    ) -> Flow<Value> {
+        let tool = call.function.name.as_str();
+        let mut decision = json!({"call_id": call.id, "tool": tool, "by": by});
+        if let Some(u) = &outcome.updated_input {
+            decision["updated_input"] = u.clone();
+        }
+        if !outcome.additional_context.is_empty() {
+            decision["context"] = json!(outcome.additional_context);
+        }
         let mut approval = None;
-        match verdict {
+        let (decided, reason, event) = match verdict {
             None => {
                 metrics::counter!("subagents_hook_blocks_total").increment(1);
-                events.push(NewEvent::from(Event::HookBlocked(event::HookBlocked {
+                let reason = outcome.blocked.unwrap_or_default();
+                let e = Event::HookBlocked(event::HookBlocked {
                     step,
                     call_id: call.id.clone(),
                     tool: tool.to_owned(),
-                    reason: decision["reason"].as_str().unwrap_or_default().to_owned(),
-                })));
+                    reason: reason.clone(),
+                });
+                (Decided::Blocked, Some(reason), Some(e))
             }
-            Some(Verdict::Allow) => decision["verdict"] = json!(Decided::Allow),
+            Some(Verdict::Allow) => (Decided::Allow, None, None),
             Some(Verdict::Deny(reason)) => {
                 metrics::counter!("subagents_permission_denials_total").increment(1);
-                events.push(NewEvent::from(Event::ToolDenied(event::ToolDenied {
+                let e = Event::ToolDenied(event::ToolDenied {
                     step,
                     call_id: call.id.clone(),
                     tool: tool.to_owned(),
                     reason: reason.clone(),
                     by: by.to_owned(),
-                })));
-                decision["verdict"] = json!(Decided::Deny);
-                decision["reason"] = json!(reason);
+                });
+                (Decided::Deny, Some(reason), Some(e))
             }
             Some(Verdict::Ask(reason)) => {
-                let id = format!("apr_{}", uuid::Uuid::now_v7().simple());
-                let timeout = agent
-                    .policy
-                    .approval_timeout
-                    .or(self.settings.policy.settings.approval_timeout)
-                    .unwrap_or(self.settings.policy.approval_timeout);
-                let expires_at = chrono::Utc::now()
-                    .timestamp_millis()
-                    .saturating_add(timeout.as_millis().min(i64::MAX as u128) as i64);
-                metrics::counter!("subagents_approvals_requested_total").increment(1);
-                events.push(NewEvent::from(Event::ApprovalRequested(
-                    event::ApprovalRequested {
-                        step,
-                        call_id: call.id.clone(),
-                        approval_id: id.clone(),
-                        tool: tool.to_owned(),
-                        input: used.clone(),
-                        reason: reason.clone(),
-                        by: by.to_owned(),
-                        expires_at,
-                        answerable_by: run.owner.clone(),
-                    },
-                )));
-                let grant_scope = chain.grant_scope(tool, &used);
-                approval = Some(NewApproval {
-                    id: id.clone(),
-                    tool: tool.to_owned(),
-                    input: used.clone(),
-                    reason: reason.clone(),
-                    expires_at,
-                    grant_scope,
-                });
-                decision["verdict"] = json!(Decided::Ask);
-                decision["reason"] = json!(reason);
-                decision["approval_id"] = json!(id);
+                let (new, e) = self.approval_for(a, step, call, used, &reason, by, chain);
+                decision["approval_id"] = json!(new.id);
+                approval = Some(new);
+                (Decided::Ask, Some(reason), Some(e))
             }
+        };
+        decision["verdict"] = json!(decided);
+        if let Some(r) = reason {
+            decision["reason"] = json!(r);
         }
         tracing::info!(tool, verdict = %decision["verdict"], by, "tool call decided");
+        let events: Vec<NewEvent> = event.into_iter().map(NewEvent::from).collect();
         self.store
-            .commit_decision(lease, key, decision.clone(), approval, events)
+            .commit_decision(a.lease, key, decision.clone(), approval, events)
             .await?;
-        self.apply(&decision, call, &chain, workspace).await
+        Ok(decision)
+    }
+
+    /// The approval an ask waits on, and its `approval.requested` event; it expires after the
+    /// agent's approval timeout, else the settings file's, else the process's.
+    #[allow(clippy::too_many_arguments)]
+    fn approval_for(
+        &self,
+        a: &Attempt<'_>,
+        step: u32,
+        call: &ToolCall,
+        used: &Value,
+        reason: &str,
+        by: &str,
+        chain: &RuleChain,
+    ) -> (NewApproval, Event) {
+        let tool = call.function.name.as_str();
+        let id = format!("apr_{}", uuid::Uuid::now_v7().simple());
+        let timeout = a
+            .agent
+            .policy
+            .approval_timeout
+            .or(self.settings.policy.settings.approval_timeout)
+            .unwrap_or(self.settings.policy.approval_timeout);
+        let expires_at = chrono::Utc::now()
+            .timestamp_millis()
+            .saturating_add(timeout.as_millis().min(i64::MAX as u128) as i64);
+        metrics::counter!("subagents_approvals_requested_total").increment(1);
+        let event = Event::ApprovalRequested(event::ApprovalRequested {
+            step,
+            call_id: call.id.clone(),
+            approval_id: id.clone(),
+            tool: tool.to_owned(),
+            input: used.clone(),
+            reason: reason.to_owned(),
+            by: by.to_owned(),
+            expires_at,
+            answerable_by: a.run.owner.clone(),
+        });
+        let approval = NewApproval {
+            id,
+            tool: tool.to_owned(),
+            input: used.clone(),
+            reason: reason.to_owned(),
+            expires_at,
+            grant_scope: chain.grant_scope(tool, used),
+        };
+        (approval, event)
     }
 
     /// What a committed decision means now (an approval may have been answered since). Only a
@@ -276,7 +308,7 @@ impl Engine {
         call: &ToolCall,
         chain: &RuleChain,
         workspace: &Path,
-    ) -> Result<Gate, Stop> {
+    ) -> Flow<Gate> {
         let context: Vec<String> = d["context"]
             .as_array()
             .map(|a| {
@@ -341,7 +373,7 @@ impl Engine {
 
     /// The rule sources this run answers to: its agent's, then every ancestor's agent's, each
     /// with the settings file (a child never gets more than its parent).
-    pub(super) async fn rule_chain(&self, run: &RunRecord) -> Result<RuleChain, Stop> {
+    pub(super) async fn rule_chain(&self, run: &RunRecord) -> Flow<RuleChain> {
         let mut names = vec![run.agent.clone()];
         let mut parent = run.parent_run_id;
         while let Some(id) = parent {
@@ -360,17 +392,15 @@ impl Engine {
 
     /// PostToolUse (or PostToolUseFailure) hooks on a finished call: their feedback and context
     /// are added to the result the model sees.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn after_tool(
         &self,
-        run: &RunRecord,
-        agent: &AgentDef,
+        a: &Attempt<'_>,
         call: &ToolCall,
         arguments: &str,
         text: String,
         ok: bool,
-        workspace: &Path,
     ) -> String {
+        let (run, agent, workspace) = (a.run, &a.agent, a.workspace.as_path());
         let tool = call.function.name.as_str();
         let event = if ok {
             HookEvent::PostToolUse

@@ -3,10 +3,11 @@
 //! commit, so a fresh run, a resumed run and a replay after a crash take the same path.
 //!
 //! Parking is the executor's outcome, not the planner's: whether a delegation call must wait
-//! depends on its children's state, which only the store knows (see [`super::LoopEnd`]).
+//! depends on its children's state, which only the store knows (see [`super::End`]).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
+use crate::ids::RunId;
 use crate::model::{Message, ToolCall};
 use crate::store::StoredMessage;
 
@@ -84,10 +85,111 @@ pub fn plan(own: &[&StoredMessage], steps_done: u32) -> Next {
     }
 }
 
+/// The model's view of the thread: every committed message in order, each step's tool results
+/// right after its assistant message in the order of its calls (they commit in completion
+/// order, which a replay cannot reproduce). Calls left unanswered by an earlier run that ended
+/// mid-step get a placeholder result, because the API rejects dangling tool calls.
+pub fn context(history: &[StoredMessage], current: RunId) -> Vec<Message> {
+    let results: HashMap<(RunId, u32, &str), &Message> = history
+        .iter()
+        .filter_map(|m| match &m.message {
+            Message::Tool { tool_call_id, .. } => {
+                Some(((m.run_id, m.step, tool_call_id.as_str()), &m.message))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut out = Vec::with_capacity(history.len());
+    for m in history {
+        match &m.message {
+            Message::Tool { .. } => {}
+            Message::Assistant { tool_calls, .. } => {
+                out.push(m.message.clone());
+                for c in tool_calls {
+                    match results.get(&(m.run_id, m.step, c.id.as_str())) {
+                        Some(r) => out.push((*r).clone()),
+                        None if m.run_id != current => out.push(Message::Tool {
+                            tool_call_id: c.id.clone(),
+                            content: "[no result: the run ended before this call completed]".into(),
+                        }),
+                        None => {}
+                    }
+                }
+            }
+            _ => out.push(m.message.clone()),
+        }
+    }
+    out
+}
+
+/// Loop detection over the run's whole call sequence, in order, so a replay decides the same
+/// way: a call identical to the two before it is refused.
+pub fn refusals(prior: &[(String, String)], calls: &[ToolCall]) -> HashMap<String, bool> {
+    let mut seq: Vec<(String, String)> = prior.to_vec();
+    let mut refused = HashMap::new();
+    for c in calls {
+        let sig = (
+            c.function.name.clone(),
+            canonical_args(&c.function.arguments),
+        );
+        let n = seq.len();
+        refused.insert(
+            c.id.clone(),
+            n >= 2 && seq[n - 1] == sig && seq[n - 2] == sig,
+        );
+        seq.push(sig);
+    }
+    refused
+}
+
+/// Every call this run made before `step`, flattened in order, as (name, canonical args).
+pub fn prior_calls(mine: &[&StoredMessage], step: u32) -> Vec<(String, String)> {
+    mine.iter()
+        .filter(|m| m.step < step)
+        .filter_map(|m| match &m.message {
+            Message::Assistant { tool_calls, .. } => Some(tool_calls),
+            _ => None,
+        })
+        .flatten()
+        .map(|c| {
+            (
+                c.function.name.clone(),
+                canonical_args(&c.function.arguments),
+            )
+        })
+        .collect()
+}
+
+/// Arguments compared as JSON values, so key order and spacing do not hide a repeat.
+fn canonical_args(raw: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(raw)
+        .map(|v| v.to_string())
+        .unwrap_or_else(|_| raw.trim().to_owned())
+}
+
+/// Call ids key the checkpoints of tool results, so they must be unique and non-empty within a
+/// step; models occasionally repeat or omit them.
+pub fn unique_call_ids(calls: Vec<ToolCall>, step: u32) -> Vec<ToolCall> {
+    let mut seen = HashSet::new();
+    calls
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut c)| {
+            let ok_chars =
+                c.id.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if c.id.is_empty() || !ok_chars || !seen.insert(c.id.clone()) {
+                c.id = format!("call_s{step}_{i}");
+                seen.insert(c.id.clone());
+            }
+            c
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::RunId;
     use crate::model::FunctionCall;
 
     fn call(id: &str) -> ToolCall {

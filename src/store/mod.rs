@@ -241,7 +241,7 @@ pub struct RunLimits {
     /// Wall time from the first start, in seconds.
     pub timeout_secs: u64,
     /// Tokens (prompt + completion, summed over every call of the run and its descendants)
-    /// before a forced final answer. Children inherit it: a budget set on a root bounds the tree.
+    /// before a forced final answer. Children inherit it: a limit set on a root bounds the tree.
     #[serde(default)]
     pub max_total_tokens: Option<u64>,
     /// Model calls of the run and its descendants before a forced final answer; inherited like

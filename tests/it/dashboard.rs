@@ -652,6 +652,19 @@ async fn a_delegating_runs_spans_reach_an_otlp_receiver_named_per_gen_ai_and_lin
         "{:?}",
         chat.attrs
     );
+    // The parent parked on its child and was claimed again: still one trace.
+    let attempts: Vec<&Span> = spans
+        .iter()
+        .filter(|s| {
+            s.name == "invoke_agent boss"
+                && s.attrs.get("run_id") == Some(&json!(parent.id.to_string()))
+        })
+        .collect();
+    assert!(attempts.len() >= 2, "the parent ran twice: {names:?}");
+    assert!(
+        attempts.iter().all(|s| s.trace == p_run.trace),
+        "every attempt of the parent is in one trace: {attempts:?}"
+    );
     let task = one("execute_tool task", &parent);
     assert_eq!(task.attrs["gen_ai.tool.name"], "task");
     assert_eq!(task.trace, p_run.trace, "the parent's spans are one trace");

@@ -1,0 +1,146 @@
+//! What wraps every model call of the step loop: the fleet's rate budgets before it (a call
+//! that may not go parks the run, holding no slot), and after it the provider's word on its
+//! limits; around it the `chat` span, the metrics and the token deltas for watchers.
+
+use tracing::{Instrument, info_span};
+
+use super::attempt::Attempt;
+use super::budget::Admission;
+use super::{End, Engine, Flow};
+use crate::delegation::Wait;
+use crate::model::{ChatRequest, ChatResponse, Message, ModelError};
+
+impl Engine {
+    /// Takes the call's share of the owner's and the model's budgets, or parks the run until
+    /// they free up.
+    pub(super) async fn admit(&self, a: &Attempt<'_>, forced: bool) -> Flow {
+        let estimate = || {
+            let messages = a.ctx.messages(&a.agent.system_prompt, a.run.id);
+            a.window.estimate(&messages, a.tools_now(forced)).0 as u64
+        };
+        let limits = &self.settings.rate_limits;
+        let admission = self
+            .budgets
+            .admit(limits, &a.run.owner, &a.model, estimate)
+            .await?;
+        let Admission::Wait { until, provider } = admission else {
+            return Ok(());
+        };
+        metrics::counter!("subagents_rate_limited_total").increment(1);
+        if provider {
+            tracing::info!(model = %a.model, wake_at = until, "the provider said the model's rate limit is used up; parking until it resets");
+        } else {
+            tracing::info!(model = %a.model, owner = %a.run.owner, wake_at = until, "a rate limit is used up; parking until it frees up");
+        }
+        Err(End::Park(Wait::rate_limited(until)))
+    }
+
+    /// One model call, traced (`chat`, by the OpenTelemetry GenAI conventions) and counted, its
+    /// text streamed to watchers as it comes. Returns the answer (with NUL characters
+    /// scrubbed) and how long it took, or the model's error for the loop to decide on.
+    pub(super) async fn call_model(
+        &self,
+        a: &Attempt<'_>,
+        step: u32,
+        messages: Vec<Message>,
+        forced: bool,
+        estimate: usize,
+    ) -> Flow<Result<(ChatResponse, u64), ModelError>> {
+        let req = ChatRequest {
+            model: a.model.clone(),
+            messages,
+            tools: a.tools_now(forced).to_vec(),
+            step_key: format!("{}:{}", a.run.id, step),
+        };
+        let t0 = std::time::Instant::now();
+        // Deltas follow the run's latest durable event (this step's `step.started`).
+        let deltas = match &self.deltas {
+            Some(r) => {
+                let seq = self.store.get_run(a.run.id).await?.map(|r| r.event_seq);
+                Some(r.delta_sink(a.run.id, seq.unwrap_or(0)))
+            }
+            None => None,
+        };
+        let on_delta = |t: &str| {
+            if let Some(d) = &deltas {
+                d.send(t);
+            }
+        };
+        let chat = chat_span(a, &req, step);
+        let resp = self
+            .model
+            .complete(&req, &on_delta)
+            .instrument(chat.clone())
+            .await;
+        record(&chat, &resp);
+        if let Some(d) = deltas {
+            d.finish().await;
+        }
+        let resp = match resp {
+            Ok(r) => r.scrubbed(),
+            Err(e) => return Ok(Err(e)),
+        };
+        let ms = t0.elapsed().as_millis() as u64;
+        metrics::histogram!("subagents_model_call_seconds").record(t0.elapsed().as_secs_f64());
+        metrics::counter!("subagents_tokens_total", "kind" => "prompt")
+            .increment(resp.usage.prompt_tokens);
+        metrics::counter!("subagents_tokens_total", "kind" => "completion")
+            .increment(resp.usage.completion_tokens);
+        tracing::info!(
+            ms,
+            tool_calls = resp.tool_calls.len(),
+            estimated_tokens = estimate,
+            gen_ai.usage.input_tokens = resp.usage.prompt_tokens,
+            gen_ai.usage.output_tokens = resp.usage.completion_tokens,
+            "model responded"
+        );
+        Ok(Ok((resp, ms)))
+    }
+
+    /// The provider says this call used up the model's budget: the fleet waits for the reset
+    /// instead of provoking 429s.
+    pub(super) async fn heed_reset(&self, model: &str, resp: &ChatResponse) {
+        let Some(reset) = resp.budget_resets_in else {
+            return;
+        };
+        let at = crate::store::now_ms() + reset.as_millis().min(i64::MAX as u128 / 2) as i64;
+        if let Err(e) = self.budgets.block(&format!("model:{model}"), at).await {
+            tracing::warn!(error = %e, "could not record the provider's rate-limit reset");
+        }
+    }
+}
+
+fn chat_span(a: &Attempt<'_>, req: &ChatRequest, step: u32) -> tracing::Span {
+    info_span!(
+        "chat",
+        otel.name = format!("chat {}", req.model),
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "chat",
+        gen_ai.provider.name = "openai",
+        gen_ai.request.model = %req.model,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        gen_ai.response.finish_reasons = tracing::field::Empty,
+        error.r#type = tracing::field::Empty,
+        run_id = %a.run.id,
+        thread_id = %a.run.thread_id,
+        step,
+    )
+}
+
+fn record(chat: &tracing::Span, resp: &Result<ChatResponse, ModelError>) {
+    match resp {
+        Ok(r) => {
+            chat.record("gen_ai.usage.input_tokens", r.usage.prompt_tokens);
+            chat.record("gen_ai.usage.output_tokens", r.usage.completion_tokens);
+            if let Some(f) = &r.finish_reason {
+                chat.record("gen_ai.response.finish_reasons", f.as_str());
+            }
+        }
+        Err(e) => {
+            chat.record("otel.status_code", "ERROR");
+            chat.record("error.type", e.kind());
+        }
+    }
+}
