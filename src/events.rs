@@ -45,7 +45,9 @@ pub fn progress_line(e: &EventRecord) -> Option<String> {
         ),
         Event::RunFailed(f) => format!("failed [{}]: {}", f.error.kind.as_str(), f.error.message),
         Event::RunCancelled(_) => "cancelled".to_owned(),
-        Event::RunWaiting(w) if w.waiting_on == crate::domain::event::WaitingOn::Approval => "waiting for approval".to_owned(),
+        Event::RunWaiting(w) if w.waiting_on == crate::domain::event::WaitingOn::Approval => {
+            "waiting for approval".to_owned()
+        }
         Event::ApprovalRequested(a) => format!(
             "  {} needs approval ({}): {}",
             a.tool, a.approval_id, a.reason

@@ -66,13 +66,14 @@ macro_rules! run_columns {
     };
 }
 
-/// Implements the store traits ([`RunLog`](super::RunLog), [`Queries`](super::Queries),
-/// [`Outbox`](super::Outbox)) for `$store` on sqlx database `$db`, whose apalis job
-/// table is `$jobs`: the shared statements below plus the backend's own items for each trait. How a
+/// Implements the store traits (the parts of [`RunLog`](super::RunLog), [`Queries`](super::Queries),
+/// [`Outbox`](super::Outbox), [`Harness`](super::Harness)) for `$store` on sqlx database `$db`,
+/// whose apalis job table is `$jobs`: the shared statements below plus the backend's own start
+/// (`runs`), claim (`claims`) and checkpoint (`checkpoints`). How a
 /// park orders its reads and its fence is the one locking difference between the backends
 /// (`park_reads_first`, and `share`: the lock clause of those reads).
 macro_rules! store_impl {
-    ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, owner_unindexed = $owner_unindexed:literal, run_log = { $($run_log:tt)* }, queries = { $($queries:tt)* }) => {
+    ($store:ty, $db:ty, $jobs:literal, park_reads_first = $reads_first:literal, share = $share:literal, owner_unindexed = $owner_unindexed:literal, runs = { $($runs:tt)* }, claims = { $($claims:tt)* }, checkpoints = { $($checkpoints:tt)* } $(,)?) => {
         impl $store {
             /// A run's place in its owner's queue: the runs queued ahead of it by `place`, and its
             /// priority; None if there is no such run. Read from `sa_queue_depth`, which triggers
@@ -304,57 +305,8 @@ macro_rules! store_impl {
         }
 
         #[async_trait]
-        impl RunLog for $store {
-            $($run_log)*
-
-            async fn park(&self, lease: &Lease, park: Park) -> Result<Parked> {
-                debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty() || !park.approvals.is_empty(), "a park needs something to wake it");
-                let now = Utc::now();
-                let mut tx = self.pool.begin().await?;
-                // Either order leaves no window: a child that ends now either commits first (and
-                // is seen ended here) or after this park (and then finds it parked and wakes it).
-                let mut due = $reads_first && (Self::any_ended(&mut tx, &park.waits_on).await? || Self::answered(&mut tx, &park.approvals).await?);
-                let row = sqlx::query(sql!(
-                    "UPDATE sa_runs SET heartbeat_at = $1 WHERE id = $2 AND lease_epoch = $3 AND status IN ({}) RETURNING cancel_requested",
-                    Transition::Park
-                ))
-                .bind(now)
-                .bind(lease.run_id.to_string())
-                .bind(lease.epoch)
-                .fetch_optional(&mut *tx)
-                .await?;
-                let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
-                if row.get::<i64, _>(0) != 0 {
-                    tx.rollback().await?;
-                    return Ok(Parked::CancelPending);
-                }
-                if !$reads_first {
-                    due = Self::any_ended(&mut tx, &park.waits_on).await? || Self::answered(&mut tx, &park.approvals).await?;
-                }
-                sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(lease.run_id.to_string()).execute(&mut *tx).await?;
-                for target in &park.waits_on {
-                    sqlx::query("INSERT INTO sa_run_waits (waiter, target) VALUES ($1, $2) ON CONFLICT DO NOTHING")
-                        .bind(lease.run_id.to_string())
-                        .bind(target.to_string())
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                let wake_at = if due { Some(now_ms()) } else { park.wake_at };
-                let n = park.events.len() as i64;
-                let row = sqlx::query(
-                    "UPDATE sa_runs SET status = 'waiting', lease_expires_at = 0, lease_owner = NULL, wake_at = $1, \
-                     event_seq = event_seq + $2, updated_at = $3 WHERE id = $4 RETURNING event_seq",
-                )
-                .bind(wake_at)
-                .bind(n)
-                .bind(now)
-                .bind(lease.run_id.to_string())
-                .fetch_one(&mut *tx)
-                .await?;
-                let last: i64 = row.get(0);
-                self.commit_events(tx, lease.run_id, last, &park.events).await?;
-                Ok(Parked::Parked { due })
-            }
+        impl Runs for $store {
+            $($runs)*
 
             async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>> {
                 let row = sqlx::query(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE id = $1"))
@@ -363,6 +315,123 @@ macro_rules! store_impl {
                     .await?;
                 row.as_ref().map(run_from_row).transpose()
             }
+
+            async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>> {
+                let rows = sqlx::query(
+                    "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+                )
+                .bind(run.to_string())
+                .bind(after.min(i64::MAX as u64) as i64)
+                .bind(limit as i64)
+                .fetch_all(self.reads())
+                .await?;
+                rows.iter().map(event_from_row).collect()
+            }
+
+            async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome> {
+                let now = Utc::now();
+                let mut tx = self.pool.begin().await?;
+                // A queued or parked run holds no worker: it ends here and now (`cancel`).
+                for state in crate::lifecycle::sources(Transition::Cancel) {
+                    let row = sqlx::query(
+                        "UPDATE sa_runs SET status = 'cancelled', finished_at = $1, updated_at = $1, event_seq = event_seq + 1, \
+                         cancel_requested = 0, lease_expires_at = 0, wake_at = NULL WHERE id = $2 AND status = $3 \
+                         RETURNING event_seq, thread_id, parent_run_id",
+                    )
+                    .bind(now)
+                    .bind(run.to_string())
+                    .bind(state.as_str())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    if let Some(row) = row {
+                        let seq: i64 = row.get(0);
+                        let thread: String = row.get(1);
+                        let parent: Option<String> = row.get(2);
+                        Self::insert_events(
+                            &mut tx,
+                            run,
+                            seq as u64,
+                            &[Event::RunCancelled(event::RunCancelled { while_: Some(state), ..Default::default() }).into()],
+                            self.relayed_at_insert(),
+                        )
+                        .await?;
+                        Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Cancelled, None, Reach::ALL, self.relayed_at_insert()).await?;
+                        tx.commit().await?;
+                        self.notifier.notify(run);
+                        return Ok(CancelOutcome::Cancelled);
+                    }
+                }
+                // A running run is asked to stop (`request-cancel`); its worker finishes it.
+                let flagged = sqlx::query(sql!(
+                    "UPDATE sa_runs SET cancel_requested = 1, updated_at = $1 WHERE id = $2 AND status IN ({})",
+                    Transition::RequestCancel
+                ))
+                .bind(now)
+                .bind(run.to_string())
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                tx.commit().await?;
+                if flagged > 0 {
+                    self.notifier.notify(run);
+                    self.cancels.notify(run);
+                    return Ok(CancelOutcome::Requested);
+                }
+                Ok(match self.get_run(run).await? {
+                    Some(r) => CancelOutcome::AlreadyFinished(r.status),
+                    None => CancelOutcome::NotFound,
+                })
+            }
+
+            async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>> {
+                let id: Option<String> = sqlx::query_scalar(concat!(
+                    "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 AND status = 'queued' ORDER BY id LIMIT 1) r \
+                     WHERE NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status = 'Pending')"
+                ))
+                .bind(thread.as_str())
+                .fetch_optional(&self.pool)
+                .await?;
+                id.map(|i| i.parse().map_err(|e| corrupt("run id", e))).transpose()
+            }
+
+            fn subscribe(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal> {
+                self.notifier.subscribe(run)
+            }
+
+            fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal> {
+                self.cancels.subscribe(run)
+            }
+
+            async fn children(&self, run: RunId) -> Result<Vec<RunRecord>> {
+                let rows = sqlx::query(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE parent_run_id = $1 ORDER BY id"))
+                    .bind(run.to_string())
+                    .fetch_all(self.reads())
+                    .await?;
+                rows.iter().map(run_from_row).collect()
+            }
+
+            async fn tree_totals(&self, run: RunId) -> Result<TreeTotals> {
+                let row = sqlx::query(
+                    "WITH RECURSIVE tree(id) AS (SELECT CAST($1 AS TEXT) UNION ALL \
+                       SELECT r.id FROM sa_runs r JOIN tree t ON r.parent_run_id = t.id) \
+                     SELECT CAST(COALESCE(SUM(prompt_tokens), 0) AS BIGINT), CAST(COALESCE(SUM(completion_tokens), 0) AS BIGINT), \
+                       CAST(COALESCE(SUM(step), 0) AS BIGINT), CAST(COALESCE(SUM(cost_nanos), 0) AS BIGINT) \
+                     FROM sa_runs WHERE id IN (SELECT id FROM tree)",
+                )
+                .bind(run.to_string())
+                .fetch_one(self.reads())
+                .await?;
+                Ok(TreeTotals {
+                    usage: Usage { prompt_tokens: row.get::<i64, _>(0) as u64, completion_tokens: row.get::<i64, _>(1) as u64 },
+                    steps: row.get::<i64, _>(2) as u64,
+                    cost_nanos: row.get::<i64, _>(3).max(0) as u64,
+                })
+            }
+        }
+
+        #[async_trait]
+        impl Claims for $store {
+            $($claims)*
 
             async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
                 // With whatever other runs renew now, in one statement (see `group::GroupRenew`).
@@ -392,16 +461,6 @@ macro_rules! store_impl {
                 if done > 0 {
                     self.notifier.notify(lease.run_id);
                 }
-                Ok(done > 0)
-            }
-
-            async fn wake(&self, run: RunId) -> Result<bool> {
-                let done = sqlx::query(sql!("UPDATE sa_runs SET wake_at = $1 WHERE id = $2 AND status IN ({})", Transition::Wake))
-                    .bind(now_ms())
-                    .bind(run.to_string())
-                    .execute(&self.pool)
-                    .await?
-                    .rows_affected();
                 Ok(done > 0)
             }
 
@@ -464,20 +523,99 @@ macro_rules! store_impl {
                 Ok(out)
             }
 
-            async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>> {
-                let rows = sqlx::query(sql!(
-                    "SELECT id FROM sa_runs WHERE status IN ({}) AND wake_at <= $1 \
-                     AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
-                    Transition::Wake
+            async fn fetched_not_started(&self, worker: &str) -> Result<Vec<RunId>> {
+                let ids: Vec<String> = sqlx::query_scalar(concat!(
+                    "SELECT r.id FROM sa_runs r JOIN ", $jobs, " j ON j.id = r.job_id \
+                     WHERE r.status = 'queued' AND j.lock_by = $1 AND j.status IN ('Queued', 'Running')"
                 ))
-                .bind(now_ms())
-                .bind(run.to_string())
+                .bind(worker)
+                .fetch_all(&self.pool)
+                .await?;
+                ids.iter().map(|id| id.parse().map_err(|e| corrupt("run id", e))).collect()
+            }
+
+            async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>> {
+                let nms = now_ms();
+                // apalis's job table is read, never written. A queued run needs a new job when
+                // its own is not `Pending` (free for any worker to fetch) after the grace period:
+                // gone, finished, or fetched (`Queued`, `Running`) by a worker that has not
+                // started it — the batch of a dead or full worker. A duplicate job is harmless.
+                let rows = sqlx::query(concat!(
+                    "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < $1 AND ( \
+                       (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at <= $2) OR \
+                       (r.status = 'queued' \
+                         AND NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status = 'Pending') \
+                         AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
+                         AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id)) \
+                     ) LIMIT 1000"
+                ))
+                .bind(nms - grace.as_millis() as i64)
+                .bind(nms)
                 .fetch_all(&self.pool)
                 .await?;
                 rows.iter()
-                    .map(|r| r.get::<String, _>(0).parse().map_err(|e| corrupt("run id", e)))
+                    .map(|r| {
+                        let id: String = r.get(0);
+                        let st: String = r.get(1);
+                        Ok(Orphan {
+                            run_id: id.parse().map_err(|e| corrupt("run id", e))?,
+                            status: RunStatus::parse(&st).ok_or_else(|| corrupt("status", &st))?,
+                        })
+                    })
                     .collect()
             }
+
+            async fn queue_rank(&self, run: RunId, place: QueuePlace) -> Result<(u32, u8)> {
+                Ok(Self::rank_in(&self.pool, run, place).await?.unwrap_or((0, 3)))
+            }
+
+            async fn at_limit(&self, run: RunId) -> Result<bool> {
+                let held: Option<i64> = sqlx::query_scalar(concat!(
+                    "SELECT CAST(1 AS BIGINT) FROM sa_runs WHERE id = $1 AND status IN ('queued', 'waiting') AND NOT (1 = 1 ",
+                    limits_guard!(),
+                    ")"
+                ))
+                .bind(run.to_string())
+                .fetch_optional(&self.pool)
+                .await?;
+                Ok(held.is_some())
+            }
+
+            async fn set_limits(&self, prefix: &str, entries: &[(String, u32)]) -> Result<()> {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query("DELETE FROM sa_limits WHERE key LIKE $1").bind(format!("{prefix}%")).execute(&mut *tx).await?;
+                for (key, n) in entries.iter().filter(|(k, n)| *n > 0 && k.starts_with(prefix)) {
+                    sqlx::query("INSERT INTO sa_limits (key, concurrency) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET concurrency = EXCLUDED.concurrency")
+                        .bind(key)
+                        .bind(i64::from(*n))
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+                self.refresh_limits().await?;
+                Ok(())
+            }
+
+            async fn refresh_limits(&self) -> Result<bool> {
+                let any: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM sa_limits)").fetch_one(&self.pool).await?;
+                self.limits_seen.store(any, std::sync::atomic::Ordering::Relaxed);
+                Ok(any)
+            }
+
+            async fn set_job(&self, run: RunId, job_id: &str) -> Result<()> {
+                sqlx::query("UPDATE sa_runs SET job_id = $1, enqueued_at = $2 WHERE id = $3")
+                    .bind(job_id)
+                    .bind(now_ms())
+                    .bind(run.to_string())
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+        }
+
+        #[async_trait]
+        impl Checkpoints for $store {
+            $($checkpoints)*
 
             async fn messages_after(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>> {
                 let rows = sqlx::query(
@@ -490,143 +628,6 @@ macro_rules! store_impl {
                 .fetch_all(self.reads())
                 .await?;
                 rows.iter().map(message_from_row).collect()
-            }
-
-            async fn tool_decision(&self, key: &str) -> Result<Option<Value>> {
-                let d: Option<String> = sqlx::query_scalar("SELECT decision FROM sa_tool_decisions WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
-                d.map(|d| serde_json::from_str(&d).map_err(|e| corrupt("tool decision", e))).transpose()
-            }
-
-            async fn commit_decision(&self, lease: &Lease, key: &str, decision: Value, approval: Option<NewApproval>, events: Vec<NewEvent>) -> Result<()> {
-                let now = Utc::now();
-                let mut tx = self.pool.begin().await?;
-                let row = Self::fence(&mut tx, lease, events.len(), now, sql!(
-                    "UPDATE sa_runs SET event_seq = event_seq + $1, lease_expires_at = $2, heartbeat_at = $3, updated_at = $3 \
-                     WHERE id = $4 AND lease_epoch = $5 AND status IN ({}) RETURNING event_seq, COALESCE(root_run_id, id), owner",
-                    Transition::Heartbeat
-                )).await?;
-                let last: i64 = row.get(0);
-                let root: String = row.get(1);
-                let owner: String = row.get(2);
-                let inserted = sqlx::query("INSERT INTO sa_tool_decisions (key, run_id, decision, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT(key) DO NOTHING")
-                    .bind(key)
-                    .bind(lease.run_id.to_string())
-                    .bind(decision.to_string())
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                if inserted == 1 {
-                    if let Some(a) = approval {
-                        sqlx::query(
-                            "INSERT INTO sa_approvals (id, run_id, root_run_id, owner, call_key, tool, input, reason, status, created_at, expires_at, grant_scope) \
-                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9, $10, $11) ON CONFLICT(call_key) DO NOTHING",
-                        )
-                        .bind(&a.id)
-                        .bind(lease.run_id.to_string())
-                        .bind(&root)
-                        .bind(&owner)
-                        .bind(key)
-                        .bind(&a.tool)
-                        .bind(a.input.to_string())
-                        .bind(&a.reason)
-                        .bind(now)
-                        .bind(a.expires_at)
-                        .bind(&a.grant_scope)
-                        .execute(&mut *tx)
-                        .await?;
-                    }
-                }
-                self.commit_events(tx, lease.run_id, last, &events).await
-            }
-
-            async fn take_budget(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>> {
-                let now = now_ms();
-                let mut tx = self.pool.begin().await?;
-                // The key's row is the lock: takers of one key go one at a time, on both backends.
-                let (blocked_until, next_wake): (i64, i64) = sqlx::query_as(
-                    "INSERT INTO sa_rate_keys (key, touched) VALUES ($1, $2) ON CONFLICT(key) DO UPDATE SET touched = $2 RETURNING blocked_until, next_wake",
-                )
-                .bind(key)
-                .bind(now)
-                .fetch_one(&mut *tx)
-                .await?;
-                // The provider said the budget is used up: nobody takes from it until then.
-                if blocked_until > now {
-                    tx.commit().await?;
-                    return Ok(Some(blocked_until));
-                }
-                sqlx::query("DELETE FROM sa_rate_log WHERE key = $1 AND at <= $2").bind(key).bind(now - window_ms).execute(&mut *tx).await?;
-                let row = sqlx::query(
-                    "SELECT count(*), CAST(COALESCE(SUM(tokens), 0) AS BIGINT), CAST(COALESCE(MIN(at), 0) AS BIGINT) FROM sa_rate_log WHERE key = $1",
-                )
-                .bind(key)
-                .fetch_one(&mut *tx)
-                .await?;
-                let (used, spent, oldest): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
-                let over = max_requests.is_some_and(|m| used as u64 + 1 > m) || max_tokens.is_some_and(|m| used > 0 && spent as u64 + tokens > m);
-                if over {
-                    // Each refused taker gets its own slot: the first when the oldest call
-                    // leaves the window, each next one a slot's share of the window later.
-                    let at = super::next_wake(oldest + window_ms + 1, next_wake, window_ms, max_requests);
-                    sqlx::query("UPDATE sa_rate_keys SET next_wake = $1 WHERE key = $2").bind(at).bind(key).execute(&mut *tx).await?;
-                    tx.commit().await?;
-                    return Ok(Some(at));
-                }
-                sqlx::query("INSERT INTO sa_rate_log (key, at, tokens) VALUES ($1, $2, $3)")
-                    .bind(key)
-                    .bind(now)
-                    .bind(tokens.min(i64::MAX as u64) as i64)
-                    .execute(&mut *tx)
-                    .await?;
-                tx.commit().await?;
-                Ok(None)
-            }
-
-            async fn block_budget(&self, key: &str, until_ms: i64) -> Result<()> {
-                sqlx::query(
-                    "INSERT INTO sa_rate_keys (key, touched, blocked_until) VALUES ($1, $2, $3) ON CONFLICT(key) DO UPDATE SET \
-                     blocked_until = CASE WHEN sa_rate_keys.blocked_until > EXCLUDED.blocked_until THEN sa_rate_keys.blocked_until ELSE EXCLUDED.blocked_until END",
-                )
-                .bind(key)
-                .bind(now_ms())
-                .bind(until_ms)
-                .execute(&self.pool)
-                .await?;
-                Ok(())
-            }
-
-            async fn budget_blocked_until(&self, key: &str) -> Result<i64> {
-                let until: Option<i64> = sqlx::query_scalar("SELECT blocked_until FROM sa_rate_keys WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
-                Ok(until.unwrap_or(0))
-            }
-
-            async fn approval(&self, id: &str) -> Result<Option<Approval>> {
-                let row = sqlx::query("SELECT * FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(self.reads()).await?;
-                row.as_ref().map(approval_from_row).transpose()
-            }
-
-            async fn expire_approval(&self, id: &str) -> Result<bool> {
-                let done = sqlx::query(
-                    "UPDATE sa_approvals SET status = 'expired', answer_reason = 'nobody answered before the approval timeout', resolved_by = 'timeout', resolved_at = $1 \
-                     WHERE id = $2 AND status = 'pending' AND expires_at <= $3",
-                )
-                .bind(Utc::now())
-                .bind(id)
-                .bind(now_ms())
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
-                Ok(done == 1)
-            }
-
-            async fn has_grant(&self, root: RunId, tool: &str) -> Result<bool> {
-                let n: i64 = sqlx::query_scalar("SELECT count(*) FROM sa_grants WHERE root_run_id = $1 AND tool = $2")
-                    .bind(root.to_string())
-                    .bind(tool)
-                    .fetch_one(&self.pool)
-                    .await?;
-                Ok(n > 0)
             }
 
             async fn context(&self, thread: &ThreadId, limit: u32) -> Result<(Option<Compaction>, Vec<StoredMessage>)> {
@@ -715,150 +716,323 @@ macro_rules! store_impl {
                 self.commit_events(tx, lease.run_id, last, &events).await
             }
 
-            async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>> {
-                let rows = sqlx::query(
-                    "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+            async fn append_events(&self, run: RunId, events: Vec<NewEvent>) -> Result<bool> {
+                let mut tx = self.pool.begin().await?;
+                let row = sqlx::query(
+                    "UPDATE sa_runs SET event_seq = event_seq + $1 WHERE id = $2 \
+                     AND status IN ('queued','running','waiting') RETURNING event_seq",
                 )
+                .bind(events.len() as i64)
                 .bind(run.to_string())
-                .bind(after.min(i64::MAX as u64) as i64)
-                .bind(limit as i64)
-                .fetch_all(self.reads())
+                .fetch_optional(&mut *tx)
                 .await?;
-                rows.iter().map(event_from_row).collect()
+                let Some(row) = row else { return Ok(false) };
+                let last: i64 = row.get(0);
+                self.commit_events(tx, run, last, &events).await?;
+                Ok(true)
             }
+        }
 
-            async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome> {
+        #[async_trait]
+        impl Parking for $store {
+            async fn park(&self, lease: &Lease, park: Park) -> Result<Parked> {
+                debug_assert!(park.wake_at.is_some() || !park.waits_on.is_empty() || !park.approvals.is_empty(), "a park needs something to wake it");
                 let now = Utc::now();
                 let mut tx = self.pool.begin().await?;
-                // A queued or parked run holds no worker: it ends here and now (`cancel`).
-                for state in crate::lifecycle::sources(Transition::Cancel) {
-                    let row = sqlx::query(
-                        "UPDATE sa_runs SET status = 'cancelled', finished_at = $1, updated_at = $1, event_seq = event_seq + 1, \
-                         cancel_requested = 0, lease_expires_at = 0, wake_at = NULL WHERE id = $2 AND status = $3 \
-                         RETURNING event_seq, thread_id, parent_run_id",
-                    )
-                    .bind(now)
-                    .bind(run.to_string())
-                    .bind(state.as_str())
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                    if let Some(row) = row {
-                        let seq: i64 = row.get(0);
-                        let thread: String = row.get(1);
-                        let parent: Option<String> = row.get(2);
-                        Self::insert_events(
-                            &mut tx,
-                            run,
-                            seq as u64,
-                            &[Event::RunCancelled(event::RunCancelled { while_: Some(state), ..Default::default() }).into()],
-                            self.relayed_at_insert(),
-                        )
-                        .await?;
-                        Self::terminal_effects(&mut tx, run, &thread, parent.as_deref(), RunStatus::Cancelled, None, Reach::ALL, self.relayed_at_insert()).await?;
-                        tx.commit().await?;
-                        self.notifier.notify(run);
-                        return Ok(CancelOutcome::Cancelled);
-                    }
-                }
-                // A running run is asked to stop (`request-cancel`); its worker finishes it.
-                let flagged = sqlx::query(sql!(
-                    "UPDATE sa_runs SET cancel_requested = 1, updated_at = $1 WHERE id = $2 AND status IN ({})",
-                    Transition::RequestCancel
+                // Either order leaves no window: a child that ends now either commits first (and
+                // is seen ended here) or after this park (and then finds it parked and wakes it).
+                let mut due = $reads_first && (Self::any_ended(&mut tx, &park.waits_on).await? || Self::answered(&mut tx, &park.approvals).await?);
+                let row = sqlx::query(sql!(
+                    "UPDATE sa_runs SET heartbeat_at = $1 WHERE id = $2 AND lease_epoch = $3 AND status IN ({}) RETURNING cancel_requested",
+                    Transition::Park
                 ))
                 .bind(now)
-                .bind(run.to_string())
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-                tx.commit().await?;
-                if flagged > 0 {
-                    self.notifier.notify(run);
-                    self.cancels.notify(run);
-                    return Ok(CancelOutcome::Requested);
+                .bind(lease.run_id.to_string())
+                .bind(lease.epoch)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let Some(row) = row else { return Err(StoreError::LeaseLost(lease.run_id)) };
+                if row.get::<i64, _>(0) != 0 {
+                    tx.rollback().await?;
+                    return Ok(Parked::CancelPending);
                 }
-                Ok(match self.get_run(run).await? {
-                    Some(r) => CancelOutcome::AlreadyFinished(r.status),
-                    None => CancelOutcome::NotFound,
-                })
-            }
-
-            async fn fetched_not_started(&self, worker: &str) -> Result<Vec<RunId>> {
-                let ids: Vec<String> = sqlx::query_scalar(concat!(
-                    "SELECT r.id FROM sa_runs r JOIN ", $jobs, " j ON j.id = r.job_id \
-                     WHERE r.status = 'queued' AND j.lock_by = $1 AND j.status IN ('Queued', 'Running')"
-                ))
-                .bind(worker)
-                .fetch_all(&self.pool)
-                .await?;
-                ids.iter().map(|id| id.parse().map_err(|e| corrupt("run id", e))).collect()
-            }
-
-            async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>> {
-                let nms = now_ms();
-                // apalis's job table is read, never written. A queued run needs a new job when
-                // its own is not `Pending` (free for any worker to fetch) after the grace period:
-                // gone, finished, or fetched (`Queued`, `Running`) by a worker that has not
-                // started it — the batch of a dead or full worker. A duplicate job is harmless.
-                let rows = sqlx::query(concat!(
-                    "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < $1 AND ( \
-                       (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at <= $2) OR \
-                       (r.status = 'queued' \
-                         AND NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status = 'Pending') \
-                         AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
-                         AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id)) \
-                     ) LIMIT 1000"
-                ))
-                .bind(nms - grace.as_millis() as i64)
-                .bind(nms)
-                .fetch_all(&self.pool)
-                .await?;
-                rows.iter()
-                    .map(|r| {
-                        let id: String = r.get(0);
-                        let st: String = r.get(1);
-                        Ok(Orphan {
-                            run_id: id.parse().map_err(|e| corrupt("run id", e))?,
-                            status: RunStatus::parse(&st).ok_or_else(|| corrupt("status", &st))?,
-                        })
-                    })
-                    .collect()
-            }
-
-            async fn queue_rank(&self, run: RunId, place: QueuePlace) -> Result<(u32, u8)> {
-                Ok(Self::rank_in(&self.pool, run, place).await?.unwrap_or((0, 3)))
-            }
-
-            async fn at_limit(&self, run: RunId) -> Result<bool> {
-                let held: Option<i64> = sqlx::query_scalar(concat!(
-                    "SELECT CAST(1 AS BIGINT) FROM sa_runs WHERE id = $1 AND status IN ('queued', 'waiting') AND NOT (1 = 1 ",
-                    limits_guard!(),
-                    ")"
-                ))
-                .bind(run.to_string())
-                .fetch_optional(&self.pool)
-                .await?;
-                Ok(held.is_some())
-            }
-
-            async fn set_limits(&self, prefix: &str, entries: &[(String, u32)]) -> Result<()> {
-                let mut tx = self.pool.begin().await?;
-                sqlx::query("DELETE FROM sa_limits WHERE key LIKE $1").bind(format!("{prefix}%")).execute(&mut *tx).await?;
-                for (key, n) in entries.iter().filter(|(k, n)| *n > 0 && k.starts_with(prefix)) {
-                    sqlx::query("INSERT INTO sa_limits (key, concurrency) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET concurrency = EXCLUDED.concurrency")
-                        .bind(key)
-                        .bind(i64::from(*n))
+                if !$reads_first {
+                    due = Self::any_ended(&mut tx, &park.waits_on).await? || Self::answered(&mut tx, &park.approvals).await?;
+                }
+                sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1").bind(lease.run_id.to_string()).execute(&mut *tx).await?;
+                for target in &park.waits_on {
+                    sqlx::query("INSERT INTO sa_run_waits (waiter, target) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                        .bind(lease.run_id.to_string())
+                        .bind(target.to_string())
                         .execute(&mut *tx)
                         .await?;
                 }
+                let wake_at = if due { Some(now_ms()) } else { park.wake_at };
+                let n = park.events.len() as i64;
+                let row = sqlx::query(
+                    "UPDATE sa_runs SET status = 'waiting', lease_expires_at = 0, lease_owner = NULL, wake_at = $1, \
+                     event_seq = event_seq + $2, updated_at = $3 WHERE id = $4 RETURNING event_seq",
+                )
+                .bind(wake_at)
+                .bind(n)
+                .bind(now)
+                .bind(lease.run_id.to_string())
+                .fetch_one(&mut *tx)
+                .await?;
+                let last: i64 = row.get(0);
+                self.commit_events(tx, lease.run_id, last, &park.events).await?;
+                Ok(Parked::Parked { due })
+            }
+
+            async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>> {
+                let rows = sqlx::query(sql!(
+                    "SELECT id FROM sa_runs WHERE status IN ({}) AND wake_at <= $1 \
+                     AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
+                    Transition::Wake
+                ))
+                .bind(now_ms())
+                .bind(run.to_string())
+                .fetch_all(&self.pool)
+                .await?;
+                rows.iter()
+                    .map(|r| r.get::<String, _>(0).parse().map_err(|e| corrupt("run id", e)))
+                    .collect()
+            }
+
+            async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64> {
+                Ok(sqlx::query_scalar(
+                    "INSERT INTO sa_waits (key, deadline) VALUES ($1, $2) ON CONFLICT(key) DO UPDATE SET key = EXCLUDED.key RETURNING deadline",
+                )
+                .bind(key)
+                .bind(proposed)
+                .fetch_one(&self.pool)
+                .await?)
+            }
+        }
+
+        #[async_trait]
+        impl Approvals for $store {
+            async fn tool_decision(&self, key: &str) -> Result<Option<Value>> {
+                let d: Option<String> = sqlx::query_scalar("SELECT decision FROM sa_tool_decisions WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
+                d.map(|d| serde_json::from_str(&d).map_err(|e| corrupt("tool decision", e))).transpose()
+            }
+
+            async fn commit_decision(&self, lease: &Lease, key: &str, decision: Value, approval: Option<NewApproval>, events: Vec<NewEvent>) -> Result<()> {
+                let now = Utc::now();
+                let mut tx = self.pool.begin().await?;
+                let row = Self::fence(&mut tx, lease, events.len(), now, sql!(
+                    "UPDATE sa_runs SET event_seq = event_seq + $1, lease_expires_at = $2, heartbeat_at = $3, updated_at = $3 \
+                     WHERE id = $4 AND lease_epoch = $5 AND status IN ({}) RETURNING event_seq, COALESCE(root_run_id, id), owner",
+                    Transition::Heartbeat
+                )).await?;
+                let last: i64 = row.get(0);
+                let root: String = row.get(1);
+                let owner: String = row.get(2);
+                let inserted = sqlx::query("INSERT INTO sa_tool_decisions (key, run_id, decision, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT(key) DO NOTHING")
+                    .bind(key)
+                    .bind(lease.run_id.to_string())
+                    .bind(decision.to_string())
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if inserted == 1 {
+                    if let Some(a) = approval {
+                        sqlx::query(
+                            "INSERT INTO sa_approvals (id, run_id, root_run_id, owner, call_key, tool, input, reason, status, created_at, expires_at, grant_scope) \
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'pending', $9, $10, $11) ON CONFLICT(call_key) DO NOTHING",
+                        )
+                        .bind(&a.id)
+                        .bind(lease.run_id.to_string())
+                        .bind(&root)
+                        .bind(&owner)
+                        .bind(key)
+                        .bind(&a.tool)
+                        .bind(a.input.to_string())
+                        .bind(&a.reason)
+                        .bind(now)
+                        .bind(a.expires_at)
+                        .bind(&a.grant_scope)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                }
+                self.commit_events(tx, lease.run_id, last, &events).await
+            }
+
+            async fn approval(&self, id: &str) -> Result<Option<Approval>> {
+                let row = sqlx::query("SELECT * FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(self.reads()).await?;
+                row.as_ref().map(approval_from_row).transpose()
+            }
+
+            async fn expire_approval(&self, id: &str) -> Result<bool> {
+                let done = sqlx::query(
+                    "UPDATE sa_approvals SET status = 'expired', answer_reason = 'nobody answered before the approval timeout', resolved_by = 'timeout', resolved_at = $1 \
+                     WHERE id = $2 AND status = 'pending' AND expires_at <= $3",
+                )
+                .bind(Utc::now())
+                .bind(id)
+                .bind(now_ms())
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+                Ok(done == 1)
+            }
+
+            async fn has_grant(&self, root: RunId, tool: &str) -> Result<bool> {
+                let n: i64 = sqlx::query_scalar("SELECT count(*) FROM sa_grants WHERE root_run_id = $1 AND tool = $2")
+                    .bind(root.to_string())
+                    .bind(tool)
+                    .fetch_one(&self.pool)
+                    .await?;
+                Ok(n > 0)
+            }
+
+            async fn list_approvals(&self, owner: &str, status: Option<ApprovalStatus>, run: Option<RunId>, before: Option<&str>, limit: u32) -> Result<Vec<Approval>> {
+                // A pending approval whose run ended (cancelled, timed out) is closed, not pending.
+                let rows = sqlx::query(
+                    "SELECT a.* FROM sa_approvals a JOIN sa_runs r ON r.id = a.run_id WHERE a.owner = $1 \
+                     AND ($2 IS NULL OR a.status = $2) AND ($3 IS NULL OR a.run_id = $3) AND ($4 IS NULL OR a.id < $4) \
+                     AND ($2 IS NULL OR $2 <> 'pending' OR r.status = 'waiting' OR r.status = 'running' OR r.status = 'queued') \
+                     ORDER BY a.id DESC LIMIT $5",
+                )
+                .bind(owner)
+                .bind(status.map(ApprovalStatus::as_str))
+                .bind(run.map(|r| r.to_string()))
+                .bind(before)
+                .bind(limit as i64)
+                .fetch_all(self.reads())
+                .await?;
+                rows.iter().map(approval_from_row).collect()
+            }
+
+            async fn answer_approval(&self, id: &str, owner: &str, answer: ApprovalAnswer) -> Result<Answered> {
+                let now = Utc::now();
+                let mut tx = self.pool.begin().await?;
+                let status = if answer.allow { "allowed" } else { "denied" };
+                let scope = if answer.run_tree { "run_tree" } else { "once" };
+                let row = sqlx::query(
+                    "UPDATE sa_approvals SET status = $1, answer_reason = $2, updated_input = $3, scope = $4, resolved_at = $5, resolved_by = $9 \
+                     WHERE id = $6 AND owner = $7 AND status = 'pending' AND expires_at > $8 \
+                     AND run_id IN (SELECT id FROM sa_runs WHERE status IN ('waiting', 'running', 'queued')) \
+                     RETURNING run_id, root_run_id, tool, COALESCE(grant_scope, tool)",
+                )
+                .bind(status)
+                .bind(&answer.reason)
+                .bind(answer.updated_input.as_ref().map(|v| v.to_string()))
+                .bind(scope)
+                .bind(now)
+                .bind(id)
+                .bind(owner)
+                .bind(now_ms())
+                .bind(&answer.by)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let Some(row) = row else {
+                    tx.rollback().await?;
+                    let existing: Option<(String, String)> = sqlx::query_as("SELECT status, owner FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
+                    return Ok(match existing {
+                        Some((st, o)) if o == owner => {
+                            let st = ApprovalStatus::parse(&st).ok_or_else(|| corrupt("approval status", &st))?;
+                            // Pending but past its time, or its run ended: closed either way.
+                            Answered::Closed(if st == ApprovalStatus::Pending { ApprovalStatus::Expired } else { st })
+                        }
+                        _ => Answered::NotFound,
+                    });
+                };
+                let run: String = row.get(0);
+                let root: String = row.get(1);
+                let tool: String = row.get(2);
+                let scope_key: String = row.get(3);
+                if answer.allow && answer.run_tree {
+                    sqlx::query("INSERT INTO sa_grants (root_run_id, tool, approval_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+                        .bind(&root)
+                        .bind(&scope_key)
+                        .bind(id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                // Wake the run (it may still be running towards its park: the park then finds
+                // the approval answered and is due at once) and tell its stream.
+                let row = sqlx::query(sql!(
+                    "UPDATE sa_runs SET event_seq = event_seq + 1, wake_at = CASE WHEN status IN ({}) THEN $1 ELSE wake_at END WHERE id = $2 RETURNING event_seq",
+                    Transition::Wake
+                ))
+                    .bind(now_ms())
+                    .bind(&run)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let seq: i64 = row.get(0);
+                let run_id: RunId = run.parse().map_err(|e| corrupt("approval run id", e))?;
+                let event = Event::ApprovalResolved(event::ApprovalResolved { approval_id: id.to_owned(), tool, decision: status.to_owned(), reason: answer.reason.clone(), scope: scope.to_owned() });
+                Self::insert_events(&mut tx, run_id, seq as u64, &[event.into()], self.relayed_at_insert()).await?;
                 tx.commit().await?;
-                self.refresh_limits().await?;
+                self.notifier.notify(run_id);
+                Ok(Answered::Done { run_id })
+            }
+        }
+
+        #[async_trait]
+        impl RateBudgets for $store {
+            async fn take_budget(&self, key: &str, window_ms: i64, max_requests: Option<u64>, max_tokens: Option<u64>, tokens: u64) -> Result<Option<i64>> {
+                let now = now_ms();
+                let mut tx = self.pool.begin().await?;
+                // The key's row is the lock: takers of one key go one at a time, on both backends.
+                let (blocked_until, next_wake): (i64, i64) = sqlx::query_as(
+                    "INSERT INTO sa_rate_keys (key, touched) VALUES ($1, $2) ON CONFLICT(key) DO UPDATE SET touched = $2 RETURNING blocked_until, next_wake",
+                )
+                .bind(key)
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await?;
+                // The provider said the budget is used up: nobody takes from it until then.
+                if blocked_until > now {
+                    tx.commit().await?;
+                    return Ok(Some(blocked_until));
+                }
+                sqlx::query("DELETE FROM sa_rate_log WHERE key = $1 AND at <= $2").bind(key).bind(now - window_ms).execute(&mut *tx).await?;
+                let row = sqlx::query(
+                    "SELECT count(*), CAST(COALESCE(SUM(tokens), 0) AS BIGINT), CAST(COALESCE(MIN(at), 0) AS BIGINT) FROM sa_rate_log WHERE key = $1",
+                )
+                .bind(key)
+                .fetch_one(&mut *tx)
+                .await?;
+                let (used, spent, oldest): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+                let over = max_requests.is_some_and(|m| used as u64 + 1 > m) || max_tokens.is_some_and(|m| used > 0 && spent as u64 + tokens > m);
+                if over {
+                    // Each refused taker gets its own slot: the first when the oldest call
+                    // leaves the window, each next one a slot's share of the window later.
+                    let at = super::next_wake(oldest + window_ms + 1, next_wake, window_ms, max_requests);
+                    sqlx::query("UPDATE sa_rate_keys SET next_wake = $1 WHERE key = $2").bind(at).bind(key).execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    return Ok(Some(at));
+                }
+                sqlx::query("INSERT INTO sa_rate_log (key, at, tokens) VALUES ($1, $2, $3)")
+                    .bind(key)
+                    .bind(now)
+                    .bind(tokens.min(i64::MAX as u64) as i64)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(None)
+            }
+
+            async fn block_budget(&self, key: &str, until_ms: i64) -> Result<()> {
+                sqlx::query(
+                    "INSERT INTO sa_rate_keys (key, touched, blocked_until) VALUES ($1, $2, $3) ON CONFLICT(key) DO UPDATE SET \
+                     blocked_until = CASE WHEN sa_rate_keys.blocked_until > EXCLUDED.blocked_until THEN sa_rate_keys.blocked_until ELSE EXCLUDED.blocked_until END",
+                )
+                .bind(key)
+                .bind(now_ms())
+                .bind(until_ms)
+                .execute(&self.pool)
+                .await?;
                 Ok(())
             }
 
-            async fn refresh_limits(&self) -> Result<bool> {
-                let any: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM sa_limits)").fetch_one(&self.pool).await?;
-                self.limits_seen.store(any, std::sync::atomic::Ordering::Relaxed);
-                Ok(any)
+            async fn budget_blocked_until(&self, key: &str) -> Result<i64> {
+                let until: Option<i64> = sqlx::query_scalar("SELECT blocked_until FROM sa_rate_keys WHERE key = $1").bind(key).fetch_optional(&self.pool).await?;
+                Ok(until.unwrap_or(0))
             }
 
             async fn set_owner_budgets(&self, entries: &[(String, OwnerBudget)]) -> Result<()> {
@@ -881,165 +1055,10 @@ macro_rules! store_impl {
                     sqlx::query_as("SELECT rpm, tpm FROM sa_owner_budgets WHERE owner = $1").bind(owner).fetch_optional(&self.pool).await?;
                 Ok(row.map(|(rpm, tpm)| OwnerBudget { rpm: rpm.map(|n| n.max(0) as u64), tpm: tpm.map(|n| n.max(0) as u64) }))
             }
-
-            async fn set_job(&self, run: RunId, job_id: &str) -> Result<()> {
-                sqlx::query("UPDATE sa_runs SET job_id = $1, enqueued_at = $2 WHERE id = $3")
-                    .bind(job_id)
-                    .bind(now_ms())
-                    .bind(run.to_string())
-                    .execute(&self.pool)
-                    .await?;
-                Ok(())
-            }
-
-            async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>> {
-                let id: Option<String> = sqlx::query_scalar(concat!(
-                    "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 AND status = 'queued' ORDER BY id LIMIT 1) r \
-                     WHERE NOT EXISTS (SELECT 1 FROM ", $jobs, " j WHERE j.id = r.job_id AND j.status = 'Pending')"
-                ))
-                .bind(thread.as_str())
-                .fetch_optional(&self.pool)
-                .await?;
-                id.map(|i| i.parse().map_err(|e| corrupt("run id", e))).transpose()
-            }
-
-            fn subscribe(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal> {
-                self.notifier.subscribe(run)
-            }
-
-            fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal> {
-                self.cancels.subscribe(run)
-            }
-
-            async fn append_events(&self, run: RunId, events: Vec<NewEvent>) -> Result<bool> {
-                let mut tx = self.pool.begin().await?;
-                let row = sqlx::query(
-                    "UPDATE sa_runs SET event_seq = event_seq + $1 WHERE id = $2 \
-                     AND status IN ('queued','running','waiting') RETURNING event_seq",
-                )
-                .bind(events.len() as i64)
-                .bind(run.to_string())
-                .fetch_optional(&mut *tx)
-                .await?;
-                let Some(row) = row else { return Ok(false) };
-                let last: i64 = row.get(0);
-                self.commit_events(tx, run, last, &events).await?;
-                Ok(true)
-            }
-
-            async fn children(&self, run: RunId) -> Result<Vec<RunRecord>> {
-                let rows = sqlx::query(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE parent_run_id = $1 ORDER BY id"))
-                    .bind(run.to_string())
-                    .fetch_all(self.reads())
-                    .await?;
-                rows.iter().map(run_from_row).collect()
-            }
-
-            async fn tree_totals(&self, run: RunId) -> Result<TreeTotals> {
-                let row = sqlx::query(
-                    "WITH RECURSIVE tree(id) AS (SELECT CAST($1 AS TEXT) UNION ALL \
-                       SELECT r.id FROM sa_runs r JOIN tree t ON r.parent_run_id = t.id) \
-                     SELECT CAST(COALESCE(SUM(prompt_tokens), 0) AS BIGINT), CAST(COALESCE(SUM(completion_tokens), 0) AS BIGINT), \
-                       CAST(COALESCE(SUM(step), 0) AS BIGINT), CAST(COALESCE(SUM(cost_nanos), 0) AS BIGINT) \
-                     FROM sa_runs WHERE id IN (SELECT id FROM tree)",
-                )
-                .bind(run.to_string())
-                .fetch_one(self.reads())
-                .await?;
-                Ok(TreeTotals {
-                    usage: Usage { prompt_tokens: row.get::<i64, _>(0) as u64, completion_tokens: row.get::<i64, _>(1) as u64 },
-                    steps: row.get::<i64, _>(2) as u64,
-                    cost_nanos: row.get::<i64, _>(3).max(0) as u64,
-                })
-            }
-
-            async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64> {
-                Ok(sqlx::query_scalar(
-                    "INSERT INTO sa_waits (key, deadline) VALUES ($1, $2) ON CONFLICT(key) DO UPDATE SET key = EXCLUDED.key RETURNING deadline",
-                )
-                .bind(key)
-                .bind(proposed)
-                .fetch_one(&self.pool)
-                .await?)
-            }
         }
 
         #[async_trait]
         impl Queries for $store {
-            $($queries)*
-
-            async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()> {
-                const BATCH: u32 = 500;
-                let mut done = 0;
-                while done < count {
-                    let n = BATCH.min(count - done);
-                    let rows = super::seed_rows(done, n, now);
-                    let mut tx = self.pool.begin().await?;
-                    let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_threads (id, owner, created_at, updated_at) ");
-                    q.push_values(&rows, |mut b, r| {
-                        b.push_bind(r.1.clone()).push_bind(owner.to_owned()).push_bind(r.2).push_bind(r.2);
-                    });
-                    q.build().execute(&mut *tx).await?;
-                    let mut q = sqlx::QueryBuilder::<$db>::new(
-                        "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, step, result, error_kind, error_message, \
-                         prompt_tokens, completion_tokens, cost_nanos, attempts, event_seq, job_id, enqueued_at, created_at, started_at, finished_at, updated_at) ",
-                    );
-                    q.push_values(&rows, |mut b, r| {
-                        let ok = r.4 == "succeeded";
-                        b.push_bind(r.0.clone())
-                            .push_bind(r.1.clone())
-                            .push_bind(owner.to_owned())
-                            .push_bind("general-purpose")
-                            .push_bind(r.4)
-                            .push_bind(format!("Seeded task {} for the dashboard benchmark", r.0))
-                            .push_bind("{}")
-                            .push_bind(r#"{"max_steps":25,"timeout_secs":600}"#)
-                            .push_bind(if r.3.is_some() { 3i64 } else { 0 })
-                            .push_bind(ok.then(|| "seeded result".to_owned()))
-                            .push_bind(r.5)
-                            .push_bind(r.5.map(|k| format!("seeded {k} failure")))
-                            .push_bind(if r.3.is_some() { 5400i64 } else { 0 })
-                            .push_bind(if r.3.is_some() { 300i64 } else { 0 })
-                            .push_bind(if r.3.is_some() { 13_200_000i64 } else { 0 })
-                            .push_bind(if r.3.is_some() { 1i64 } else { 0 })
-                            .push_bind(if r.6 && r.3.is_some() { 5i64 } else { 1 })
-                            .push_bind(format!("seed-{}", r.0))
-                            .push_bind(r.2.timestamp_millis())
-                            .push_bind(r.2)
-                            .push_bind(r.3.map(|_| r.2))
-                            .push_bind(r.3)
-                            .push_bind(r.3.unwrap_or(r.2));
-                    });
-                    q.build().execute(&mut *tx).await?;
-                    // The last hour's runs get the events the overview's charts read.
-                    let mut events = vec![];
-                    for r in rows.iter().filter(|r| r.6) {
-                        let Some(fin) = r.3 else {
-                            events.push((r.0.clone(), 1i64, "run.queued", "{}".to_owned(), r.2));
-                            continue;
-                        };
-                        events.push((r.0.clone(), 1, "run.queued", "{}".to_owned(), r.2));
-                        let span = (fin - r.2) / 4;
-                        for k in 1..=3i64 {
-                            let data = serde_json::json!({"step": k, "model": "gpt-4.1-mini", "ms": 400 + 50 * k, "usage": {"prompt_tokens": 1800, "completion_tokens": 100}, "cost_usd": 0.00088, "tool_calls": []});
-                            events.push((r.0.clone(), k + 1, "model.completed", data.to_string(), r.2 + span * k as i32));
-                        }
-                        let end = match r.4 { "succeeded" => "run.succeeded", "failed" => "run.failed", _ => "run.cancelled" };
-                        events.push((r.0.clone(), 5, end, "{}".to_owned(), fin));
-                    }
-                    if !events.is_empty() {
-                        let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ");
-                        q.push_values(&events, |mut b, e| {
-                            b.push_bind(e.0.clone()).push_bind(e.1).push_bind(e.2).push_bind(e.3.clone()).push_bind(e.4).push_bind(1i64);
-                        });
-                        q.build().execute(&mut *tx).await?;
-                    }
-                    tx.commit().await?;
-                    done += n;
-                }
-                Ok(())
-            }
-
             async fn overview(&self, owner: &str, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData> {
                 let mut out = OverviewData::default();
                 for row in sqlx::query("SELECT status, COUNT(*) FROM sa_runs WHERE owner = $1 GROUP BY status").bind(owner).fetch_all(self.reads()).await? {
@@ -1143,25 +1162,6 @@ macro_rules! store_impl {
                 rows.iter().map(run_from_row).collect()
             }
 
-            async fn wipe(&self) -> Result<()> {
-                let mut tx = self.pool.begin().await?;
-                for t in ["sa_events", "sa_compactions", "sa_tool_decisions", "sa_approvals", "sa_grants", "sa_messages", "sa_run_waits", "sa_runs", "sa_threads", "sa_waits"] {
-                    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
-                }
-                sqlx::query(concat!("DELETE FROM ", $jobs, " WHERE job_type = $1"))
-                    .bind(super::QUEUE_NAME)
-                    .execute(&mut *tx)
-                    .await?;
-                tx.commit().await?;
-                Ok(())
-            }
-
-            async fn checkpoint_rows(&self) -> Result<i64> {
-                Ok(sqlx::query_scalar("SELECT (SELECT count(*) FROM sa_messages) + (SELECT count(*) FROM sa_events)")
-                    .fetch_one(self.reads())
-                    .await?)
-            }
-
             async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
                 let row = sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = $1")
                     .bind(id.as_str())
@@ -1173,89 +1173,6 @@ macro_rules! store_impl {
                     created_at: r.get("created_at"),
                     updated_at: r.get("updated_at"),
                 }))
-            }
-
-            async fn list_approvals(&self, owner: &str, status: Option<ApprovalStatus>, run: Option<RunId>, before: Option<&str>, limit: u32) -> Result<Vec<Approval>> {
-                // A pending approval whose run ended (cancelled, timed out) is closed, not pending.
-                let rows = sqlx::query(
-                    "SELECT a.* FROM sa_approvals a JOIN sa_runs r ON r.id = a.run_id WHERE a.owner = $1 \
-                     AND ($2 IS NULL OR a.status = $2) AND ($3 IS NULL OR a.run_id = $3) AND ($4 IS NULL OR a.id < $4) \
-                     AND ($2 IS NULL OR $2 <> 'pending' OR r.status = 'waiting' OR r.status = 'running' OR r.status = 'queued') \
-                     ORDER BY a.id DESC LIMIT $5",
-                )
-                .bind(owner)
-                .bind(status.map(ApprovalStatus::as_str))
-                .bind(run.map(|r| r.to_string()))
-                .bind(before)
-                .bind(limit as i64)
-                .fetch_all(self.reads())
-                .await?;
-                rows.iter().map(approval_from_row).collect()
-            }
-
-            async fn answer_approval(&self, id: &str, owner: &str, answer: ApprovalAnswer) -> Result<Answered> {
-                let now = Utc::now();
-                let mut tx = self.pool.begin().await?;
-                let status = if answer.allow { "allowed" } else { "denied" };
-                let scope = if answer.run_tree { "run_tree" } else { "once" };
-                let row = sqlx::query(
-                    "UPDATE sa_approvals SET status = $1, answer_reason = $2, updated_input = $3, scope = $4, resolved_at = $5, resolved_by = $9 \
-                     WHERE id = $6 AND owner = $7 AND status = 'pending' AND expires_at > $8 \
-                     AND run_id IN (SELECT id FROM sa_runs WHERE status IN ('waiting', 'running', 'queued')) \
-                     RETURNING run_id, root_run_id, tool, COALESCE(grant_scope, tool)",
-                )
-                .bind(status)
-                .bind(&answer.reason)
-                .bind(answer.updated_input.as_ref().map(|v| v.to_string()))
-                .bind(scope)
-                .bind(now)
-                .bind(id)
-                .bind(owner)
-                .bind(now_ms())
-                .bind(&answer.by)
-                .fetch_optional(&mut *tx)
-                .await?;
-                let Some(row) = row else {
-                    tx.rollback().await?;
-                    let existing: Option<(String, String)> = sqlx::query_as("SELECT status, owner FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
-                    return Ok(match existing {
-                        Some((st, o)) if o == owner => {
-                            let st = ApprovalStatus::parse(&st).ok_or_else(|| corrupt("approval status", &st))?;
-                            // Pending but past its time, or its run ended: closed either way.
-                            Answered::Closed(if st == ApprovalStatus::Pending { ApprovalStatus::Expired } else { st })
-                        }
-                        _ => Answered::NotFound,
-                    });
-                };
-                let run: String = row.get(0);
-                let root: String = row.get(1);
-                let tool: String = row.get(2);
-                let scope_key: String = row.get(3);
-                if answer.allow && answer.run_tree {
-                    sqlx::query("INSERT INTO sa_grants (root_run_id, tool, approval_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
-                        .bind(&root)
-                        .bind(&scope_key)
-                        .bind(id)
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                // Wake the run (it may still be running towards its park: the park then finds
-                // the approval answered and is due at once) and tell its stream.
-                let row = sqlx::query(sql!(
-                    "UPDATE sa_runs SET event_seq = event_seq + 1, wake_at = CASE WHEN status IN ({}) THEN $1 ELSE wake_at END WHERE id = $2 RETURNING event_seq",
-                    Transition::Wake
-                ))
-                    .bind(now_ms())
-                    .bind(&run)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let seq: i64 = row.get(0);
-                let run_id: RunId = run.parse().map_err(|e| corrupt("approval run id", e))?;
-                let event = Event::ApprovalResolved(event::ApprovalResolved { approval_id: id.to_owned(), tool, decision: status.to_owned(), reason: answer.reason.clone(), scope: scope.to_owned() });
-                Self::insert_events(&mut tx, run_id, seq as u64, &[event.into()], self.relayed_at_insert()).await?;
-                tx.commit().await?;
-                self.notifier.notify(run_id);
-                Ok(Answered::Done { run_id })
             }
 
             async fn compactions(&self, thread: &ThreadId) -> Result<Vec<Compaction>> {
@@ -1341,6 +1258,110 @@ macro_rules! store_impl {
 
             fn subscribe_all(&self) -> std::sync::Arc<crate::notify::Signal> {
                 self.notifier.subscribe_all()
+            }
+        }
+
+        #[async_trait]
+        impl Harness for $store {
+            async fn wake(&self, run: RunId) -> Result<bool> {
+                let done = sqlx::query(sql!("UPDATE sa_runs SET wake_at = $1 WHERE id = $2 AND status IN ({})", Transition::Wake))
+                    .bind(now_ms())
+                    .bind(run.to_string())
+                    .execute(&self.pool)
+                    .await?
+                    .rows_affected();
+                Ok(done > 0)
+            }
+
+            async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()> {
+                const BATCH: u32 = 500;
+                let mut done = 0;
+                while done < count {
+                    let n = BATCH.min(count - done);
+                    let rows = super::seed_rows(done, n, now);
+                    let mut tx = self.pool.begin().await?;
+                    let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_threads (id, owner, created_at, updated_at) ");
+                    q.push_values(&rows, |mut b, r| {
+                        b.push_bind(r.1.clone()).push_bind(owner.to_owned()).push_bind(r.2).push_bind(r.2);
+                    });
+                    q.build().execute(&mut *tx).await?;
+                    let mut q = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, step, result, error_kind, error_message, \
+                         prompt_tokens, completion_tokens, cost_nanos, attempts, event_seq, job_id, enqueued_at, created_at, started_at, finished_at, updated_at) ",
+                    );
+                    q.push_values(&rows, |mut b, r| {
+                        let ok = r.4 == "succeeded";
+                        b.push_bind(r.0.clone())
+                            .push_bind(r.1.clone())
+                            .push_bind(owner.to_owned())
+                            .push_bind("general-purpose")
+                            .push_bind(r.4)
+                            .push_bind(format!("Seeded task {} for the dashboard benchmark", r.0))
+                            .push_bind("{}")
+                            .push_bind(r#"{"max_steps":25,"timeout_secs":600}"#)
+                            .push_bind(if r.3.is_some() { 3i64 } else { 0 })
+                            .push_bind(ok.then(|| "seeded result".to_owned()))
+                            .push_bind(r.5)
+                            .push_bind(r.5.map(|k| format!("seeded {k} failure")))
+                            .push_bind(if r.3.is_some() { 5400i64 } else { 0 })
+                            .push_bind(if r.3.is_some() { 300i64 } else { 0 })
+                            .push_bind(if r.3.is_some() { 13_200_000i64 } else { 0 })
+                            .push_bind(if r.3.is_some() { 1i64 } else { 0 })
+                            .push_bind(if r.6 && r.3.is_some() { 5i64 } else { 1 })
+                            .push_bind(format!("seed-{}", r.0))
+                            .push_bind(r.2.timestamp_millis())
+                            .push_bind(r.2)
+                            .push_bind(r.3.map(|_| r.2))
+                            .push_bind(r.3)
+                            .push_bind(r.3.unwrap_or(r.2));
+                    });
+                    q.build().execute(&mut *tx).await?;
+                    // The last hour's runs get the events the overview's charts read.
+                    let mut events = vec![];
+                    for r in rows.iter().filter(|r| r.6) {
+                        let Some(fin) = r.3 else {
+                            events.push((r.0.clone(), 1i64, "run.queued", "{}".to_owned(), r.2));
+                            continue;
+                        };
+                        events.push((r.0.clone(), 1, "run.queued", "{}".to_owned(), r.2));
+                        let span = (fin - r.2) / 4;
+                        for k in 1..=3i64 {
+                            let data = serde_json::json!({"step": k, "model": "gpt-4.1-mini", "ms": 400 + 50 * k, "usage": {"prompt_tokens": 1800, "completion_tokens": 100}, "cost_usd": 0.00088, "tool_calls": []});
+                            events.push((r.0.clone(), k + 1, "model.completed", data.to_string(), r.2 + span * k as i32));
+                        }
+                        let end = match r.4 { "succeeded" => "run.succeeded", "failed" => "run.failed", _ => "run.cancelled" };
+                        events.push((r.0.clone(), 5, end, "{}".to_owned(), fin));
+                    }
+                    if !events.is_empty() {
+                        let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ");
+                        q.push_values(&events, |mut b, e| {
+                            b.push_bind(e.0.clone()).push_bind(e.1).push_bind(e.2).push_bind(e.3.clone()).push_bind(e.4).push_bind(1i64);
+                        });
+                        q.build().execute(&mut *tx).await?;
+                    }
+                    tx.commit().await?;
+                    done += n;
+                }
+                Ok(())
+            }
+
+            async fn wipe(&self) -> Result<()> {
+                let mut tx = self.pool.begin().await?;
+                for t in ["sa_events", "sa_compactions", "sa_tool_decisions", "sa_approvals", "sa_grants", "sa_messages", "sa_run_waits", "sa_runs", "sa_threads", "sa_waits"] {
+                    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {t}"))).execute(&mut *tx).await?;
+                }
+                sqlx::query(concat!("DELETE FROM ", $jobs, " WHERE job_type = $1"))
+                    .bind(super::QUEUE_NAME)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn checkpoint_rows(&self) -> Result<i64> {
+                Ok(sqlx::query_scalar("SELECT (SELECT count(*) FROM sa_messages) + (SELECT count(*) FROM sa_events)")
+                    .fetch_one(self.reads())
+                    .await?)
             }
         }
 

@@ -1089,11 +1089,10 @@ impl StoreError {
     }
 }
 
-/// What runs need from storage: the run log the engine writes (claims, checkpoints, parks,
-/// terminal commits) and the reads and moves the runs service, delegation and the worker make.
-/// Every status write applies `lifecycle::next_status`.
+/// Starting runs and reading them: what the runs service, delegation and the worker ask of a
+/// run and its tree, and the wake-ups they wait on.
 #[async_trait]
-pub trait RunLog: Send + Sync + 'static {
+pub trait Runs: Send + Sync + 'static {
     /// Creates the thread if new and the run (`queued`) with its `run.queued` event.
     /// With [`IfBusy::Reject`], refuses with [`StoreError::Busy`] when the thread has an
     /// unfinished run.
@@ -1102,6 +1101,46 @@ pub trait RunLog: Send + Sync + 'static {
     /// Reads a run.
     async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>>;
 
+    /// Events of a run with `seq > after`, at most `limit`.
+    async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>>;
+
+    /// Asks a run to stop; idempotent.
+    async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome>;
+
+    /// The oldest queued run of a thread, the one to start when the thread frees up, if it
+    /// needs a job: not when its own job is still `Pending` (any worker will fetch it and, the
+    /// thread now free, claim it). A run started just as the thread's previous run ended got
+    /// a second job from that end, and the second claim found it parked on something and
+    /// replayed it for nothing. A `Queued` job still gets a second one: apalis marks a job
+    /// `Running` (and `Done`) through a channel after its handler started, so `Queued` may be a
+    /// job whose handler already found the thread busy and let go; a duplicate costs one
+    /// harmless replay, a missing job a stall until the reaper.
+    async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
+
+    /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).
+    fn subscribe(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal>;
+
+    /// Wake-ups for cancel requests of `run` made through this store.
+    fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal>;
+
+    /// The run's children, oldest first.
+    async fn children(&self, run: RunId) -> Result<Vec<RunRecord>>;
+
+    /// Usage of the run and all its descendants: (prompt tokens, completion tokens, steps).
+    async fn tree_usage(&self, run: RunId) -> Result<(Usage, u64)> {
+        let t = self.tree_totals(run).await?;
+        Ok((t.usage, t.steps))
+    }
+
+    /// Usage, steps and cost of a run and all its descendants.
+    async fn tree_totals(&self, run: RunId) -> Result<TreeTotals>;
+}
+
+/// Claims and leases: taking a run for a worker (within its owner's and its agent's
+/// concurrency limits), keeping it, giving it back, and finding runs whose worker is gone. Every
+/// status write applies `lifecycle::next_status`.
+#[async_trait]
+pub trait Claims: Send + Sync + 'static {
     /// [`Transition::Claim`]: takes a queued run (when its thread is free and it is the
     /// thread's oldest) or a parked one; bumps the epoch.
     async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim>;
@@ -1117,110 +1156,9 @@ pub trait RunLog: Send + Sync + 'static {
     async fn release_lease(&self, lease: &Lease, job_id: &str, after_failure: bool)
     -> Result<bool>;
 
-    /// Commits progress atomically, fenced by the lease ([`Transition::Heartbeat`], or
-    /// [`Transition::Finish`] when `cp.finish` is set).
-    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
-
-    /// [`Transition::Park`], fenced by the lease; refused with [`Parked::CancelPending`] when a
-    /// cancel was requested (the holder must finish the run instead).
-    async fn park(&self, lease: &Lease, park: Park) -> Result<Parked>;
-
-    /// [`Transition::Wake`]: makes a parked run due for a claim. False if it was not parked.
-    async fn wake(&self, run: RunId) -> Result<bool>;
-
     /// [`Transition::Expire`] or, after `max_crashes` expiries, [`Transition::GiveUp`], for
     /// every running run whose lease has run out.
     async fn expire_leases(&self, max_crashes: u32) -> Result<Vec<Expired>>;
-
-    /// Parked runs that are due and wait on `run`: who to push a job for after `run` ended.
-    async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>>;
-
-    /// The newest `limit` messages of a thread, in order.
-    async fn thread_messages(&self, thread: &ThreadId, limit: u32) -> Result<Vec<StoredMessage>> {
-        self.messages_after(thread, 0, limit).await
-    }
-
-    /// The newest `limit` messages of a thread with an id above `after`, in order (the context
-    /// a run rebuilds starts after the thread's latest compaction).
-    async fn messages_after(
-        &self,
-        thread: &ThreadId,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredMessage>>;
-
-    /// The thread's newest compaction, where a rebuilt context starts.
-    async fn latest_compaction(&self, thread: &ThreadId) -> Result<Option<Compaction>>;
-
-    /// What a claimed run rebuilds its context from: the thread's newest compaction and the
-    /// newest `limit` messages after it, in order ([`Self::latest_compaction`], then
-    /// [`Self::messages_after`]), read in one round trip.
-    async fn context(
-        &self,
-        thread: &ThreadId,
-        limit: u32,
-    ) -> Result<(Option<Compaction>, Vec<StoredMessage>)>;
-
-    /// The decision committed for a tool call (its key `{run}:{step}:{call}`), if any.
-    async fn tool_decision(&self, key: &str) -> Result<Option<Value>>;
-
-    /// Commits the decision for a tool call before it runs (and the approval it opens, if it
-    /// asks), with its events, fenced by the lease. Idempotent by key.
-    async fn commit_decision(
-        &self,
-        lease: &Lease,
-        key: &str,
-        decision: Value,
-        approval: Option<NewApproval>,
-        events: Vec<NewEvent>,
-    ) -> Result<()>;
-
-    /// Takes one model call of `tokens` from the budget of `key` over the last `window_ms`
-    /// (at most `max_requests` calls and `max_tokens` tokens), shared by every process on this
-    /// database. `None`: taken. `Some(at)`: over budget until `at` (Unix ms); nothing taken.
-    async fn take_budget(
-        &self,
-        key: &str,
-        window_ms: i64,
-        max_requests: Option<u64>,
-        max_tokens: Option<u64>,
-        tokens: u64,
-    ) -> Result<Option<i64>>;
-
-    /// Blocks `key`'s budget until `until_ms` (the provider said it is used up); a later block
-    /// wins, an earlier one changes nothing.
-    async fn block_budget(&self, key: &str, until_ms: i64) -> Result<()>;
-
-    /// Until when `key`'s budget is blocked (Unix ms; 0 or past: it is not).
-    async fn budget_blocked_until(&self, key: &str) -> Result<i64>;
-
-    /// Reads an approval.
-    async fn approval(&self, id: &str) -> Result<Option<Approval>>;
-
-    /// Marks a pending approval past its time as expired; true if this call did.
-    async fn expire_approval(&self, id: &str) -> Result<bool>;
-
-    /// Whether the run tree of `root` holds a grant (an approval answered with `scope:
-    /// run_tree`) for `scope`: the rule that asked, or one exact call (see
-    /// [`crate::permissions::grant_scope`]).
-    async fn has_grant(&self, root: RunId, scope: &str) -> Result<bool>;
-
-    /// Commits a compaction with its events, fenced by the lease ([`Transition::Heartbeat`]).
-    /// Idempotent by key: a replay of the same compaction adds nothing.
-    /// The summary call's tokens and cost (`spent`) count in the run's usage like any call's.
-    async fn commit_compaction(
-        &self,
-        lease: &Lease,
-        compaction: CompactionBody,
-        spent: (Usage, u64),
-        events: Vec<NewEvent>,
-    ) -> Result<()>;
-
-    /// Events of a run with `seq > after`, at most `limit`.
-    async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>>;
-
-    /// Asks a run to stop; idempotent.
-    async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome>;
 
     /// Runs that need a new queue job: queued without a job that will start them (none, a
     /// finished one, or one held by a worker without being started), or parked and due;
@@ -1252,86 +1190,103 @@ pub trait RunLog: Send + Sync + 'static {
     /// Whether any concurrency limit is set (another process may have set it); remembered for
     /// the claims of this process.
     async fn refresh_limits(&self) -> Result<bool>;
+}
 
-    /// Replaces every owner's model budget (the keys file's `rpm=`/`tpm=`) with `entries`.
-    async fn set_owner_budgets(&self, entries: &[(String, OwnerBudget)]) -> Result<()>;
+/// A run's durable progress, fenced by its lease (checkpoints, compactions, extra events),
+/// and the reads that rebuild its context.
+#[async_trait]
+pub trait Checkpoints: Send + Sync + 'static {
+    /// Commits progress atomically, fenced by the lease ([`Transition::Heartbeat`], or
+    /// [`Transition::Finish`] when `cp.finish` is set).
+    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
 
-    /// The owner's model budget, if the keys file sets one.
-    async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>>;
+    /// The newest `limit` messages of a thread, in order.
+    async fn thread_messages(&self, thread: &ThreadId, limit: u32) -> Result<Vec<StoredMessage>> {
+        self.messages_after(thread, 0, limit).await
+    }
 
-    /// The oldest queued run of a thread, the one to start when the thread frees up, if it
-    /// needs a job: not when its own job is still `Pending` (any worker will fetch it and, the
-    /// thread now free, claim it). A run started just as the thread's previous run ended got
-    /// a second job from that end, and the second claim found it parked on something and
-    /// replayed it for nothing. A `Queued` job still gets a second one: apalis marks a job
-    /// `Running` (and `Done`) through a channel after its handler started, so `Queued` may be a
-    /// job whose handler already found the thread busy and let go; a duplicate costs one
-    /// harmless replay, a missing job a stall until the reaper.
-    async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>>;
+    /// The newest `limit` messages of a thread with an id above `after`, in order (the context
+    /// a run rebuilds starts after the thread's latest compaction).
+    async fn messages_after(
+        &self,
+        thread: &ThreadId,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>>;
 
-    /// Wake-ups for changes to `run` made through this store (see [`crate::notify`]).
-    fn subscribe(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal>;
+    /// The thread's newest compaction, where a rebuilt context starts.
+    async fn latest_compaction(&self, thread: &ThreadId) -> Result<Option<Compaction>>;
 
-    /// Wake-ups for cancel requests of `run` made through this store.
-    fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal>;
+    /// What a claimed run rebuilds its context from: the thread's newest compaction and the
+    /// newest `limit` messages after it, in order ([`Self::latest_compaction`], then
+    /// [`Self::messages_after`]), read in one round trip.
+    async fn context(
+        &self,
+        thread: &ThreadId,
+        limit: u32,
+    ) -> Result<(Option<Compaction>, Vec<StoredMessage>)>;
+
+    /// Commits a compaction with its events, fenced by the lease ([`Transition::Heartbeat`]).
+    /// Idempotent by key: a replay of the same compaction adds nothing.
+    /// The summary call's tokens and cost (`spent`) count in the run's usage like any call's.
+    async fn commit_compaction(
+        &self,
+        lease: &Lease,
+        compaction: CompactionBody,
+        spent: (Usage, u64),
+        events: Vec<NewEvent>,
+    ) -> Result<()>;
 
     /// Appends events to a run's stream without holding its lease (a parent announcing a
     /// child it started). The seq stays gap-free: it is reserved under the run row's write
     /// lock. Nothing is appended to a finished run (returns false): nothing follows a terminal
     /// event.
     async fn append_events(&self, run: RunId, events: Vec<NewEvent>) -> Result<bool>;
+}
 
-    /// The run's children, oldest first.
-    async fn children(&self, run: RunId) -> Result<Vec<RunRecord>>;
+/// Parking a run on what it waits for (children, approvals, a time), and finding whom to
+/// wake when something it waits on ends.
+#[async_trait]
+pub trait Parking: Send + Sync + 'static {
+    /// [`Transition::Park`], fenced by the lease; refused with [`Parked::CancelPending`] when a
+    /// cancel was requested (the holder must finish the run instead).
+    async fn park(&self, lease: &Lease, park: Park) -> Result<Parked>;
 
-    /// Usage of the run and all its descendants: (prompt tokens, completion tokens, steps).
-    async fn tree_usage(&self, run: RunId) -> Result<(Usage, u64)> {
-        let t = self.tree_totals(run).await?;
-        Ok((t.usage, t.steps))
-    }
-
-    /// Usage, steps and cost of a run and all its descendants.
-    async fn tree_totals(&self, run: RunId) -> Result<TreeTotals>;
+    /// Parked runs that are due and wait on `run`: who to push a job for after `run` ended.
+    async fn due_waiters(&self, run: RunId) -> Result<Vec<RunId>>;
 
     /// The deadline recorded under `key`, recording `proposed` if there is none yet.
     async fn wait_deadline(&self, key: &str, proposed: i64) -> Result<i64>;
 }
 
-/// What the API, metrics and benchmarks read (and wipe) beyond a single run.
+/// Tool-call decisions and the approvals they wait on: a decision commits once per call, an
+/// approval is answered once.
 #[async_trait]
-pub trait Queries: Send + Sync + 'static {
-    /// Writes `count` finished-looking runs of `owner` (each on its own thread) spread over the
-    /// 30 days before `now`, one in a hundred within the last hour with its events. For the
-    /// dashboard benchmark, which needs a big history fast; the server never calls it.
-    async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()>;
+pub trait Approvals: Send + Sync + 'static {
+    /// The decision committed for a tool call (its key `{run}:{step}:{call}`), if any.
+    async fn tool_decision(&self, key: &str) -> Result<Option<Value>>;
 
-    /// The overview of an owner's runs: counts now, events since `hour` (at most `cap`),
-    /// failures since `day`, and the workers.
-    async fn overview(
+    /// Commits the decision for a tool call before it runs (and the approval it opens, if it
+    /// asks), with its events, fenced by the lease. Idempotent by key.
+    async fn commit_decision(
         &self,
-        owner: &str,
-        hour: DateTime<Utc>,
-        day: DateTime<Utc>,
-        cap: u32,
-    ) -> Result<OverviewData>;
+        lease: &Lease,
+        key: &str,
+        decision: Value,
+        approval: Option<NewApproval>,
+        events: Vec<NewEvent>,
+    ) -> Result<()>;
 
-    /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
-    /// must start from empty tables; the server never calls it.
-    async fn wipe(&self) -> Result<()>;
+    /// Reads an approval.
+    async fn approval(&self, id: &str) -> Result<Option<Approval>>;
 
-    /// Rows written by checkpoints (messages plus events), for benchmarks.
-    async fn checkpoint_rows(&self) -> Result<i64>;
+    /// Marks a pending approval past its time as expired; true if this call did.
+    async fn expire_approval(&self, id: &str) -> Result<bool>;
 
-    /// Runs of `owner` matching `filter`, newest first.
-    async fn list_runs(
-        &self,
-        owner: &str,
-        filter: &RunFilter,
-        limit: u32,
-    ) -> Result<Vec<RunRecord>>;
-
-    /// A thread, if it exists.
-    async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>>;
+    /// Whether the run tree of `root` holds a grant (an approval answered with `scope:
+    /// run_tree`) for `scope`: the rule that asked, or one exact call (see
+    /// [`crate::permissions::grant_scope`]).
+    async fn has_grant(&self, root: RunId, scope: &str) -> Result<bool>;
 
     /// The owner's approvals, newest first: `status` and `run` filter, `before` is the cursor
     /// (an approval id). Pending ones whose run ended are not listed as pending.
@@ -1352,6 +1307,66 @@ pub trait Queries: Send + Sync + 'static {
         owner: &str,
         answer: ApprovalAnswer,
     ) -> Result<Answered>;
+}
+
+/// The fleet's shared model rate budgets when Redis does not hold them, and the owners'
+/// budgets from the keys file.
+#[async_trait]
+pub trait RateBudgets: Send + Sync + 'static {
+    /// Takes one model call of `tokens` from the budget of `key` over the last `window_ms`
+    /// (at most `max_requests` calls and `max_tokens` tokens), shared by every process on this
+    /// database. `None`: taken. `Some(at)`: over budget until `at` (Unix ms); nothing taken.
+    async fn take_budget(
+        &self,
+        key: &str,
+        window_ms: i64,
+        max_requests: Option<u64>,
+        max_tokens: Option<u64>,
+        tokens: u64,
+    ) -> Result<Option<i64>>;
+
+    /// Blocks `key`'s budget until `until_ms` (the provider said it is used up); a later block
+    /// wins, an earlier one changes nothing.
+    async fn block_budget(&self, key: &str, until_ms: i64) -> Result<()>;
+
+    /// Until when `key`'s budget is blocked (Unix ms; 0 or past: it is not).
+    async fn budget_blocked_until(&self, key: &str) -> Result<i64>;
+
+    /// Replaces every owner's model budget (the keys file's `rpm=`/`tpm=`) with `entries`.
+    async fn set_owner_budgets(&self, entries: &[(String, OwnerBudget)]) -> Result<()>;
+
+    /// The owner's model budget, if the keys file sets one.
+    async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>>;
+}
+
+/// Everything the engine and the services write and read of runs, as one bound: [`Runs`], [`Claims`], [`Checkpoints`], [`Parking`], [`Approvals`], [`RateBudgets`].
+pub trait RunLog: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets {}
+
+impl<T: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets> RunLog for T {}
+
+/// What the API and metrics read beyond a single run.
+#[async_trait]
+pub trait Queries: Send + Sync + 'static {
+    /// The overview of an owner's runs: counts now, events since `hour` (at most `cap`),
+    /// failures since `day`, and the workers.
+    async fn overview(
+        &self,
+        owner: &str,
+        hour: DateTime<Utc>,
+        day: DateTime<Utc>,
+        cap: u32,
+    ) -> Result<OverviewData>;
+
+    /// Runs of `owner` matching `filter`, newest first.
+    async fn list_runs(
+        &self,
+        owner: &str,
+        filter: &RunFilter,
+        limit: u32,
+    ) -> Result<Vec<RunRecord>>;
+
+    /// A thread, if it exists.
+    async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>>;
 
     /// Every compaction of a thread, oldest first (what was summarised, and when).
     async fn compactions(&self, thread: &ThreadId) -> Result<Vec<Compaction>>;
@@ -1398,11 +1413,33 @@ pub trait Outbox: Send + Sync + 'static {
     fn wake_local(&self, run: RunId, cancel: bool);
 }
 
-/// The whole store, split by its users ([`RunLog`], [`Queries`], [`Outbox`]); both backends
-/// implement all three.
-pub trait Store: RunLog + Queries + Outbox {}
+/// What tests and benchmarks do to a store and the server never does: wake a parked run by
+/// hand, fill a long history, empty the tables, count what checkpoints wrote. Kept apart from
+/// the traits the server runs on, so no production path can reach them by accident.
+#[async_trait]
+pub trait Harness: Send + Sync + 'static {
+    /// [`Transition::Wake`]: makes a parked run due for a claim. False if it was not parked.
+    async fn wake(&self, run: RunId) -> Result<bool>;
 
-impl<T: RunLog + Queries + Outbox> Store for T {}
+    /// Writes `count` finished-looking runs of `owner` (each on its own thread) spread over the
+    /// 30 days before `now`, one in a hundred within the last hour with its events. For the
+    /// dashboard benchmark, which needs a big history fast; the server never calls it.
+    async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()>;
+
+    /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
+    /// must start from empty tables; the server never calls it.
+    async fn wipe(&self) -> Result<()>;
+
+    /// Rows written by checkpoints (messages plus events), for benchmarks.
+    async fn checkpoint_rows(&self) -> Result<i64>;
+}
+
+/// The whole store, split by its users: the run log's parts ([`RunLog`]), the API's reads
+/// ([`Queries`]), the relay's [`Outbox`], and [`Harness`] for tests and benchmarks. Both backends
+/// implement every part.
+pub trait Store: RunLog + Queries + Outbox + Harness {}
+
+impl<T: RunLog + Queries + Outbox + Harness> Store for T {}
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend
 /// compares them the same way.

@@ -232,7 +232,7 @@ store_impl!(
     park_reads_first = true,
     share = " FOR SHARE",
     owner_unindexed = "owner",
-    run_log = {
+    runs = {
         async fn create_run(&self, new: NewRun) -> Result<Created> {
             // One round trip (`sa_start_run_with_job`, migrations/postgres/0014): the checks and
             // inserts, the run's first job, and the answer with the run's row and its place in its
@@ -296,7 +296,8 @@ store_impl!(
                 (other, _) => Err(corrupt("sa_start_run outcome", other)),
             }
         }
-
+    },
+    claims = {
         async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
             let now = Utc::now();
             let nms = now_ms();
@@ -371,12 +372,12 @@ store_impl!(
                 Box::new(run),
             ))
         }
-
+    },
+    checkpoints = {
         async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
             self.group.commit(&self.commits(), lease, cp).await
         }
     },
-    queries = {}
 );
 
 row_mappers!(PgRow);

@@ -169,7 +169,7 @@ store_impl!(
     park_reads_first = false,
     share = "",
     owner_unindexed = "+owner",
-    run_log = {
+    runs = {
         async fn create_run(&self, new: NewRun) -> Result<Created> {
             let now = Utc::now();
             let mut tx = self.pool.begin().await?;
@@ -289,7 +289,8 @@ store_impl!(
                 ahead,
             })
         }
-
+    },
+    claims = {
         async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
             let now = Utc::now();
             let nms = now_ms();
@@ -355,13 +356,13 @@ store_impl!(
                 Box::new(run),
             ))
         }
-
+    },
+    checkpoints = {
         async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
             let commits = self.commits();
             self.group.commit(&commits, lease, cp).await
         }
     },
-    queries = {}
 );
 
 row_mappers!(SqliteRow);
