@@ -355,7 +355,7 @@ impl App {
             },
             queue: queue.clone(),
             deltas: redis.clone(),
-            budgets: crate::engine::budget::Budgets::new(store.clone(), redis.clone()),
+            budgets: crate::budget::Budgets::new(store.clone(), redis.clone()),
         });
         Ok(App {
             settings,

@@ -5,15 +5,17 @@
 //! checkpointed, so it survives crashed workers and can be continued on its thread.
 //!
 //! Modules, from the bottom layer up (each uses only the ones before it):
-//! - [`ids`], [`lifecycle`] (the run state machine), [`failpoints`], [`model`] (the chat client
-//!   and the mock server), [`agents`] (definitions from `jobs/*.md`), [`tools`] (built-ins,
-//!   confined to the owner's workspace), [`events`], [`notify`];
+//! - [`ids`], [`domain`] (runs, messages, approvals, events: the vocabulary), [`lifecycle`] (the
+//!   run state machine), [`failpoints`], [`model`] (the chat client and the mock server),
+//!   [`agents`] (definitions from `jobs/*.md`), [`tools`] (built-ins, confined to the owner's
+//!   workspace), [`events`], [`notify`];
 //! - [`store`]: threads, runs, messages and the event outbox (SQLite and PostgreSQL), applying
 //!   the state machine;
 //! - [`queue`]: pushes apalis jobs;
 //! - [`runs`]: start, cancel, and what follows a run's end;
 //! - [`delegation`]: `task` and the `subagent_*` tools;
-//! - [`engine`]: the step loop, as a planner and an executor;
+//! - [`budget`]: the fleet's shared model rate budgets (Redis, else the database);
+//! - [`engine`]: the step loop, as a planner, pure decisions and an executor;
 //! - [`worker`]: apalis workers, the drain, the reaper; [`relay`]: the outbox to Redis Streams;
 //! - [`app`]: wiring; [`api`], [`client`], [`cli`], [`config`], [`telemetry`], [`bench`]: the
 //!   program's edges;
@@ -25,6 +27,7 @@ pub mod agents;
 pub mod api;
 pub mod app;
 pub mod bench;
+pub mod budget;
 pub mod cli;
 pub mod client;
 pub mod config;

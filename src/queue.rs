@@ -16,9 +16,7 @@ use apalis_sqlite::{Config as SqliteQueueConfig, SqlitePool, SqliteStorage};
 
 use crate::ids::RunId;
 
-pub use crate::store::QUEUE_NAME;
-
-pub use crate::store::{JOB_MAX_ATTEMPTS, RunJob, job_priority};
+pub use crate::domain::job::{JOB_MAX_ATTEMPTS, QUEUE_NAME, RunJob, job_body, job_priority};
 
 /// Queue failures.
 #[derive(Debug, thiserror::Error)]

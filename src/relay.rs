@@ -53,47 +53,6 @@ redis.call('XADD', KEYS[1], ARGV[1] .. '-' .. ARGV[2], 'delta', ARGV[3])
 return 1
 "#;
 
-/// A sliding-window budget (see `RunLog::take_budget`), atomically: KEYS[1] is the log (a
-/// sorted set of calls scored by time, each member ending in its tokens), KEYS[2] the time
-/// the provider said the budget is blocked until, KEYS[3] the time the last refused taker was
-/// told to come back (see `store::next_wake`). ARGV: now, window (ms), most requests and
-/// most tokens (0 = no limit), this call's tokens, a unique id. Returns 0 when taken, else
-/// when to try again (ms since the epoch).
-const BUDGET: &str = r#"
-local now = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
-local blocked = tonumber(redis.call('GET', KEYS[2]) or '0')
-if blocked > now then return blocked end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-local used = #entries / 2
-local spent = 0
-for i = 1, #entries, 2 do spent = spent + tonumber(string.match(entries[i], ':(%d+)$')) end
-local oldest = 0
-if used > 0 then oldest = tonumber(entries[2]) end
-local max_req, max_tok, tokens = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if (max_req > 0 and used + 1 > max_req) or (max_tok > 0 and used > 0 and spent + tokens > max_tok) then
-  local per = max_req
-  if per <= 0 then per = 100 end
-  local slot = math.max(1, math.floor(window / per))
-  local at = math.max(oldest + window + 1, tonumber(redis.call('GET', KEYS[3]) or '0') + slot)
-  redis.call('SET', KEYS[3], at, 'PX', math.max(1, at - now) + window)
-  return at
-end
-redis.call('ZADD', KEYS[1], now, ARGV[6] .. ':' .. ARGV[5])
-redis.call('PEXPIRE', KEYS[1], window + 1000)
-return 0
-"#;
-
-/// Moves the block time of a budget later (never earlier), expiring with it.
-const BLOCK: &str = r#"
-local till = tonumber(ARGV[1])
-local now = tonumber(ARGV[2])
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-if till > cur and till > now then redis.call('SET', KEYS[1], till, 'PX', till - now) end
-return 1
-"#;
-
 /// One model call's deltas on their way to Redis.
 pub struct DeltaStream {
     tx: tokio::sync::mpsc::UnboundedSender<String>,
@@ -133,8 +92,6 @@ pub struct RedisEvents {
     settings: RedisSettings,
     script: Arc<redis::Script>,
     delta: Arc<redis::Script>,
-    budget: Arc<redis::Script>,
-    block: Arc<redis::Script>,
 }
 
 /// Redis failures.
@@ -181,8 +138,6 @@ impl RedisEvents {
             settings,
             script: Arc::new(redis::Script::new(PUBLISH)),
             delta: Arc::new(redis::Script::new(DELTA)),
-            budget: Arc::new(redis::Script::new(BUDGET)),
-            block: Arc::new(redis::Script::new(BLOCK)),
         })
     }
 
@@ -295,51 +250,9 @@ impl RedisEvents {
         DeltaStream { tx, task }
     }
 
-    /// Takes one call from the budget `key` held in Redis, as `RunLog::take_budget` does in the
-    /// database: `None` when taken, else when to try again (ms since the epoch).
-    pub async fn take_budget(
-        &self,
-        key: &str,
-        window_ms: i64,
-        max_requests: Option<u64>,
-        max_tokens: Option<u64>,
-        tokens: u64,
-    ) -> Result<Option<i64>, RelayError> {
-        let mut c = self.conn.clone();
-        let at: i64 = self
-            .budget
-            .key(format!("{PREFIX}:budget:{key}"))
-            .key(format!("{PREFIX}:budget:{key}:blocked"))
-            .key(format!("{PREFIX}:budget:{key}:next"))
-            .arg(crate::store::now_ms())
-            .arg(window_ms)
-            .arg(max_requests.unwrap_or(0))
-            .arg(max_tokens.unwrap_or(0))
-            .arg(tokens)
-            .arg(uuid::Uuid::now_v7().simple().to_string())
-            .invoke_async(&mut c)
-            .await?;
-        Ok((at > 0).then_some(at))
-    }
-
-    /// Until when the budget `key` is blocked (Unix ms; 0: it is not).
-    pub async fn budget_blocked_until(&self, key: &str) -> Result<i64, RelayError> {
-        let mut c = self.conn.clone();
-        let v: Option<i64> = c.get(format!("{PREFIX}:budget:{key}:blocked")).await?;
-        Ok(v.unwrap_or(0))
-    }
-
-    /// Nobody takes from the budget `key` until `until_ms` (the provider said so).
-    pub async fn block_budget(&self, key: &str, until_ms: i64) -> Result<(), RelayError> {
-        let mut c = self.conn.clone();
-        let _: i64 = self
-            .block
-            .key(format!("{PREFIX}:budget:{key}:blocked"))
-            .arg(until_ms)
-            .arg(crate::store::now_ms())
-            .invoke_async(&mut c)
-            .await?;
-        Ok(())
+    /// A handle on the managed connection (cheap: it is shared).
+    pub(crate) fn connection(&self) -> redis::aio::ConnectionManager {
+        self.conn.clone()
     }
 
     /// Tells every process that a cancel was requested for `run`.

@@ -1,12 +1,26 @@
-//! The run's vocabulary, apart from where it is kept: what happens to a run ([`Event`], a
-//! payload type per event) and why a run failed ([`RunError`]). The store writes and reads these;
-//! nothing builds an event's JSON by hand.
+//! The run's vocabulary, apart from where it is kept: a run ([`run`]), its messages
+//! ([`message`]), its approvals ([`approval`]), what happens to it ([`Event`], a payload type per
+//! event), why it failed ([`RunError`]), and the overview of an owner's runs. The store writes
+//! and reads these; nothing builds an event's JSON by hand.
 
+pub mod approval;
 pub mod event;
+pub mod job;
+pub mod message;
+pub mod overview;
+pub mod rate;
+pub mod run;
 
 use serde::{Deserialize, Serialize};
 
+pub use approval::{Answered, Approval, ApprovalAnswer, ApprovalStatus, NewApproval};
 pub use event::Event;
+pub use message::{Compaction, CompactionBody, NewMessage, StoredMessage};
+pub use overview::OverviewData;
+pub use run::{
+    Finish, IfBusy, NewRun, QueuePlace, RunLimits, RunRecord, ThreadRecord, TreePosition,
+    TreeTotals,
+};
 
 /// Why a run failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

@@ -5,8 +5,8 @@
 use tracing::{Instrument, info_span};
 
 use super::attempt::Attempt;
-use super::budget::Admission;
 use super::{End, Engine, Flow};
+use crate::budget::Admission;
 use crate::delegation::Wait;
 use crate::model::{ChatRequest, ChatResponse, Message, ModelError};
 

@@ -1,6 +1,6 @@
 //! The step loop's decisions, as pure functions of values: what happens before a model call
 //! (call, compact, force the answer) and after it (go on, compact and retry, park on the
-//! provider's rate limit, fail). The executor ([`super::attempt`]) gathers the inputs, asks, and
+//! provider's rate limit, fail). Whether the rate budgets let a call go is [`crate::budget`]'s. The executor ([`super::attempt`]) gathers the inputs, asks, and
 //! performs; nothing here reads the database or the clock, so each rule has a unit test below.
 
 use std::time::Duration;
@@ -160,22 +160,6 @@ fn model_error_message(e: &ModelError) -> String {
         }
         _ => e.to_string(),
     }
-}
-
-/// When a run parked on the provider's reset (`until`, Unix ms) wakes: spread over a quarter
-/// of the wait after it (at most a second), so the parked runs do not all call at once.
-/// `noise` is any random number.
-pub fn spread_wake(until: i64, now: i64, noise: u128) -> i64 {
-    let spread = ((until - now) / 4).clamp(1, 1000) as u128;
-    until + (noise % spread) as i64
-}
-
-/// How long a call counts against a rate window of `window`: a call counts from when it is
-/// taken here, the provider counts it from when it arrives, so a margin keeps the two windows
-/// from disagreeing at the edges.
-pub fn counted_window_ms(window: Duration) -> i64 {
-    let window = window.as_millis().min(i64::MAX as u128 / 2) as i64;
-    window + window / 10 + 100
 }
 
 /// The failure of a run that passed its wall-time limit.
@@ -354,17 +338,5 @@ mod tests {
         };
         assert_eq!(e.kind, ErrorKind::Model);
         assert!(e.message.contains("check OPENAI_API_KEY"));
-    }
-
-    #[test]
-    fn wake_ups_after_a_reset_spread_over_at_most_a_second() {
-        let until = 10_000;
-        for noise in [0, 1, 999, 12_345, u128::MAX] {
-            let at = spread_wake(until, 0, noise);
-            assert!((until..until + 1000).contains(&at), "{at}");
-        }
-        // A reset already due still wakes at it, not before.
-        assert_eq!(spread_wake(until, until + 50, 77), until);
-        assert_eq!(counted_window_ms(Duration::from_secs(60)), 66_100);
     }
 }

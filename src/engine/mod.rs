@@ -16,7 +16,6 @@
 //! tokens, wall time, tool time, tool output) all end in a defined outcome.
 
 mod attempt;
-pub mod budget;
 mod call;
 pub mod compaction;
 pub mod decide;
@@ -33,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span};
 
 use crate::agents::{AgentDef, AgentRegistry};
+pub use crate::budget::RateLimits;
 use crate::delegation::{DelegationSettings, Wait};
 use crate::domain::event;
 use crate::failpoints::Failpoints;
@@ -44,7 +44,6 @@ use crate::store::{
     RunRecord, StoreError,
 };
 use crate::tools::ToolRegistry;
-pub use budget::RateLimits;
 pub use compaction::{ContextSettings, Window};
 pub use gate::PolicySettings;
 pub use plan::{Next, context, plan};
@@ -133,7 +132,7 @@ pub struct Engine {
     /// Where token deltas go (Redis only), if configured.
     pub deltas: Option<crate::relay::RedisEvents>,
     /// The fleet's shared model budgets (per model and per owner).
-    pub budgets: budget::Budgets,
+    pub budgets: crate::budget::Budgets,
     /// Settings.
     pub settings: EngineSettings,
 }

@@ -1278,7 +1278,7 @@ macro_rules! store_impl {
                 let mut done = 0;
                 while done < count {
                     let n = BATCH.min(count - done);
-                    let rows = super::seed_rows(done, n, now);
+                    let rows = super::seed::seed_rows(done, n, now);
                     let mut tx = self.pool.begin().await?;
                     let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO sa_threads (id, owner, created_at, updated_at) ");
                     q.push_values(&rows, |mut b, r| {

@@ -28,7 +28,7 @@ pub(crate) const MAX_BATCH: usize = 64;
 /// How a backend commits progress: one checkpoint alone (also the fallback when a batch
 /// fails), or many in one transaction.
 pub(crate) trait Progress: Clone + Send + Sync + 'static {
-    /// Commits one checkpoint and announces it (see [`super::RunLog::checkpoint`]).
+    /// Commits one checkpoint and announces it (see [`super::Checkpoints::checkpoint`]).
     fn commit_one(&self, lease: Lease, cp: Checkpoint) -> impl Future<Output = Result<()>> + Send;
     /// Commits non-terminal checkpoints in one transaction; `false` where an item's lease was
     /// gone (that item wrote nothing). An error means nothing committed.

@@ -175,53 +175,25 @@ macro_rules! reach_children {
 mod common;
 mod group;
 pub mod postgres;
+mod seed;
 pub mod sqlite;
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 
 use crate::ids::{RunId, ThreadId};
-use crate::model::{Message, Usage};
+use crate::model::Usage;
 
 pub use postgres::PgStore;
 
 pub use sqlite::SqliteStore;
 
-/// The queue's name in apalis's job table, which the store reads (to find runs whose job is
-/// not waiting to be fetched) and the queue writes. Fixed: apalis's default (the Rust type
-/// path) would orphan queued jobs whenever the type moved.
-pub const QUEUE_NAME: &str = "subagents.runs";
-
-/// Queue-level retries of one job (a job fails only when storage fails mid-run).
-pub const JOB_MAX_ATTEMPTS: usize = 10;
-
-/// Job priorities start here and go down with the rank (apalis fetches the highest first;
-/// PostgreSQL keeps it in an `int4`). `migrations/postgres/0014` computes the same.
-const TOP_PRIORITY: u64 = 1_000_000_000;
-/// Ranks beyond this share the lowest priority.
-const MAX_RANK: u64 = 100_000_000;
-
-/// A job's priority: its run's rank in its owner's queue, then the run's own priority (1–5).
-pub fn job_priority(rank: u32, priority: u8) -> usize {
-    (TOP_PRIORITY - u64::from(rank).min(MAX_RANK) * 8 + u64::from(priority.min(7))) as usize
-}
-
-/// The job: run this run. Defined beside the queue's name because the store writes a new
-/// run's first job itself (in the transaction that creates the run); the queue re-exports it.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct RunJob {
-    /// The run to execute.
-    pub run_id: RunId,
-}
-
-/// A run's job as apalis stores it (its JSON codec).
-pub fn job_body(run: RunId) -> Vec<u8> {
-    serde_json::to_vec(&RunJob { run_id: run }).expect("a run id serializes")
-}
+pub use crate::domain::job::{JOB_MAX_ATTEMPTS, QUEUE_NAME, RunJob, job_body, job_priority};
+pub use crate::domain::rate::{OwnerBudget, next_wake};
 
 /// `Result` with the store's error.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -230,98 +202,11 @@ pub use crate::lifecycle::{IllegalTransition, RunStatus, Terminal, Transition};
 
 #[allow(unused_imports)]
 use crate::domain::event;
-pub use crate::domain::{ErrorKind, Event, RunError};
-
-/// Limits resolved when the run is created (agent definition, then caller overrides), stored
-/// with the run so a resumed run obeys the same limits as the first attempt.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RunLimits {
-    /// Tool-using steps before a forced final answer.
-    pub max_steps: u32,
-    /// Wall time from the first start, in seconds.
-    pub timeout_secs: u64,
-    /// Tokens (prompt + completion, summed over every call of the run and its descendants)
-    /// before a forced final answer. Children inherit it: a limit set on a root bounds the tree.
-    #[serde(default)]
-    pub max_total_tokens: Option<u64>,
-    /// Model calls of the run and its descendants before a forced final answer; inherited like
-    /// `max_total_tokens`.
-    #[serde(default)]
-    pub max_total_steps: Option<u64>,
-    /// Percent of the context window at which this run compacts, when the caller set it
-    /// (otherwise the agent's `compact_at:`, then `SUBAGENTS_COMPACT_AT`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub compact_at: Option<u8>,
-}
-
-/// What the caller asks for when starting a run.
-#[derive(Clone, Debug)]
-pub struct NewRun {
-    /// Chosen by the caller so a job can be pushed with it.
-    pub id: RunId,
-    /// New or existing thread.
-    pub thread_id: ThreadId,
-    /// Owner of the thread and run.
-    pub owner: String,
-    /// Agent name.
-    pub agent: String,
-    /// The user message.
-    pub input: String,
-    /// Free caller data.
-    pub metadata: Value,
-    /// Limits.
-    pub limits: RunLimits,
-    /// The delegating run, if any.
-    pub parent_run_id: Option<RunId>,
-    /// Where this run sits in a delegation tree.
-    pub tree: TreePosition,
-    /// The queue job that will execute it.
-    pub job_id: String,
-    /// What to do when the thread already has an unfinished run.
-    pub if_busy: IfBusy,
-    /// A repeated start with the same key (per owner) returns the first run.
-    pub idempotency_key: Option<String>,
-    /// The run this one retries.
-    pub retry_of: Option<RunId>,
-    /// 1 (lowest) to 5.
-    pub priority: u8,
-    /// Where it joins its owner's queue: a new root run at the back, a child (its parent
-    /// already had its turn) at the front. The store answers with the runs ahead of it.
-    pub place: QueuePlace,
-}
-
-/// A run's place in its delegation tree.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TreePosition {
-    /// The top of the tree (None for a root).
-    pub root_run_id: Option<RunId>,
-    /// 0 for a root, 1 for its children, …
-    pub depth: u32,
-    /// A detached child survives its parent's end and cancel.
-    pub detached: bool,
-}
-
-/// What a start does when its thread already has an unfinished run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum IfBusy {
-    /// Refuse with [`StoreError::Busy`].
-    #[default]
-    Reject,
-    /// Queue behind it; runs of one thread execute one at a time, in order.
-    Enqueue,
-}
-
-/// Where a run joins its owner's queue ([`RunLog::queue_rank`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QueuePlace {
-    /// Behind every queued run of its priority or a higher one: a new run waits its turn.
-    Back,
-    /// Ahead of the other queued runs of its priority, behind those of a higher one: a run that
-    /// already had its turn (released by a draining worker, woken from a park, freed by its
-    /// thread, or held back by a concurrency limit) does not queue again behind newer work.
-    Front,
-}
+pub use crate::domain::{
+    Answered, Approval, ApprovalAnswer, ApprovalStatus, Compaction, CompactionBody, ErrorKind,
+    Event, Finish, IfBusy, NewApproval, NewMessage, NewRun, OverviewData, QueuePlace, RunError,
+    RunLimits, RunRecord, StoredMessage, ThreadRecord, TreePosition, TreeTotals,
+};
 
 /// The answer to [`Store::create_run`].
 #[derive(Clone, Debug)]
@@ -331,7 +216,7 @@ pub struct Created {
     /// True when an earlier start with the same idempotency key made it.
     pub existing: bool,
     /// Its owner's queued runs ahead of it as it was created, by [`NewRun::place`] (what
-    /// [`RunLog::queue_rank`] answers, read in the same round trip); 0 for an existing run.
+    /// [`Claims::queue_rank`] answers, read in the same round trip); 0 for an existing run.
     pub ahead: u32,
 }
 
@@ -356,177 +241,6 @@ pub struct RunFilter {
     pub oldest_first: bool,
     /// The cursor: only runs past this one in the page order (ids are time-ordered).
     pub before: Option<RunId>,
-}
-
-/// What the dashboard's overview shows, read in one pass: counts now, the last hour's
-/// activity, and the fleet.
-#[derive(Clone, Debug, Default)]
-pub struct OverviewData {
-    /// Runs per state.
-    pub by_status: Vec<(RunStatus, u64)>,
-    /// When the oldest queued run was enqueued (ms since the epoch).
-    pub oldest_queued_ms: Option<i64>,
-    /// Recent events that carry figures (`model.completed`, run ends), newest first.
-    pub events: Vec<(RunId, String, Value, DateTime<Utc>)>,
-    /// Whether `events` hit its cap (then per-minute figures are a sample).
-    pub events_capped: bool,
-    /// Failed runs per `error.kind` since the day mark.
-    pub failures: Vec<(String, u64)>,
-    /// Worker processes with their last heartbeat.
-    pub workers: Vec<(String, DateTime<Utc>)>,
-    /// The owner's running runs: id, worker, last heartbeat.
-    pub running: Vec<(RunId, Option<String>, Option<DateTime<Utc>>)>,
-}
-
-/// A thread as stored.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ThreadRecord {
-    /// Id.
-    pub id: ThreadId,
-    /// Owner.
-    pub owner: String,
-    /// Creation time.
-    pub created_at: DateTime<Utc>,
-    /// Last run start.
-    pub updated_at: DateTime<Utc>,
-}
-
-/// A run as stored.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RunRecord {
-    /// Id.
-    pub id: RunId,
-    /// Thread.
-    pub thread_id: ThreadId,
-    /// Owner.
-    pub owner: String,
-    /// Agent name.
-    pub agent: String,
-    /// State.
-    pub status: RunStatus,
-    /// The user message that started it.
-    pub input: String,
-    /// Caller data.
-    pub metadata: Value,
-    /// Limits.
-    pub limits: RunLimits,
-    /// Delegating run.
-    pub parent_run_id: Option<RunId>,
-    /// Place in the delegation tree.
-    pub tree: TreePosition,
-    /// When a parked run should be looked at again (Unix ms), if it has a deadline.
-    pub wake_at: Option<i64>,
-    /// The state it was claimed from last (`queued`, `waiting`, `running` after a crash).
-    pub claimed_from: Option<RunStatus>,
-    /// Model calls committed so far.
-    pub step: u32,
-    /// True when the final answer was forced by a limit.
-    pub forced: bool,
-    /// Final text once succeeded.
-    pub result: Option<String>,
-    /// Error once failed.
-    pub error: Option<RunError>,
-    /// Tokens used.
-    pub usage: Usage,
-    /// Times a worker claimed it (starts, resumes after parking or draining, and reclaims).
-    pub attempts: u32,
-    /// Times its lease expired under a worker (crashes, kills, freezes): only these count
-    /// toward the attempts limit.
-    pub crashes: u32,
-    /// Current lease epoch.
-    pub lease_epoch: i64,
-    /// A cancel was requested and not yet acted on.
-    pub cancel_requested: bool,
-    /// Latest queue job id.
-    pub job_id: String,
-    /// Seq of the run's latest event.
-    pub event_seq: u64,
-    /// Creation time.
-    pub created_at: DateTime<Utc>,
-    /// First claim.
-    pub started_at: Option<DateTime<Utc>>,
-    /// Terminal time.
-    pub finished_at: Option<DateTime<Utc>>,
-    /// Last lease renewal or checkpoint.
-    pub heartbeat_at: Option<DateTime<Utc>>,
-    /// What its model calls cost, in nano-dollars (the price table at the time of each call).
-    pub cost_nanos: u64,
-    /// The run this one retries (`POST /v1/runs/{id}/retry`).
-    pub retry_of: Option<RunId>,
-    /// 1 (lowest) to 5: the order of an owner's queued runs.
-    pub priority: u8,
-}
-
-/// A checkpointed message.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StoredMessage {
-    /// Position in the thread (increasing).
-    pub id: i64,
-    /// The run that wrote it.
-    pub run_id: RunId,
-    /// The step it belongs to (0 = input).
-    pub step: u32,
-    /// Idempotency key: `{run}:input`, `{run}:{step}:assistant`, `{run}:{step}:tool:{call}`.
-    pub key: String,
-    /// The message.
-    pub message: Message,
-}
-
-/// A message to append. The key makes the append idempotent.
-#[derive(Clone, Debug)]
-pub struct NewMessage {
-    /// Step.
-    pub step: u32,
-    /// Idempotency key.
-    pub key: String,
-    /// The message.
-    pub message: Message,
-}
-
-/// A committed compaction: its [`CompactionBody`] (reachable through `Deref`: `c.summary`) says
-/// which of the thread's messages the summary stands for when a context is rebuilt (all but the
-/// compacting run's own task, which is always kept verbatim). Nothing is deleted: the thread
-/// view still pages through every message.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct Compaction {
-    /// Position among the thread's compactions (increasing).
-    pub id: i64,
-    /// The run whose step compacted.
-    #[schema(value_type = String)]
-    pub run_id: RunId,
-    /// What was compacted, and into what.
-    #[serde(flatten)]
-    pub body: CompactionBody,
-    /// When it was committed.
-    pub created_at: DateTime<Utc>,
-}
-
-impl std::ops::Deref for Compaction {
-    type Target = CompactionBody;
-    fn deref(&self) -> &CompactionBody {
-        &self.body
-    }
-}
-
-/// What a compaction commits (see [`RunLog::commit_compaction`]); the range is its identity, so
-/// committing the same range twice adds nothing.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct CompactionBody {
-    /// First message replaced.
-    pub first_message_id: i64,
-    /// Last message replaced; a rebuilt context holds only messages after it.
-    pub last_message_id: i64,
-    /// How many messages it replaced.
-    pub messages: i64,
-    /// The summary text the model wrote (plus the still-pending delegations).
-    pub summary: String,
-    /// Estimated tokens of the request before and after.
-    pub tokens_before: i64,
-    /// See `tokens_before`.
-    pub tokens_after: i64,
-    /// `threshold` (the next request would pass `compact_at`), `context_length` (the provider
-    /// refused the request as too long) or `new_run` (a new run on a long thread).
-    pub reason: String,
 }
 
 /// An event to append to a run's outbox: the stored form of an [`Event`], and built only from
@@ -612,126 +326,6 @@ pub struct Park {
     pub approvals: Vec<String>,
 }
 
-/// Where an approval stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum ApprovalStatus {
-    /// Waiting for an answer.
-    Pending,
-    /// Allowed: the call runs.
-    Allowed,
-    /// Denied: the model is told.
-    Denied,
-    /// Nobody answered within the approval timeout: denied.
-    Expired,
-}
-
-impl ApprovalStatus {
-    /// Stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ApprovalStatus::Pending => "pending",
-            ApprovalStatus::Allowed => "allowed",
-            ApprovalStatus::Denied => "denied",
-            ApprovalStatus::Expired => "expired",
-        }
-    }
-
-    /// Parses a stored name.
-    pub fn parse(s: &str) -> Option<ApprovalStatus> {
-        Some(match s {
-            "pending" => ApprovalStatus::Pending,
-            "allowed" => ApprovalStatus::Allowed,
-            "denied" => ApprovalStatus::Denied,
-            "expired" => ApprovalStatus::Expired,
-            _ => return None,
-        })
-    }
-}
-
-/// A tool call a run waits on a person for.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct Approval {
-    /// `apr_…`, time-ordered.
-    pub id: String,
-    /// The run that asked.
-    #[schema(value_type = String)]
-    pub run_id: RunId,
-    /// Its root (a child's approval shows with its root run).
-    #[schema(value_type = String)]
-    pub root_run_id: RunId,
-    /// The tool.
-    pub tool: String,
-    /// The call's arguments.
-    #[schema(value_type = Object)]
-    pub input: Value,
-    /// Why it was asked: the rule or hook that asked.
-    pub reason: String,
-    /// Where it stands.
-    pub status: ApprovalStatus,
-    /// The answer's reason (or why it expired).
-    pub answer_reason: Option<String>,
-    /// Who answered (the owner's key), or `timeout`.
-    pub resolved_by: Option<String>,
-    /// Arguments the approver replaced the call's with.
-    #[schema(value_type = Option<Object>)]
-    pub updated_input: Option<Value>,
-    /// `once` or `run_tree` (the tool is then allowed for the whole run tree).
-    pub scope: Option<String>,
-    /// Asked at.
-    pub created_at: DateTime<Utc>,
-    /// Counts as denied after this (Unix ms).
-    pub expires_at: i64,
-    /// Answered (or expired) at.
-    pub resolved_at: Option<DateTime<Utc>>,
-}
-
-/// An approval to open with a call's decision.
-#[derive(Clone, Debug)]
-pub struct NewApproval {
-    /// Its id.
-    pub id: String,
-    /// The tool.
-    pub tool: String,
-    /// The call's arguments.
-    pub input: Value,
-    /// Why it is asked: the rule or hook that asked.
-    pub reason: String,
-    /// Unix ms after which it counts as denied.
-    pub expires_at: i64,
-    /// What a `run_tree` grant of it covers (see [`crate::permissions::grant_scope`]).
-    pub grant_scope: String,
-}
-
-/// An answer to an approval.
-#[derive(Clone, Debug)]
-pub struct ApprovalAnswer {
-    /// Allow or deny.
-    pub allow: bool,
-    /// Why (the model sees it on a deny).
-    pub reason: Option<String>,
-    /// Replacement arguments (allow only).
-    pub updated_input: Option<Value>,
-    /// Allow the tool for the whole run tree, not just this call.
-    pub run_tree: bool,
-    /// Who answers (recorded as `resolved_by`).
-    pub by: String,
-}
-
-/// What answering an approval did.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Answered {
-    /// Recorded; the run was woken (push a job for it).
-    Done {
-        /// The run to push.
-        run_id: RunId,
-    },
-    /// No such approval for this owner.
-    NotFound,
-    /// It was answered (or expired, or its run ended) already.
-    Closed(ApprovalStatus),
-}
-
 /// The answer to [`Store::park`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Parked {
@@ -752,108 +346,6 @@ pub struct Expired {
     pub run_id: RunId,
     /// True when it failed with `kind=lost` (too many crashes) instead of being queued again.
     pub gave_up: bool,
-}
-
-/// How a run ends.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Finish {
-    /// With a final answer.
-    Succeeded {
-        /// The final text.
-        result: String,
-        /// Whether a limit forced it.
-        forced: bool,
-    },
-    /// With an error.
-    Failed(RunError),
-    /// On request.
-    Cancelled,
-}
-
-/// One seeded run: id, thread, created, finished, status, error kind, within the last hour.
-pub(crate) type SeedRow = (
-    String,
-    String,
-    DateTime<Utc>,
-    Option<DateTime<Utc>>,
-    &'static str,
-    Option<&'static str>,
-    bool,
-);
-
-/// Rows for [`Queries::seed_history`]: runs `first..first + n`, one in a hundred recent.
-pub(crate) fn seed_rows(first: u32, n: u32, now: DateTime<Utc>) -> Vec<SeedRow> {
-    use rand::Rng;
-    let mut rng = rand::rng();
-    let mut rows = Vec::with_capacity(n as usize);
-    for i in 0..n {
-        let recent = (first + i).is_multiple_of(100);
-        let age_ms: i64 = if recent {
-            rng.random_range(0..3_600_000)
-        } else {
-            rng.random_range(3_600_000..30 * 86_400_000)
-        };
-        let created = now - chrono::Duration::milliseconds(age_ms);
-        let mut random = [0u8; 10];
-        rng.fill(&mut random);
-        let id =
-            uuid::Builder::from_unix_timestamp_millis(created.timestamp_millis() as u64, &random)
-                .into_uuid()
-                .to_string();
-        let roll: u32 = rng.random_range(0..100);
-        let (status, kind) = match roll {
-            0 => ("queued", None),
-            1..=2 => ("cancelled", None),
-            3..=8 => (
-                "failed",
-                Some(["model", "timeout", "tool", "context"][roll as usize % 4]),
-            ),
-            _ => ("succeeded", None),
-        };
-        let finished = (status != "queued")
-            .then(|| created + chrono::Duration::milliseconds(rng.random_range(500..120_000)));
-        rows.push((
-            id,
-            format!("seed-{}", uuid::Uuid::new_v4().simple()),
-            created,
-            finished,
-            status,
-            kind,
-            recent,
-        ));
-    }
-    rows
-}
-
-/// What a run and its descendants used together.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TreeTotals {
-    /// Tokens.
-    pub usage: Usage,
-    /// Model calls.
-    pub steps: u64,
-    /// Cost in nano-dollars.
-    pub cost_nanos: u64,
-}
-
-/// When a taker refused by a budget should try again: when the oldest call leaves the window
-/// (`free_at`), or a slot's share of the window (`window / max_requests`, a hundredth without
-/// a request limit) after the time the last refused taker was given, whichever is later. Runs
-/// over budget so wake one by one as it frees, instead of all at once with all but one parking
-/// again.
-pub fn next_wake(free_at: i64, last_given: i64, window_ms: i64, max_requests: Option<u64>) -> i64 {
-    let slot = (window_ms / max_requests.unwrap_or(100).clamp(1, i64::MAX as u64) as i64).max(1);
-    free_at.max(last_given.saturating_add(slot))
-}
-
-/// An owner's own model budget per window (a minute): calls and prompt tokens, either may be
-/// unlimited.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct OwnerBudget {
-    /// Model calls.
-    pub rpm: Option<u64>,
-    /// Prompt tokens.
-    pub tpm: Option<u64>,
 }
 
 /// One atomic, fenced write of a run's progress.
@@ -948,17 +440,6 @@ impl Checkpoint {
         match &self.finish {
             Some(Finish::Failed(e)) => Some(e),
             _ => None,
-        }
-    }
-}
-
-impl Finish {
-    /// The terminal status it ends in.
-    pub fn terminal(&self) -> Terminal {
-        match self {
-            Finish::Succeeded { .. } => Terminal::Succeeded,
-            Finish::Failed(_) => Terminal::Failed,
-            Finish::Cancelled => Terminal::Cancelled,
         }
     }
 }
@@ -1445,23 +926,4 @@ impl<T: RunLog + Queries + Outbox + Harness> Store for T {}
 /// compares them the same way.
 pub fn now_ms() -> i64 {
     Utc::now().timestamp_millis()
-}
-
-#[cfg(test)]
-mod wake_tests {
-    #[test]
-    fn refused_takers_get_one_slot_each() {
-        // 40 calls per 5 s: a slot is 125 ms. The first refused taker comes back when the
-        // oldest call leaves; the next ones a slot apart.
-        let first = super::next_wake(10_000, 0, 5_000, Some(40));
-        assert_eq!(first, 10_000);
-        let second = super::next_wake(10_000, first, 5_000, Some(40));
-        assert_eq!(second, 10_125);
-        assert_eq!(super::next_wake(10_000, second, 5_000, Some(40)), 10_250);
-        // Once the schedule is behind, the oldest call's leaving is what counts again.
-        assert_eq!(super::next_wake(20_000, second, 5_000, Some(40)), 20_000);
-        // Tokens only: a hundredth of the window.
-        assert_eq!(super::next_wake(0, 1_000, 5_000, None), 1_050);
-        assert!(super::next_wake(0, i64::MAX, 5_000, Some(0)) == i64::MAX);
-    }
 }

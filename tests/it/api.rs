@@ -504,9 +504,7 @@ async fn busy_threads_reject_or_enqueue_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_in_each_state() {
-    let (t, api) = setup(KEYS, 0).await;
-    let slow = t.app.store.clone();
-    let _ = slow;
+    let (_t, api) = setup(KEYS, 0).await;
     // Running: a long model latency keeps it in a model call; cancel aborts the stream.
     let (_, a) = api
         .post(

@@ -232,26 +232,60 @@ fn help_explains_the_commands_and_the_scenario_grammar() {
     }
 }
 
-#[test]
-fn demo_runs_with_no_key_and_no_service() {
+/// The demo shows what it claims: the parent delegated to two children, their worker process
+/// was killed mid-step (each child was claimed again after a crash), every run ended, and no
+/// model answer was asked for twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_runs_with_no_key_and_no_service() {
+    use subagents::store::{Queries, RunFilter, RunStatus, Runs};
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
-        .arg("demo")
-        .current_dir(dir.path())
-        .env_remove("DATABASE_URL")
-        .env_remove("OPENAI_API_KEY")
-        .env_remove("OPENAI_BASE_URL")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = tokio::task::block_in_place(|| {
+        Command::new(env!("CARGO_BIN_EXE_subagents"))
+            .arg("demo")
+            .current_dir(dir.path())
+            .env_remove("DATABASE_URL")
+            .env_remove("OPENAI_API_KEY")
+            .env_remove("OPENAI_BASE_URL")
+            .env_remove("REDIS_URL")
+            .output()
+            .unwrap()
+    });
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
     assert_eq!(
         text(&out.stdout),
-        "DONE after 4 steps\nDONE after 2 steps\n"
+        format!(
+            "{}\nDONE after 2 steps\n",
+            subagents::cli::demo::LEAD_ANSWER
+        )
     );
+    assert!(stderr.contains("SIGKILL"), "{stderr}");
     assert!(
-        dir.path().join("subagents.db").exists(),
-        "embedded default database created"
+        stderr.contains("answers asked for again after the kill: 0."),
+        "{stderr}"
     );
+    let db = dir.path().join("subagents.db");
+    assert!(db.exists(), "embedded default database created");
+    let store = subagents::store::SqliteStore::connect(&format!("sqlite://{}", db.display()))
+        .await
+        .unwrap();
+    let filter = RunFilter {
+        agent: Some("lead".into()),
+        ..Default::default()
+    };
+    let lead = store.list_runs("local", &filter, 10).await.unwrap();
+    assert_eq!(lead.len(), 1, "{lead:?}");
+    assert_eq!(lead[0].status, RunStatus::Succeeded);
+    let children = store.children(lead[0].id).await.unwrap();
+    assert_eq!(children.len(), 2, "{children:?}");
+    for c in &children {
+        let c = store.get_run(c.id).await.unwrap().unwrap();
+        assert_eq!(c.status, RunStatus::Succeeded, "{c:?}");
+        assert_eq!(
+            c.crashes, 1,
+            "each child's worker died under it once: {c:?}"
+        );
+    }
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! The reference pages against the code: a setting, a route or an event type that the code has
-//! and its page does not name fails here, so the pages cannot fall behind.
+//! The reference pages against the code: a setting, a route, an event type or a state
+//! transition that the code has and its page does not show fails here, so the pages cannot fall
+//! behind.
 
 use std::path::Path;
 
@@ -88,5 +89,53 @@ fn every_event_type_and_field_is_documented() {
     assert!(
         missing.is_empty(),
         "events or fields not in docs/design.md's events table: {missing:?}"
+    );
+}
+
+/// The transition table of docs/design.md is the one `lifecycle::next_status` implements, cell
+/// for cell: a new status, a new event or a changed move that the page does not show fails here.
+#[test]
+fn the_transition_table_is_the_state_machines() {
+    use subagents::lifecycle::{RunStatus, Terminal, Transition, next_status};
+    // The three finishes are one column: `t`, the terminal status the holder names.
+    let events: Vec<(&str, Transition)> = Transition::ALL
+        .into_iter()
+        .filter_map(|t| match t {
+            Transition::Finish(Terminal::Succeeded) => Some(("finish(t)", t)),
+            Transition::Finish(_) => None,
+            t => Some((t.name(), t)),
+        })
+        .collect();
+    let cell = |from: RunStatus, t: Transition| match (t, next_status(from, t)) {
+        (_, Err(_)) => "–".to_owned(),
+        (Transition::Finish(_), Ok(_)) => "t".to_owned(),
+        (_, Ok(to)) => to.as_str().to_owned(),
+    };
+    let row = |label: &str, from: RunStatus| {
+        let cells: Vec<String> = events.iter().map(|(_, t)| cell(from, *t)).collect();
+        format!("| {label} | {} |", cells.join(" | "))
+    };
+    let names: Vec<&str> = events.iter().map(|(n, _)| *n).collect();
+    let mut lines = vec![
+        format!("| from \\ event | {} |", names.join(" | ")),
+        format!("|{}", "---|".repeat(names.len() + 1)),
+    ];
+    let (ended, live): (Vec<RunStatus>, Vec<RunStatus>) =
+        RunStatus::ALL.into_iter().partition(|s| s.is_terminal());
+    for s in live {
+        lines.push(row(s.as_str(), s));
+    }
+    // The terminal statuses share one row, which only holds while they allow the same moves.
+    let ended_rows: Vec<String> = ended.iter().map(|s| row("", *s)).collect();
+    assert!(
+        ended_rows.windows(2).all(|w| w[0] == w[1]),
+        "{ended_rows:?}"
+    );
+    let label: Vec<&str> = ended.iter().map(|s| s.as_str()).collect();
+    lines.push(row(&label.join(", "), ended[0]));
+    let expected = lines.join("\n");
+    assert!(
+        page("design.md").contains(&expected),
+        "docs/design.md's transition table is not lifecycle::next_status's; it should read:\n{expected}"
     );
 }

@@ -20,7 +20,7 @@ const LAYERS: &[&[&str]] = &[
     &["tools", "store", "mcp"],
     &["events", "hooks", "permissions"],
     &["relay", "queue"],
-    &["runs"],
+    &["runs", "budget"],
     &["delegation"],
     &["engine"],
     &["worker"],

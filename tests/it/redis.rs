@@ -283,9 +283,8 @@ async fn a_redis_outage_moves_the_budgets_to_the_database() {
     );
     // One failed attempt per back-off period, not one per call (a loaded machine may take
     // longer than one period for the run).
-    let periods = 1
-        + (t0.elapsed().as_secs_f64() / subagents::engine::budget::REDIS_BACKOFF.as_secs_f64())
-            as u64;
+    let periods =
+        1 + (t0.elapsed().as_secs_f64() / subagents::budget::REDIS_BACKOFF.as_secs_f64()) as u64;
     let failed = budgets.redis_failures();
     assert!(
         (1..=periods).contains(&failed),

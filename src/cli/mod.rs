@@ -1,5 +1,7 @@
 //! The command line: `run`, `worker`, `agents`, `demo`, `migrate`, `mock-llm`.
 
+pub mod demo;
+
 use std::io::{IsTerminal, Read};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -106,8 +108,16 @@ enum Command {
         #[arg(long)]
         strict: bool,
     },
-    /// Show a multi-step run and a continued thread against an in-process mock model.
-    Demo,
+    /// Show what durable runs add, against an in-process mock model (no key, no service): a
+    /// parent delegates to two children and parks; their worker process is killed with SIGKILL
+    /// mid-step; this process takes over and every run resumes from its last checkpoint, with
+    /// no model call asked twice; a second run continues the thread.
+    Demo {
+        /// Also serve the API and the dashboard on a free loopback port, print its URL to
+        /// watch the runs live, and keep serving after the demo until Ctrl-C.
+        #[arg(long)]
+        serve: bool,
+    },
     /// Create or upgrade the database schema, then exit.
     Migrate,
     /// Measure throughput: N runs of K steps against an OpenAI-compatible mock; prints one
@@ -496,7 +506,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             shutdown_signal().await;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Demo => demo(settings).await,
+        Command::Demo { serve } => demo::run(settings, serve).await,
         Command::BenchApi(args) => Ok(if crate::bench::run_api(args).await? {
             ExitCode::SUCCESS
         } else {
@@ -585,7 +595,7 @@ async fn run_to_end(app: &App, req: StartRun, quiet: bool) -> anyhow::Result<Exi
 }
 
 /// Prints the outcome; returns the exit code.
-fn report(run: &RunRecord) -> ExitCode {
+pub(crate) fn report(run: &RunRecord) -> ExitCode {
     match run.status {
         RunStatus::Succeeded => {
             println!("{}", run.result.as_deref().unwrap_or(""));
@@ -623,7 +633,11 @@ fn report(run: &RunRecord) -> ExitCode {
 }
 
 /// Prints each event of the run until it is terminal, then returns the run.
-async fn follow(app: &App, run: RunId, progress: &Progress) -> anyhow::Result<RunRecord> {
+pub(crate) async fn follow(
+    app: &App,
+    run: RunId,
+    progress: &Progress,
+) -> anyhow::Result<RunRecord> {
     let mut cursor = 0;
     loop {
         let events = app.store.events_after(run, cursor, 200).await?;
@@ -647,13 +661,13 @@ async fn follow(app: &App, run: RunId, progress: &Progress) -> anyhow::Result<Ru
 }
 
 /// Progress on stderr: a spinner plus lines on a terminal, plain lines otherwise.
-struct Progress {
+pub(crate) struct Progress {
     bar: Option<ProgressBar>,
     quiet: bool,
 }
 
 impl Progress {
-    fn new(quiet: bool) -> Self {
+    pub(crate) fn new(quiet: bool) -> Self {
         let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
             let b = ProgressBar::new_spinner();
             b.set_style(
@@ -709,69 +723,6 @@ impl Progress {
             b.finish_and_clear();
         }
     }
-}
-
-async fn demo(mut settings: Settings) -> anyhow::Result<ExitCode> {
-    let mock = MockServer::start(
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-        MockOptions {
-            latency: Duration::from_millis(150),
-            ..Default::default()
-        },
-    )
-    .await?;
-    settings.openai_base_url = mock.base_url();
-    settings.openai_api_key = Some("demo".into());
-    settings.default_model = "mock-model".into();
-    eprintln!(
-        "demo: mock model at {}, database {}\n",
-        mock.base_url(),
-        settings.database_url
-    );
-    let app = App::open(settings).await?;
-    let first = StartRun {
-        input: "Collect three facts about durable execution, checking each one with the echo tool.\nSCENARIO steps=4 tool=echo".into(),
-        ..Default::default()
-    };
-    eprintln!(
-        "1) a 4-step run: three steps call a tool, the fourth answers. Each step is committed before the next."
-    );
-    let run = match app.start_run(first).await {
-        Ok(r) => r,
-        Err(e) => anyhow::bail!("demo could not start: {e}"),
-    };
-    let thread = run.thread_id.clone();
-    let shutdown = CancellationToken::new();
-    let workers = app.spawn_workers(shutdown.clone());
-    let progress = Progress::new(false);
-    let r1 = follow(&app, run.id, &progress).await?;
-    progress.finish();
-    report(&r1);
-    eprintln!(
-        "\n2) the same thread continued by a second run: it starts from the first run's messages."
-    );
-    let second = StartRun {
-        input: "Now summarize what you found in one line.\nSCENARIO steps=2 tool=echo".into(),
-        thread_id: Some(thread.clone()),
-        ..Default::default()
-    };
-    let run2 = app
-        .start_run(second)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let progress = Progress::new(false);
-    let r2 = follow(&app, run2.id, &progress).await?;
-    progress.finish();
-    let code = report(&r2);
-    let messages = app.store.thread_messages(&thread, 100_000).await?;
-    eprintln!(
-        "\nthread {thread} now holds {} checkpointed messages from 2 runs; the parent that delegated each run would have received only the final line.",
-        messages.len()
-    );
-    shutdown.cancel();
-    let _ = workers.await;
-    let _ = Arc::new(());
-    Ok(code)
 }
 
 /// A signal before the process had started anything: nothing to drain, an orderly exit.

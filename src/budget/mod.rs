@@ -8,14 +8,21 @@
 //!
 //! In this crate "budget" means only this: what a rate window still allows. A run's own limits
 //! (steps, tokens, wall time; a tree's totals) are limits, and what fits a model's context is
-//! its window ([`super::compaction::Window`]).
+//! its window ([`crate::engine::Window`]). The whole of it is here: the admission of a call
+//! ([`Budgets::admit`]), the Redis half (`redis.rs`), the scheduling of refused takers
+//! ([`next_wake`]), and the owners' budgets; the database's half is the store's
+//! [`crate::store::RateBudgets`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::relay::RedisEvents;
-use crate::store::{OwnerBudget, RunLog, StoreError};
+
+pub use crate::domain::rate::{OwnerBudget, next_wake};
+use crate::store::{RunLog, StoreError};
+
+mod redis;
 
 /// How long an owner's budget, as the keys file set it, is trusted before it is read again.
 const OWNER_TTL: Duration = Duration::from_secs(5);
@@ -214,7 +221,7 @@ impl Budgets {
         let model_limit = limits.by_model.get(model).copied();
         let owner_limit = self.owner(owner).await?;
         if model_limit.is_some() || owner_limit.is_some() {
-            let window = super::decide::counted_window_ms(limits.window);
+            let window = counted_window_ms(limits.window);
             let estimate = estimate();
             if let Some(o) = owner_limit
                 && let Some(until) = self
@@ -248,7 +255,7 @@ impl Budgets {
         {
             let noise = uuid::Uuid::new_v4().as_u128();
             return Ok(Admission::Wait {
-                until: super::decide::spread_wake(until, crate::store::now_ms(), noise),
+                until: spread_wake(until, crate::store::now_ms(), noise),
                 provider: true,
             });
         }
@@ -270,5 +277,38 @@ impl Budgets {
         }
         owners.insert(owner.to_owned(), (Instant::now(), b));
         Ok(b)
+    }
+}
+
+/// When a run parked on the provider's reset (`until`, Unix ms) wakes: spread over a quarter
+/// of the wait after it (at most a second), so the parked runs do not all call at once.
+/// `noise` is any random number.
+pub fn spread_wake(until: i64, now: i64, noise: u128) -> i64 {
+    let spread = ((until - now) / 4).clamp(1, 1000) as u128;
+    until + (noise % spread) as i64
+}
+
+/// How long a call counts against a rate window of `window`: a call counts from when it is
+/// taken here, the provider counts it from when it arrives, so a margin keeps the two windows
+/// from disagreeing at the edges.
+pub fn counted_window_ms(window: Duration) -> i64 {
+    let window = window.as_millis().min(i64::MAX as u128 / 2) as i64;
+    window + window / 10 + 100
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wake_ups_after_a_reset_spread_over_at_most_a_second() {
+        let until = 10_000;
+        for noise in [0, 1, 999, 12_345, u128::MAX] {
+            let at = spread_wake(until, 0, noise);
+            assert!((until..until + 1000).contains(&at), "{at}");
+        }
+        // A reset already due still wakes at it, not before.
+        assert_eq!(spread_wake(until, until + 50, 77), until);
+        assert_eq!(counted_window_ms(Duration::from_secs(60)), 66_100);
     }
 }
