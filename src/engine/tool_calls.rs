@@ -53,16 +53,16 @@ pub(super) fn route(name: &str, refused: bool, offered: &[String]) -> Route {
 }
 
 /// A call's result as the model will see it.
-struct Answered {
+struct ToolResult {
     text: String,
     ok: bool,
     /// The whole result went to a file; the model sees its head.
     offloaded: bool,
 }
 
-impl Answered {
-    fn error(text: String) -> Answered {
-        Answered {
+impl ToolResult {
+    fn error(text: String) -> ToolResult {
+        ToolResult {
             text,
             ok: false,
             offloaded: false,
@@ -131,9 +131,9 @@ impl Engine {
         let answered = match route(&call.function.name, refused, &a.tools.names) {
             Route::Refused => {
                 tracing::warn!("identical call repeated 3 times; not executed");
-                Answered::error(LOOP_MESSAGE.to_owned())
+                ToolResult::error(LOOP_MESSAGE.to_owned())
             }
-            Route::Unknown => Answered::error(format!(
+            Route::Unknown => ToolResult::error(format!(
                 "error[unknown_tool]: `{}` is not available to agent `{}`; use one of: {}",
                 call.function.name,
                 a.agent.name,
@@ -218,17 +218,17 @@ impl Engine {
         step: u32,
         call: &ToolCall,
         key: &str,
-    ) -> Flow<Result<Answered, Wait>> {
+    ) -> Flow<Result<ToolResult, Wait>> {
         let arguments = match self.gate(a, step, call, key).await? {
             Gate::Park(wait) => return Ok(Err(wait)),
-            Gate::Refuse(text) => return Ok(Ok(Answered::error(text))),
+            Gate::Refuse(text) => return Ok(Ok(ToolResult::error(text))),
             Gate::Run { arguments, .. } => arguments,
         };
         let ctx = self.delegation_ctx(a.run, &a.agent);
         Ok(
             match ctx.call(&call.function.name, &arguments, &call.id).await? {
                 crate::delegation::Call::Park(wait) => Err(wait),
-                crate::delegation::Call::Done(Answer { text, ok }) => Ok(Answered {
+                crate::delegation::Call::Done(Answer { text, ok }) => Ok(ToolResult {
                     text,
                     ok,
                     offloaded: false,
@@ -245,7 +245,7 @@ impl Engine {
         step: u32,
         call: &ToolCall,
         key: &str,
-    ) -> Flow<Result<Answered, Wait>> {
+    ) -> Flow<Result<ToolResult, Wait>> {
         // A fresh step announced its tools with its assistant message (one commit fewer per
         // call); a replayed call announces itself again.
         let announced = a.announced == Some(step);
@@ -255,7 +255,7 @@ impl Engine {
                 // another worker. The model hears why instead.
                 tracing::error!(tool = %call.function.name, "this call's worker died each of the last times it ran; not running it again");
                 metrics::counter!("subagents_tool_crash_refusals_total").increment(1);
-                return Ok(Ok(Answered::error(format!(
+                return Ok(Ok(ToolResult::error(format!(
                     "error[tool_crashed]: this call was started {MAX_CRASHES_UNDER_A_CALL} times and its worker died each time before it returned; it was not run again. Do not repeat it: try a smaller or different call."
                 ))));
             }
@@ -268,7 +268,7 @@ impl Engine {
         }
         Ok(match self.gate(a, step, call, key).await? {
             Gate::Park(wait) => Err(wait),
-            Gate::Refuse(text) => Ok(Answered::error(text)),
+            Gate::Refuse(text) => Ok(ToolResult::error(text)),
             Gate::Run { arguments, context } => Ok(self
                 .execute_gated(a, call, key, &arguments, context)
                 .await?),
@@ -284,7 +284,7 @@ impl Engine {
         key: &str,
         arguments: &str,
         context: Vec<String>,
-    ) -> Flow<Answered> {
+    ) -> Flow<ToolResult> {
         let name = call.function.name.as_str();
         // A search shows only the files the run's read rules let it read.
         let readable = match name {
@@ -324,7 +324,7 @@ impl Engine {
             text.push_str(&format!("\n[hook context] {c}"));
         }
         let fitted = (self.fit_result(&a.window, &a.workspace, a.run.id, &call.id, text)).await;
-        Ok(Answered {
+        Ok(ToolResult {
             text: fitted.0,
             ok,
             offloaded: fitted.1,

@@ -438,3 +438,82 @@ fn bench_prints_one_json_line_with_its_figures() {
         "every run's queue wait counted: {v}"
     );
 }
+
+/// The `serve` binary itself: it listens where it says, reports ready, answers a wait with a
+/// run its embedded workers ran, and a SIGTERM drains it to a clean exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serve_binary_runs_a_run_and_stops_cleanly_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let m = mock().await;
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_subagents"))
+        .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+        .current_dir(dir.path())
+        .env(
+            "DATABASE_URL",
+            format!("sqlite://{}", dir.path().join("serve.db").display()),
+        )
+        .env("OPENAI_BASE_URL", m.base_url())
+        .env("OPENAI_API_KEY", "x")
+        .env("SUBAGENTS_MODEL", "mock-model")
+        .env("RUST_LOG", "warn")
+        .env_remove("REDIS_URL")
+        .env_remove("SUBAGENTS_API_KEYS")
+        .env_remove("SUBAGENTS_KEYS_FILE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = serve.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let base = tokio::task::block_in_place(|| {
+        loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("serve says where it listens");
+            if let Some(i) = line.find("listening on ") {
+                break line[i + "listening on ".len()..]
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .to_owned();
+            }
+        }
+    });
+    let client = reqwest::Client::new();
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let run: serde_json::Value = client
+        .post(format!("{base}/v1/runs/wait"))
+        .json(&serde_json::json!({"input": "SCENARIO steps=2"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(run["status"], "succeeded", "{run}");
+    assert_eq!(run["result"], "DONE after 2 steps");
+    let term = Command::new("kill")
+        .args(["-TERM", &serve.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = serve.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            serve.kill().unwrap();
+            panic!("serve did not exit within 30 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "serve exited with {status}");
+}

@@ -430,6 +430,74 @@ async fn an_approval_parks_the_run_survives_a_sigkill_and_resumes_when_answered(
     worker.wait().unwrap();
 }
 
+/// A run parked on an approval holds no worker, so a cancel ends it at once; its approval then
+/// leaves the pending list, cannot be answered, and the call it asked about never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_parked_on_an_approval_is_cancelled_at_once_and_its_approval_closes() {
+    let f = approvals_fleet(vec![("asker".into(), ASKER.into())]).await;
+    let mut worker = f.worker();
+    let asking = f
+        .start("asker", "SCENARIO steps=2 tool=echo run=cancel-ask")
+        .await;
+    let id = asking["id"].as_str().unwrap().to_owned();
+    let approval = f.pending(&id).await;
+    let aid = approval["id"].as_str().unwrap().to_owned();
+    assert_eq!(f.status(&id).await["status"], "waiting");
+    let (s, v) = f
+        .api(
+            "alice-secret-key",
+            reqwest::Method::POST,
+            &format!("/v1/runs/{id}/cancel"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(s, 202, "{v}");
+    assert_eq!(
+        v["status"], "cancelled",
+        "a parked run holds no worker: it ends at once"
+    );
+    let (s, v) = f
+        .api(
+            "alice-secret-key",
+            reqwest::Method::POST,
+            &format!("/v1/approvals/{aid}"),
+            Some(json!({"decision": "allow"})),
+        )
+        .await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (409, Some("already_resolved")),
+        "{v}"
+    );
+    let (_, list) = f
+        .api(
+            "alice-secret-key",
+            reqwest::Method::GET,
+            &format!("/v1/approvals?status=pending&run_id={id}"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        list["approvals"].as_array().map(Vec::len),
+        Some(0),
+        "{list}"
+    );
+    let done = f.t.wait(id.parse().unwrap()).await;
+    assert_eq!(done.status, RunStatus::Cancelled);
+    let kinds: Vec<String> =
+        f.t.events(done.id)
+            .await
+            .into_iter()
+            .map(|e| e.kind)
+            .collect();
+    assert!(
+        !kinds.iter().any(|k| k == "tool.completed"),
+        "the call asked about never ran: {kinds:?}"
+    );
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn denied_and_expired_approvals_reach_the_model() {
     let quick = ASKER

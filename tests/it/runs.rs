@@ -523,6 +523,54 @@ async fn cancel_a_running_run_mid_tool() {
     );
 }
 
+/// A run held by a worker in another process is cancelled through the database: that worker
+/// sees the request at its next lease renewal (no Redis here), drops the model call it is in,
+/// and stays up to run the next run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_run_held_by_another_worker_process() {
+    let t = spawn_app_with(Options {
+        workers: false,
+        ..Default::default()
+    })
+    .await;
+    let mut worker = spawn_worker(t.dir.path(), &t.mock, &[]);
+    let r = t.start("SCENARIO steps=3 latency_ms=30000 run=held").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let run = t.app.store.get_run(r.id).await.unwrap().unwrap();
+        if run.status == RunStatus::Running {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker never claimed the run"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let asked = Instant::now();
+    assert_eq!(
+        t.app.store.request_cancel(r.id).await.unwrap(),
+        CancelOutcome::Requested
+    );
+    let done = t.wait(r.id).await;
+    assert_eq!(done.status, RunStatus::Cancelled, "{done:?}");
+    // The model call takes 30 s: ending well before that means the other process cut it.
+    let took = asked.elapsed();
+    assert!(
+        took < Duration::from_secs(15),
+        "the other process finished the call first ({took:?})"
+    );
+    assert_gap_free(&t.events(r.id).await, RunStatus::Cancelled);
+    assert!(
+        worker.try_wait().unwrap().is_none(),
+        "the worker process is still up"
+    );
+    let next = t.start("SCENARIO steps=2 run=after-cancel").await;
+    assert_eq!(t.wait(next.id).await.status, RunStatus::Succeeded);
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+}
+
 #[tokio::test]
 async fn a_run_enqueued_without_workers_runs_when_a_worker_starts() {
     let t = spawn_app_with(Options {
