@@ -571,6 +571,54 @@ async fn cancelling_a_run_held_by_another_worker_process() {
     worker.wait().unwrap();
 }
 
+/// A run parked on a model's rate limit holds no worker, so a cancel ends it at once, before
+/// the limit frees up and without a model call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_parked_on_a_rate_limit_is_cancelled_at_once() {
+    let t = spawn_app_with(Options {
+        tweak: Box::new(|s| {
+            s.model_limits = "mock-model:rpm=1".into();
+            s.rate_window_ms = 600_000;
+        }),
+        ..Default::default()
+    })
+    .await;
+    // The first run takes the window's one call.
+    let first = t.start("SCENARIO steps=1 run=first").await;
+    assert_eq!(t.wait(first.id).await.status, RunStatus::Succeeded);
+    let r = t.start("SCENARIO steps=2 run=limited").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting = t
+            .events(r.id)
+            .await
+            .iter()
+            .any(|e| e.kind == "run.waiting" && e.data["waiting_on"] == "rate_limit");
+        if waiting {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run never parked on the limit"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        t.app.store.get_run(r.id).await.unwrap().unwrap().status,
+        RunStatus::Waiting
+    );
+    let calls = t.mock.state.log().len();
+    assert_eq!(
+        t.app.store.request_cancel(r.id).await.unwrap(),
+        CancelOutcome::Cancelled,
+        "a parked run ends at once"
+    );
+    let done = t.wait(r.id).await;
+    assert_eq!(done.status, RunStatus::Cancelled);
+    assert_eq!(t.mock.state.log().len(), calls, "no model call for it");
+    assert_gap_free(&t.events(r.id).await, RunStatus::Cancelled);
+}
+
 #[tokio::test]
 async fn a_run_enqueued_without_workers_runs_when_a_worker_starts() {
     let t = spawn_app_with(Options {
