@@ -325,6 +325,25 @@ async fn owners_are_isolated_and_keys_required() {
     assert_eq!(list["runs"].as_array().unwrap().len(), 0);
     let (_, list) = alice.get("/v1/runs").await;
     assert_eq!(list["runs"].as_array().unwrap().len(), 1);
+    // The overview counts one's own runs only.
+    let (_, mine) = alice.get("/v1/overview").await;
+    assert_eq!(mine["runs"]["succeeded"], 1, "{mine}");
+    let (_, theirs) = bob.get("/v1/overview").await;
+    assert_eq!(theirs["runs"]["succeeded"], 0, "{theirs}");
+    // A bulk action on another owner's run finds nothing to act on: to alice the same request
+    // is `already_finished`, to bob `not_found`.
+    let cancel = json!({"action": "cancel", "run_ids": [id]});
+    let (s, v) = bob.post("/v1/runs/bulk", cancel.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["done"].as_array().unwrap().len(), 0, "{v}");
+    assert_eq!(v["skipped"][0]["code"], "not_found", "{v}");
+    let (_, v) = alice.post("/v1/runs/bulk", cancel).await;
+    assert_eq!(v["skipped"][0]["code"], "already_finished", "{v}");
+    let (_, v) = bob
+        .post("/v1/runs/bulk", json!({"action": "cancel", "filter": {}}))
+        .await;
+    assert_eq!(v["done"].as_array().unwrap().len(), 0, "{v}");
+    assert_eq!(v["skipped"].as_array().unwrap().len(), 0, "{v}");
     // Bob cannot continue Alice's thread either: the same id names a thread of his own.
     let (s, v) = bob
         .post("/v1/runs", json!({"input": "x", "thread_id": thread}))
