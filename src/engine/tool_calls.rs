@@ -347,16 +347,19 @@ impl Engine {
         } else {
             serde_json::from_str(arguments).map_err(|e| {
                 crate::tools::ToolError::new(
-                    "bad_arguments",
+                    crate::tools::ErrorCode::BadArguments,
                     format!("arguments are not valid JSON ({e}); send a JSON object"),
                 )
             })?
         };
         match self.settings.mcp.call(server, tool, args, owner).await {
             Ok((text, true)) => Ok(text),
-            Ok((text, false)) => Err(crate::tools::ToolError::new("mcp_tool_error", text)),
+            Ok((text, false)) => Err(crate::tools::ToolError::new(
+                crate::tools::ErrorCode::McpToolError,
+                text,
+            )),
             Err(e) => Err(crate::tools::ToolError::new(
-                "mcp_unavailable",
+                crate::tools::ErrorCode::McpUnavailable,
                 e.to_string(),
             )),
         }

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use serde_json::{Value, json};
 
 use super::{
-    Tool, ToolCtx, ToolError, blocking, io_error, open_plain, relative, spec, str_arg,
+    ErrorCode, Tool, ToolCtx, ToolError, blocking, io_error, open_plain, relative, spec, str_arg,
     workspace_dir, write_plain,
 };
 use crate::model::ToolSpec;
@@ -60,7 +60,7 @@ impl Tool for ReadFile {
             let head = reader.fill_buf().map_err(|e| io_error(&rel, e))?;
             if head[..head.len().min(SNIFF_BYTES)].contains(&0) {
                 return Err(ToolError::new(
-                    "not_text",
+                    ErrorCode::NotText,
                     format!("`{rel}` is a binary file; read_file reads text only"),
                 ));
             }
@@ -118,7 +118,7 @@ fn numbered_lines(
             }
             Err(_) => {
                 return Err(ToolError::new(
-                    "not_text",
+                    ErrorCode::NotText,
                     format!("`{rel}` is not UTF-8 text (line {n})"),
                 ));
             }
@@ -157,7 +157,7 @@ fn positive(args: &Value, key: &str) -> Result<Option<u64>, ToolError> {
         }) {
             Some(n) if n >= 1 => Ok(Some(n)),
             _ => Err(ToolError::new(
-                "bad_arguments",
+                ErrorCode::BadArguments,
                 format!("`{key}` must be a whole number from 1"),
             )),
         },
@@ -185,7 +185,7 @@ impl Tool for WriteFile {
             let path = relative(&rel)?;
             if rel.is_empty() || dir.is_dir(path) {
                 return Err(ToolError::new(
-                    "is_directory",
+                    ErrorCode::IsDirectory,
                     format!("`{rel}` is a directory"),
                 ));
             }
@@ -212,13 +212,13 @@ impl Edit {
         let new = str_arg(v, "new_string")?.to_owned();
         if old.is_empty() {
             return Err(ToolError::new(
-                "bad_arguments",
+                ErrorCode::BadArguments,
                 "`old_string` is empty: to create a file, use write_file",
             ));
         }
         if old == new {
             return Err(ToolError::new(
-                "bad_arguments",
+                ErrorCode::BadArguments,
                 "`old_string` and `new_string` are the same: nothing would change",
             ));
         }
@@ -241,7 +241,7 @@ impl Edit {
             + (found as u128) * (self.new.len() as u128);
         if found > 0 && (found == 1 || self.all) && size > MAX_EDIT_BYTES as u128 {
             return Err(ToolError::new(
-                "edit_too_large",
+                ErrorCode::EditTooLarge,
                 format!(
                     "{which}the edit would make `{rel}` {size} bytes, more than the {MAX_EDIT_BYTES} an edit may produce; edit fewer occurrences at a time"
                 ),
@@ -249,13 +249,13 @@ impl Edit {
         }
         match found {
             0 => Err(ToolError::new(
-                "not_found",
+                ErrorCode::NotFound,
                 format!(
                     "{which}`old_string` was not found in `{rel}`; read the file and copy the text exactly, including whitespace"
                 ),
             )),
             n if n > 1 && !self.all => Err(ToolError::new(
-                "not_unique",
+                ErrorCode::NotUnique,
                 format!(
                     "{which}`old_string` occurs {n} times in `{rel}`; add surrounding lines to make it unique, or set replace_all"
                 ),
@@ -276,7 +276,7 @@ fn edit_in_place(workspace: &Path, rel: &str, edits: &[Edit]) -> Result<String, 
     let size = file.metadata().map_err(|e| io_error(rel, e))?.len();
     if size > MAX_EDIT_BYTES as u64 {
         return Err(ToolError::new(
-            "file_too_large",
+            ErrorCode::FileTooLarge,
             format!(
                 "`{rel}` is {size} bytes; the edit tools load files up to {MAX_EDIT_BYTES} bytes"
             ),
@@ -290,12 +290,12 @@ fn edit_in_place(workspace: &Path, rel: &str, edits: &[Edit]) -> Result<String, 
     drop(file);
     if bytes.len() > MAX_EDIT_BYTES {
         return Err(ToolError::new(
-            "file_too_large",
+            ErrorCode::FileTooLarge,
             format!("`{rel}` grew past {MAX_EDIT_BYTES} bytes while it was read"),
         ));
     }
     let mut text = String::from_utf8(bytes)
-        .map_err(|_| ToolError::new("not_text", format!("`{rel}` is not UTF-8 text")))?;
+        .map_err(|_| ToolError::new(ErrorCode::NotText, format!("`{rel}` is not UTF-8 text")))?;
     let mut total = 0;
     for (i, e) in edits.iter().enumerate() {
         let which = if edits.len() > 1 {
@@ -358,7 +358,7 @@ impl Tool for MultiEdit {
             .filter(|a| !a.is_empty())
             .ok_or_else(|| {
                 ToolError::new(
-                    "bad_arguments",
+                    ErrorCode::BadArguments,
                     "`edits` must be a non-empty list of {old_string, new_string}",
                 )
             })?
@@ -481,7 +481,10 @@ mod tests {
         ] {
             let e = run(&reg, &c, tool, args).await.unwrap_err();
             assert!(
-                matches!(e.code, "path_outside_workspace" | "not_found"),
+                matches!(
+                    e.code,
+                    ErrorCode::PathOutsideWorkspace | ErrorCode::NotFound
+                ),
                 "{tool}: {e}"
             );
         }

@@ -6,6 +6,7 @@
 //! in flight when a worker died runs again with the same key, and a tool with side effects can
 //! use it to do its work only once.
 
+mod error;
 pub mod fs;
 pub mod search;
 pub mod search_web;
@@ -25,6 +26,7 @@ use sha2::{Digest, Sha256};
 
 use crate::agents::AgentDef;
 use crate::model::{FunctionSpec, ToolSpec};
+pub use error::{ErrorCode, ToolError};
 pub use fs::{EditFile, ListDir, MultiEdit, ReadFile, WriteFile};
 pub use web::FetchPolicy;
 
@@ -155,26 +157,6 @@ pub async fn offload(
     .await
 }
 
-/// A tool failure the model should see (it is sent back as the tool result, not raised).
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-#[error("error[{code}]: {message}")]
-pub struct ToolError {
-    /// Stable machine code, e.g. `path_outside_workspace`.
-    pub code: &'static str,
-    /// What went wrong and what to do instead.
-    pub message: String,
-}
-
-impl ToolError {
-    /// Shorthand.
-    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
-    }
-}
-
 /// One tool.
 #[async_trait]
 pub trait Tool: Send + Sync {
@@ -196,9 +178,12 @@ fn spec(name: &str, description: &str, parameters: Value) -> ToolSpec {
 }
 
 fn str_arg<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
-    args.get(key)
-        .and_then(Value::as_str)
-        .ok_or_else(|| ToolError::new("bad_arguments", format!("missing string argument `{key}`")))
+    args.get(key).and_then(Value::as_str).ok_or_else(|| {
+        ToolError::new(
+            ErrorCode::BadArguments,
+            format!("missing string argument `{key}`"),
+        )
+    })
 }
 
 /// The directory of one owner beneath the workspace root: owners never see each other's files.
@@ -229,13 +214,13 @@ pub fn owner_workspace(root: &Path, owner: &str) -> PathBuf {
 fn workspace_dir(workspace: &Path) -> Result<Dir, ToolError> {
     std::fs::create_dir_all(workspace).map_err(|e| {
         ToolError::new(
-            "workspace_unavailable",
+            ErrorCode::WorkspaceUnavailable,
             format!("workspace {}: {e}", workspace.display()),
         )
     })?;
     Dir::open_ambient_dir(workspace, cap_std::ambient_authority()).map_err(|e| {
         ToolError::new(
-            "workspace_unavailable",
+            ErrorCode::WorkspaceUnavailable,
             format!("workspace {}: {e}", workspace.display()),
         )
     })
@@ -251,7 +236,7 @@ fn relative(rel: &str) -> Result<&Path, ToolError> {
         Ok(p)
     } else {
         Err(ToolError::new(
-            "path_outside_workspace",
+            ErrorCode::PathOutsideWorkspace,
             format!(
                 "`{rel}` is not allowed: use a relative path inside the workspace, without `..`"
             ),
@@ -273,11 +258,12 @@ fn open_plain(dir: &Dir, path: &Path, rel: &str, write: bool) -> Result<std::fs:
     let file = dir
         .open_with(path, &options)
         .map_err(|e| match e.raw_os_error() {
-            Some(libc::ENXIO) => {
-                ToolError::new("not_a_file", format!("`{rel}` is not a regular file"))
-            }
+            Some(libc::ENXIO) => ToolError::new(
+                ErrorCode::NotAFile,
+                format!("`{rel}` is not a regular file"),
+            ),
             Some(libc::EISDIR) => ToolError::new(
-                "is_directory",
+                ErrorCode::IsDirectory,
                 format!("`{rel}` is a directory; list_dir lists it"),
             ),
             _ => io_error(rel, e),
@@ -303,13 +289,13 @@ fn check_plain(meta: &std::fs::Metadata, rel: &str) -> Result<(), ToolError> {
     use std::os::unix::fs::MetadataExt;
     if meta.is_dir() {
         return Err(ToolError::new(
-            "is_directory",
+            ErrorCode::IsDirectory,
             format!("`{rel}` is a directory; list_dir lists it"),
         ));
     }
     if !meta.is_file() {
         return Err(ToolError::new(
-            "not_a_file",
+            ErrorCode::NotAFile,
             format!(
                 "`{rel}` is not a regular file (a device, FIFO or socket); file tools read and write regular files only"
             ),
@@ -317,7 +303,7 @@ fn check_plain(meta: &std::fs::Metadata, rel: &str) -> Result<(), ToolError> {
     }
     if meta.nlink() > 1 {
         return Err(ToolError::new(
-            "hard_link",
+            ErrorCode::HardLink,
             format!(
                 "`{rel}` has {} hard links; file tools refuse such files, since another name of it may lie outside the workspace",
                 meta.nlink()
@@ -351,18 +337,18 @@ fn write_plain(dir: &Dir, path: &Path, rel: &str, bytes: &[u8]) -> Result<(), To
 fn io_error(rel: &str, e: std::io::Error) -> ToolError {
     match e.kind() {
         std::io::ErrorKind::NotFound => ToolError::new(
-            "not_found",
+            ErrorCode::NotFound,
             format!("`{rel}` does not exist; list_dir shows what does"),
         ),
         std::io::ErrorKind::PermissionDenied if e.to_string().contains("outside") => {
             ToolError::new(
-                "path_outside_workspace",
+                ErrorCode::PathOutsideWorkspace,
                 format!(
                     "`{rel}` leads outside the workspace (through a link); it was not followed"
                 ),
             )
         }
-        _ => ToolError::new("io_error", format!("`{rel}`: {e}")),
+        _ => ToolError::new(ErrorCode::IoError, format!("`{rel}`: {e}")),
     }
 }
 
@@ -372,7 +358,7 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, ToolError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| ToolError::new("io_error", format!("file task failed: {e}")))?
+        .map_err(|e| ToolError::new(ErrorCode::IoError, format!("file task failed: {e}")))?
 }
 
 /// `echo`: returns its text. Harmless and deterministic: the tool tests and the mock use.
@@ -608,7 +594,7 @@ impl ToolRegistry {
     ) -> Result<String, ToolError> {
         let tool = self.tools.get(name).ok_or_else(|| {
             ToolError::new(
-                "unknown_tool",
+                ErrorCode::UnknownTool,
                 format!("there is no tool `{name}`; use one of the tools offered"),
             )
         })?;
@@ -617,14 +603,14 @@ impl ToolRegistry {
         } else {
             serde_json::from_str(raw_args).map_err(|e| {
                 ToolError::new(
-                    "bad_arguments",
+                    ErrorCode::BadArguments,
                     format!("arguments are not valid JSON ({e}); send a JSON object"),
                 )
             })?
         };
         if !args.is_object() {
             return Err(ToolError::new(
-                "bad_arguments",
+                ErrorCode::BadArguments,
                 "arguments must be a JSON object",
             ));
         }

@@ -21,7 +21,8 @@ use grep_searcher::{BinaryDetection, Searcher, SearcherBuilder, Sink, SinkContex
 use serde_json::{Value, json};
 
 use super::{
-    Readable, Tool, ToolCtx, ToolError, blocking, io_error, relative, spec, str_arg, workspace_dir,
+    ErrorCode, Readable, Tool, ToolCtx, ToolError, blocking, io_error, relative, spec, str_arg,
+    workspace_dir,
 };
 use crate::model::ToolSpec;
 
@@ -209,7 +210,7 @@ fn matcher(pattern: &str) -> Result<GlobMatcher, ToolError> {
         .build()
         .map_err(|e| {
             ToolError::new(
-                "bad_arguments",
+                ErrorCode::BadArguments,
                 format!("`{pattern}` is not a glob pattern: {e}"),
             )
         })?;
@@ -371,7 +372,7 @@ impl Tool for Grep {
             "count" => Mode::Count,
             other => {
                 return Err(ToolError::new(
-                    "bad_arguments",
+                    ErrorCode::BadArguments,
                     format!("output_mode `{other}` is not files_with_matches, content or count"),
                 ));
             }
@@ -394,7 +395,7 @@ impl Tool for Grep {
                 .build(&pattern)
                 .map_err(|e| {
                     ToolError::new(
-                        "bad_arguments",
+                        ErrorCode::BadArguments,
                         format!("`{pattern}` is not a valid regular expression: {e}"),
                     )
                 })?;

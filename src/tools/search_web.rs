@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::{Value, json};
 
-use super::{Tool, ToolCtx, ToolError, spec, str_arg};
+use super::{ErrorCode, Tool, ToolCtx, ToolError, spec, str_arg};
 use crate::model::ToolSpec;
 
 /// Results returned when the call names no number.
@@ -37,7 +37,7 @@ impl Tool for WebSearch {
     async fn call(&self, args: Value, _: &ToolCtx) -> Result<String, ToolError> {
         let query = str_arg(&args, "query")?.trim().to_owned();
         if query.is_empty() {
-            return Err(ToolError::new("bad_arguments", "`query` is empty"));
+            return Err(ToolError::new(ErrorCode::BadArguments, "`query` is empty"));
         }
         let n = args
             .get("max_results")
@@ -47,10 +47,10 @@ impl Tool for WebSearch {
         let client = reqwest::Client::builder()
             .timeout(self.timeout)
             .build()
-            .map_err(|e| ToolError::new("search_failed", e.to_string()))?;
+            .map_err(|e| ToolError::new(ErrorCode::SearchFailed, e.to_string()))?;
         let mut url = reqwest::Url::parse(&self.url).map_err(|e| {
             ToolError::new(
-                "search_failed",
+                ErrorCode::SearchFailed,
                 format!("SUBAGENTS_SEARCH_URL `{}` is not a URL: {e}", self.url),
             )
         })?;
@@ -59,19 +59,19 @@ impl Tool for WebSearch {
             .append_pair("format", "json");
         let resp = client.get(url).send().await.map_err(|e| {
             ToolError::new(
-                "search_failed",
+                ErrorCode::SearchFailed,
                 format!("the search backend did not answer: {e}"),
             )
         })?;
         if !resp.status().is_success() {
             return Err(ToolError::new(
-                "search_failed",
+                ErrorCode::SearchFailed,
                 format!("the search backend answered {}", resp.status()),
             ));
         }
         let body: Value = resp.json().await.map_err(|e| {
             ToolError::new(
-                "search_failed",
+                ErrorCode::SearchFailed,
                 format!("the search backend's answer is not JSON: {e}"),
             )
         })?;

@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use serde_json::{Value, json};
 use tokio::io::AsyncReadExt;
 
-use super::{Tool, ToolCtx, ToolError, spec, str_arg};
+use super::{ErrorCode, Tool, ToolCtx, ToolError, spec, str_arg};
 use crate::model::ToolSpec;
 
 /// The longest a command may be given.
@@ -47,7 +47,7 @@ impl Tool for Bash {
             .map(|t| Duration::from_secs_f64(t).min(MAX_TIMEOUT))
             .unwrap_or(DEFAULT_TIMEOUT);
         std::fs::create_dir_all(&ctx.workspace)
-            .map_err(|e| ToolError::new("workspace_unavailable", e.to_string()))?;
+            .map_err(|e| ToolError::new(ErrorCode::WorkspaceUnavailable, e.to_string()))?;
         let mut cmd = tokio::process::Command::new("bash");
         cmd.arg("-c")
             .arg(format!("exec 2>&1\n{command}"))
@@ -63,9 +63,9 @@ impl Tool for Bash {
             .process_group(0)
             .kill_on_drop(true);
         crate::procs::confine(&mut cmd);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| ToolError::new("bash_failed", format!("cannot start bash: {e}")))?;
+        let mut child = cmd.spawn().map_err(|e| {
+            ToolError::new(ErrorCode::BashFailed, format!("cannot start bash: {e}"))
+        })?;
         let pid = child.id();
         let mut stdout = child.stdout.take().expect("piped");
         // The whole output is kept (the engine offloads a long one to a file), up to a hard cap.
@@ -109,7 +109,7 @@ impl Tool for Bash {
                     let _ = crate::procs::kill_group(pid);
                 }
                 Err(ToolError::new(
-                    "tool_timeout",
+                    ErrorCode::ToolTimeout,
                     format!(
                         "the command did not finish within {}s and was killed",
                         timeout.as_secs_f64()

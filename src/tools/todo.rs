@@ -6,7 +6,7 @@
 use async_trait::async_trait;
 use serde_json::{Value, json};
 
-use super::{Tool, ToolCtx, ToolError, spec};
+use super::{ErrorCode, Tool, ToolCtx, ToolError, spec};
 use crate::model::ToolSpec;
 
 /// Most items a plan may hold.
@@ -29,13 +29,13 @@ impl Tool for TodoWrite {
     async fn call(&self, args: Value, _: &ToolCtx) -> Result<String, ToolError> {
         let items = args.get("todos").and_then(Value::as_array).ok_or_else(|| {
             ToolError::new(
-                "bad_arguments",
+                ErrorCode::BadArguments,
                 "`todos` must be a list of {content, status}",
             )
         })?;
         if items.len() > MAX_ITEMS {
             return Err(ToolError::new(
-                "bad_arguments",
+                ErrorCode::BadArguments,
                 format!("a plan holds at most {MAX_ITEMS} items; merge some"),
             ));
         }
@@ -49,7 +49,7 @@ impl Tool for TodoWrite {
                 .filter(|c| !c.is_empty())
                 .ok_or_else(|| {
                     ToolError::new(
-                        "bad_arguments",
+                        ErrorCode::BadArguments,
                         format!("item {}: `content` must be a non-empty string", i + 1),
                     )
                 })?;
@@ -65,7 +65,7 @@ impl Tool for TodoWrite {
                 }
                 other => {
                     return Err(ToolError::new(
-                        "bad_arguments",
+                        ErrorCode::BadArguments,
                         format!(
                             "item {}: status {:?} is not pending, in_progress or completed",
                             i + 1,

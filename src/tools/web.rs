@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use super::{Tool, ToolCtx, ToolError, spec, str_arg};
+use super::{ErrorCode, Tool, ToolCtx, ToolError, spec, str_arg};
 use crate::model::ToolSpec;
 
 /// Redirects followed before giving up.
@@ -131,7 +131,7 @@ impl WebFetch {
     async fn check(&self, url: &reqwest::Url) -> Result<SocketAddr, ToolError> {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(ToolError::new(
-                "bad_url",
+                ErrorCode::BadUrl,
                 format!(
                     "only http and https URLs can be fetched, not `{}`",
                     url.scheme()
@@ -140,25 +140,30 @@ impl WebFetch {
         }
         let host = host_key(
             url.host_str()
-                .ok_or_else(|| ToolError::new("bad_url", "the URL has no host"))?,
+                .ok_or_else(|| ToolError::new(ErrorCode::BadUrl, "the URL has no host"))?,
         );
         if host.is_empty() {
-            return Err(ToolError::new("bad_url", "the URL has no host"));
+            return Err(ToolError::new(ErrorCode::BadUrl, "the URL has no host"));
         }
         if listed(&self.policy.deny_hosts, &host) {
             return Err(ToolError::new(
-                "host_denied",
+                ErrorCode::HostDenied,
                 format!("`{host}` is on the operator's deny list"),
             ));
         }
         let port = url.port_or_known_default().unwrap_or(80);
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
             .await
-            .map_err(|e| ToolError::new("fetch_failed", format!("cannot resolve `{host}`: {e}")))?
+            .map_err(|e| {
+                ToolError::new(
+                    ErrorCode::FetchFailed,
+                    format!("cannot resolve `{host}`: {e}"),
+                )
+            })?
             .collect();
-        let first = *addrs
-            .first()
-            .ok_or_else(|| ToolError::new("fetch_failed", format!("`{host}` has no address")))?;
+        let first = *addrs.first().ok_or_else(|| {
+            ToolError::new(ErrorCode::FetchFailed, format!("`{host}` has no address"))
+        })?;
         // A denied host under another name, or by its address: compare what both resolve to.
         if !self.policy.deny_hosts.is_empty() {
             let denied = self.denied_addresses().await;
@@ -167,7 +172,7 @@ impl WebFetch {
                 .find(|a| denied.contains(&canonical_ip(a.ip())))
             {
                 return Err(ToolError::new(
-                    "host_denied",
+                    ErrorCode::HostDenied,
                     format!(
                         "`{host}` resolves to {}, an address of a host on the operator's deny list",
                         a.ip()
@@ -179,7 +184,7 @@ impl WebFetch {
             && let Some(bad) = addrs.iter().find(|a| !is_public(a.ip()))
         {
             return Err(ToolError::new(
-                "private_address",
+                ErrorCode::PrivateAddress,
                 format!(
                     "`{host}` resolves to {}, a private or local address; fetching it is not allowed (an operator can allow the host with SUBAGENTS_FETCH_ALLOW)",
                     bad.ip()
@@ -215,8 +220,9 @@ impl WebFetch {
     }
 
     async fn fetch(&self, start: &str) -> Result<String, ToolError> {
-        let mut url = reqwest::Url::parse(start)
-            .map_err(|e| ToolError::new("bad_url", format!("`{start}` is not a URL: {e}")))?;
+        let mut url = reqwest::Url::parse(start).map_err(|e| {
+            ToolError::new(ErrorCode::BadUrl, format!("`{start}` is not a URL: {e}"))
+        })?;
         for _ in 0..=MAX_REDIRECTS {
             let addr = self.check(&url).await?;
             let host = url
@@ -232,12 +238,12 @@ impl WebFetch {
                 .timeout(self.policy.timeout)
                 .user_agent("subagents-web-fetch/1")
                 .build()
-                .map_err(|e| ToolError::new("fetch_failed", e.to_string()))?;
+                .map_err(|e| ToolError::new(ErrorCode::FetchFailed, e.to_string()))?;
             let resp = client
                 .get(url.clone())
                 .send()
                 .await
-                .map_err(|e| ToolError::new("fetch_failed", format!("{url}: {e}")))?;
+                .map_err(|e| ToolError::new(ErrorCode::FetchFailed, format!("{url}: {e}")))?;
             if resp.status().is_redirection() {
                 let to = resp
                     .headers()
@@ -245,13 +251,13 @@ impl WebFetch {
                     .and_then(|l| l.to_str().ok())
                     .ok_or_else(|| {
                         ToolError::new(
-                            "fetch_failed",
+                            ErrorCode::FetchFailed,
                             format!("{url}: a redirect without a Location"),
                         )
                     })?;
-                url = url
-                    .join(to)
-                    .map_err(|e| ToolError::new("bad_url", format!("redirect to `{to}`: {e}")))?;
+                url = url.join(to).map_err(|e| {
+                    ToolError::new(ErrorCode::BadUrl, format!("redirect to `{to}`: {e}"))
+                })?;
                 continue;
             }
             let status = resp.status();
@@ -265,8 +271,8 @@ impl WebFetch {
             let mut stream = resp.bytes_stream();
             let mut cut = false;
             while let Some(chunk) = stream.next().await {
-                let chunk =
-                    chunk.map_err(|e| ToolError::new("fetch_failed", format!("{url}: {e}")))?;
+                let chunk = chunk
+                    .map_err(|e| ToolError::new(ErrorCode::FetchFailed, format!("{url}: {e}")))?;
                 let room = self.policy.max_bytes - body.len();
                 if chunk.len() > room {
                     body.extend_from_slice(&chunk[..room]);
@@ -285,7 +291,7 @@ impl WebFetch {
                 String::from_utf8_lossy(&body).into_owned()
             } else {
                 return Err(ToolError::new(
-                    "not_text",
+                    ErrorCode::NotText,
                     format!("{url} is `{kind}`, not a text page"),
                 ));
             };
@@ -296,7 +302,7 @@ impl WebFetch {
             return Ok(out);
         }
         Err(ToolError::new(
-            "too_many_redirects",
+            ErrorCode::TooManyRedirects,
             format!("more than {MAX_REDIRECTS} redirects from {start}"),
         ))
     }
@@ -535,7 +541,7 @@ impl Tool for WebFetch {
             .await
             .map_err(|_| {
                 ToolError::new(
-                    "fetch_timeout",
+                    ErrorCode::FetchTimeout,
                     format!(
                         "{url} did not answer within {}s",
                         self.policy.timeout.as_secs_f64()

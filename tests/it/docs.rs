@@ -139,3 +139,61 @@ fn the_transition_table_is_the_state_machines() {
         "docs/design.md's transition table is not lifecycle::next_status's; it should read:\n{expected}"
     );
 }
+
+/// Every tool error code has its row in docs/agents.md, with its meaning from the code's doc,
+/// and every `error[code]` a source file writes is one of them.
+#[test]
+fn every_tool_error_code_is_documented() {
+    use subagents::tools::ErrorCode;
+    let doc = page("agents.md");
+    let mut missing = vec![];
+    for c in ErrorCode::ALL {
+        let row = format!("| `{}` | {} |", c.as_str(), c.meaning());
+        if !doc.contains(&row) {
+            missing.push(row);
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "rows missing from docs/agents.md's tool error codes:\n{}",
+        missing.join("\n")
+    );
+    let known: std::collections::HashSet<&str> =
+        ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+    let mut files = vec![];
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut dirs = vec![src];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                files.push(p);
+            }
+        }
+    }
+    let mut unknown = vec![];
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let code_lines = text.lines().filter(|l| !l.trim_start().starts_with("//"));
+        for line in code_lines {
+            for (i, _) in line.match_indices("error[") {
+                let code: String = line[i + 6..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                    .collect();
+                if !code.is_empty()
+                    && line[i + 6 + code.len()..].starts_with(']')
+                    && !known.contains(code.as_str())
+                {
+                    unknown.push(format!("{}: error[{code}]", f.display()));
+                }
+            }
+        }
+    }
+    assert!(
+        unknown.is_empty(),
+        "codes not in tools::ErrorCode: {unknown:?}"
+    );
+}
