@@ -1,5 +1,6 @@
 //! Threads, agents, health, readiness and metrics.
 
+use crate::store::StoreError;
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
@@ -157,7 +158,10 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// `GET /readyz`: the database answers. Load balancers get the status alone; what is down
+/// How long `/readyz` waits for the database.
+const READY_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `GET /readyz`: the database answers (within two seconds). Load balancers get the status alone; what is down
 /// (`db`, `redis`) is shown to an operator (see `/metrics`).
 #[utoipa::path(get, path = "/readyz", tag = "system", security(()), responses((status = 200, body = Health), (status = 503, body = Health)))]
 pub async fn readyz(State(state): State<ApiState>, headers: axum::http::HeaderMap) -> Response {
@@ -169,7 +173,10 @@ pub async fn readyz(State(state): State<ApiState>, headers: axum::http::HeaderMa
         }
         h
     };
-    match state.app.store.status_counts().await {
+    // A database that is away makes a pooled connection wait out the pool's acquire timeout
+    // (30 s); a health check must answer well inside a load balancer's own timeout.
+    let db = tokio::time::timeout(READY_CHECK, state.app.store.status_counts()).await;
+    match db.unwrap_or(Err(StoreError::Db(sqlx::Error::PoolTimedOut))) {
         Ok(_) => {
             // Without Redis, runs go on and events wait in the outbox: degraded, not down.
             let redis = match &state.app.redis {

@@ -160,3 +160,76 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
         RunStatus::Succeeded,
     );
 }
+
+/// A real PostgreSQL restart, not terminated backends: the server stops (new connections are
+/// refused, `/readyz` answers 503), the runs in flight lose nothing and count no crash (an
+/// outage is not the run's fault), and once it is back every run finishes with each of its
+/// steps committed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgresql_restart_loses_nothing_and_counts_no_crash() {
+    let pg = PrivatePostgres::start();
+    let url = pg.url();
+    let t = spawn_app_with(Options {
+        latency: Duration::from_millis(200),
+        tweak: Box::new(move |s| {
+            s.database_url = url;
+            // Longer than the outage: renewals retry through it instead of giving the lease up.
+            s.lease_ttl_secs = 10.0;
+        }),
+        ..Default::default()
+    })
+    .await;
+    let base = t.serve("").await;
+    let mut runs = vec![];
+    for i in 0..3 {
+        runs.push(
+            t.start(&format!("SCENARIO steps=6 tool=echo run=pg{i}"))
+                .await,
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut least = u32::MAX;
+        for r in &runs {
+            least = least.min(t.app.store.get_run(r.id).await.unwrap().unwrap().step);
+        }
+        if least >= 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the runs did not get going");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    pg.down();
+    let refused = <sqlx::PgConnection as sqlx::Connection>::connect(&pg.url()).await;
+    assert!(refused.is_err(), "the server refuses connections");
+    let asked = Instant::now();
+    let ready = reqwest::get(format!("{base}/readyz")).await.unwrap();
+    assert_eq!(ready.status(), 503, "/readyz says the database is down");
+    // It answers within its own 2 s bound, not after the pool's 30 s acquire timeout (10 s is
+    // a margin a loaded machine keeps).
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        asked.elapsed()
+    );
+    // Long enough for every worker to meet the outage mid-step.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    pg.up();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = reqwest::get(format!("{base}/readyz")).await.unwrap();
+        if ready.status() == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "/readyz never came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for r in &runs {
+        let done = t.wait(r.id).await;
+        assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+        assert_eq!(done.result.as_deref(), Some("DONE after 6 steps"));
+        assert_eq!(done.crashes, 0, "an outage counts no crash: {done:?}");
+        // Gap-free events, each step started and completed once.
+        assert_gap_free(&t.events(r.id).await, RunStatus::Succeeded);
+    }
+}

@@ -428,3 +428,151 @@ pub async fn tool_texts(t: &TestApp, r: &RunRecord) -> Vec<String> {
         })
         .collect()
 }
+
+/// A PostgreSQL server of its own (initdb in a temporary directory, on a free port), for tests
+/// that stop and start the server itself; the shared one on 5432 serves every other test.
+/// PostgreSQL will not run as root, so as root its commands run as the `postgres` user.
+pub struct PrivatePostgres {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    bin: std::path::PathBuf,
+}
+
+impl PrivatePostgres {
+    pub fn start() -> PrivatePostgres {
+        let bindir = Command::new("pg_config").arg("--bindir").output();
+        let bindir = bindir
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| std::path::PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+            .filter(|d| d.join("initdb").exists());
+        let bin = match bindir {
+            Some(d) => d,
+            None => {
+                // Debian keeps the server's programs out of PATH.
+                let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+                    .expect("PostgreSQL's programs (initdb, pg_ctl): scripts/test.sh installs them")
+                    .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+                    .filter(|p| p.join("initdb").exists())
+                    .collect();
+                versions.sort();
+                versions.pop().expect("initdb")
+            }
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let s = PrivatePostgres {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            bin,
+        };
+        if unsafe { libc::geteuid() } == 0 {
+            let ok = Command::new("chown")
+                .args(["-R", "postgres"])
+                .arg(s.dir.path())
+                .status()
+                .unwrap();
+            assert!(ok.success(), "chown to postgres");
+        }
+        let data = s.dir.path().join("data");
+        s.run(
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+        );
+        s.up();
+        s
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Starts the server and waits until it accepts connections.
+    pub fn up(&self) {
+        let data = self.dir.path().join("data");
+        let log = self.dir.path().join("log");
+        let opts = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100",
+            self.port,
+            self.dir.path().display()
+        );
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-l",
+                log.to_str().unwrap(),
+                "-o",
+                &opts,
+                "-w",
+                "start",
+            ],
+        );
+    }
+
+    /// Stops the server (`fast`: open connections are cut, as at a restart).
+    pub fn down(&self) {
+        let data = self.dir.path().join("data");
+        self.run(
+            "pg_ctl",
+            &["-D", data.to_str().unwrap(), "-m", "fast", "-w", "stop"],
+        );
+    }
+
+    fn run(&self, program: &str, args: &[&str]) {
+        let path = self.bin.join(program);
+        let status = if unsafe { libc::geteuid() } == 0 {
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(&path)
+                .args(args)
+                .stdout(Stdio::null())
+                .status()
+        } else {
+            Command::new(&path)
+                .args(args)
+                .stdout(Stdio::null())
+                .status()
+        };
+        assert!(
+            status.unwrap().success(),
+            "{program} {args:?} failed (log: {})",
+            self.dir.path().join("log").display()
+        );
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let data = self.dir.path().join("data");
+        let path = self.bin.join("pg_ctl");
+        let args = ["-D", data.to_str().unwrap(), "-m", "immediate", "stop"];
+        let _ = if unsafe { libc::geteuid() } == 0 {
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(&path)
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+        } else {
+            Command::new(&path)
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+        };
+    }
+}
