@@ -168,14 +168,22 @@ async fn a_120_step_run_in_an_8000_token_window_compacts_and_finishes_right() {
 /// Kills a worker process while it compacts (before or after the commit) and lets another
 /// finish the run: no range is summarised into two commits, and a committed one is never
 /// asked for again.
-async fn killed_during_compaction(point: &str) {
+/// `database`: `None` for the SQLite file of the test's directory, else a PostgreSQL URL that
+/// the app and both workers share.
+async fn killed_during_compaction(point: &str, database: Option<String>) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
     std::fs::write(dir.path().join("jobs/small.md"), SMALL).unwrap();
     let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions::default())
         .await
         .unwrap();
-    let app = App::open(test_settings(dir.path(), &mock)).await.unwrap();
+    let mut settings = test_settings(dir.path(), &mock);
+    let mut db_env: Vec<(&str, String)> = vec![];
+    if let Some(url) = database {
+        settings.database_url = url.clone();
+        db_env.push(("DATABASE_URL", url));
+    }
+    let app = App::open(settings).await.unwrap();
     let run = app
         .start_run(StartRun {
             agent: Some("small".into()),
@@ -185,14 +193,12 @@ async fn killed_during_compaction(point: &str) {
         .await
         .unwrap();
     let never = dir.path().join("never");
-    let mut first = spawn_worker(
-        dir.path(),
-        &mock,
-        &[(
-            "SUBAGENTS_FAILPOINTS",
-            format!("{point}=wait({})", never.display()),
-        )],
-    );
+    let mut env = db_env.clone();
+    env.push((
+        "SUBAGENTS_FAILPOINTS",
+        format!("{point}=wait({})", never.display()),
+    ));
+    let mut first = spawn_worker(dir.path(), &mock, &env);
     let deadline = Instant::now() + Duration::from_secs(60);
     // Held at the point: the summary was answered; for `after_…` the compaction is committed.
     loop {
@@ -222,7 +228,7 @@ async fn killed_during_compaction(point: &str) {
         "{point}: {at_kill:?}"
     );
 
-    let mut second = spawn_worker(dir.path(), &mock, &[]);
+    let mut second = spawn_worker(dir.path(), &mock, &db_env);
     let done = app
         .wait(run.id, Duration::from_secs(120))
         .await
@@ -285,12 +291,19 @@ async fn killed_during_compaction(point: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_before_its_compaction_commits_loses_nothing() {
-    killed_during_compaction("before_compaction_commit").await;
+    killed_during_compaction("before_compaction_commit", None).await;
+}
+
+/// The same on PostgreSQL, end to end: app and workers on one database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_worker_killed_before_its_compaction_commits_loses_nothing() {
+    let url = fresh_postgres_database().await;
+    killed_during_compaction("before_compaction_commit", Some(url)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_after_its_compaction_commits_does_not_summarise_again() {
-    killed_during_compaction("after_compaction_commit").await;
+    killed_during_compaction("after_compaction_commit", None).await;
 }
 
 #[tokio::test]

@@ -241,12 +241,24 @@ struct Fleet {
     t: TestApp,
     api_base: String,
     settings: PathBuf,
+    /// The database the app and its workers share, when not the test directory's SQLite file.
+    database: Option<String>,
 }
 
 async fn approvals_fleet(jobs: Vec<(String, String)>) -> Fleet {
+    approvals_fleet_on(jobs, None).await
+}
+
+async fn approvals_fleet_on(jobs: Vec<(String, String)>, database: Option<String>) -> Fleet {
+    let url = database.clone();
     let t = spawn_app_with(Options {
         workers: false,
         jobs,
+        tweak: Box::new(move |s| {
+            if let Some(url) = url {
+                s.database_url = url;
+            }
+        }),
         ..Default::default()
     })
     .await;
@@ -257,19 +269,20 @@ async fn approvals_fleet(jobs: Vec<(String, String)>) -> Fleet {
         t,
         api_base,
         settings,
+        database,
     }
 }
 
 impl Fleet {
     fn worker(&self) -> std::process::Child {
-        spawn_worker(
-            self.t.dir.path(),
-            &self.t.mock,
-            &[
-                ("SUBAGENTS_SETTINGS", self.settings.display().to_string()),
-                ("SUBAGENTS_CONCURRENCY", "1".into()),
-            ],
-        )
+        let mut env = vec![
+            ("SUBAGENTS_SETTINGS", self.settings.display().to_string()),
+            ("SUBAGENTS_CONCURRENCY", "1".into()),
+        ];
+        if let Some(url) = &self.database {
+            env.push(("DATABASE_URL", url.clone()));
+        }
+        spawn_worker(self.t.dir.path(), &self.t.mock, &env)
     }
     async fn api(
         &self,
@@ -332,6 +345,18 @@ impl Fleet {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_parks_the_run_survives_a_sigkill_and_resumes_when_answered() {
     let f = approvals_fleet(vec![("asker".into(), ASKER.into())]).await;
+    approval_survives_a_sigkill(f).await;
+}
+
+/// The same on PostgreSQL, end to end: app and workers on one database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_an_approval_parks_survives_a_sigkill_and_resumes_when_answered() {
+    let url = fresh_postgres_database().await;
+    let f = approvals_fleet_on(vec![("asker".into(), ASKER.into())], Some(url)).await;
+    approval_survives_a_sigkill(f).await;
+}
+
+async fn approval_survives_a_sigkill(f: Fleet) {
     let mut worker = f.worker();
     let asking = f.start("asker", "SCENARIO steps=2 tool=echo run=ask").await;
     let id = asking["id"].as_str().unwrap().to_owned();
