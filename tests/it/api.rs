@@ -978,3 +978,57 @@ async fn the_openapi_document_describes_every_endpoint() {
     }
     assert!(doc["components"]["securitySchemes"]["bearer"].is_object());
 }
+
+/// The live overview is per owner: while alice's run is running, her stream's first
+/// `overview` event counts it and names it, bob's counts nothing and never names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_stream_shows_each_owner_only_their_runs() {
+    let (t, alice) = setup(KEYS, 0).await;
+    let bob = alice.as_(Some("bob-secret-key"));
+    let (_, run) = alice
+        .post(
+            "/v1/runs",
+            json!({"input": "SCENARIO steps=3 latency_ms=20000"}),
+        )
+        .await;
+    let id: subagents::ids::RunId = run["id"].as_str().unwrap().parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while t.app.store.get_run(id).await.unwrap().unwrap().status
+        != subagents::store::RunStatus::Running
+    {
+        assert!(Instant::now() < deadline, "the run never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    async fn first_overview(api: &Api) -> String {
+        let resp = api
+            .req(reqwest::Method::GET, "/v1/overview/stream")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut body = resp.bytes_stream();
+        let mut text = String::new();
+        while !text.contains("\n\n") {
+            let chunk = body.next().await.unwrap().unwrap();
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        text
+    }
+    let hers = first_overview(&alice).await;
+    assert!(hers.contains("event: overview"), "{hers}");
+    assert!(hers.contains("\"running\":1"), "{hers}");
+    assert!(
+        hers.contains(&id.to_string()),
+        "her running run is named: {hers}"
+    );
+    let his = first_overview(&bob).await;
+    assert!(his.contains("\"running\":0"), "{his}");
+    assert!(
+        !his.contains(&id.to_string()),
+        "bob's stream names alice's run: {his}"
+    );
+    let (s, _) = alice
+        .post(&format!("/v1/runs/{id}/cancel"), json!({}))
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+}

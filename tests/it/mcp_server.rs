@@ -461,14 +461,23 @@ async fn serve_offers_the_same_over_streamable_http_behind_its_keys_and_owners()
         .unwrap();
     assert_eq!(runs.len(), 1, "the run belongs to alice");
     let bob = http_client(&base, Some("bob-secret-key")).await.unwrap();
-    let seen = serde_json::to_value(
-        bob.call_tool(call("run_status", json!({"run_id": runs[0].id})))
+    // Not one of the run tools tells bob that alice's run exists, or acts on it.
+    for tool in ["run_status", "run_events", "run_wait", "run_cancel"] {
+        let seen = serde_json::to_value(
+            bob.call_tool(call(
+                tool,
+                json!({"run_id": runs[0].id, "run_ids": [runs[0].id], "timeout_s": 0}),
+            ))
             .await
             .unwrap(),
-    )
-    .unwrap();
-    assert_eq!(seen["isError"], true, "bob cannot see alice's run: {seen}");
-    assert!(text(&seen).contains("there is no run"));
+        )
+        .unwrap();
+        assert_eq!(
+            seen["isError"], true,
+            "{tool}: bob cannot see alice's run: {seen}"
+        );
+        assert!(text(&seen).contains("there is no run"), "{tool}: {seen}");
+    }
     alice.cancel().await.unwrap();
     bob.cancel().await.unwrap();
 }
