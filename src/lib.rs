@@ -23,6 +23,37 @@
 //!   what the processes it starts cannot reach (see `docs/security.md`).
 #![warn(missing_docs)]
 
+/// `ALL`, `as_str` and `parse` for an enum stored and sent by name, from one list of variants
+/// and names, so the two directions cannot drift apart. (Each type's serde names are checked
+/// against `as_str` by a unit test beside it.)
+macro_rules! stored_names {
+    (@unit $v:ident) => {
+        ()
+    };
+    ($ty:ident { $($variant:ident => $name:literal,)+ }) => {
+        impl $ty {
+            /// Every value, in declaration order.
+            pub const ALL: [$ty; [$(stored_names!(@unit $variant)),+].len()] =
+                [$($ty::$variant),+];
+
+            /// The name it is stored and sent as.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)+
+                }
+            }
+
+            /// Parses a stored name; anything else is `None` (the store reports it as corrupt).
+            pub fn parse(s: &str) -> Option<$ty> {
+                match s {
+                    $($name => Some($ty::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
 pub mod agents;
 pub mod api;
 pub mod app;

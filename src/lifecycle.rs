@@ -32,34 +32,16 @@ pub enum RunStatus {
     Cancelled,
 }
 
+stored_names!(RunStatus {
+    Queued => "queued",
+    Running => "running",
+    Waiting => "waiting",
+    Succeeded => "succeeded",
+    Failed => "failed",
+    Cancelled => "cancelled",
+});
+
 impl RunStatus {
-    /// Every status, in the order of the documentation's table.
-    pub const ALL: [RunStatus; 6] = [
-        RunStatus::Queued,
-        RunStatus::Running,
-        RunStatus::Waiting,
-        RunStatus::Succeeded,
-        RunStatus::Failed,
-        RunStatus::Cancelled,
-    ];
-
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RunStatus::Queued => "queued",
-            RunStatus::Running => "running",
-            RunStatus::Waiting => "waiting",
-            RunStatus::Succeeded => "succeeded",
-            RunStatus::Failed => "failed",
-            RunStatus::Cancelled => "cancelled",
-        }
-    }
-
-    /// Parses a stored name.
-    pub fn parse(s: &str) -> Option<RunStatus> {
-        RunStatus::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-
     /// A terminal state never changes again.
     pub fn is_terminal(self) -> bool {
         matches!(

@@ -20,28 +20,12 @@ pub enum ApprovalStatus {
     Expired,
 }
 
-impl ApprovalStatus {
-    /// Stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ApprovalStatus::Pending => "pending",
-            ApprovalStatus::Allowed => "allowed",
-            ApprovalStatus::Denied => "denied",
-            ApprovalStatus::Expired => "expired",
-        }
-    }
-
-    /// Parses a stored name.
-    pub fn parse(s: &str) -> Option<ApprovalStatus> {
-        Some(match s {
-            "pending" => ApprovalStatus::Pending,
-            "allowed" => ApprovalStatus::Allowed,
-            "denied" => ApprovalStatus::Denied,
-            "expired" => ApprovalStatus::Expired,
-            _ => return None,
-        })
-    }
-}
+stored_names!(ApprovalStatus {
+    Pending => "pending",
+    Allowed => "allowed",
+    Denied => "denied",
+    Expired => "expired",
+});
 
 /// A tool call a run waits on a person for.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]

@@ -41,32 +41,14 @@ pub enum ErrorKind {
     Context,
 }
 
-impl ErrorKind {
-    /// Stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorKind::Model => "model",
-            ErrorKind::Tool => "tool",
-            ErrorKind::Timeout => "timeout",
-            ErrorKind::Internal => "internal",
-            ErrorKind::Lost => "lost",
-            ErrorKind::Context => "context",
-        }
-    }
-
-    /// Parses a stored name.
-    pub fn parse(s: &str) -> Option<ErrorKind> {
-        Some(match s {
-            "model" => ErrorKind::Model,
-            "tool" => ErrorKind::Tool,
-            "timeout" => ErrorKind::Timeout,
-            "internal" => ErrorKind::Internal,
-            "lost" => ErrorKind::Lost,
-            "context" => ErrorKind::Context,
-            _ => return None,
-        })
-    }
-}
+stored_names!(ErrorKind {
+    Model => "model",
+    Tool => "tool",
+    Timeout => "timeout",
+    Internal => "internal",
+    Lost => "lost",
+    Context => "context",
+});
 
 /// A failed run's error.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -75,4 +57,27 @@ pub struct RunError {
     pub kind: ErrorKind,
     /// What happened, for people.
     pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names serde sends are the names the store keeps.
+    #[test]
+    fn stored_names_are_the_serde_names() {
+        for k in ErrorKind::ALL {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
+            assert_eq!(ErrorKind::parse(k.as_str()), Some(k));
+        }
+        for s in ApprovalStatus::ALL {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+            assert_eq!(ApprovalStatus::parse(s.as_str()), Some(s));
+        }
+        for s in crate::lifecycle::RunStatus::ALL {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+            assert_eq!(crate::lifecycle::RunStatus::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(ErrorKind::parse("Model"), None, "names are exact");
+    }
 }
