@@ -10,12 +10,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::agents::{AgentFileError, AgentRegistry};
 use crate::config::Settings;
+use crate::domain::RunRecord;
 use crate::engine::{Engine, EngineSettings};
 use crate::ids::{RunId, ThreadId};
 use crate::model::openai::{OpenAiClient, OpenAiConfig};
 use crate::model::{ChatModel, RetryPolicy};
 use crate::queue::Queue;
-use crate::store::{Created, RunRecord, SqliteStore, Store, StoreError};
+use crate::store::{Created, SqliteStore, Store, StoreError};
 use crate::tools::ToolRegistry;
 use crate::worker::{WorkerSettings, run_workers};
 
@@ -512,8 +513,8 @@ impl App {
         &self,
         id: &str,
         owner: &str,
-        answer: crate::store::ApprovalAnswer,
-    ) -> Result<crate::store::Answered, StoreError> {
+        answer: crate::domain::ApprovalAnswer,
+    ) -> Result<crate::domain::Answered, StoreError> {
         crate::runs::answer_approval(self.store.as_ref(), &self.queue, id, owner, answer).await
     }
 

@@ -14,14 +14,13 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::agents::{AgentDef, AgentRegistry};
+use crate::domain::{Event, IfBusy, RunRecord, TreePosition};
 use crate::events::progress_line;
 use crate::ids::{RunId, ThreadId};
 use crate::model::{FunctionSpec, ToolSpec};
 use crate::queue::Queue;
 use crate::runs::{StartError, StartRun};
-use crate::store::{
-    CancelOutcome, Event, IfBusy, NewEvent, RunLog, RunRecord, RunStatus, StoreError, TreePosition,
-};
+use crate::store::{CancelOutcome, NewEvent, RunLog, RunStatus, StoreError};
 
 /// A delegation call's result for the model.
 #[derive(Clone, Debug, PartialEq, Eq)]

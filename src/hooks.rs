@@ -361,7 +361,7 @@ async fn run_http(
 }
 
 /// The JSON a hook gets, in Claude Code's shape plus our ids.
-pub fn input(event: HookEvent, run: &crate::store::RunRecord, cwd: &Path, extra: Value) -> Value {
+pub fn input(event: HookEvent, run: &crate::domain::RunRecord, cwd: &Path, extra: Value) -> Value {
     let mut v = json!({
         "hook_event_name": event.as_str(),
         "session_id": run.thread_id,

@@ -26,8 +26,9 @@ use rmcp::service::{RequestContext, RoleServer};
 use serde_json::{Value, json};
 
 use crate::app::{App, StartRun};
+use crate::domain::RunRecord;
 use crate::ids::RunId;
-use crate::store::{RunRecord, RunStatus};
+use crate::store::RunStatus;
 
 /// The owner of an HTTP request to `/mcp`, put in the request's extensions by the API's
 /// authentication (stdio has one owner, given on the command line).

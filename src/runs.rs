@@ -9,12 +9,10 @@
 use serde_json::Value;
 
 use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
+use crate::domain::{IfBusy, NewRun, RunLimits, RunRecord, TreePosition};
 use crate::ids::{RunId, ThreadId};
 use crate::queue::{Queue, new_job_id};
-use crate::store::{
-    CancelOutcome, Created, IfBusy, NewRun, RunLimits, RunLog, RunRecord, RunStatus, StoreError,
-    TreePosition,
-};
+use crate::store::{CancelOutcome, Created, RunLog, RunStatus, StoreError};
 
 pub use crate::agents::MAX_TIMEOUT_SECS;
 
@@ -201,9 +199,9 @@ pub async fn start_run(
             // A child continues work its parent already started, parked and holding its context:
             // it goes ahead of its owner's new work.
             place: if req.parent_run_id.is_some() {
-                crate::store::QueuePlace::Front
+                crate::domain::QueuePlace::Front
             } else {
-                crate::store::QueuePlace::Back
+                crate::domain::QueuePlace::Back
             },
         })
         .await?;
@@ -366,10 +364,10 @@ pub async fn answer_approval(
     queue: &Queue,
     id: &str,
     owner: &str,
-    answer: crate::store::ApprovalAnswer,
-) -> Result<crate::store::Answered, StoreError> {
+    answer: crate::domain::ApprovalAnswer,
+) -> Result<crate::domain::Answered, StoreError> {
     let outcome = store.answer_approval(id, owner, answer).await?;
-    if let crate::store::Answered::Done { run_id } = &outcome
+    if let crate::domain::Answered::Done { run_id } = &outcome
         && store
             .get_run(*run_id)
             .await?
@@ -388,7 +386,7 @@ pub async fn push(store: &dyn RunLog, queue: &Queue, run: RunId) -> Result<(), S
 
 /// [`push`], the job due after `delay` (a run its owner's concurrency limit held back). Every
 /// run pushed here already had its turn, so it goes ahead of its owner's newer work of the same
-/// priority ([`QueuePlace::Front`](crate::store::QueuePlace::Front)).
+/// priority ([`QueuePlace::Front`](crate::domain::QueuePlace::Front)).
 pub async fn push_after(
     store: &dyn RunLog,
     queue: &Queue,
@@ -398,7 +396,7 @@ pub async fn push_after(
     let job = new_job_id();
     store.set_job(run, &job).await?;
     let rank = store
-        .queue_rank(run, crate::store::QueuePlace::Front)
+        .queue_rank(run, crate::domain::QueuePlace::Front)
         .await?;
     if let Err(e) = queue.push(run, &job, rank, delay).await {
         tracing::warn!(run_id = %run, error = %e, "could not push the run's job; the reaper will");

@@ -11,7 +11,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Owner;
 use super::views::ErrorBody;
 use super::{ApiError, ApiJson, ApiQuery, ApiState};
-use crate::store::{Answered, Approval, ApprovalAnswer, ApprovalStatus};
+use crate::domain::{Answered, Approval, ApprovalAnswer, ApprovalStatus};
 
 /// Query of `GET /v1/approvals`.
 #[derive(Deserialize, Debug, IntoParams)]

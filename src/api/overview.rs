@@ -21,8 +21,9 @@ use super::auth::Owner;
 use super::runs::ListQuery;
 use super::views::ErrorBody;
 use super::{ApiError, ApiJson, ApiState};
+use crate::domain::OverviewData;
 use crate::ids::RunId;
-use crate::store::{OverviewData, RunStatus};
+use crate::store::RunStatus;
 
 /// At most this many recent events feed the per-minute figures (beyond: a sample, flagged).
 const EVENT_CAP: u32 = 20_000;

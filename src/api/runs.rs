@@ -17,9 +17,10 @@ use super::auth::Owner;
 use super::views::{ErrorBody, EventsPage, RunView, RunsPage};
 use super::{ApiError, ApiJson, ApiQuery, ApiState};
 use crate::app::{CROSS_PROCESS_RECHECK, StartRun};
+use crate::domain::{IfBusy, RunRecord};
 use crate::events::is_terminal;
 use crate::ids::{RunId, ThreadId};
-use crate::store::{CancelOutcome, IfBusy, RunFilter, RunRecord, RunStatus};
+use crate::store::{CancelOutcome, RunFilter, RunStatus};
 use utoipa::{IntoParams, ToSchema};
 
 /// Largest cursor accepted (2^53 - 1: exact in every JSON client).

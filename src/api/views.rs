@@ -7,10 +7,11 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use crate::agents::AgentDef;
+use crate::domain::{RunError, RunRecord, StoredMessage};
 use crate::events::progress_line;
 use crate::ids::{RunId, ThreadId};
 use crate::model::Message;
-use crate::store::{EventRecord, RunError, RunRecord, RunStatus, Store, StoredMessage};
+use crate::store::{EventRecord, RunStatus, Store};
 
 /// Token and step counts.
 #[derive(Serialize, Clone, Debug, ToSchema)]
@@ -91,7 +92,7 @@ pub struct RunView {
     pub todos: Vec<TodoView>,
     /// Tool calls this run waits on a person for (`POST /v1/approvals/{id}` answers them).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub approvals: Vec<crate::store::Approval>,
+    pub approvals: Vec<crate::domain::Approval>,
     /// Caller data.
     #[schema(value_type = Object)]
     pub metadata: Value,
@@ -122,7 +123,7 @@ impl RunView {
                 .map(|c| c.id)
                 .collect();
             let tree = if children.is_empty() {
-                crate::store::TreeTotals {
+                crate::domain::TreeTotals {
                     usage: r.usage,
                     steps: u64::from(r.step),
                     cost_nanos: r.cost_nanos,
@@ -139,7 +140,7 @@ impl RunView {
                     store
                         .list_approvals(
                             &r.owner,
-                            Some(crate::store::ApprovalStatus::Pending),
+                            Some(crate::domain::ApprovalStatus::Pending),
                             Some(r.id),
                             None,
                             50,
@@ -327,7 +328,7 @@ pub struct ThreadView {
     pub next_after: i64,
     /// Every compaction of the thread, oldest first: which messages each summary stands for
     /// when a context is rebuilt (the messages themselves are all still here).
-    pub compactions: Vec<crate::store::Compaction>,
+    pub compactions: Vec<crate::domain::Compaction>,
 }
 
 /// The agent definitions.

@@ -21,10 +21,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
 use crate::config::Settings;
+use crate::domain::Event;
 use crate::ids::RunId;
 use crate::model::mock::{MockOptions, MockServer, Script, ScriptCall, Turn};
 use crate::runs::StartRun;
-use crate::store::{Event, RunStatus};
+use crate::store::RunStatus;
 
 /// The parent agent: its system prompt carries the mock's script marker.
 const LEAD: &str = "---

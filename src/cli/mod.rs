@@ -15,9 +15,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::{App, StartRun};
 use crate::config::Settings;
+use crate::domain::RunRecord;
 use crate::ids::{RunId, ThreadId};
 use crate::model::mock::{MockOptions, MockServer, SCENARIO_HELP};
-use crate::store::{EventRecord, RunRecord, RunStatus};
+use crate::store::{EventRecord, RunStatus};
 
 const ABOUT: &str = "A durable executor for LLM subagent runs.";
 const LONG_ABOUT: &str = "\

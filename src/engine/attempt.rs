@@ -19,12 +19,10 @@ use super::{End, Engine, FORCE_MESSAGE, Flow, Release};
 use crate::agents::AgentDef;
 use crate::delegation::Wait;
 use crate::domain::event;
+use crate::domain::{ErrorKind, Event, Finish, NewMessage, RunError, RunRecord, StoredMessage};
 use crate::model::{ChatResponse, Message, ModelError, ToolSpec, Usage};
 use crate::policy::HookEvent;
-use crate::store::{
-    Checkpoint, ErrorKind, Event, Finish, Lease, NewEvent, NewMessage, RunError, RunRecord,
-    StoredMessage,
-};
+use crate::store::{Checkpoint, Lease, NewEvent};
 
 /// The tools a run is offered: their names, and their specs as the model gets them.
 pub(super) struct Offered {

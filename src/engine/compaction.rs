@@ -4,7 +4,7 @@
 //! would pass `compact_at` (default 85 % of the window), or a new run starts on a thread whose
 //! carried-over context already fills half of that, the run takes a **compaction step**: one
 //! model call without tools summarises the oldest part of the context, and the summary commits
-//! with the range of messages it stands for ([`crate::store::Compaction`]). Nothing is deleted;
+//! with the range of messages it stands for ([`crate::domain::Compaction`]). Nothing is deleted;
 //! the context is rebuilt as system prompt, task, summary, kept tail. A committed compaction is
 //! never redone: the rebuilt context starts after it. When the provider refuses a request as
 //! too long anyway, the same step runs and the call is retried; three failed compactions in a
@@ -23,11 +23,11 @@ use super::attempt::Attempt;
 use super::{Engine, Flow, context};
 use crate::agents::AgentDef;
 use crate::domain::event;
+use crate::domain::{Compaction, CompactionBody, Event, RunRecord, StoredMessage};
 use crate::ids::RunId;
 use crate::model::compact::{self, Entry};
 use crate::model::tokens::{Calibration, Counter, ModelTable};
 use crate::model::{ChatRequest, Message, ToolSpec, Usage};
-use crate::store::{Compaction, CompactionBody, Event, RunRecord, StoredMessage};
 
 /// Context settings that do not vary per run.
 #[derive(Clone, Debug)]

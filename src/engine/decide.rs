@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use super::compaction::{Compacted, Reason};
+use crate::domain::{ErrorKind, RunError, RunLimits};
 use crate::model::ModelError;
-use crate::store::{ErrorKind, RunError, RunLimits};
 
 /// Compactions that may fail in a row before the run fails with `kind=context`.
 pub const MAX_COMPACTION_FAILURES: u32 = 3;

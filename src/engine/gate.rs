@@ -17,11 +17,12 @@ use super::{Engine, Flow};
 use crate::agents::{AgentDef, AgentRegistry};
 use crate::delegation::Wait;
 use crate::domain::event;
+use crate::domain::{ApprovalStatus, Event, NewApproval, RunRecord};
 use crate::hooks::{self, HookDecision};
 use crate::model::ToolCall;
 use crate::permissions::{self, Verdict};
 use crate::policy::{HookEvent, Policy};
-use crate::store::{ApprovalStatus, Event, NewApproval, NewEvent, RunRecord};
+use crate::store::NewEvent;
 
 /// Policy settings that do not vary per run.
 #[derive(Clone, Debug)]

@@ -35,14 +35,12 @@ use crate::agents::{AgentDef, AgentRegistry};
 pub use crate::budget::RateLimits;
 use crate::delegation::{DelegationSettings, Wait};
 use crate::domain::event;
+use crate::domain::{ErrorKind, Event, Finish, RunError, RunRecord};
 use crate::failpoints::Failpoints;
 use crate::ids::RunId;
 use crate::model::ChatModel;
 use crate::queue::Queue;
-use crate::store::{
-    Checkpoint, Claim, ErrorKind, Event, Finish, Lease, NewEvent, Park, Parked, RunError, RunLog,
-    RunRecord, StoreError,
-};
+use crate::store::{Checkpoint, Claim, Lease, NewEvent, Park, Parked, RunLog, StoreError};
 use crate::tools::ToolRegistry;
 pub use compaction::{ContextSettings, Window};
 pub use gate::PolicySettings;
@@ -496,7 +494,7 @@ impl Engine {
         tracing::info!(why, "run released to the queue");
         let rank = self
             .store
-            .queue_rank(lease.run_id, crate::store::QueuePlace::Front)
+            .queue_rank(lease.run_id, crate::domain::QueuePlace::Front)
             .await
             .unwrap_or((0, crate::runs::DEFAULT_PRIORITY));
         if let Err(e) = self

@@ -7,9 +7,9 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::domain::StoredMessage;
 use crate::ids::RunId;
 use crate::model::{Message, ToolCall};
-use crate::store::StoredMessage;
 
 /// What the run does next.
 #[derive(Clone, Debug, PartialEq)]

@@ -14,8 +14,9 @@ use super::{End, Engine, Flow, LOOP_MESSAGE};
 use crate::agents::AgentDef;
 use crate::delegation::{Answer, Wait};
 use crate::domain::event;
+use crate::domain::{Event, NewMessage, RunRecord};
 use crate::model::{Message, ToolCall};
-use crate::store::{Checkpoint, Event, NewEvent, NewMessage, RunRecord};
+use crate::store::{Checkpoint, NewEvent};
 use crate::tools::ToolCtx;
 
 /// Starts of one call that each ended in its worker's death, after which a replay does not run
