@@ -172,6 +172,8 @@ macro_rules! reach_children {
 }
 
 #[macro_use]
+mod shared;
+#[macro_use]
 mod common;
 mod group;
 pub mod postgres;
