@@ -219,59 +219,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             workers,
             api_keys,
             keys_file,
-        } => {
-            let mut keys = crate::api::auth::Keys::default();
-            if let Some(k) = api_keys {
-                keys.add_pairs(&k).map_err(anyhow::Error::msg)?;
-            }
-            if let Some(f) = keys_file {
-                keys.add_file(&f).map_err(anyhow::Error::msg)?;
-            }
-            let host = if keys.is_empty() && !host.is_loopback() {
-                eprintln!(
-                    "no API keys configured (SUBAGENTS_API_KEYS or --keys-file): serving on 127.0.0.1 only, every request as owner `local`"
-                );
-                std::net::IpAddr::from([127, 0, 0, 1])
-            } else {
-                host
-            };
-            let mut signal = ShutdownSignal::listen();
-            crate::telemetry::init_metrics();
-            let mut settings = settings;
-            if let Some(w) = workers {
-                settings.concurrency = w;
-            }
-            let app = tokio::select! {
-                app = App::open(settings) => Arc::new(app?),
-                _ = signal.recv() => return Ok(stopped_while_starting()),
-            };
-            let shutdown = CancellationToken::new();
-            let workers = if app.settings.concurrency > 0 {
-                Some(app.spawn_workers(shutdown.clone()))
-            } else {
-                app.spawn_relay(shutdown.clone())
-            };
-            let server = crate::api::Server::start(
-                app.clone(),
-                keys,
-                SocketAddr::new(host, port),
-                shutdown.clone(),
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
-            eprintln!(
-                "subagents serve: listening on http://{} ({} embedded workers)",
-                server.addr, app.settings.concurrency
-            );
-            signal.recv().await;
-            tracing::info!("shutdown requested");
-            shutdown.cancel();
-            let _ = server.join().await;
-            if let Some(w) = workers {
-                let _ = w.await;
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => serve(settings, port, host, workers, api_keys, keys_file).await,
         Command::Run {
             agent,
             thread,
@@ -301,165 +249,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             run_to_end(&app, req, quiet).await
         }
-        Command::Worker => {
-            let mut signal = ShutdownSignal::listen();
-            crate::telemetry::init_metrics();
-            let app = tokio::select! {
-                app = App::open(settings) => app?,
-                _ = signal.recv() => return Ok(stopped_while_starting()),
-            };
-            eprintln!(
-                "subagents worker: {} agents, concurrency {}, database {}",
-                app.agents.all().count(),
-                app.settings.concurrency,
-                crate::app::redact(&app.settings.database_url)
-            );
-            let shutdown = CancellationToken::new();
-            let workers = app.spawn_workers(shutdown.clone());
-            signal.recv().await;
-            tracing::info!(
-                "shutdown requested: finishing the current step boundary and releasing runs"
-            );
-            shutdown.cancel();
-            let _ = workers.await;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Agents { strict } => {
-            let (reg, errors) = crate::agents::AgentRegistry::load_dir(&settings.jobs_dir);
-            let tools = crate::tools::ToolRegistry::with_settings(App::tool_settings(&settings));
-            let aliases = settings.model_alias_map().map_err(|e| anyhow::anyhow!(e))?;
-            let delegation = crate::delegation::DelegationSettings {
-                max_depth: settings.max_depth,
-                ..Default::default()
-            };
-            let table = crate::model::tokens::ModelTable::new(
-                crate::model::tokens::ModelTable::parse_overrides(&settings.context_windows)
-                    .map_err(|e| anyhow::anyhow!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))?,
-                settings.default_context_window.max(1024),
-            );
-            let mcp_servers = crate::mcp::load(&settings.mcp_config)
-                .map_err(|e| anyhow::anyhow!("SUBAGENTS_MCP_CONFIG: {e}"))?;
-            let mut unavailable = 0;
-            for a in reg.all() {
-                let r = tools.resolve(a);
-                let mut got = r.tools.clone();
-                if crate::delegation::offered(a, 0, &delegation) {
-                    let to: Vec<&str> = crate::delegation::allowed(a, &reg)
-                        .iter()
-                        .map(|d| d.name.as_str())
-                        .collect();
-                    got.push(format!("task/subagent_* (to: {})", to.join(", ")));
-                }
-                let (model, note) = crate::agents::resolve_model(
-                    a.model.as_deref(),
-                    None,
-                    &settings.default_model,
-                    &aliases,
-                );
-                let (known, listed) = table.window(&model);
-                let window = match a.context_window {
-                    Some(w) => format!("{w} tokens (context_window:)"),
-                    None if listed => format!("{} tokens", known.context),
-                    None => format!(
-                        "{} tokens (unknown model: SUBAGENTS_DEFAULT_CONTEXT_WINDOW)",
-                        known.context
-                    ),
-                };
-                let compact_at = a.compact_at.unwrap_or(settings.compact_at);
-                let model = match note {
-                    Some(n) => format!("{model} ({n})"),
-                    None => model,
-                };
-                let src = a
-                    .source
-                    .as_ref()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_else(|| "built-in".into());
-                println!(
-                    "{}\n  {}\n  tools: {}\n  model: {model}  max_steps: {}  timeout: {}s  ({src})\n  context: {window}, compacts at {compact_at}%",
-                    a.name,
-                    a.description,
-                    if got.is_empty() {
-                        "(none)".into()
-                    } else {
-                        got.join(", ")
-                    },
-                    a.max_steps,
-                    a.timeout.as_secs()
-                );
-                if !r.mcp.is_empty() {
-                    let hub_names: Vec<String> = mcp_servers.keys().cloned().collect();
-                    let shown: Vec<String> = r
-                        .mcp
-                        .iter()
-                        .map(|m| match crate::mcp::split(m) {
-                            Some((server, _))
-                                if hub_names.iter().any(|h| h == server)
-                                    || a.mcp_servers
-                                        .as_ref()
-                                        .is_some_and(|s| s.get(server).is_some()) =>
-                            {
-                                m.clone()
-                            }
-                            _ => format!("{m} (no such server in SUBAGENTS_MCP_CONFIG)"),
-                        })
-                        .collect();
-                    unavailable += shown
-                        .iter()
-                        .filter(|m| m.ends_with("(no such server in SUBAGENTS_MCP_CONFIG)"))
-                        .count();
-                    println!("  mcp: {}", shown.join(", "));
-                }
-                for (name, why) in &r.unavailable {
-                    println!("  warning: `{name}` is not available: {why}");
-                    unavailable += 1;
-                }
-                for rule in crate::permissions::unknown_tools(
-                    &a.policy.rules,
-                    &mcp_servers
-                        .keys()
-                        .map(String::as_str)
-                        .chain(
-                            a.mcp_servers
-                                .as_ref()
-                                .and_then(|v| v.as_object())
-                                .into_iter()
-                                .flat_map(|o| o.keys().map(String::as_str)),
-                        )
-                        .collect::<Vec<_>>(),
-                ) {
-                    println!(
-                        "  warning: the permission rule `{rule}` names no tool this server has; it never matches (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…)"
-                    );
-                    unavailable += 1;
-                }
-                println!();
-            }
-            for e in &errors {
-                eprintln!("broken definition: {e}");
-            }
-            let policy = crate::policy::load_settings(&settings.settings_file)
-                .map_err(anyhow::Error::msg)?;
-            for rule in crate::permissions::unknown_tools(
-                &policy.rules,
-                &mcp_servers.keys().map(String::as_str).collect::<Vec<_>>(),
-            ) {
-                println!(
-                    "warning: the permission rule `{rule}` in {} names no tool this server has; it never matches",
-                    settings.settings_file.display()
-                );
-                unavailable += 1;
-            }
-            if strict && unavailable > 0 {
-                eprintln!("{unavailable} tool name(s) cannot be honoured (--strict)");
-                return Ok(ExitCode::from(1));
-            }
-            Ok(if errors.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
-        }
+        Command::Worker => worker(settings).await,
+        Command::Agents { strict } => agents(settings, strict).await,
         Command::Migrate => {
             // Opening applies the migrations of the store and of the queue.
             App::open(settings.clone()).await?;
@@ -474,39 +265,10 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             host,
             latency_ms,
             log,
-            script,
             window,
+            script,
             rpm,
-        } => {
-            let script = match script {
-                Some(p) => {
-                    let text = std::fs::read_to_string(&p)
-                        .map_err(|e| anyhow::anyhow!("cannot read script {}: {e}", p.display()))?;
-                    let s: crate::model::mock::Script = serde_json::from_str(&text)
-                        .map_err(|e| anyhow::anyhow!("script {} is not valid: {e}", p.display()))?;
-                    Some(Arc::new(s))
-                }
-                None => None,
-            };
-            let server = MockServer::start(
-                SocketAddr::new(host, port),
-                MockOptions {
-                    latency: Duration::from_millis(latency_ms),
-                    log_file: log,
-                    script,
-                    window,
-                    rate_limit: rpm.map(|n| (n, Duration::from_secs(60))),
-                },
-            )
-            .await?;
-            println!(
-                "mock-llm listening on {} (OPENAI_BASE_URL={})",
-                server.addr,
-                server.base_url()
-            );
-            shutdown_signal().await;
-            Ok(ExitCode::SUCCESS)
-        }
+        } => mock_llm(port, host, latency_ms, log, window, script, rpm).await,
         Command::Demo { serve } => demo::run(settings, serve).await,
         Command::BenchApi(args) => Ok(if crate::bench::run_api(args).await? {
             ExitCode::SUCCESS
@@ -517,31 +279,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             workers,
             owner,
             wait_s,
-        } => {
-            let mut settings = settings;
-            if let Some(w) = workers {
-                settings.concurrency = w;
-            }
-            let app = Arc::new(App::open(settings).await?);
-            let shutdown = CancellationToken::new();
-            let running = if app.settings.concurrency > 0 {
-                Some(app.spawn_workers(shutdown.clone()))
-            } else {
-                app.spawn_relay(shutdown.clone())
-            };
-            let served = crate::mcp_server::serve_stdio(
-                app.clone(),
-                owner,
-                Duration::from_secs_f64(wait_s.clamp(0.0, 3600.0)),
-            )
-            .await;
-            shutdown.cancel();
-            if let Some(w) = running {
-                let _ = w.await;
-            }
-            served?;
-            Ok(ExitCode::SUCCESS)
-        }
+        } => mcp(settings, workers, owner, wait_s).await,
         Command::BenchContext(args) => Ok(if crate::bench::run_context(settings, args).await? {
             ExitCode::SUCCESS
         } else {
@@ -560,6 +298,301 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             ExitCode::from(1)
         }),
     }
+}
+
+/// `subagents serve`: the API and the dashboard, with embedded workers unless `--workers 0`.
+async fn serve(
+    settings: Settings,
+    port: u16,
+    host: std::net::IpAddr,
+    workers: Option<usize>,
+    api_keys: Option<String>,
+    keys_file: Option<PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    let mut keys = crate::api::auth::Keys::default();
+    if let Some(k) = api_keys {
+        keys.add_pairs(&k).map_err(anyhow::Error::msg)?;
+    }
+    if let Some(f) = keys_file {
+        keys.add_file(&f).map_err(anyhow::Error::msg)?;
+    }
+    let host = if keys.is_empty() && !host.is_loopback() {
+        eprintln!(
+            "no API keys configured (SUBAGENTS_API_KEYS or --keys-file): serving on 127.0.0.1 only, every request as owner `local`"
+        );
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        host
+    };
+    let mut signal = ShutdownSignal::listen();
+    crate::telemetry::init_metrics();
+    let mut settings = settings;
+    if let Some(w) = workers {
+        settings.concurrency = w;
+    }
+    let app = tokio::select! {
+        app = App::open(settings) => Arc::new(app?),
+        _ = signal.recv() => return Ok(stopped_while_starting()),
+    };
+    let shutdown = CancellationToken::new();
+    let workers = if app.settings.concurrency > 0 {
+        Some(app.spawn_workers(shutdown.clone()))
+    } else {
+        app.spawn_relay(shutdown.clone())
+    };
+    let server = crate::api::Server::start(
+        app.clone(),
+        keys,
+        SocketAddr::new(host, port),
+        shutdown.clone(),
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("cannot listen on {host}:{port}: {e}"))?;
+    eprintln!(
+        "subagents serve: listening on http://{} ({} embedded workers)",
+        server.addr, app.settings.concurrency
+    );
+    signal.recv().await;
+    tracing::info!("shutdown requested");
+    shutdown.cancel();
+    let _ = server.join().await;
+    if let Some(w) = workers {
+        let _ = w.await;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `subagents worker`: a worker process until SIGTERM, then a drain.
+async fn worker(settings: Settings) -> anyhow::Result<ExitCode> {
+    let mut signal = ShutdownSignal::listen();
+    crate::telemetry::init_metrics();
+    let app = tokio::select! {
+        app = App::open(settings) => app?,
+        _ = signal.recv() => return Ok(stopped_while_starting()),
+    };
+    eprintln!(
+        "subagents worker: {} agents, concurrency {}, database {}",
+        app.agents.all().count(),
+        app.settings.concurrency,
+        crate::app::redact(&app.settings.database_url)
+    );
+    let shutdown = CancellationToken::new();
+    let workers = app.spawn_workers(shutdown.clone());
+    signal.recv().await;
+    tracing::info!("shutdown requested: finishing the current step boundary and releasing runs");
+    shutdown.cancel();
+    let _ = workers.await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `subagents agents`: each definition with what it really gets here, and the broken files.
+async fn agents(settings: Settings, strict: bool) -> anyhow::Result<ExitCode> {
+    let (reg, errors) = crate::agents::AgentRegistry::load_dir(&settings.jobs_dir);
+    let tools = crate::tools::ToolRegistry::with_settings(App::tool_settings(&settings));
+    let aliases = settings.model_alias_map().map_err(|e| anyhow::anyhow!(e))?;
+    let delegation = crate::delegation::DelegationSettings {
+        max_depth: settings.max_depth,
+        ..Default::default()
+    };
+    let table = crate::model::tokens::ModelTable::new(
+        crate::model::tokens::ModelTable::parse_overrides(&settings.context_windows)
+            .map_err(|e| anyhow::anyhow!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))?,
+        settings.default_context_window.max(1024),
+    );
+    let mcp_servers = crate::mcp::load(&settings.mcp_config)
+        .map_err(|e| anyhow::anyhow!("SUBAGENTS_MCP_CONFIG: {e}"))?;
+    let mut unavailable = 0;
+    for a in reg.all() {
+        let r = tools.resolve(a);
+        let mut got = r.tools.clone();
+        if crate::delegation::offered(a, 0, &delegation) {
+            let to: Vec<&str> = crate::delegation::allowed(a, &reg)
+                .iter()
+                .map(|d| d.name.as_str())
+                .collect();
+            got.push(format!("task/subagent_* (to: {})", to.join(", ")));
+        }
+        let (model, note) = crate::agents::resolve_model(
+            a.model.as_deref(),
+            None,
+            &settings.default_model,
+            &aliases,
+        );
+        let (known, listed) = table.window(&model);
+        let window = match a.context_window {
+            Some(w) => format!("{w} tokens (context_window:)"),
+            None if listed => format!("{} tokens", known.context),
+            None => format!(
+                "{} tokens (unknown model: SUBAGENTS_DEFAULT_CONTEXT_WINDOW)",
+                known.context
+            ),
+        };
+        let compact_at = a.compact_at.unwrap_or(settings.compact_at);
+        let model = match note {
+            Some(n) => format!("{model} ({n})"),
+            None => model,
+        };
+        let src = a
+            .source
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "built-in".into());
+        println!(
+            "{}\n  {}\n  tools: {}\n  model: {model}  max_steps: {}  timeout: {}s  ({src})\n  context: {window}, compacts at {compact_at}%",
+            a.name,
+            a.description,
+            if got.is_empty() {
+                "(none)".into()
+            } else {
+                got.join(", ")
+            },
+            a.max_steps,
+            a.timeout.as_secs()
+        );
+        if !r.mcp.is_empty() {
+            let hub_names: Vec<String> = mcp_servers.keys().cloned().collect();
+            let shown: Vec<String> = r
+                .mcp
+                .iter()
+                .map(|m| match crate::mcp::split(m) {
+                    Some((server, _))
+                        if hub_names.iter().any(|h| h == server)
+                            || a.mcp_servers
+                                .as_ref()
+                                .is_some_and(|s| s.get(server).is_some()) =>
+                    {
+                        m.clone()
+                    }
+                    _ => format!("{m} (no such server in SUBAGENTS_MCP_CONFIG)"),
+                })
+                .collect();
+            unavailable += shown
+                .iter()
+                .filter(|m| m.ends_with("(no such server in SUBAGENTS_MCP_CONFIG)"))
+                .count();
+            println!("  mcp: {}", shown.join(", "));
+        }
+        for (name, why) in &r.unavailable {
+            println!("  warning: `{name}` is not available: {why}");
+            unavailable += 1;
+        }
+        for rule in crate::permissions::unknown_tools(
+            &a.policy.rules,
+            &mcp_servers
+                .keys()
+                .map(String::as_str)
+                .chain(
+                    a.mcp_servers
+                        .as_ref()
+                        .and_then(|v| v.as_object())
+                        .into_iter()
+                        .flat_map(|o| o.keys().map(String::as_str)),
+                )
+                .collect::<Vec<_>>(),
+        ) {
+            println!(
+                "  warning: the permission rule `{rule}` names no tool this server has; it never matches (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…)"
+            );
+            unavailable += 1;
+        }
+        println!();
+    }
+    for e in &errors {
+        eprintln!("broken definition: {e}");
+    }
+    let policy =
+        crate::policy::load_settings(&settings.settings_file).map_err(anyhow::Error::msg)?;
+    for rule in crate::permissions::unknown_tools(
+        &policy.rules,
+        &mcp_servers.keys().map(String::as_str).collect::<Vec<_>>(),
+    ) {
+        println!(
+            "warning: the permission rule `{rule}` in {} names no tool this server has; it never matches",
+            settings.settings_file.display()
+        );
+        unavailable += 1;
+    }
+    if strict && unavailable > 0 {
+        eprintln!("{unavailable} tool name(s) cannot be honoured (--strict)");
+        return Ok(ExitCode::from(1));
+    }
+    Ok(if errors.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `subagents mock-llm`: the mock model until a signal.
+async fn mock_llm(
+    port: u16,
+    host: std::net::IpAddr,
+    latency_ms: u64,
+    log: Option<PathBuf>,
+    window: Option<u64>,
+    script: Option<PathBuf>,
+    rpm: Option<usize>,
+) -> anyhow::Result<ExitCode> {
+    let script = match script {
+        Some(p) => {
+            let text = std::fs::read_to_string(&p)
+                .map_err(|e| anyhow::anyhow!("cannot read script {}: {e}", p.display()))?;
+            let s: crate::model::mock::Script = serde_json::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("script {} is not valid: {e}", p.display()))?;
+            Some(Arc::new(s))
+        }
+        None => None,
+    };
+    let server = MockServer::start(
+        SocketAddr::new(host, port),
+        MockOptions {
+            latency: Duration::from_millis(latency_ms),
+            log_file: log,
+            script,
+            window,
+            rate_limit: rpm.map(|n| (n, Duration::from_secs(60))),
+        },
+    )
+    .await?;
+    println!(
+        "mock-llm listening on {} (OPENAI_BASE_URL={})",
+        server.addr,
+        server.base_url()
+    );
+    shutdown_signal().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `subagents mcp`: the MCP server on stdio.
+async fn mcp(
+    settings: Settings,
+    workers: Option<usize>,
+    owner: String,
+    wait_s: f64,
+) -> anyhow::Result<ExitCode> {
+    let mut settings = settings;
+    if let Some(w) = workers {
+        settings.concurrency = w;
+    }
+    let app = Arc::new(App::open(settings).await?);
+    let shutdown = CancellationToken::new();
+    let running = if app.settings.concurrency > 0 {
+        Some(app.spawn_workers(shutdown.clone()))
+    } else {
+        app.spawn_relay(shutdown.clone())
+    };
+    let served = crate::mcp_server::serve_stdio(
+        app.clone(),
+        owner,
+        Duration::from_secs_f64(wait_s.clamp(0.0, 3600.0)),
+    )
+    .await;
+    shutdown.cancel();
+    if let Some(w) = running {
+        let _ = w.await;
+    }
+    served?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Starts a run with embedded workers and follows it to the end.
