@@ -59,13 +59,10 @@ pub fn connect_options(
 /// Group commits under way at once; each committer keeps a connection (see `Commits::held`).
 ///
 /// One: a batch is whatever queued while the previous one committed, so fewer committers make
-/// fewer, larger batches. Four committers that each kept a connection cycled so fast that, at
-/// 10,000 runs in flight (`bench --runs 10000 --steps 20 --concurrency 10000 --latency-ms 1000
-/// --preload`), they made twice the transactions of four that took a tested connection from
-/// the pool for each batch (211,783 against 104,610: the pool's ping had been a batching
-/// delay), and the extra database work left only 4,864 runs in flight at once. One committer
-/// made 115,759, reached all 10,000, and matched the old build's steps per second (2,066
-/// against 2,031) on less of the machine (202 s against 210).
+/// fewer, larger batches. Four committers that each kept a connection cycled so fast that they
+/// made twice the transactions (half-size batches) and held 10,000 runs in flight back to
+/// half; one made about as many as the pooled committers did and reached all of them (the
+/// figures are in docs/benchmarks.md).
 const COMMITTERS: usize = 1;
 
 /// The pool's connections besides the committers' own: starts, claims, terminal commits,

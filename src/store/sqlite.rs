@@ -95,10 +95,8 @@ impl SqliteStore {
     /// 5, 10 ms …) instead of queueing: measured about one such sleep per step in `bench`
     /// (`perf stat -e syscalls:sys_enter_clock_nanosleep`). The pool's queue hands the one
     /// connection over at once instead, and its page cache stays warm (a connection drops its
-    /// whole cache whenever another one wrote since its last transaction). Measured on 2,000
-    /// five-step runs at concurrency 32, three rounds against eight writing connections:
-    /// 0.71–1.01 ms of CPU per step against 1.09–1.34, and 835–1,188 steps/s against 740–887.
-    /// The API's reads have connections of their own (`reads`).
+    /// whole cache whenever another one wrote since its last transaction): about a third less
+    /// CPU per step than eight writing connections (docs/benchmarks.md). The API's reads have connections of their own (`reads`).
     pub async fn connect(url: &str) -> Result<SqliteStore> {
         let opts = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
