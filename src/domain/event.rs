@@ -203,13 +203,31 @@ pub struct Range {
 pub struct Compacting {
     /// The step it precedes.
     pub step: u32,
-    /// `threshold`, `context_length` or `new_run`.
-    pub reason: String,
+    /// Why it runs.
+    pub reason: CompactionReason,
     /// The request's estimate before.
     pub tokens_before: u64,
     /// What it replaces.
     pub range: Range,
 }
+
+/// Why a compaction runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompactionReason {
+    /// The next request would pass `compact_at`.
+    Threshold,
+    /// The provider refused the request as too long.
+    ContextLength,
+    /// A new run starts on a thread whose carried-over context is already large.
+    NewRun,
+}
+
+stored_names!(CompactionReason {
+    Threshold => "threshold",
+    ContextLength => "context_length",
+    NewRun => "new_run",
+});
 
 /// `context.compacted`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -217,8 +235,8 @@ pub struct Compacting {
 pub struct Compacted {
     /// The step it precedes.
     pub step: u32,
-    /// `threshold`, `context_length` or `new_run`.
-    pub reason: String,
+    /// Why it runs.
+    pub reason: CompactionReason,
     /// The request's estimate before.
     pub tokens_before: u64,
     /// The request's estimate after.
@@ -523,13 +541,13 @@ impl Event {
             Event::StepCompleted(StepCompleted { step: 1 }),
             Event::ContextCompacting(Compacting {
                 step: 1,
-                reason: "threshold".into(),
+                reason: CompactionReason::Threshold,
                 tokens_before: 1,
                 range: range.clone(),
             }),
             Event::ContextCompacted(Compacted {
                 step: 1,
-                reason: "threshold".into(),
+                reason: CompactionReason::Threshold,
                 tokens_before: 2,
                 tokens_after: 1,
                 range,

@@ -78,6 +78,9 @@ mod tests {
             assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
             assert_eq!(crate::lifecycle::RunStatus::parse(s.as_str()), Some(s));
         }
+        for r in event::CompactionReason::ALL {
+            assert_eq!(serde_json::to_value(r).unwrap(), r.as_str());
+        }
         assert_eq!(ErrorKind::parse("Model"), None, "names are exact");
     }
 }

@@ -381,27 +381,7 @@ fn rebuilt(run: &RunRecord, ctx: &RunContext, ev: &Eviction, body: &CompactionBo
     }
 }
 
-/// Why a compaction runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reason {
-    /// The next request would pass `compact_at`.
-    Threshold,
-    /// The provider refused the request as too long.
-    ContextLength,
-    /// A new run starts on a thread whose carried-over context is already large.
-    NewRun,
-}
-
-impl Reason {
-    /// As stored and sent in events.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Threshold => "threshold",
-            Reason::ContextLength => "context_length",
-            Reason::NewRun => "new_run",
-        }
-    }
-}
+pub use crate::domain::event::CompactionReason as Reason;
 
 /// What a compaction step came to.
 #[derive(Debug)]
@@ -494,7 +474,7 @@ impl Engine {
         body.tokens_after = tokens_after as i64;
         let compacted = Event::ContextCompacted(event::Compacted {
             step,
-            reason: reason.as_str().into(),
+            reason,
             tokens_before: tokens_before as u64,
             tokens_after: tokens_after as u64,
             range,
@@ -548,7 +528,7 @@ impl Engine {
         );
         let compacting = Event::ContextCompacting(event::Compacting {
             step,
-            reason: reason.as_str().into(),
+            reason,
             tokens_before: tokens_before as u64,
             range: range.clone(),
         });
