@@ -11,11 +11,7 @@ use subagents::store::RunStatus;
 
 use crate::support::*;
 
-fn worker(
-    dir: &std::path::Path,
-    mock: &MockServer,
-    journal: &std::path::Path,
-) -> std::process::Child {
+fn worker(dir: &std::path::Path, mock: &MockServer, journal: &std::path::Path) -> Worker {
     spawn_worker(
         dir,
         mock,

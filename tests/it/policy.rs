@@ -274,7 +274,7 @@ async fn approvals_fleet_on(jobs: Vec<(String, String)>, database: Option<String
 }
 
 impl Fleet {
-    fn worker(&self) -> std::process::Child {
+    fn worker(&self) -> Worker {
         let mut env = vec![
             ("SUBAGENTS_SETTINGS", self.settings.display().to_string()),
             ("SUBAGENTS_CONCURRENCY", "1".into()),

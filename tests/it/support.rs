@@ -389,7 +389,7 @@ impl Drop for RedisServer {
 
 /// A `subagents worker` process on the test's SQLite file (in `dir`) and mock model; `extra`
 /// environment variables are added or override the defaults.
-pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, String)]) -> Child {
+pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, String)]) -> Worker {
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
     c.arg("worker")
         .env(
@@ -409,7 +409,33 @@ pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, St
     for (k, v) in extra {
         c.env(k, v);
     }
-    c.spawn().expect("spawn worker")
+    Worker(c.spawn().expect("spawn worker"))
+}
+
+/// A worker process that is killed and reaped when dropped, so a test that fails half-way
+/// leaves no stray worker behind to load the machine for the tests after it.
+pub struct Worker(Child);
+
+impl std::ops::Deref for Worker {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Worker {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+        }
+        let _ = self.0.wait();
+    }
 }
 
 /// The tool results of a run, as the model saw them (text).
