@@ -124,7 +124,9 @@ async fn show(
         eprintln!("   watch it live: {url}/ui/runs/{}", parent.id);
     }
     let children = mid_step(app, parent.id).await?;
-    kill(&mut worker)?;
+    // `Child::kill` is SIGKILL on Unix: nothing is flushed or released.
+    worker.kill().context("could not kill the demo's worker")?;
+    worker.wait()?;
     eprintln!(
         "2) the parent parked on its children {} and {} (no worker slot held); both were mid-step, their last tool results not yet committed, when worker {} was killed with SIGKILL.",
         children[0],
@@ -270,16 +272,6 @@ async fn mid_step(app: &App, parent: RunId) -> anyhow::Result<Vec<RunId>> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-fn kill(worker: &mut Child) -> anyhow::Result<()> {
-    let status = Command::new("kill")
-        .args(["-KILL", &worker.id().to_string()])
-        .status()
-        .context("could not run kill")?;
-    anyhow::ensure!(status.success(), "kill -KILL {} failed", worker.id());
-    worker.wait()?;
-    Ok(())
 }
 
 /// Model calls made, and how many of them asked for a step whose answer had been given before

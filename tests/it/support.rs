@@ -557,21 +557,22 @@ impl PrivatePostgres {
         );
     }
 
-    fn run(&self, program: &str, args: &[&str]) {
+    /// `program` of the server's, as the `postgres` user when we are root.
+    fn command(&self, program: &str, args: &[&str]) -> Command {
         let path = self.bin.join(program);
-        let status = if unsafe { libc::geteuid() } == 0 {
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(&path)
-                .args(args)
-                .stdout(Stdio::null())
-                .status()
+        let mut c = if unsafe { libc::geteuid() } == 0 {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
         } else {
-            Command::new(&path)
-                .args(args)
-                .stdout(Stdio::null())
-                .status()
+            Command::new(path)
         };
+        c.args(args).stdout(Stdio::null());
+        c
+    }
+
+    fn run(&self, program: &str, args: &[&str]) {
+        let status = self.command(program, args).status();
         assert!(
             status.unwrap().success(),
             "{program} {args:?} failed (log: {})",
@@ -583,22 +584,7 @@ impl PrivatePostgres {
 impl Drop for PrivatePostgres {
     fn drop(&mut self) {
         let data = self.dir.path().join("data");
-        let path = self.bin.join("pg_ctl");
         let args = ["-D", data.to_str().unwrap(), "-m", "immediate", "stop"];
-        let _ = if unsafe { libc::geteuid() } == 0 {
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(&path)
-                .args(args)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-        } else {
-            Command::new(&path)
-                .args(args)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-        };
+        let _ = self.command("pg_ctl", &args).stderr(Stdio::null()).status();
     }
 }
