@@ -148,6 +148,11 @@ enum Command {
     /// Time the dashboard's first render over a big history: seeds N runs (100,000 by default)
     /// and measures the page, its assets and /v1/overview, and the runs table; one JSON line.
     BenchDashboard(crate::bench::DashboardBenchArgs),
+    /// Time a short run's round trip (`POST /v1/runs/wait`, 1 and 3 steps, one caller and
+    /// several) on SQLite and on PostgreSQL with Redis, in processes of their own, next to the
+    /// floor the machine sets for the same work (the loopback model calls and durable commits,
+    /// timed alone); prints one JSON line.
+    BenchLatency(crate::bench::latency::LatencyBenchArgs),
     /// Serve a deterministic OpenAI-compatible model for tests, demos and load tests.
     #[command(after_long_help = SCENARIO_HELP)]
     MockLlm {
@@ -292,6 +297,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::from(1)
             })
         }
+        Command::BenchLatency(args) => Ok(if crate::bench::latency::run(args).await? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }),
         Command::Bench(args) => Ok(if crate::bench::run(settings, args).await? {
             ExitCode::SUCCESS
         } else {

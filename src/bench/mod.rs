@@ -2,6 +2,8 @@
 //! checkpoints) that prints one JSON line. Figures go in the README; nothing here asserts a
 //! speed.
 
+pub mod latency;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
