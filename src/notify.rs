@@ -69,10 +69,23 @@ impl std::ops::Deref for Signal {
     }
 }
 
-/// Per-run wake-up registry.
-#[derive(Debug, Default)]
+/// Per-run wake-up registry, and the process's "a job was queued" signal.
+#[derive(Debug)]
 pub struct Notifier {
     runs: Mutex<HashMap<RunId, Weak<Signal>>>,
+    /// Moves on whenever this process queued a job that can start now: its workers fetch at
+    /// once instead of at their next poll. A watch, so every worker hears each change (and one
+    /// made while it was busy), and none takes another's wake-up.
+    jobs: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for Notifier {
+    fn default() -> Self {
+        Notifier {
+            runs: Default::default(),
+            jobs: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 impl Notifier {
@@ -111,6 +124,22 @@ impl Notifier {
     /// Wakes on a change to any run (the relay uses it to publish promptly).
     pub fn subscribe_all(&self) -> Arc<Signal> {
         self.subscribe(ANY)
+    }
+
+    /// Announces a job that can start now to this process's workers.
+    pub fn job_queued(&self) {
+        self.jobs.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Yields whenever [`Notifier::job_queued`] was called since the last item (several calls
+    /// in between yield once: a worker's fetch takes what there is).
+    pub fn jobs_queued(&self) -> impl futures::Stream<Item = ()> + Send + 'static {
+        let mut rx = self.jobs.subscribe();
+        rx.mark_unchanged();
+        futures::stream::unfold(rx, |mut rx| async move {
+            rx.changed().await.ok()?;
+            Some(((), rx))
+        })
     }
 }
 

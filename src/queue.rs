@@ -150,11 +150,32 @@ impl Queue {
 ///
 /// Here every poll drains the notifications until none is ready and re-arms the timer until
 /// it is pending, so both are armed whenever this returns.
+///
+/// apalis fetches whenever the worker is polled and its backend is idle, whatever the strategy
+/// says, and a wake-up that comes while a fetch is in flight is spent on that fetch, which may
+/// have read the table before the new job committed. Seen: a caller that starts its next run
+/// the moment the last one ended met the fetch that the end itself started, and one run in
+/// thirty waited for the next period (250 ms on PostgreSQL). So a notification is followed by
+/// more wake-ups, [`FOLLOW_UPS`] apart: the first fetch after the one in flight reads after
+/// the commit. They cost an empty fetch each when the job was found at once, and only while
+/// the worker has a free slot (apalis polls no backend for a full worker).
 pub struct Wakeups {
     period: Duration,
     timer: std::pin::Pin<Box<tokio::time::Sleep>>,
     notifications: Option<std::sync::Mutex<futures::stream::BoxStream<'static, ()>>>,
+    follow_up: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// The follow-ups still owed for the last notification (index into [`FOLLOW_UPS`]).
+    owed: usize,
 }
+
+/// When the wake-ups that follow a notification come, after it and after each other: past a
+/// fetch that was in flight (a millisecond or two), then past one slowed by a loaded machine.
+const FOLLOW_UPS: [Duration; 4] = [
+    Duration::from_millis(2),
+    Duration::from_millis(10),
+    Duration::from_millis(50),
+    Duration::from_millis(250),
+];
 
 impl Wakeups {
     /// Every `period` (at least a millisecond).
@@ -164,13 +185,20 @@ impl Wakeups {
             period,
             timer: Box::pin(tokio::time::sleep(period)),
             notifications: None,
+            follow_up: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            owed: FOLLOW_UPS.len(),
         }
     }
 
-    /// Also whenever `stream` yields (its items are only a signal).
+    /// Also whenever `stream` yields (its items are only a signal); several streams add up.
     pub fn and_on<S: futures::Stream + Send + 'static>(mut self, stream: S) -> Self {
         use futures::StreamExt;
-        self.notifications = Some(std::sync::Mutex::new(stream.map(|_| ()).boxed()));
+        let stream = stream.map(|_| ()).boxed();
+        let merged = match self.notifications.take() {
+            Some(old) => futures::stream::select(old.into_inner().unwrap(), stream).boxed(),
+            None => stream,
+        };
+        self.notifications = Some(std::sync::Mutex::new(merged));
         self
     }
 }
@@ -183,6 +211,7 @@ impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
     ) -> std::task::Poll<Option<()>> {
         use futures::StreamExt;
         let mut woke = false;
+        let mut notified = false;
         if let Some(n) = &self.notifications {
             let mut n = n.lock().unwrap();
             while let std::task::Poll::Ready(item) = n.poll_next_unpin(cx) {
@@ -192,7 +221,21 @@ impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
                     self.notifications = None;
                     break;
                 }
-                woke = true;
+                notified = true;
+            }
+        }
+        if notified {
+            woke = true;
+            self.owed = 0;
+            let at = tokio::time::Instant::now() + FOLLOW_UPS[0];
+            self.follow_up.as_mut().reset(at);
+        }
+        while self.owed < FOLLOW_UPS.len() && self.follow_up.as_mut().poll(cx).is_ready() {
+            woke = true;
+            self.owed += 1;
+            if let Some(next) = FOLLOW_UPS.get(self.owed) {
+                let at = tokio::time::Instant::now() + *next;
+                self.follow_up.as_mut().reset(at);
             }
         }
         while self.timer.as_mut().poll(cx).is_ready() {

@@ -398,8 +398,12 @@ pub async fn push_after(
     let rank = store
         .queue_rank(run, crate::domain::QueuePlace::Front)
         .await?;
-    if let Err(e) = queue.push(run, &job, rank, delay).await {
-        tracing::warn!(run_id = %run, error = %e, "could not push the run's job; the reaper will");
+    match queue.push(run, &job, rank, delay).await {
+        Ok(()) if delay.is_zero() => store.job_queued(),
+        Ok(()) => {}
+        Err(e) => {
+            tracing::warn!(run_id = %run, error = %e, "could not push the run's job; the reaper will")
+        }
     }
     Ok(())
 }

@@ -175,20 +175,27 @@ pub async fn run_workers(
                     .await
             };
         }
+        // Jobs queued by this process (a start, a parent woken by its children) wake the worker
+        // at once; the interval is only the net for jobs queued elsewhere (SQLite) or a
+        // notification that was lost (PostgreSQL).
+        let local = engine.store.jobs_queued();
         let res = match &queue.storage {
-            // SQLite has no notifications: an idle worker polls.
             Storage::Sqlite(s) => run_worker!(
                 SqliteStorage::<RunJob>::new(s.pool())
                     .with_config(Queue::sqlite_config(queue.heartbeat, settings.concurrency))
-                    .poll_with_strategy(Wakeups::every(settings.poll_interval))
+                    .poll_with_strategy(Wakeups::every(settings.poll_interval).and_on(local))
             ),
-            // PostgreSQL wakes idle workers with LISTEN/NOTIFY; a slow interval catches a
-            // notification that was missed (seen: a job waiting for the 5 s heartbeat).
+            // PostgreSQL also wakes idle workers with LISTEN/NOTIFY for jobs queued in other
+            // processes; a slow interval catches a notification that was missed (seen: a job
+            // waiting for the 5 s heartbeat).
             Storage::Postgres(s) => {
                 let wakeups =
-                    Wakeups::every(settings.poll_interval.max(Duration::from_millis(250))).and_on(
-                        apalis_postgres::Pubsub::new(s.pool().clone(), QUEUE_NAME.to_owned()),
-                    );
+                    Wakeups::every(settings.poll_interval.max(Duration::from_millis(250)))
+                        .and_on(apalis_postgres::Pubsub::new(
+                            s.pool().clone(),
+                            QUEUE_NAME.to_owned(),
+                        ))
+                        .and_on(local);
                 run_worker!(
                     PostgresStorage::<RunJob>::new(s.pool())
                         .with_config(Queue::pg_config(queue.heartbeat, settings.concurrency))

@@ -656,6 +656,13 @@ pub trait Claims: Send + Sync + 'static {
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
 
+    /// Tells this process's workers that a job they can start now was queued, so they fetch at
+    /// once rather than at their next poll (a start does it itself).
+    fn job_queued(&self);
+
+    /// What [`Claims::job_queued`] announces, for this process's workers.
+    fn jobs_queued(&self) -> futures::stream::BoxStream<'static, ()>;
+
     /// The run's rank for its job's fetch order (0 = next), taking `place` in its owner's queue:
     /// how many of the owner's other queued runs go first; and its priority. O(1): read from
     /// per-owner counts the database keeps, not by counting the queue (the run view's

@@ -275,11 +275,14 @@ store_impl!(
                 .transpose()?;
             let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
             match (outcome.as_str(), rid) {
-                ("created", Some(_)) => Ok(Created {
-                    run: run_from_row(&row)?,
-                    existing: false,
-                    ahead,
-                }),
+                ("created", Some(_)) => {
+                    self.notifier.job_queued();
+                    Ok(Created {
+                        run: run_from_row(&row)?,
+                        existing: false,
+                        ahead,
+                    })
+                }
                 ("existing", Some(_)) => Ok(Created {
                     run: run_from_row(&row)?,
                     existing: true,

@@ -281,6 +281,7 @@ store_impl!(
         .execute(&mut *tx)
         .await?;
             tx.commit().await?;
+            self.notifier.job_queued();
             Ok(Created {
                 run,
                 existing: false,

@@ -186,6 +186,15 @@ macro_rules! claims_impl {
                     .await?;
                 Ok(())
             }
+
+            fn job_queued(&self) {
+                self.notifier.job_queued();
+            }
+
+            fn jobs_queued(&self) -> futures::stream::BoxStream<'static, ()> {
+                use futures::StreamExt;
+                self.notifier.jobs_queued().boxed()
+            }
         }
     };
 }
