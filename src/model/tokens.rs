@@ -75,12 +75,36 @@ impl Counter {
         self.bpe.count_with_special_tokens(text)
     }
 
+    /// Tokens of a text that recurs across runs (a system prompt, a tool's schema), looked up
+    /// in a process-wide table after the first count: a short run would otherwise spend a
+    /// good part of its CPU tokenizing the same schemas at every start (seen: an eighth of a
+    /// worker's CPU on one-step runs).
+    fn recurring(&self, text: &str) -> usize {
+        use std::hash::{Hash, Hasher};
+        static SEEN: Mutex<Option<HashMap<(&'static str, u64, usize), usize>>> = Mutex::new(None);
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        text.hash(&mut h);
+        let key = (self.encoding, h.finish(), text.len());
+        if let Some(n) = SEEN.lock().unwrap().as_ref().and_then(|m| m.get(&key)) {
+            return *n;
+        }
+        let n = self.text(text);
+        let mut seen = SEEN.lock().unwrap();
+        let map = seen.get_or_insert_with(HashMap::new);
+        if map.len() >= 4096 {
+            map.clear();
+        }
+        map.insert(key, n);
+        n
+    }
+
     /// Tokens one message adds to a request, framing included.
     pub fn message(&self, m: &Message) -> usize {
         PER_MESSAGE
             + self.text(m.role())
             + match m {
-                Message::System { content } | Message::User { content } => self.text(content),
+                Message::System { content } => self.recurring(content),
+                Message::User { content } => self.text(content),
                 Message::Assistant {
                     content,
                     tool_calls,
@@ -111,8 +135,8 @@ impl Counter {
                 .map(|t| {
                     PER_TOOL_SPEC
                         + self.text(&t.function.name)
-                        + self.text(&t.function.description)
-                        + self.text(&t.function.parameters.to_string())
+                        + self.recurring(&t.function.description)
+                        + self.recurring(&t.function.parameters.to_string())
                 })
                 .sum::<usize>()
     }
