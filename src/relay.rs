@@ -174,7 +174,8 @@ impl RedisEvents {
     ///
     /// One pass is three round trips whatever its size: the batch read from the outbox, one
     /// Redis pipeline (the script loaded first, so a restarted Redis needs no retry, then each
-    /// event's publication, run by run in order), and one statement marking what went through.
+    /// event's publication, run by run in order, then a wake-up per run), and one statement
+    /// marking what went through.
     pub async fn relay_once(&self, store: &dyn Store) -> Result<usize, RelayError> {
         let batch = store.unrelayed(500).await?;
         if batch.is_empty() {
@@ -188,6 +189,17 @@ impl RedisEvents {
             // the outbox says everything before it was relayed.
             self.publish_into(&mut pipe, e, previous != Some(e.run_id));
             previous = Some(e.run_id);
+        }
+        // Then the wake-ups, in the same pipeline: a process waiting on one of these runs reads
+        // it from the database, where it is already committed, so it need not wait for the
+        // outbox to be marked. (A run whose event was refused is woken for nothing: harmless.)
+        let mut woken = None;
+        for e in &batch {
+            if woken != Some(e.run_id) {
+                pipe.publish(WAKE_CHANNEL, format!("change:{}", e.run_id))
+                    .ignore();
+                woken = Some(e.run_id);
+            }
         }
         let mut c = self.conn.clone();
         let answers: Vec<i64> = pipe.query_async(&mut c).await?;
@@ -212,13 +224,6 @@ impl RedisEvents {
             }
         }
         store.mark_relayed(&ranges).await?;
-        if !ranges.is_empty() {
-            let mut wake = redis::pipe();
-            for (run, _, _) in &ranges {
-                wake.publish(WAKE_CHANNEL, format!("change:{run}")).ignore();
-            }
-            let _: Result<(), _> = wake.query_async(&mut c).await;
-        }
         Ok(relayed)
     }
 
