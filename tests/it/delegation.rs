@@ -650,3 +650,50 @@ async fn a_tree_budget_on_the_root_forces_the_child_and_the_parent_to_answer() {
         "bounded: no step ran past the budget except the forced answers"
     );
 }
+
+/// With the workers' poll and the reaper ten minutes apart, runs still start at once: a start
+/// in this process wakes its workers, and so does a parent's wake-up when its child ends. A
+/// run left for the poll would not end within the wait below. Twenty runs back to back, each
+/// started the moment the one before ended, is the pattern that once met a fetch in flight and
+/// lost its wake-up.
+#[tokio::test]
+async fn runs_start_without_waiting_for_the_poll_in_one_process() {
+    let t = app_with(
+        "p-wake",
+        vec![
+            calls(vec![call("task", json!({"description": "Child.\nSCENARIO steps=2 run=wake", "subagent": "general-purpose"}))]),
+            say("child done"),
+        ],
+        Box::new(|s| {
+            s.poll_ms = 600_000;
+            s.reap_ms = 600_000;
+        }),
+    )
+    .await;
+    let parent = start_parent(&t, "p-wake").await;
+    let ended = t
+        .app
+        .wait(parent.id, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        ended.status,
+        RunStatus::Succeeded,
+        "the parent and its child ran: {ended:?}"
+    );
+    for i in 0..20 {
+        let r = t.start(&format!("Run {i}.")).await;
+        let ended = t
+            .app
+            .wait(r.id, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            ended.status,
+            RunStatus::Succeeded,
+            "run {i} started without the poll: {ended:?}"
+        );
+    }
+}

@@ -1157,3 +1157,28 @@ async fn an_owners_runs_never_take_more_slots_than_its_limit() {
     assert_eq!(most["a"], 2, "owner a used its two slots and no more");
     assert_eq!(most["b"], 2, "owner b too");
 }
+
+/// Across processes too: with the worker's poll and reaper ten minutes apart, runs started by
+/// another process (PostgreSQL's notification) start at once, twenty of them back to back.
+#[tokio::test]
+async fn a_worker_process_starts_runs_without_waiting_for_its_poll() {
+    let never = [
+        ("SUBAGENTS_POLL_MS", "600000".to_owned()),
+        ("SUBAGENTS_REAP_MS", "600000".to_owned()),
+    ];
+    let f = fleet_custom(MockOptions::default(), 1, 2, None, &never).await;
+    for i in 0..20 {
+        let r = start_runs(&f, 1, 2, &format!("nopoll{i}")).await.remove(0);
+        let ended = f
+            .app
+            .wait(r.id, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            ended.status,
+            RunStatus::Succeeded,
+            "run {i} started without the worker's poll: {ended:?}"
+        );
+    }
+}
