@@ -81,7 +81,9 @@ impl Counter {
     /// worker's CPU on one-step runs).
     fn recurring(&self, text: &str) -> usize {
         use std::hash::{Hash, Hasher};
-        static SEEN: Mutex<Option<HashMap<(&'static str, u64, usize), usize>>> = Mutex::new(None);
+        /// The encoding's name, the text's hash and its length.
+        type Key = (&'static str, u64, usize);
+        static SEEN: Mutex<Option<HashMap<Key, usize>>> = Mutex::new(None);
         let mut h = std::collections::hash_map::DefaultHasher::new();
         text.hash(&mut h);
         let key = (self.encoding, h.finish(), text.len());
