@@ -671,12 +671,7 @@ async fn runs_start_without_waiting_for_the_poll_in_one_process() {
     )
     .await;
     let parent = start_parent(&t, "p-wake").await;
-    let ended = t
-        .app
-        .wait(parent.id, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .unwrap();
+    let ended = t.wait(parent.id).await;
     assert_eq!(
         ended.status,
         RunStatus::Succeeded,
@@ -684,12 +679,7 @@ async fn runs_start_without_waiting_for_the_poll_in_one_process() {
     );
     for i in 0..20 {
         let r = t.start(&format!("Run {i}.")).await;
-        let ended = t
-            .app
-            .wait(r.id, Duration::from_secs(30))
-            .await
-            .unwrap()
-            .unwrap();
+        let ended = t.wait(r.id).await;
         assert_eq!(
             ended.status,
             RunStatus::Succeeded,
