@@ -12,7 +12,7 @@ use crate::agents::{AgentFileError, AgentRegistry};
 use crate::config::Settings;
 use crate::domain::RunRecord;
 use crate::engine::{Engine, EngineSettings};
-use crate::ids::{RunId, ThreadId};
+use crate::ids::{ApprovalId, OwnerId, RunId, ThreadId};
 use crate::model::openai::{OpenAiClient, OpenAiConfig};
 use crate::model::{ChatModel, RetryPolicy};
 use crate::queue::Queue;
@@ -511,8 +511,8 @@ impl App {
     /// Answers a pending approval of `owner` (see [`crate::runs::answer_approval`]).
     pub async fn answer_approval(
         &self,
-        id: &str,
-        owner: &str,
+        id: &ApprovalId,
+        owner: &OwnerId,
         answer: crate::domain::ApprovalAnswer,
     ) -> Result<crate::domain::Answered, StoreError> {
         crate::runs::answer_approval(self.store.as_ref(), &self.queue, id, owner, answer).await
@@ -522,13 +522,17 @@ impl App {
     /// for a thread stored before threads were scoped (or a stored id its owner was shown, as in
     /// an event), that id when the thread is the owner's. A thread that does not exist yet gets
     /// the scoped id.
-    pub async fn thread_for(&self, owner: &str, chosen: &ThreadId) -> Result<ThreadId, StoreError> {
+    pub async fn thread_for(
+        &self,
+        owner: &OwnerId,
+        chosen: &ThreadId,
+    ) -> Result<ThreadId, StoreError> {
         let scoped = chosen.scoped(owner);
         if scoped == *chosen || self.store.get_thread(&scoped).await?.is_some() {
             return Ok(scoped);
         }
         Ok(match self.store.get_thread(chosen).await? {
-            Some(t) if t.owner == owner => chosen.clone(),
+            Some(t) if t.owner == *owner => chosen.clone(),
             _ => scoped,
         })
     }

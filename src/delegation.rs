@@ -39,7 +39,7 @@ pub struct Wait {
     /// Wake at this time (Unix ms) at the latest.
     pub wake_at: Option<i64>,
     /// Wake when any of these approvals is answered (a tool call asked a person).
-    pub approvals: Vec<String>,
+    pub approvals: Vec<crate::ids::ApprovalId>,
     /// The model's rate limit is used up until `wake_at`.
     pub rate_limited: bool,
 }

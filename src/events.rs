@@ -52,7 +52,9 @@ pub fn progress_line(e: &EventRecord) -> Option<String> {
             "  {} needs approval ({}): {}",
             a.tool, a.approval_id, a.reason
         ),
-        Event::ApprovalResolved(a) => format!("  approval {} {}", a.approval_id, a.decision),
+        Event::ApprovalResolved(a) => {
+            format!("  approval {} {}", a.approval_id, a.decision.as_str())
+        }
         Event::ToolDenied(d) => format!("  {} denied: {}", d.tool, d.reason),
         Event::HookBlocked(h) => format!("  {} blocked by a hook: {}", h.tool, h.reason),
         Event::ContextCompacted(c) => format!(

@@ -86,8 +86,9 @@ const MAX_STORED_LEN: usize = 256;
 const UNSCOPED_OWNER: &str = "local";
 
 /// The prefix `owner`'s thread ids are stored under (`None` for the local owner).
-fn scope(owner: &str) -> Option<String> {
+fn scope(owner: &OwnerId) -> Option<String> {
     use sha2::Digest;
+    let owner = owner.as_str();
     if owner == UNSCOPED_OWNER {
         return None;
     }
@@ -112,7 +113,7 @@ impl ThreadId {
     }
 
     /// The id `owner`'s thread `self` (as the owner chose it) is stored under.
-    pub fn scoped(&self, owner: &str) -> ThreadId {
+    pub fn scoped(&self, owner: &OwnerId) -> ThreadId {
         match scope(owner) {
             Some(prefix) => ThreadId(format!("{prefix}{}", self.0)),
             None => self.clone(),
@@ -121,7 +122,7 @@ impl ThreadId {
 
     /// This stored id as `owner` sees it: without `owner`'s scope (an id stored before threads
     /// were scoped, or another owner's, is shown as it is).
-    pub fn visible_to(&self, owner: &str) -> ThreadId {
+    pub fn visible_to(&self, owner: &OwnerId) -> ThreadId {
         match scope(owner) {
             Some(prefix) => match self.0.strip_prefix(&prefix) {
                 Some(rest) if !rest.is_empty() => ThreadId(rest.to_owned()),
@@ -176,6 +177,127 @@ impl From<ThreadId> for String {
     }
 }
 
+/// A newtype over text that names something: an id with one canonical string form, stored and
+/// sent as that string (serde and sqlx see the text), which cannot be passed where another kind
+/// of name is expected. Built from text already checked where it entered (a keys file, an agent
+/// file, the store), so construction does not validate.
+macro_rules! text_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(
+            Clone,
+            Debug,
+            PartialEq,
+            Eq,
+            Hash,
+            PartialOrd,
+            Ord,
+            Serialize,
+            Deserialize,
+            sqlx::Type,
+            utoipa::ToSchema,
+        )]
+        #[serde(transparent)]
+        #[sqlx(transparent)]
+        #[schema(value_type = String)]
+        pub struct $name(String);
+
+        impl $name {
+            /// The name as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(s: &str) -> Self {
+                Self(s.to_owned())
+            }
+        }
+
+        impl From<String> for $name {
+            fn from(s: String) -> Self {
+                Self(s)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(n: $name) -> String {
+                n.0
+            }
+        }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl std::borrow::Borrow<str> for $name {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl PartialEq<str> for $name {
+            fn eq(&self, other: &str) -> bool {
+                self.0 == other
+            }
+        }
+
+        impl PartialEq<&str> for $name {
+            fn eq(&self, other: &&str) -> bool {
+                self.0 == *other
+            }
+        }
+    };
+}
+
+text_id!(
+    /// Who a thread, a run, an approval and a rate budget belong to: the name a key maps to
+    /// (`local` for the CLI and a keyless server). Every read and write of the store is scoped
+    /// by it.
+    OwnerId
+);
+
+impl Default for OwnerId {
+    fn default() -> Self {
+        Self::local()
+    }
+}
+
+impl OwnerId {
+    /// The owner of the CLI's runs and of a keyless server's.
+    pub fn local() -> Self {
+        Self(UNSCOPED_OWNER.to_owned())
+    }
+}
+
+text_id!(
+    /// The name of an agent definition (`jobs/<name>.md`, or a built-in such as `general`):
+    /// what a run executes, and the key of its concurrency limit.
+    AgentName
+);
+
+text_id!(
+    /// The id of an approval: `apr_` and a time-ordered suffix.
+    ApprovalId
+);
+
+impl ApprovalId {
+    /// A fresh id: `apr_` and a UUID v7 in simple form, so ids sort by creation time (the
+    /// approvals list pages by them).
+    pub fn generate() -> Self {
+        Self(format!("apr_{}", Uuid::now_v7().simple()))
+    }
+}
+
 /// A malformed id, with the offending text.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum IdError {
@@ -201,15 +323,15 @@ mod tests {
         assert!("x".repeat(257).parse::<ThreadId>().is_err());
         // Each owner its own namespace; the local owner's ids are stored as chosen.
         let t: ThreadId = "ticket-4711".parse().unwrap();
-        let (a, b) = (t.scoped("alice"), t.scoped("bob"));
+        let (a, b) = (t.scoped(&"alice".into()), t.scoped(&"bob".into()));
         assert_ne!(a, b);
-        assert_eq!(t.scoped("local"), t);
+        assert_eq!(t.scoped(&"local".into()), t);
         assert_eq!(
-            (a.visible_to("alice"), b.visible_to("bob")),
+            (a.visible_to(&"alice".into()), b.visible_to(&"bob".into())),
             (t.clone(), t.clone())
         );
         assert_eq!(
-            a.visible_to("bob"),
+            a.visible_to(&"bob".into()),
             a,
             "another owner's scope is not stripped"
         );
@@ -220,7 +342,7 @@ mod tests {
         assert!(
             ThreadId::chosen(&"x".repeat(200))
                 .unwrap()
-                .scoped("alice")
+                .scoped(&"alice".into())
                 .as_str()
                 .parse::<ThreadId>()
                 .is_ok()

@@ -23,9 +23,10 @@
 //!   what the processes it starts cannot reach (see `docs/security.md`).
 #![warn(missing_docs)]
 
-/// `ALL`, `as_str` and `parse` for an enum stored and sent by name, from one list of variants
-/// and names, so the two directions cannot drift apart. (Each type's serde names are checked
-/// against `as_str` by a unit test beside it.)
+/// `ALL`, `as_str`, `parse` and the sqlx `Type`/`Encode`/`Decode` for an enum stored and sent by
+/// name, from one list of variants and names, so the directions cannot drift apart: binds take
+/// the enum, and a read that meets a name the list lacks is a corrupt row. (Each type's serde
+/// names are checked against `as_str` by a unit test beside it.)
 macro_rules! stored_names {
     (@unit $v:ident) => {
         ()
@@ -49,6 +50,47 @@ macro_rules! stored_names {
                     $($name => Some($ty::$variant),)+
                     _ => None,
                 }
+            }
+        }
+
+        // Bound and read as its name (a TEXT column on both backends). A name the list does not
+        // know is a decode error, which the store reports as a corrupt row.
+        impl<DB: sqlx::Database> sqlx::Type<DB> for $ty
+        where
+            str: sqlx::Type<DB>,
+        {
+            fn type_info() -> DB::TypeInfo {
+                <str as sqlx::Type<DB>>::type_info()
+            }
+
+            fn compatible(ty: &DB::TypeInfo) -> bool {
+                <str as sqlx::Type<DB>>::compatible(ty)
+            }
+        }
+
+        impl<'q, DB: sqlx::Database> sqlx::Encode<'q, DB> for $ty
+        where
+            &'static str: sqlx::Encode<'q, DB>,
+        {
+            fn encode_by_ref(
+                &self,
+                buf: &mut <DB as sqlx::Database>::ArgumentBuffer,
+            ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+                <&'static str as sqlx::Encode<'q, DB>>::encode(self.as_str(), buf)
+            }
+        }
+
+        impl<'r, DB: sqlx::Database> sqlx::Decode<'r, DB> for $ty
+        where
+            &'r str: sqlx::Decode<'r, DB>,
+        {
+            fn decode(
+                value: <DB as sqlx::Database>::ValueRef<'r>,
+            ) -> Result<Self, sqlx::error::BoxDynError> {
+                let name = <&'r str as sqlx::Decode<'r, DB>>::decode(value)?;
+                $ty::parse(name).ok_or_else(|| {
+                    format!("`{name}` is not a stored {} name", stringify!($ty)).into()
+                })
             }
         }
     };

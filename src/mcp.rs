@@ -21,6 +21,7 @@ use rmcp::service::{RoleClient, RunningService};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
+use crate::ids::OwnerId;
 use crate::model::{FunctionSpec, ToolSpec};
 
 /// How to reach one server.
@@ -391,8 +392,9 @@ impl Hub {
         &self,
         server: &str,
         only: Option<&str>,
-        owner: &str,
+        owner: &OwnerId,
     ) -> Result<Vec<ToolSpec>, McpError> {
+        let owner = owner.as_str();
         let live = self.connect(server, owner).await?;
         Ok(live
             .tools
@@ -428,8 +430,9 @@ impl Hub {
         server: &str,
         tool: &str,
         arguments: Value,
-        owner: &str,
+        owner: &OwnerId,
     ) -> Result<(String, bool), McpError> {
+        let owner = owner.as_str();
         let args = match arguments {
             Value::Object(o) => Some(o),
             Value::Null => None,

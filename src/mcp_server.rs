@@ -27,25 +27,25 @@ use serde_json::{Value, json};
 
 use crate::app::{App, StartRun};
 use crate::domain::RunRecord;
-use crate::ids::RunId;
+use crate::ids::{OwnerId, RunId};
 use crate::store::RunStatus;
 
 /// The owner of an HTTP request to `/mcp`, put in the request's extensions by the API's
 /// authentication (stdio has one owner, given on the command line).
 #[derive(Clone, Debug)]
-pub struct McpOwner(pub String);
+pub struct McpOwner(pub OwnerId);
 
 /// The server: runs are started as `owner` (or as the request's [`McpOwner`] over HTTP).
 pub struct McpRuns {
     app: Arc<App>,
-    owner: String,
+    owner: OwnerId,
     wait: Duration,
 }
 
 impl McpRuns {
     /// Serves `app` to MCP clients; runs belong to `owner`; a client without tasks waits at most
     /// `wait` for an answer.
-    pub fn new(app: Arc<App>, owner: String, wait: Duration) -> McpRuns {
+    pub fn new(app: Arc<App>, owner: OwnerId, wait: Duration) -> McpRuns {
         McpRuns { app, owner, wait }
     }
 
@@ -103,7 +103,7 @@ impl McpRuns {
     }
 
     /// Who is asking: the HTTP request's authenticated owner, else the server's.
-    fn owner_of(&self, ctx: &RequestContext<RoleServer>) -> String {
+    fn owner_of(&self, ctx: &RequestContext<RoleServer>) -> OwnerId {
         ctx.extensions
             .get::<axum::http::request::Parts>()
             .and_then(|p| p.extensions.get::<McpOwner>())
@@ -111,13 +111,13 @@ impl McpRuns {
             .unwrap_or_else(|| self.owner.clone())
     }
 
-    async fn owned(&self, owner: &str, id: &Value) -> Result<RunRecord, String> {
+    async fn owned(&self, owner: &OwnerId, id: &Value) -> Result<RunRecord, String> {
         let id: RunId = id
             .as_str()
             .and_then(|s| s.parse().ok())
             .ok_or("run_id must be a run id (a UUID)")?;
         match self.app.store.get_run(id).await {
-            Ok(Some(r)) if r.owner == owner => Ok(r),
+            Ok(Some(r)) if r.owner == *owner => Ok(r),
             Ok(_) => Err(format!("there is no run {id}")),
             Err(e) => Err(format!("storage: {e}")),
         }
@@ -549,20 +549,14 @@ pub fn http_service(
         config.disable_allowed_hosts()
     };
     rmcp::transport::StreamableHttpService::new(
-        move || {
-            Ok(McpRuns::new(
-                app.clone(),
-                crate::app::LOCAL_OWNER.to_owned(),
-                wait,
-            ))
-        },
+        move || Ok(McpRuns::new(app.clone(), OwnerId::local(), wait)),
         Default::default(),
         config,
     )
 }
 
 /// Serves `app` over stdin/stdout until the client disconnects.
-pub async fn serve_stdio(app: Arc<App>, owner: String, wait: Duration) -> anyhow::Result<()> {
+pub async fn serve_stdio(app: Arc<App>, owner: OwnerId, wait: Duration) -> anyhow::Result<()> {
     use rmcp::ServiceExt;
     let service = McpRuns::new(app, owner, wait)
         .serve(rmcp::transport::stdio())

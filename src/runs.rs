@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
 use crate::domain::{IfBusy, NewRun, RunLimits, RunRecord, TreePosition};
-use crate::ids::{RunId, ThreadId};
+use crate::ids::{OwnerId, RunId, ThreadId};
 use crate::queue::{Queue, new_job_id};
 use crate::store::{CancelOutcome, Created, RunLog, RunStatus, StoreError};
 
@@ -32,7 +32,7 @@ pub struct StartRun {
     /// Continue this thread (created if new).
     pub thread_id: Option<ThreadId>,
     /// Owner; [`LOCAL_OWNER`] when absent.
-    pub owner: Option<String>,
+    pub owner: Option<OwnerId>,
     /// Override of the agent's `max_steps`.
     pub max_steps: Option<u32>,
     /// Override of the agent's `timeout`, in seconds.
@@ -176,8 +176,8 @@ pub async fn start_run(
         .create_run(NewRun {
             id: RunId::new(),
             thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
-            owner: req.owner.unwrap_or_else(|| LOCAL_OWNER.to_owned()),
-            agent: agent_name,
+            owner: req.owner.unwrap_or_else(OwnerId::local),
+            agent: agent_name.into(),
             input: req.input,
             metadata: req
                 .metadata
@@ -243,7 +243,7 @@ pub async fn retry(
         agents,
         max_input_bytes,
         StartRun {
-            agent: Some(original.agent.clone()),
+            agent: Some(original.agent.to_string()),
             input: original.input.clone(),
             thread_id: Some(original.thread_id.clone()),
             owner: Some(original.owner.clone()),
@@ -362,8 +362,8 @@ pub async fn after_end_of(store: &dyn RunLog, queue: &Queue, run: RunId) -> Resu
 pub async fn answer_approval(
     store: &dyn crate::store::Store,
     queue: &Queue,
-    id: &str,
-    owner: &str,
+    id: &crate::ids::ApprovalId,
+    owner: &OwnerId,
     answer: crate::domain::ApprovalAnswer,
 ) -> Result<crate::domain::Answered, StoreError> {
     let outcome = store.answer_approval(id, owner, answer).await?;

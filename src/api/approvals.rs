@@ -12,6 +12,7 @@ use super::auth::Owner;
 use super::views::ErrorBody;
 use super::{ApiError, ApiJson, ApiQuery, ApiState};
 use crate::domain::{Answered, Approval, ApprovalAnswer, ApprovalStatus};
+use crate::ids::ApprovalId;
 
 /// Query of `GET /v1/approvals`.
 #[derive(Deserialize, Debug, IntoParams)]
@@ -34,7 +35,8 @@ pub struct ApprovalsPage {
     /// The approvals.
     pub approvals: Vec<Approval>,
     /// Pass as `cursor` for the next page; absent on the last.
-    pub next_cursor: Option<String>,
+    #[schema(value_type = Option<String>)]
+    pub next_cursor: Option<ApprovalId>,
 }
 
 /// The answer to an approval.
@@ -98,7 +100,13 @@ pub async fn list(
     let approvals = state
         .app
         .store
-        .list_approvals(&owner.0, status, run, q.cursor.as_deref(), limit)
+        .list_approvals(
+            &owner.0,
+            status,
+            run,
+            q.cursor.as_deref().map(ApprovalId::from).as_ref(),
+            limit,
+        )
         .await?;
     let next_cursor = (approvals.len() == limit as usize)
         .then(|| approvals.last().map(|a| a.id.clone()))
@@ -122,7 +130,7 @@ pub async fn get(
 
 async fn owned(state: &ApiState, owner: &Owner, id: &str) -> Result<Approval, ApiError> {
     // Another owner's approval answers exactly like a missing one.
-    match state.app.store.approval(id).await? {
+    match state.app.store.approval(&ApprovalId::from(id)).await? {
         Some(a)
             if state
                 .app
@@ -192,9 +200,13 @@ pub async fn answer(
         reason: body.reason,
         updated_input: body.updated_input,
         run_tree,
-        by: owner.0.clone(),
+        by: owner.0.to_string(),
     };
-    match state.app.answer_approval(&id, &owner.0, answer).await? {
+    match state
+        .app
+        .answer_approval(&ApprovalId::from(id.as_str()), &owner.0, answer)
+        .await?
+    {
         Answered::Done { .. } => owned(&state, &owner, &id).await.map(Json),
         Answered::NotFound => Err(ApiError::not_found("approval")),
         Answered::Closed(status) => Err(ApiError {

@@ -12,12 +12,12 @@ use axum::http::request::Parts;
 use sha2::{Digest, Sha256};
 
 use super::{ApiError, ApiState};
-use crate::app::LOCAL_OWNER;
+use crate::ids::OwnerId;
 
 /// Key hashes to owners.
 #[derive(Clone, Debug, Default)]
 pub struct Keys {
-    by_hash: HashMap<[u8; 32], String>,
+    by_hash: HashMap<[u8; 32], OwnerId>,
     /// Owners' own concurrency limits from the keys file (`concurrency=N`).
     limits: std::collections::BTreeMap<String, u32>,
     /// Owners' own model budgets from the keys file (`rpm=N`, `tpm=N`).
@@ -47,7 +47,7 @@ impl Keys {
                     "bad entry for owner `{owner}`: owners must be named and keys at least 8 characters"
                 ));
             }
-            self.by_hash.insert(hash(key), owner.to_owned());
+            self.by_hash.insert(hash(key), owner.into());
         }
         Ok(())
     }
@@ -59,7 +59,7 @@ impl Keys {
         let mut out: std::collections::BTreeMap<&str, u32> = std::collections::BTreeMap::new();
         if default > 0 {
             for o in self.by_hash.values() {
-                out.insert(o, default);
+                out.insert(o.as_str(), default);
             }
         }
         out.extend(self.limits.iter().map(|(o, n)| (o.as_str(), *n)));
@@ -70,13 +70,16 @@ impl Keys {
 
     /// Whether `owner` is an operator (`admin` on its line of the keys file): it may list and
     /// open every owner's runs and threads; approvals stay their owner's.
-    pub fn is_admin(&self, owner: &str) -> bool {
-        self.admins.contains(owner)
+    pub fn is_admin(&self, owner: &OwnerId) -> bool {
+        self.admins.contains(owner.as_str())
     }
 
     /// The owners' model budgets the keys file sets.
-    pub fn owner_budgets(&self) -> Vec<(String, crate::store::OwnerBudget)> {
-        self.budgets.iter().map(|(o, b)| (o.clone(), *b)).collect()
+    pub fn owner_budgets(&self) -> Vec<(OwnerId, crate::store::OwnerBudget)> {
+        self.budgets
+            .iter()
+            .map(|(o, b)| (o.as_str().into(), *b))
+            .collect()
     }
 
     /// Adds entries from a keys file: one `owner sha256-hex-of-key [concurrency=N] [rpm=N]
@@ -150,35 +153,35 @@ impl Keys {
             for (j, b) in h.iter_mut().enumerate() {
                 *b = u8::from_str_radix(&hex[j * 2..j * 2 + 2], 16).map_err(|_| bad())?;
             }
-            self.by_hash.insert(h, owner.to_owned());
+            self.by_hash.insert(h, owner.into());
         }
         Ok(())
     }
 
     /// Every owner with a key.
-    pub fn owners(&self) -> impl Iterator<Item = &str> {
-        let mut all: Vec<&str> = self.by_hash.values().map(String::as_str).collect();
+    pub fn owners(&self) -> impl Iterator<Item = &OwnerId> {
+        let mut all: Vec<&OwnerId> = self.by_hash.values().collect();
         all.sort_unstable();
         all.dedup();
         all.into_iter()
     }
 
     /// The owner of a presented key.
-    pub fn owner_of(&self, key: &str) -> Option<&str> {
-        self.by_hash.get(&hash(key)).map(String::as_str)
+    pub fn owner_of(&self, key: &str) -> Option<&OwnerId> {
+        self.by_hash.get(&hash(key))
     }
 }
 
 /// The authenticated owner of a request.
 #[derive(Clone, Debug)]
-pub struct Owner(pub String);
+pub struct Owner(pub OwnerId);
 
 impl FromRequestParts<ApiState> for Owner {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, ApiError> {
         if state.keys.is_empty() {
-            return Ok(Owner(LOCAL_OWNER.to_owned()));
+            return Ok(Owner(OwnerId::local()));
         }
         let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", m);
         let header = parts
@@ -194,7 +197,7 @@ impl FromRequestParts<ApiState> for Owner {
         state
             .keys
             .owner_of(key.trim())
-            .map(|o| Owner(o.to_owned()))
+            .map(|o| Owner(o.clone()))
             .ok_or_else(|| unauthorized("unknown key"))
     }
 }
@@ -225,14 +228,14 @@ mod tests {
         assert_eq!(
             keys.owner_budgets(),
             [(
-                "acme".to_owned(),
+                "acme".into(),
                 crate::store::OwnerBudget {
                     rpm: Some(500),
                     tpm: Some(200_000)
                 }
             )]
         );
-        assert!(keys.is_admin("solo") && !keys.is_admin("acme"));
+        assert!(keys.is_admin(&"solo".into()) && !keys.is_admin(&"acme".into()));
         for (line, says) in [
             (
                 format!("acme {hex} rpm=0"),

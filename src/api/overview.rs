@@ -22,7 +22,7 @@ use super::runs::ListQuery;
 use super::views::ErrorBody;
 use super::{ApiError, ApiJson, ApiState};
 use crate::domain::OverviewData;
-use crate::ids::RunId;
+use crate::ids::{OwnerId, RunId};
 use crate::store::RunStatus;
 
 /// At most this many recent events feed the per-minute figures (beyond: a sample, flagged).
@@ -120,7 +120,8 @@ pub struct Overview {
 #[derive(Clone, Debug, Default, Serialize, ToSchema, PartialEq)]
 pub struct Viewer {
     /// The key's owner.
-    pub owner: String,
+    #[schema(value_type = String)]
+    pub owner: OwnerId,
     /// May look at other owners' runs.
     pub admin: bool,
 }
@@ -234,7 +235,7 @@ impl Overview {
     }
 }
 
-async fn compute(state: &ApiState, owner: &str) -> Result<Overview, ApiError> {
+async fn compute(state: &ApiState, owner: &OwnerId) -> Result<Overview, ApiError> {
     let now = Utc::now();
     let data = state
         .app
@@ -333,14 +334,14 @@ impl Feeds {
     fn subscribe(
         self: &Arc<Self>,
         state: &ApiState,
-        owner: &str,
+        owner: &OwnerId,
     ) -> watch::Receiver<Option<Arc<Overview>>> {
         let mut map = self.by_owner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(rx) = map.get(owner) {
+        if let Some(rx) = map.get(owner.as_str()) {
             return rx.clone();
         }
         let (tx, rx) = watch::channel(None);
-        map.insert(owner.to_owned(), rx.clone());
+        map.insert(owner.to_string(), rx.clone());
         let (state, owner, feeds) = (state.clone(), owner.to_owned(), self.clone());
         tokio::spawn(async move {
             loop {
@@ -354,10 +355,10 @@ impl Feeds {
                 let mut map = feeds.by_owner.lock().unwrap_or_else(|e| e.into_inner());
                 if tx.receiver_count() <= 1 {
                     if map
-                        .get(&owner)
+                        .get(owner.as_str())
                         .is_some_and(|rx| rx.same_channel(&tx.subscribe()))
                     {
-                        map.remove(&owner);
+                        map.remove(owner.as_str());
                     }
                     break;
                 }
@@ -455,7 +456,7 @@ pub async fn bulk(
         (None, Some(filter)) => {
             let q: ListQuery = serde_json::from_value(filter)
                 .map_err(|e| ApiError::bad_request("invalid_filter", format!("filter: {e}")))?;
-            if q.owner().is_some_and(|o| o != owner.0) {
+            if q.owner().is_some_and(|o| owner.0 != o) {
                 return Err(ApiError::bad_request(
                     "invalid_filter",
                     "a bulk action works on your own runs: leave owner out of the filter",

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use axum::http::StatusCode;
 
 use super::ApiError;
+use crate::ids::OwnerId;
 
 /// What is counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -34,14 +35,14 @@ pub struct Limits {
 pub struct Quotas {
     /// The caps.
     pub limits: Limits,
-    held: Mutex<HashMap<(String, Kind), usize>>,
+    held: Mutex<HashMap<(OwnerId, Kind), usize>>,
 }
 
 /// One stream or wait counted against its owner until it is dropped.
 #[derive(Debug)]
 pub struct Held {
     quotas: Arc<Quotas>,
-    key: (String, Kind),
+    key: (OwnerId, Kind),
 }
 
 impl Drop for Held {
@@ -66,7 +67,7 @@ impl Quotas {
     }
 
     /// Counts one more `kind` for `owner`, or refuses it (429) when the owner is at its cap.
-    pub fn take(self: &Arc<Self>, owner: &str, kind: Kind) -> Result<Held, ApiError> {
+    pub fn take(self: &Arc<Self>, owner: &OwnerId, kind: Kind) -> Result<Held, ApiError> {
         let (cap, code, what) = match kind {
             Kind::Stream => (
                 self.limits.streams,
@@ -97,11 +98,11 @@ impl Quotas {
     }
 
     /// How many of `kind` `owner` holds now.
-    pub fn held(&self, owner: &str, kind: Kind) -> usize {
+    pub fn held(&self, owner: &OwnerId, kind: Kind) -> usize {
         self.held
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&(owner.to_owned(), kind))
+            .get(&(owner.clone(), kind))
             .copied()
             .unwrap_or(0)
     }
@@ -118,20 +119,20 @@ mod tests {
             waits: 0,
             queued: 0,
         });
-        let a = q.take("alice", Kind::Stream).unwrap();
-        let _b = q.take("alice", Kind::Stream).unwrap();
-        let e = q.take("alice", Kind::Stream).unwrap_err();
+        let a = q.take(&"alice".into(), Kind::Stream).unwrap();
+        let _b = q.take(&"alice".into(), Kind::Stream).unwrap();
+        let e = q.take(&"alice".into(), Kind::Stream).unwrap_err();
         assert_eq!(
             (e.status, e.code),
             (StatusCode::TOO_MANY_REQUESTS, "too_many_streams")
         );
         // Another owner, and another kind without a cap, are not affected.
-        let _c = q.take("bob", Kind::Stream).unwrap();
+        let _c = q.take(&"bob".into(), Kind::Stream).unwrap();
         let _w: Vec<Held> = (0..100)
-            .map(|_| q.take("alice", Kind::Wait).unwrap())
+            .map(|_| q.take(&"alice".into(), Kind::Wait).unwrap())
             .collect();
         drop(a);
-        assert_eq!(q.held("alice", Kind::Stream), 1);
-        let _d = q.take("alice", Kind::Stream).unwrap();
+        assert_eq!(q.held(&"alice".into(), Kind::Stream), 1);
+        let _d = q.take(&"alice".into(), Kind::Stream).unwrap();
     }
 }

@@ -19,7 +19,7 @@ use super::{ApiError, ApiJson, ApiQuery, ApiState};
 use crate::app::{CROSS_PROCESS_RECHECK, StartRun};
 use crate::domain::{IfBusy, RunRecord};
 use crate::events::is_terminal;
-use crate::ids::{RunId, ThreadId};
+use crate::ids::{OwnerId, RunId, ThreadId};
 use crate::store::{CancelOutcome, RunFilter, RunStatus};
 use utoipa::{IntoParams, ToSchema};
 
@@ -593,7 +593,7 @@ pub async fn list(
             "limit must be 1 to 100",
         ));
     }
-    let whose = match q.owner.take() {
+    let whose = match q.owner.take().map(OwnerId::from) {
         Some(o) if o != owner.0 && !state.keys.is_admin(&owner.0) => {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,

@@ -186,7 +186,7 @@ impl RunView {
             id: r.id,
             // As its owner chose it (stored ids carry the owner's scope).
             thread_id: r.thread_id.visible_to(&r.owner),
-            agent: r.agent,
+            agent: r.agent.into(),
             status: r.status,
             parent_run_id: r.parent_run_id,
             retry_of: r.retry_of,

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::{App, StartRun};
 use crate::config::Settings;
+use crate::ids::OwnerId;
 use crate::model::Message;
 use crate::model::mock::{MockOptions, MockServer};
 use crate::store::RunStatus;
@@ -177,7 +178,7 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
             agent: Some("echo".into()),
             input,
             max_steps: Some(args.steps + 1),
-            owner,
+            owner: owner.map(OwnerId::from),
             ..Default::default()
         })
     };
@@ -281,7 +282,7 @@ pub async fn run(mut settings: Settings, args: BenchArgs) -> anyhow::Result<bool
             let wait = (s - r.created_at).as_seconds_f64() * 1000.0;
             pickups.push(wait);
             waits_by_owner
-                .entry(r.owner.clone())
+                .entry(r.owner.to_string())
                 .or_default()
                 .push(wait);
         }
@@ -873,7 +874,7 @@ pub async fn run_dashboard(
     let owner = crate::app::LOCAL_OWNER;
     let t0 = Instant::now();
     app.store
-        .seed_history(owner, args.runs, chrono::Utc::now())
+        .seed_history(&owner.into(), args.runs, chrono::Utc::now())
         .await?;
     let seed_s = t0.elapsed().as_secs_f64();
     eprintln!("seeded {} runs in {seed_s:.1}s", args.runs);

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::ids::OwnerId;
 use crate::relay::RedisEvents;
 
 pub use crate::domain::rate::{OwnerBudget, next_wake};
@@ -214,7 +215,7 @@ impl Budgets {
     pub async fn admit(
         &self,
         limits: &RateLimits,
-        owner: &str,
+        owner: &OwnerId,
         model: &str,
         estimate: impl FnOnce() -> u64,
     ) -> Result<Admission, StoreError> {
@@ -264,8 +265,8 @@ impl Budgets {
 
     /// The owner's own budget from the keys file, if it sets one (read at most every
     /// few seconds).
-    pub async fn owner(&self, owner: &str) -> Result<Option<OwnerBudget>, StoreError> {
-        if let Some((at, b)) = self.owners.lock().unwrap().get(owner)
+    pub async fn owner(&self, owner: &OwnerId) -> Result<Option<OwnerBudget>, StoreError> {
+        if let Some((at, b)) = self.owners.lock().unwrap().get(owner.as_str())
             && at.elapsed() < OWNER_TTL
         {
             return Ok(*b);
@@ -275,7 +276,7 @@ impl Budgets {
         if owners.len() > 10_000 {
             owners.clear();
         }
-        owners.insert(owner.to_owned(), (Instant::now(), b));
+        owners.insert(owner.to_string(), (Instant::now(), b));
         Ok(b)
     }
 }

@@ -593,7 +593,7 @@ async fn mcp(
     };
     let served = crate::mcp_server::serve_stdio(
         app.clone(),
-        owner,
+        owner.into(),
         Duration::from_secs_f64(wait_s.clamp(0.0, 3600.0)),
     )
     .await;

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::ids::RunId;
+use crate::ids::{ApprovalId, RunId};
 
 /// Where an approval stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -27,11 +27,27 @@ stored_names!(ApprovalStatus {
     Expired => "expired",
 });
 
+/// What an allow covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalScope {
+    /// This call only.
+    Once,
+    /// The tool (or the rule that asked) for the rest of the run tree: later calls that the
+    /// same rule would ask about run without asking.
+    RunTree,
+}
+
+stored_names!(ApprovalScope {
+    Once => "once",
+    RunTree => "run_tree",
+});
+
 /// A tool call a run waits on a person for.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Approval {
     /// `apr_…`, time-ordered.
-    pub id: String,
+    pub id: ApprovalId,
     /// The run that asked.
     #[schema(value_type = String)]
     pub run_id: RunId,
@@ -54,8 +70,8 @@ pub struct Approval {
     /// Arguments the approver replaced the call's with.
     #[schema(value_type = Option<Object>)]
     pub updated_input: Option<Value>,
-    /// `once` or `run_tree` (the tool is then allowed for the whole run tree).
-    pub scope: Option<String>,
+    /// What the answer covers (set once answered).
+    pub scope: Option<ApprovalScope>,
     /// Asked at.
     pub created_at: DateTime<Utc>,
     /// Counts as denied after this (Unix ms).
@@ -68,7 +84,7 @@ pub struct Approval {
 #[derive(Clone, Debug)]
 pub struct NewApproval {
     /// Its id.
-    pub id: String,
+    pub id: ApprovalId,
     /// The tool.
     pub tool: String,
     /// The call's arguments.

@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::RunError;
-use crate::ids::RunId;
+use super::approval::{ApprovalScope, ApprovalStatus};
+use crate::ids::{AgentName, ApprovalId, OwnerId, RunId};
 use crate::lifecycle::RunStatus;
 use crate::model::Usage;
 
@@ -82,7 +83,7 @@ pub enum Event {
 #[serde(deny_unknown_fields)]
 pub struct RunQueued {
     /// The agent it runs.
-    pub agent: String,
+    pub agent: AgentName,
     /// Its thread, as its owner chose it.
     pub thread_id: String,
     /// Its parent, for a child.
@@ -258,7 +259,7 @@ pub struct ApprovalRequested {
     /// The call.
     pub call_id: String,
     /// The approval.
-    pub approval_id: String,
+    pub approval_id: ApprovalId,
     /// The tool.
     pub tool: String,
     /// The arguments it would run with.
@@ -270,7 +271,7 @@ pub struct ApprovalRequested {
     /// Unix ms after which nobody answering is a deny.
     pub expires_at: i64,
     /// The owner who may answer.
-    pub answerable_by: String,
+    pub answerable_by: OwnerId,
 }
 
 /// `approval.resolved`.
@@ -278,15 +279,15 @@ pub struct ApprovalRequested {
 #[serde(deny_unknown_fields)]
 pub struct ApprovalResolved {
     /// The approval.
-    pub approval_id: String,
+    pub approval_id: ApprovalId,
     /// The tool.
     pub tool: String,
     /// `allowed` or `denied`.
-    pub decision: String,
+    pub decision: ApprovalStatus,
     /// The answer's reason.
     pub reason: Option<String>,
     /// `once` or `run_tree`.
-    pub scope: String,
+    pub scope: ApprovalScope,
 }
 
 /// `tool.denied`.
@@ -345,7 +346,7 @@ pub struct RunWaiting {
     pub wake_at: Option<i64>,
     /// The approvals it waits for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub approval_ids: Option<Vec<String>>,
+    pub approval_ids: Option<Vec<ApprovalId>>,
 }
 
 /// `child.started`.
@@ -357,7 +358,7 @@ pub struct ChildStarted {
     /// Its thread, as the owner sees it.
     pub thread_id: String,
     /// Its agent.
-    pub agent: String,
+    pub agent: AgentName,
     /// The delegation call that started it.
     pub call_id: String,
     /// It outlives its parent.
@@ -568,9 +569,9 @@ impl Event {
             Event::ApprovalResolved(ApprovalResolved {
                 approval_id: "apr".into(),
                 tool: "t".into(),
-                decision: "allowed".into(),
+                decision: ApprovalStatus::Allowed,
                 reason: Some("r".into()),
-                scope: "once".into(),
+                scope: ApprovalScope::Once,
             }),
             Event::ToolDenied(ToolDenied {
                 step: 1,

@@ -13,7 +13,9 @@ pub mod run;
 
 use serde::{Deserialize, Serialize};
 
-pub use approval::{Answered, Approval, ApprovalAnswer, ApprovalStatus, NewApproval};
+pub use approval::{
+    Answered, Approval, ApprovalAnswer, ApprovalScope, ApprovalStatus, NewApproval,
+};
 pub use event::Event;
 pub use message::{Compaction, CompactionBody, NewMessage, StoredMessage};
 pub use overview::OverviewData;
@@ -77,6 +79,10 @@ mod tests {
         for s in crate::lifecycle::RunStatus::ALL {
             assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
             assert_eq!(crate::lifecycle::RunStatus::parse(s.as_str()), Some(s));
+        }
+        for s in ApprovalScope::ALL {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+            assert_eq!(ApprovalScope::parse(s.as_str()), Some(s));
         }
         for r in event::CompactionReason::ALL {
             assert_eq!(serde_json::to_value(r).unwrap(), r.as_str());

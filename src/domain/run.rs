@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::RunError;
-use crate::ids::{RunId, ThreadId};
+use crate::ids::{AgentName, OwnerId, RunId, ThreadId};
 use crate::lifecycle::{RunStatus, Terminal};
 use crate::model::Usage;
 
@@ -40,9 +40,9 @@ pub struct NewRun {
     /// New or existing thread.
     pub thread_id: ThreadId,
     /// Owner of the thread and run.
-    pub owner: String,
+    pub owner: OwnerId,
     /// Agent name.
-    pub agent: String,
+    pub agent: AgentName,
     /// The user message.
     pub input: String,
     /// Free caller data.
@@ -96,7 +96,7 @@ pub struct ThreadRecord {
     /// Id.
     pub id: ThreadId,
     /// Owner.
-    pub owner: String,
+    pub owner: OwnerId,
     /// Creation time.
     pub created_at: DateTime<Utc>,
     /// Last run start.
@@ -111,9 +111,9 @@ pub struct RunRecord {
     /// Thread.
     pub thread_id: ThreadId,
     /// Owner.
-    pub owner: String,
+    pub owner: OwnerId,
     /// Agent name.
-    pub agent: String,
+    pub agent: AgentName,
     /// State.
     pub status: RunStatus,
     /// The user message that started it.

@@ -147,15 +147,19 @@ impl Engine {
 
     /// Resolves the run for this claim, and commits its input when it starts.
     async fn begin<'a>(&self, lease: &'a Lease, run: &'a RunRecord) -> Flow<Attempt<'a>> {
-        let agent = self.agents.get(&run.agent).cloned().ok_or_else(|| {
-            End::fail(
-                ErrorKind::Internal,
-                format!(
-                    "agent `{}` is not defined on this worker; add jobs/{}.md",
-                    run.agent, run.agent
-                ),
-            )
-        })?;
+        let agent = self
+            .agents
+            .get(run.agent.as_str())
+            .cloned()
+            .ok_or_else(|| {
+                End::fail(
+                    ErrorKind::Internal,
+                    format!(
+                        "agent `{}` is not defined on this worker; add jobs/{}.md",
+                        run.agent, run.agent
+                    ),
+                )
+            })?;
         let tools = self.offered_tools(run, &agent).await?;
         let model = self.model_for(run, &agent).await?;
         let window = Window::resolve(

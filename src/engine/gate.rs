@@ -19,6 +19,7 @@ use crate::delegation::Wait;
 use crate::domain::event;
 use crate::domain::{ApprovalStatus, Event, NewApproval, RunRecord};
 use crate::hooks::{self, HookDecision};
+use crate::ids::ApprovalId;
 use crate::model::ToolCall;
 use crate::permissions::{self, Verdict};
 use crate::policy::{HookEvent, Policy};
@@ -267,7 +268,7 @@ impl Engine {
         chain: &RuleChain,
     ) -> (NewApproval, Event) {
         let tool = call.function.name.as_str();
-        let id = format!("apr_{}", uuid::Uuid::now_v7().simple());
+        let id = ApprovalId::generate();
         let timeout = a
             .agent
             .policy
@@ -335,8 +336,8 @@ impl Engine {
                 "error[permission_denied]: {reason}; this call was not run. Do not repeat it: continue without it or answer."
             )),
             Some(Decided::Ask) => {
-                let id = d["approval_id"].as_str().unwrap_or("");
-                let Some(mut a) = self.store.approval(id).await? else {
+                let id = ApprovalId::from(d["approval_id"].as_str().unwrap_or(""));
+                let Some(mut a) = self.store.approval(&id).await? else {
                     return Ok(Gate::Refuse(format!(
                         "error[permission_denied]: the approval {id} for this call is gone"
                     )));
@@ -344,8 +345,8 @@ impl Engine {
                 if a.status == ApprovalStatus::Pending
                     && chrono::Utc::now().timestamp_millis() >= a.expires_at
                 {
-                    self.store.expire_approval(id).await?;
-                    a = self.store.approval(id).await?.unwrap_or(a);
+                    self.store.expire_approval(&id).await?;
+                    a = self.store.approval(&id).await?.unwrap_or(a);
                 }
                 match a.status {
                     ApprovalStatus::Pending => Gate::Park(Wait { approvals: vec![a.id.clone()], wake_at: Some(a.expires_at), ..Default::default() }),
@@ -387,7 +388,7 @@ impl Engine {
         Ok(RuleChain {
             settings: self.settings.policy.settings.clone(),
             agents: self.agents.clone(),
-            names,
+            names: names.into_iter().map(String::from).collect(),
         })
     }
 

@@ -37,7 +37,7 @@ use crate::delegation::{DelegationSettings, Wait};
 use crate::domain::event;
 use crate::domain::{ErrorKind, Event, Finish, RunError, RunRecord};
 use crate::failpoints::Failpoints;
-use crate::ids::RunId;
+use crate::ids::{OwnerId, RunId};
 use crate::model::ChatModel;
 use crate::queue::Queue;
 use crate::store::{Checkpoint, Claim, Lease, NewEvent, Park, Parked, RunLog, StoreError};
@@ -557,7 +557,7 @@ impl Engine {
     /// this is the fast path that wakes their workers in this process at once. A run whose
     /// agent was never offered the delegation tools has none, and costs no query.
     async fn end_children(&self, run: &RunRecord) {
-        let may_delegate = self.agents.get(&run.agent).is_none_or(|a| {
+        let may_delegate = self.agents.get(run.agent.as_str()).is_none_or(|a| {
             crate::delegation::offered(a, run.tree.depth, &self.settings.delegation)
         });
         if !may_delegate {
@@ -580,7 +580,11 @@ impl Engine {
             let Some(p) = self.store.get_run(id).await? else {
                 break;
             };
-            chain.push(self.agents.get(&p.agent).and_then(|a| a.model.clone()));
+            chain.push(
+                self.agents
+                    .get(p.agent.as_str())
+                    .and_then(|a| a.model.clone()),
+            );
             parent = p.parent_run_id;
         }
         let mut resolved: Option<String> = None;
@@ -606,7 +610,7 @@ impl Engine {
     async fn add_mcp_tools(
         &self,
         agent: &AgentDef,
-        owner: &str,
+        owner: &OwnerId,
         names: &mut Vec<String>,
         specs: &mut Vec<crate::model::ToolSpec>,
     ) {

@@ -15,6 +15,7 @@ use crate::agents::AgentDef;
 use crate::delegation::{Answer, Wait};
 use crate::domain::event;
 use crate::domain::{Event, NewMessage, RunRecord};
+use crate::ids::OwnerId;
 use crate::model::{Message, ToolCall};
 use crate::store::{Checkpoint, NewEvent};
 use crate::tools::ToolCtx;
@@ -338,7 +339,7 @@ impl Engine {
         name: &str,
         arguments: &str,
         ctx: &ToolCtx,
-        owner: &str,
+        owner: &OwnerId,
     ) -> Result<String, crate::tools::ToolError> {
         let Some((server, Some(tool))) = crate::mcp::split(name) else {
             return self.tools.execute(name, arguments, ctx).await;

@@ -30,7 +30,7 @@ macro_rules! bind_fence {
             .bind($cp.step.map(|s| s as i64))
             .bind($cp.usage.prompt_tokens as i64)
             .bind($cp.usage.completion_tokens as i64)
-            .bind($ff.status.map(RunStatus::as_str))
+            .bind($ff.status)
             .bind(now_ms() + $lease.ttl.as_millis() as i64)
             .bind($now)
             .bind($ff.result)
@@ -161,7 +161,7 @@ macro_rules! store_impl {
                     if let Some(row) = row {
                         let seq: i64 = row.get(0);
                         // As the owner (the parent's, so the child's) chose it.
-                        let owner: String = row.get(1);
+                        let owner: OwnerId = row.get(1);
                         let shown = thread.parse::<ThreadId>().map(|t| t.visible_to(&owner).to_string()).unwrap_or_else(|_| thread.to_owned());
                         let event = Event::ChildFinished(event::ChildFinished { child_run_id: run, thread_id: shown, status, error: error.cloned() });
                         let parent_id: RunId = parent.parse().map_err(|e| corrupt("parent id", e))?;
@@ -280,7 +280,7 @@ macro_rules! store_impl {
 
             /// Whether an approval a park waits on is no longer pending (read with the same lock
             /// as the runs in [`Self::any_ended`]).
-            async fn answered(tx: &mut sqlx::Transaction<'_, $db>, approvals: &[String]) -> Result<bool> {
+            async fn answered(tx: &mut sqlx::Transaction<'_, $db>, approvals: &[ApprovalId]) -> Result<bool> {
                 let mut answered = false;
                 for id in approvals {
                     let status: Option<String> = sqlx::query_scalar(concat!("SELECT status FROM sa_approvals WHERE id = $1", $share))

@@ -16,18 +16,17 @@ macro_rules! row_mappers {
 
         fn run_from_row(r: &$row) -> Result<RunRecord> {
             let id: String = r.get("id");
-            let status: String = r.get("status");
             let limits: String = r.get("limits");
             let metadata: String = r.get("metadata");
             let parent: Option<String> = r.get("parent_run_id");
-            let ekind: Option<String> = r.get("error_kind");
+            let ekind: Option<ErrorKind> = r.try_get("error_kind")?;
             let thread: String = r.get("thread_id");
             Ok(RunRecord {
                 id: id.parse().map_err(|e| corrupt("run id", e))?,
                 thread_id: thread.parse().map_err(|e| corrupt("thread id", e))?,
                 owner: r.get("owner"),
                 agent: r.get("agent"),
-                status: RunStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
+                status: r.try_get("status")?,
                 input: r.get("input"),
                 metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("metadata", e))?,
                 limits: serde_json::from_str(&limits).map_err(|e| corrupt("limits", e))?,
@@ -53,8 +52,8 @@ macro_rules! row_mappers {
                 result: r.get("result"),
                 error: match ekind {
                     None => None,
-                    Some(k) => Some(RunError {
-                        kind: ErrorKind::parse(&k).ok_or_else(|| corrupt("error kind", &k))?,
+                    Some(kind) => Some(RunError {
+                        kind,
                         message: r
                             .get::<Option<String>, _>("error_message")
                             .unwrap_or_default(),
@@ -99,7 +98,6 @@ macro_rules! row_mappers {
         fn approval_from_row(r: &$row) -> Result<Approval> {
             let run: String = r.get("run_id");
             let root: String = r.get("root_run_id");
-            let status: String = r.get("status");
             let input: String = r.get("input");
             let updated: Option<String> = r.get("updated_input");
             Ok(Approval {
@@ -109,15 +107,14 @@ macro_rules! row_mappers {
                 tool: r.get("tool"),
                 input: serde_json::from_str(&input).map_err(|e| corrupt("approval input", e))?,
                 reason: r.get("reason"),
-                status: ApprovalStatus::parse(&status)
-                    .ok_or_else(|| corrupt("approval status", &status))?,
+                status: r.try_get("status")?,
                 answer_reason: r.get("answer_reason"),
                 resolved_by: r.get("resolved_by"),
                 updated_input: updated
                     .map(|u| serde_json::from_str(&u))
                     .transpose()
                     .map_err(|e| corrupt("approval updated input", e))?,
-                scope: r.get("scope"),
+                scope: r.try_get("scope")?,
                 created_at: r.get("created_at"),
                 expires_at: r.get("expires_at"),
                 resolved_at: r.get("resolved_at"),
@@ -187,7 +184,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::ids::{RunId, ThreadId};
+use crate::ids::{ApprovalId, OwnerId, RunId, ThreadId};
 use crate::model::Usage;
 
 pub use postgres::PgStore;
@@ -205,9 +202,9 @@ pub use crate::lifecycle::{IllegalTransition, RunStatus, Terminal, Transition};
 #[allow(unused_imports)]
 use crate::domain::event;
 pub use crate::domain::{
-    Answered, Approval, ApprovalAnswer, ApprovalStatus, Compaction, CompactionBody, ErrorKind,
-    Event, Finish, IfBusy, NewApproval, NewMessage, NewRun, OverviewData, QueuePlace, RunError,
-    RunLimits, RunRecord, StoredMessage, ThreadRecord, TreePosition, TreeTotals,
+    Answered, Approval, ApprovalAnswer, ApprovalScope, ApprovalStatus, Compaction, CompactionBody,
+    ErrorKind, Event, Finish, IfBusy, NewApproval, NewMessage, NewRun, OverviewData, QueuePlace,
+    RunError, RunLimits, RunRecord, StoredMessage, ThreadRecord, TreePosition, TreeTotals,
 };
 
 /// The answer to [`Store::create_run`].
@@ -325,7 +322,7 @@ pub struct Park {
     pub waits_on: Vec<RunId>,
     /// The approvals whose answer wakes it; one already answered when the park commits makes it
     /// due at once (an answer that raced the park is never missed).
-    pub approvals: Vec<String>,
+    pub approvals: Vec<ApprovalId>,
 }
 
 /// The answer to [`Store::park`].
@@ -396,7 +393,7 @@ pub(crate) struct FenceFields {
     pub(crate) status: Option<RunStatus>,
     pub(crate) result: Option<String>,
     pub(crate) forced: Option<i64>,
-    pub(crate) error_kind: Option<&'static str>,
+    pub(crate) error_kind: Option<ErrorKind>,
     pub(crate) error_message: Option<String>,
     pub(crate) finished_at: Option<DateTime<Utc>>,
     pub(crate) guard: &'static str,
@@ -428,7 +425,7 @@ impl Checkpoint {
                 f.guard = sources!(Transition::Finish(Terminal::Succeeded));
             }
             Some(Finish::Failed(e)) => {
-                f.error_kind = Some(e.kind.as_str());
+                f.error_kind = Some(e.kind);
                 f.error_message = Some(e.message.clone());
                 f.guard = sources!(Transition::Finish(Terminal::Failed));
             }
@@ -501,10 +498,24 @@ pub enum StoreError {
     Corrupt(String),
     /// The database failed.
     #[error("database error: {0}")]
-    Db(#[from] sqlx::Error),
+    Db(sqlx::Error),
     /// Migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+impl From<sqlx::Error> for StoreError {
+    /// A value that does not decode (a status name the code does not know, text where a number
+    /// belongs) is a corrupt row, not a database failure: it fails the same way on every read.
+    fn from(e: sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::ColumnDecode { index, source } => {
+                StoreError::Corrupt(format!("column {index}: {source}"))
+            }
+            sqlx::Error::Decode(source) => StoreError::Corrupt(source.to_string()),
+            e => StoreError::Db(e),
+        }
+    }
 }
 
 impl StoreError {
@@ -768,10 +779,10 @@ pub trait Approvals: Send + Sync + 'static {
     ) -> Result<()>;
 
     /// Reads an approval.
-    async fn approval(&self, id: &str) -> Result<Option<Approval>>;
+    async fn approval(&self, id: &ApprovalId) -> Result<Option<Approval>>;
 
     /// Marks a pending approval past its time as expired; true if this call did.
-    async fn expire_approval(&self, id: &str) -> Result<bool>;
+    async fn expire_approval(&self, id: &ApprovalId) -> Result<bool>;
 
     /// Whether the run tree of `root` holds a grant (an approval answered with `scope:
     /// run_tree`) for `scope`: the rule that asked, or one exact call (see
@@ -782,10 +793,10 @@ pub trait Approvals: Send + Sync + 'static {
     /// (an approval id). Pending ones whose run ended are not listed as pending.
     async fn list_approvals(
         &self,
-        owner: &str,
+        owner: &OwnerId,
         status: Option<ApprovalStatus>,
         run: Option<RunId>,
-        before: Option<&str>,
+        before: Option<&ApprovalId>,
         limit: u32,
     ) -> Result<Vec<Approval>>;
 
@@ -793,8 +804,8 @@ pub trait Approvals: Send + Sync + 'static {
     /// `approval.resolved` to the run and wakes it, in one transaction.
     async fn answer_approval(
         &self,
-        id: &str,
-        owner: &str,
+        id: &ApprovalId,
+        owner: &OwnerId,
         answer: ApprovalAnswer,
     ) -> Result<Answered>;
 }
@@ -823,10 +834,10 @@ pub trait RateBudgets: Send + Sync + 'static {
     async fn budget_blocked_until(&self, key: &str) -> Result<i64>;
 
     /// Replaces every owner's model budget (the keys file's `rpm=`/`tpm=`) with `entries`.
-    async fn set_owner_budgets(&self, entries: &[(String, OwnerBudget)]) -> Result<()>;
+    async fn set_owner_budgets(&self, entries: &[(OwnerId, OwnerBudget)]) -> Result<()>;
 
     /// The owner's model budget, if the keys file sets one.
-    async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>>;
+    async fn owner_budget(&self, owner: &OwnerId) -> Result<Option<OwnerBudget>>;
 }
 
 /// Everything the engine and the services write and read of runs, as one bound: [`Runs`], [`Claims`], [`Checkpoints`], [`Parking`], [`Approvals`], [`RateBudgets`].
@@ -841,7 +852,7 @@ pub trait Queries: Send + Sync + 'static {
     /// failures since `day`, and the workers.
     async fn overview(
         &self,
-        owner: &str,
+        owner: &OwnerId,
         hour: DateTime<Utc>,
         day: DateTime<Utc>,
         cap: u32,
@@ -850,7 +861,7 @@ pub trait Queries: Send + Sync + 'static {
     /// Runs of `owner` matching `filter`, newest first.
     async fn list_runs(
         &self,
-        owner: &str,
+        owner: &OwnerId,
         filter: &RunFilter,
         limit: u32,
     ) -> Result<Vec<RunRecord>>;
@@ -878,7 +889,7 @@ pub trait Queries: Send + Sync + 'static {
 
     /// How many runs `owner` has queued (all priorities), from the queue-depth counters: one
     /// read, whatever the backlog.
-    async fn queued_count(&self, owner: &str) -> Result<u64>;
+    async fn queued_count(&self, owner: &OwnerId) -> Result<u64>;
 
     /// Number of runs per state, for metrics.
     async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>>;
@@ -914,7 +925,7 @@ pub trait Harness: Send + Sync + 'static {
     /// Writes `count` finished-looking runs of `owner` (each on its own thread) spread over the
     /// 30 days before `now`, one in a hundred within the last hour with its events. For the
     /// dashboard benchmark, which needs a big history fast; the server never calls it.
-    async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()>;
+    async fn seed_history(&self, owner: &OwnerId, count: u32, now: DateTime<Utc>) -> Result<()>;
 
     /// Deletes every thread, run, message, event and queued run job. For benchmarks, which
     /// must start from empty tables; the server never calls it.

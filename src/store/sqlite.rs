@@ -182,7 +182,7 @@ store_impl!(
         .bind(now)
         .fetch_one(&mut *tx)
         .await?;
-            let owner: String = inserted.get(0);
+            let owner: OwnerId = inserted.get(0);
             if owner != new.owner {
                 return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
             }

@@ -497,13 +497,19 @@ mod tests {
     #[test]
     fn owners_get_their_own_directories() {
         let root = Path::new("/w");
-        assert_eq!(owner_workspace(root, "alice"), Path::new("/w/alice"));
-        let odd = owner_workspace(root, "../etc");
+        assert_eq!(
+            owner_workspace(root, &"alice".into()),
+            Path::new("/w/alice")
+        );
+        let odd = owner_workspace(root, &"../etc".into());
         assert!(
             odd.to_str().unwrap().starts_with("/w/owner-") && odd.components().count() == 3,
             "{odd:?}"
         );
-        assert_ne!(owner_workspace(root, "a/b"), owner_workspace(root, "a/c"));
+        assert_ne!(
+            owner_workspace(root, &"a/b".into()),
+            owner_workspace(root, &"a/c".into())
+        );
     }
 
     #[test]

@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::agents::AgentDef;
+use crate::ids::OwnerId;
 use crate::model::{FunctionSpec, ToolSpec};
 pub use error::{ErrorCode, ToolError};
 pub use fs::{EditFile, ListDir, MultiEdit, ReadFile, WriteFile};
@@ -189,7 +190,8 @@ fn str_arg<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
 /// The directory of one owner beneath the workspace root: owners never see each other's files.
 /// Plain owner names (letters, digits, `-`, `_`, up to 64) are used as they are; any other is
 /// hashed, so no owner name can point elsewhere.
-pub fn owner_workspace(root: &Path, owner: &str) -> PathBuf {
+pub fn owner_workspace(root: &Path, owner: &OwnerId) -> PathBuf {
+    let owner = owner.as_str();
     let plain = !owner.is_empty()
         && owner.len() <= 64
         && owner

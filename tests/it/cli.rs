@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use subagents::model::mock::{MockOptions, MockServer};
 
+use crate::support::Reaped;
+
 fn subagents(dir: &std::path::Path, mock: Option<&MockServer>, args: &[&str]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
     c.args(args)
@@ -273,7 +275,7 @@ async fn demo_runs_with_no_key_and_no_service() {
         agent: Some("lead".into()),
         ..Default::default()
     };
-    let lead = store.list_runs("local", &filter, 10).await.unwrap();
+    let lead = store.list_runs(&"local".into(), &filter, 10).await.unwrap();
     assert_eq!(lead.len(), 1, "{lead:?}");
     assert_eq!(lead[0].status, RunStatus::Succeeded);
     let children = store.children(lead[0].id).await.unwrap();
@@ -355,17 +357,19 @@ fn a_worker_stopped_while_starting_exits_cleanly() {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = silent.local_addr().unwrap().port();
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_subagents"))
-        .args(["worker"])
-        .current_dir(dir.path())
-        .env(
-            "DATABASE_URL",
-            format!("postgres://postgres@127.0.0.1:{port}/silent"),
-        )
-        .env("RUST_LOG", "warn")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = Reaped(
+        Command::new(env!("CARGO_BIN_EXE_subagents"))
+            .args(["worker"])
+            .current_dir(dir.path())
+            .env(
+                "DATABASE_URL",
+                format!("postgres://postgres@127.0.0.1:{port}/silent"),
+            )
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     // The connection reaching the listener means the worker is inside its start.
     let (_held, _) = silent.accept().unwrap();
     let t0 = std::time::Instant::now();
@@ -446,24 +450,26 @@ async fn the_serve_binary_runs_a_run_and_stops_cleanly_on_sigterm() {
     use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
     let m = mock().await;
-    let mut serve = Command::new(env!("CARGO_BIN_EXE_subagents"))
-        .args(["serve", "--host", "127.0.0.1", "--port", "0"])
-        .current_dir(dir.path())
-        .env(
-            "DATABASE_URL",
-            format!("sqlite://{}", dir.path().join("serve.db").display()),
-        )
-        .env("OPENAI_BASE_URL", m.base_url())
-        .env("OPENAI_API_KEY", "x")
-        .env("SUBAGENTS_MODEL", "mock-model")
-        .env("RUST_LOG", "warn")
-        .env_remove("REDIS_URL")
-        .env_remove("SUBAGENTS_API_KEYS")
-        .env_remove("SUBAGENTS_KEYS_FILE")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut serve = Reaped(
+        Command::new(env!("CARGO_BIN_EXE_subagents"))
+            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+            .current_dir(dir.path())
+            .env(
+                "DATABASE_URL",
+                format!("sqlite://{}", dir.path().join("serve.db").display()),
+            )
+            .env("OPENAI_BASE_URL", m.base_url())
+            .env("OPENAI_API_KEY", "x")
+            .env("SUBAGENTS_MODEL", "mock-model")
+            .env("RUST_LOG", "warn")
+            .env_remove("REDIS_URL")
+            .env_remove("SUBAGENTS_API_KEYS")
+            .env_remove("SUBAGENTS_KEYS_FILE")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let stderr = serve.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

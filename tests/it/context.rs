@@ -409,7 +409,7 @@ async fn a_1_mb_file_or_result_is_seen_as_a_head_and_a_path_and_read_through_by_
         ..Default::default()
     })
     .await;
-    let ws = subagents::tools::owner_workspace(&t.app.settings.workspace, "local");
+    let ws = subagents::tools::owner_workspace(&t.app.settings.workspace, &"local".into());
     std::fs::create_dir_all(&ws).unwrap();
     let text = numbered(18_000);
     assert!(text.len() > 1_000_000, "{}", text.len());

@@ -840,7 +840,7 @@ async fn an_owners_budget_held_in_redis_holds_the_fleet_to_it() {
     f.app
         .store
         .set_owner_budgets(&[(
-            "metered".to_owned(),
+            "metered".into(),
             subagents::store::OwnerBudget {
                 rpm: Some(6),
                 tpm: None,
@@ -1024,7 +1024,7 @@ async fn a_small_owner_is_not_stuck_behind_a_large_one() {
         .app
         .store
         .list_runs(
-            "big",
+            &"big".into(),
             &RunFilter {
                 status: vec![RunStatus::Queued],
                 ..Default::default()
@@ -1098,7 +1098,7 @@ async fn an_owners_runs_never_take_more_slots_than_its_limit() {
                 .app
                 .store
                 .list_runs(
-                    owner,
+                    &owner.into(),
                     &RunFilter {
                         status: vec![RunStatus::Running],
                         ..Default::default()
@@ -1114,7 +1114,7 @@ async fn an_owners_runs_never_take_more_slots_than_its_limit() {
                 .app
                 .store
                 .list_runs(
-                    owner,
+                    &owner.into(),
                     &RunFilter {
                         status: vec![RunStatus::Queued, RunStatus::Running],
                         ..Default::default()

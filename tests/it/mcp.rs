@@ -171,14 +171,16 @@ async fn a_run_calls_a_real_mcp_server_over_streamable_http() {
         .local_addr()
         .unwrap()
         .port();
-    let mut server = std::process::Command::new("node")
-        .arg(entry(&dir, "server-everything"))
-        .arg("streamableHttp")
-        .env("PORT", port.to_string())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut server = Reaped(
+        std::process::Command::new("node")
+            .arg(entry(&dir, "server-everything"))
+            .arg("streamableHttp")
+            .env("PORT", port.to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(Instant::now() < deadline, "the HTTP server did not start");

@@ -194,7 +194,7 @@ async fn a_client_lists_tools_starts_a_run_hears_progress_and_gets_the_answer() 
     let runs = s
         .app
         .store
-        .list_runs("local", &Default::default(), 10)
+        .list_runs(&"local".into(), &Default::default(), 10)
         .await
         .unwrap();
     assert_eq!(runs.len(), 1);
@@ -456,7 +456,7 @@ async fn serve_offers_the_same_over_streamable_http_behind_its_keys_and_owners()
     let runs = t
         .app
         .store
-        .list_runs("alice", &Default::default(), 10)
+        .list_runs(&"alice".into(), &Default::default(), 10)
         .await
         .unwrap();
     assert_eq!(runs.len(), 1, "the run belongs to alice");

@@ -238,7 +238,7 @@ async fn a_redis_outage_moves_the_budgets_to_the_database() {
     t.app
         .store
         .set_owner_budgets(&[(
-            owner.to_owned(),
+            owner.into(),
             subagents::store::OwnerBudget {
                 rpm: Some(1000),
                 tpm: None,

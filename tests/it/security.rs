@@ -65,7 +65,7 @@ async fn probe(t: &TestApp, turns: Vec<Turn>) -> RunRecord {
 }
 
 fn workspace(t: &TestApp) -> PathBuf {
-    subagents::tools::owner_workspace(&t.app.settings.workspace, "local")
+    subagents::tools::owner_workspace(&t.app.settings.workspace, &"local".into())
 }
 
 fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
@@ -1323,7 +1323,7 @@ async fn a_decision_with_an_unknown_verdict_is_refused_not_allowed() {
             .app
             .store
             .list_approvals(
-                "local",
+                &"local".into(),
                 Some(subagents::store::ApprovalStatus::Pending),
                 Some(r.id),
                 None,
@@ -1350,7 +1350,7 @@ async fn a_decision_with_an_unknown_verdict_is_refused_not_allowed() {
     t.app
         .answer_approval(
             &approval.id,
-            "local",
+            &"local".into(),
             subagents::store::ApprovalAnswer {
                 allow: true,
                 reason: None,

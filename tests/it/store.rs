@@ -51,6 +51,25 @@ impl Backend {
         }
     }
 
+    /// Runs one statement on the database directly, as an operator's hand (or another build)
+    /// might.
+    async fn execute(&self, sql: &str) {
+        match &self.jobs {
+            Jobs::Sqlite(p) => drop(
+                sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                    .execute(p)
+                    .await
+                    .unwrap(),
+            ),
+            Jobs::Postgres(p) => drop(
+                sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                    .execute(p)
+                    .await
+                    .unwrap(),
+            ),
+        }
+    }
+
     /// Puts every event back in the outbox, as if no relay had taken any.
     async fn unmark_all_events(&self) {
         match &self.jobs {
@@ -165,6 +184,7 @@ conformance!(
     renewals_beside_checkpoints_never_deadlock,
     appends_are_idempotent_and_sequences_gap_free,
     terminal_states_never_change,
+    a_stored_name_the_code_does_not_know_is_a_corrupt_row,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     a_start_writes_the_runs_job_with_its_place_in_the_queue,
@@ -686,19 +706,25 @@ async fn approvals_park_wake_and_answer_once(s: Backend) {
     .await
     .unwrap();
     assert_eq!(s.tool_decision("k1").await.unwrap(), Some(decision));
-    assert!(s.approval("apr_other").await.unwrap().is_none());
-    let a = s.approval("apr_1").await.unwrap().unwrap();
+    assert!(s.approval(&"apr_other".into()).await.unwrap().is_none());
+    let a = s.approval(&"apr_1".into()).await.unwrap().unwrap();
     assert_eq!(
         (a.status, a.root_run_id, a.input["command"].as_str()),
         (ApprovalStatus::Pending, run.id, Some("ls"))
     );
     let listed = s
-        .list_approvals("o", Some(ApprovalStatus::Pending), Some(run.id), None, 10)
+        .list_approvals(
+            &"o".into(),
+            Some(ApprovalStatus::Pending),
+            Some(run.id),
+            None,
+            10,
+        )
         .await
         .unwrap();
     assert_eq!(listed.len(), 1);
     assert!(
-        s.list_approvals("someone-else", None, None, None, 10)
+        s.list_approvals(&"someone-else".into(), None, None, None, 10)
             .await
             .unwrap()
             .is_empty()
@@ -722,19 +748,19 @@ async fn approvals_park_wake_and_answer_once(s: Backend) {
         by: "o".into(),
     };
     assert_eq!(
-        s.answer_approval("apr_1", "someone-else", answer(true, true))
+        s.answer_approval(&"apr_1".into(), &"someone-else".into(), answer(true, true))
             .await
             .unwrap(),
         Answered::NotFound
     );
     assert_eq!(
-        s.answer_approval("apr_1", "o", answer(true, true))
+        s.answer_approval(&"apr_1".into(), &"o".into(), answer(true, true))
             .await
             .unwrap(),
         Answered::Done { run_id: run.id }
     );
     assert_eq!(
-        s.answer_approval("apr_1", "o", answer(false, false))
+        s.answer_approval(&"apr_1".into(), &"o".into(), answer(false, false))
             .await
             .unwrap(),
         Answered::Closed(ApprovalStatus::Allowed)
@@ -774,7 +800,7 @@ async fn approvals_park_wake_and_answer_once(s: Backend) {
     .await
     .unwrap();
     assert!(matches!(
-        s.answer_approval("apr_2", "o", answer(false, false))
+        s.answer_approval(&"apr_2".into(), &"o".into(), answer(false, false))
             .await
             .unwrap(),
         Answered::Done { .. }
@@ -807,15 +833,15 @@ async fn approvals_park_wake_and_answer_once(s: Backend) {
     .await
     .unwrap();
     assert_eq!(
-        s.answer_approval("apr_3", "o", answer(true, false))
+        s.answer_approval(&"apr_3".into(), &"o".into(), answer(true, false))
             .await
             .unwrap(),
         Answered::Closed(ApprovalStatus::Expired)
     );
-    assert!(s.expire_approval("apr_3").await.unwrap());
-    assert!(!s.expire_approval("apr_3").await.unwrap());
+    assert!(s.expire_approval(&"apr_3".into()).await.unwrap());
+    assert!(!s.expire_approval(&"apr_3".into()).await.unwrap());
     assert_eq!(
-        s.approval("apr_3").await.unwrap().unwrap().status,
+        s.approval(&"apr_3".into()).await.unwrap().unwrap().status,
         ApprovalStatus::Expired
     );
 }
@@ -1224,6 +1250,27 @@ async fn terminal_states_never_change(s: Backend) {
     );
     // The thread is free again.
     s.create_run(new_run(&t)).await.unwrap();
+}
+
+/// Stored names decode through their enums: a name this build does not know (written by hand,
+/// or by a newer build) is a corrupt row with the name in its message, never a panic and never
+/// read as some other value.
+async fn a_stored_name_the_code_does_not_know_is_a_corrupt_row(s: Backend) {
+    let run = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    s.execute(&format!(
+        "UPDATE sa_runs SET error_kind = 'melted' WHERE id = '{}'",
+        run.id
+    ))
+    .await;
+    match s.get_run(run.id).await {
+        Err(StoreError::Corrupt(m)) => assert!(m.contains("melted"), "{m}"),
+        other => panic!("expected a corrupt row, got {other:?}"),
+    }
+    assert!(s.get_run(RunId::new()).await.unwrap().is_none());
 }
 
 async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
@@ -2285,7 +2332,10 @@ async fn listing_and_tree_queries(s: Backend) {
             .collect::<Vec<_>>(),
         [child.id]
     );
-    let all = s.list_runs("o", &RunFilter::default(), 10).await.unwrap();
+    let all = s
+        .list_runs(&"o".into(), &RunFilter::default(), 10)
+        .await
+        .unwrap();
     assert_eq!(
         all.iter().map(|r| r.id).collect::<Vec<_>>(),
         [child.id, root.id],
@@ -2293,7 +2343,7 @@ async fn listing_and_tree_queries(s: Backend) {
     );
     let running = s
         .list_runs(
-            "o",
+            &"o".into(),
             &RunFilter {
                 status: vec![RunStatus::Running],
                 ..Default::default()
@@ -2305,7 +2355,7 @@ async fn listing_and_tree_queries(s: Backend) {
     assert_eq!(running.len(), 1);
     let page2 = s
         .list_runs(
-            "o",
+            &"o".into(),
             &RunFilter {
                 before: Some(child.id),
                 ..Default::default()
@@ -2316,7 +2366,7 @@ async fn listing_and_tree_queries(s: Backend) {
         .unwrap();
     assert_eq!(page2.iter().map(|r| r.id).collect::<Vec<_>>(), [root.id]);
     assert!(
-        s.list_runs("someone-else", &RunFilter::default(), 10)
+        s.list_runs(&"someone-else".into(), &RunFilter::default(), 10)
             .await
             .unwrap()
             .is_empty()
@@ -2486,7 +2536,7 @@ async fn the_apis_reads_never_wait_for_an_open_write(s: Backend) {
         .await
         .expect("an event page waited for the writer")
         .unwrap();
-    let listed = tokio::time::timeout(quick, s.list_runs("o", &RunFilter::default(), 10))
+    let listed = tokio::time::timeout(quick, s.list_runs(&"o".into(), &RunFilter::default(), 10))
         .await
         .expect("a listing waited for the writer")
         .unwrap();

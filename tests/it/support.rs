@@ -409,27 +409,31 @@ pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, St
     for (k, v) in extra {
         c.env(k, v);
     }
-    Worker(c.spawn().expect("spawn worker"))
+    Reaped(c.spawn().expect("spawn worker"))
 }
 
-/// A worker process that is killed and reaped when dropped, so a test that fails half-way
-/// leaves no stray worker behind to load the machine for the tests after it.
-pub struct Worker(Child);
+/// A worker process of a test (see [`Reaped`]).
+pub type Worker = Reaped;
 
-impl std::ops::Deref for Worker {
+/// A child process of a test (a worker, `serve`, a server the test talks to) that is killed
+/// and reaped when dropped, so a test that fails half-way leaves nothing behind to load the
+/// machine for the tests after it.
+pub struct Reaped(pub Child);
+
+impl std::ops::Deref for Reaped {
     type Target = Child;
     fn deref(&self) -> &Child {
         &self.0
     }
 }
 
-impl std::ops::DerefMut for Worker {
+impl std::ops::DerefMut for Reaped {
     fn deref_mut(&mut self) -> &mut Child {
         &mut self.0
     }
 }
 
-impl Drop for Worker {
+impl Drop for Reaped {
     fn drop(&mut self) {
         if let Ok(None) = self.0.try_wait() {
             let _ = self.0.kill();

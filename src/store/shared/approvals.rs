@@ -56,12 +56,12 @@ macro_rules! approvals_impl {
                 self.commit_events(tx, lease.run_id, last, &events).await
             }
 
-            async fn approval(&self, id: &str) -> Result<Option<Approval>> {
+            async fn approval(&self, id: &ApprovalId) -> Result<Option<Approval>> {
                 let row = sqlx::query("SELECT * FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(self.reads()).await?;
                 row.as_ref().map(approval_from_row).transpose()
             }
 
-            async fn expire_approval(&self, id: &str) -> Result<bool> {
+            async fn expire_approval(&self, id: &ApprovalId) -> Result<bool> {
                 let done = sqlx::query(
                     "UPDATE sa_approvals SET status = 'expired', answer_reason = 'nobody answered before the approval timeout', resolved_by = 'timeout', resolved_at = $1 \
                      WHERE id = $2 AND status = 'pending' AND expires_at <= $3",
@@ -84,7 +84,7 @@ macro_rules! approvals_impl {
                 Ok(n > 0)
             }
 
-            async fn list_approvals(&self, owner: &str, status: Option<ApprovalStatus>, run: Option<RunId>, before: Option<&str>, limit: u32) -> Result<Vec<Approval>> {
+            async fn list_approvals(&self, owner: &OwnerId, status: Option<ApprovalStatus>, run: Option<RunId>, before: Option<&ApprovalId>, limit: u32) -> Result<Vec<Approval>> {
                 // A pending approval whose run ended (cancelled, timed out) is closed, not pending.
                 let rows = sqlx::query(
                     "SELECT a.* FROM sa_approvals a JOIN sa_runs r ON r.id = a.run_id WHERE a.owner = $1 \
@@ -102,11 +102,11 @@ macro_rules! approvals_impl {
                 rows.iter().map(approval_from_row).collect()
             }
 
-            async fn answer_approval(&self, id: &str, owner: &str, answer: ApprovalAnswer) -> Result<Answered> {
+            async fn answer_approval(&self, id: &ApprovalId, owner: &OwnerId, answer: ApprovalAnswer) -> Result<Answered> {
                 let now = Utc::now();
                 let mut tx = self.pool.begin().await?;
-                let status = if answer.allow { "allowed" } else { "denied" };
-                let scope = if answer.run_tree { "run_tree" } else { "once" };
+                let status = if answer.allow { ApprovalStatus::Allowed } else { ApprovalStatus::Denied };
+                let scope = if answer.run_tree { ApprovalScope::RunTree } else { ApprovalScope::Once };
                 let row = sqlx::query(
                     "UPDATE sa_approvals SET status = $1, answer_reason = $2, updated_input = $3, scope = $4, resolved_at = $5, resolved_by = $9 \
                      WHERE id = $6 AND owner = $7 AND status = 'pending' AND expires_at > $8 \
@@ -126,10 +126,9 @@ macro_rules! approvals_impl {
                 .await?;
                 let Some(row) = row else {
                     tx.rollback().await?;
-                    let existing: Option<(String, String)> = sqlx::query_as("SELECT status, owner FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
+                    let existing: Option<(ApprovalStatus, OwnerId)> = sqlx::query_as("SELECT status, owner FROM sa_approvals WHERE id = $1").bind(id).fetch_optional(&self.pool).await?;
                     return Ok(match existing {
-                        Some((st, o)) if o == owner => {
-                            let st = ApprovalStatus::parse(&st).ok_or_else(|| corrupt("approval status", &st))?;
+                        Some((st, o)) if o == *owner => {
                             // Pending but past its time, or its run ended: closed either way.
                             Answered::Closed(if st == ApprovalStatus::Pending { ApprovalStatus::Expired } else { st })
                         }
@@ -160,7 +159,7 @@ macro_rules! approvals_impl {
                     .await?;
                 let seq: i64 = row.get(0);
                 let run_id: RunId = run.parse().map_err(|e| corrupt("approval run id", e))?;
-                let event = Event::ApprovalResolved(event::ApprovalResolved { approval_id: id.to_owned(), tool, decision: status.to_owned(), reason: answer.reason.clone(), scope: scope.to_owned() });
+                let event = Event::ApprovalResolved(event::ApprovalResolved { approval_id: id.clone(), tool, decision: status, reason: answer.reason.clone(), scope });
                 Self::insert_events(&mut tx, run_id, seq as u64, &[event.into()], self.relayed_at_insert()).await?;
                 tx.commit().await?;
                 self.notifier.notify(run_id);

@@ -131,10 +131,9 @@ macro_rules! claims_impl {
                 rows.iter()
                     .map(|r| {
                         let id: String = r.get(0);
-                        let st: String = r.get(1);
                         Ok(Orphan {
                             run_id: id.parse().map_err(|e| corrupt("run id", e))?,
-                            status: RunStatus::parse(&st).ok_or_else(|| corrupt("status", &st))?,
+                            status: r.try_get(1)?,
                         })
                     })
                     .collect()

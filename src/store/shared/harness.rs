@@ -18,7 +18,7 @@ macro_rules! harness_impl {
                 Ok(done > 0)
             }
 
-            async fn seed_history(&self, owner: &str, count: u32, now: DateTime<Utc>) -> Result<()> {
+            async fn seed_history(&self, owner: &OwnerId, count: u32, now: DateTime<Utc>) -> Result<()> {
                 const BATCH: u32 = 500;
                 let mut done = 0;
                 while done < count {

@@ -8,12 +8,10 @@ macro_rules! queries_impl {
     ($store:ty, $db:ty, $jobs:literal, $reads_first:literal, $share:literal, $owner_unindexed:literal, { $($extra:tt)* }) => {
         #[async_trait]
         impl Queries for $store {
-            async fn overview(&self, owner: &str, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData> {
+            async fn overview(&self, owner: &OwnerId, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData> {
                 let mut out = OverviewData::default();
                 for row in sqlx::query("SELECT status, COUNT(*) FROM sa_runs WHERE owner = $1 GROUP BY status").bind(owner).fetch_all(self.reads()).await? {
-                    let s: String = row.get(0);
-                    let status = RunStatus::parse(&s).ok_or_else(|| corrupt("status", &s))?;
-                    out.by_status.push((status, row.get::<i64, _>(1) as u64));
+                    out.by_status.push((row.try_get(0)?, row.get::<i64, _>(1) as u64));
                 }
                 out.oldest_queued_ms = sqlx::query_scalar("SELECT MIN(enqueued_at) FROM sa_runs WHERE owner = $1 AND status = 'queued'")
                     .bind(owner)
@@ -71,14 +69,14 @@ macro_rules! queries_impl {
                 Ok(out)
             }
 
-            async fn list_runs(&self, owner: &str, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
+            async fn list_runs(&self, owner: &OwnerId, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
                 let mut q = sqlx::QueryBuilder::<$db>::new(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE owner = "));
                 q.push_bind(owner.to_owned());
                 if !f.status.is_empty() {
                     q.push(" AND status IN (");
                     let mut list = q.separated(", ");
                     for s in &f.status {
-                        list.push_bind(s.as_str());
+                        list.push_bind(*s);
                     }
                     list.push_unseparated(")");
                 }
@@ -187,7 +185,7 @@ macro_rules! queries_impl {
                 })
             }
 
-            async fn queued_count(&self, owner: &str) -> Result<u64> {
+            async fn queued_count(&self, owner: &OwnerId) -> Result<u64> {
                 let n: i64 = sqlx::query_scalar("SELECT CAST(COALESCE(SUM(queued), 0) AS BIGINT) FROM sa_queue_depth WHERE owner = $1")
                     .bind(owner)
                     .fetch_one(self.reads())
@@ -198,10 +196,7 @@ macro_rules! queries_impl {
             async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
                 let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(self.reads()).await?;
                 rows.iter()
-                    .map(|r| {
-                        let s: String = r.get(0);
-                        Ok((RunStatus::parse(&s).ok_or_else(|| corrupt("status", &s))?, r.get::<i64, _>(1)))
-                    })
+                    .map(|r| Ok((r.try_get(0)?, r.get::<i64, _>(1))))
                     .collect()
             }
 

@@ -69,7 +69,7 @@ macro_rules! rate_budgets_impl {
                 Ok(until.unwrap_or(0))
             }
 
-            async fn set_owner_budgets(&self, entries: &[(String, OwnerBudget)]) -> Result<()> {
+            async fn set_owner_budgets(&self, entries: &[(OwnerId, OwnerBudget)]) -> Result<()> {
                 let mut tx = self.pool.begin().await?;
                 sqlx::query("DELETE FROM sa_owner_budgets").execute(&mut *tx).await?;
                 for (owner, b) in entries.iter().filter(|(_, b)| b.rpm.is_some() || b.tpm.is_some()) {
@@ -84,7 +84,7 @@ macro_rules! rate_budgets_impl {
                 Ok(())
             }
 
-            async fn owner_budget(&self, owner: &str) -> Result<Option<OwnerBudget>> {
+            async fn owner_budget(&self, owner: &OwnerId) -> Result<Option<OwnerBudget>> {
                 let row: Option<(Option<i64>, Option<i64>)> =
                     sqlx::query_as("SELECT rpm, tpm FROM sa_owner_budgets WHERE owner = $1").bind(owner).fetch_optional(&self.pool).await?;
                 Ok(row.map(|(rpm, tpm)| OwnerBudget { rpm: rpm.map(|n| n.max(0) as u64), tpm: tpm.map(|n| n.max(0) as u64) }))

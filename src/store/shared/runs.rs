@@ -40,7 +40,7 @@ macro_rules! runs_impl {
                     )
                     .bind(now)
                     .bind(run.to_string())
-                    .bind(state.as_str())
+                    .bind(state)
                     .fetch_optional(&mut *tx)
                     .await?;
                     if let Some(row) = row {
