@@ -140,6 +140,16 @@ pub async fn run_workers(
         shutdown.clone(),
     ));
     let in_flight = TaskTracker::new();
+    // The queue worker running now, for the look at what other workers hold.
+    let current = Arc::new(std::sync::Mutex::new(String::new()));
+    let relief = tokio::spawn(relieve(
+        engine.clone(),
+        queue.clone(),
+        settings.concurrency.max(1),
+        in_flight.clone(),
+        current.clone(),
+        shutdown.clone(),
+    ));
     let mut restarts = 0u32;
     // Every queue worker name this process used: its fetched jobs are handed back at the end.
     let mut names = vec![];
@@ -150,6 +160,7 @@ pub async fn run_workers(
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
         names.push(name.clone());
+        *current.lock().unwrap_or_else(|e| e.into_inner()) = name.clone();
         let ctx = Arc::new(WorkerContext {
             engine: engine.clone(),
             name: name.clone(),
@@ -242,6 +253,7 @@ pub async fn run_workers(
     }
     hand_back_fetched(&engine, &queue, &names).await;
     let _ = reaper.await;
+    let _ = relief.await;
     tracing::info!("workers stopped");
 }
 
@@ -262,6 +274,55 @@ async fn hand_back_fetched(engine: &Engine, queue: &Queue, names: &[String]) {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "could not look for fetched, unstarted runs; the reaper will give them new jobs")
+            }
+        }
+    }
+}
+
+/// How often a worker with free slots looks for runs another worker fetched and holds.
+const RELIEVE_EVERY: Duration = Duration::from_millis(250);
+
+/// How long a fetched run may wait in another worker's batch before a worker with a free slot
+/// takes it: longer than a fetch normally takes to reach the claim, so a run being started is
+/// rarely taken (a run taken twice is still claimed once: the other copy finds it taken).
+const HELD_FOR: Duration = Duration::from_millis(250);
+
+/// No run waits in a busy worker's batch while this one has a free slot: apalis fetches a batch
+/// whenever one slot frees, and the runs beyond the free slots would wait there for the busy
+/// worker's runs to end (seen: 4.6 s while other workers were idle). Every [`RELIEVE_EVERY`],
+/// while this process has free slots, it gives up to that many such runs fresh jobs (waking
+/// its own worker to fetch them). Saturated workers never look, so nothing churns when every
+/// slot of the fleet is taken.
+async fn relieve(
+    engine: Arc<Engine>,
+    queue: Queue,
+    concurrency: usize,
+    in_flight: TaskTracker,
+    current: Arc<std::sync::Mutex<String>>,
+    shutdown: CancellationToken,
+) {
+    let store = engine.store.as_ref();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(RELIEVE_EVERY) => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let free = concurrency.saturating_sub(in_flight.len());
+        let name = current.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if free == 0 || name.is_empty() {
+            continue;
+        }
+        let held = match store.held_elsewhere(&name, HELD_FOR, free as u32).await {
+            Ok(held) => held,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not look for runs other workers hold");
+                continue;
+            }
+        };
+        for run_id in held {
+            tracing::info!(%run_id, "taking over a run another worker fetched but cannot start yet");
+            if let Err(e) = crate::runs::push(store, &queue, run_id).await {
+                tracing::warn!(%run_id, error = %e, "could not take the run over; the reaper will");
             }
         }
     }
