@@ -1,8 +1,8 @@
 //! In-process wake-ups: "something about run X changed". Waiters (`wait` endpoints, SSE streams,
 //! a run's heartbeat watching for cancel) sleep on a per-run [`Signal`] instead of polling; the
-//! store fires it after every commit that touches the run. Writers in other processes are not
-//! heard here, so waiters keep a slow fallback re-check (cross-process notifications over Redis
-//! or LISTEN/NOTIFY are the scale-out backends' job).
+//! store fires it after every commit that touches the run. Writers in other processes are heard
+//! through the scale-out backends (a run's end over PostgreSQL's LISTEN/NOTIFY, every change
+//! over the Redis relay); waiters keep a slow re-check as the net for what those miss.
 //!
 //! Each signal also carries a generation that moves on before every wake-up, so a thousand
 //! waiters woken by one commit can share one read made after it ([`SharedReads`]) instead of

@@ -173,6 +173,7 @@ mod shared;
 #[macro_use]
 mod common;
 mod group;
+mod pg_ends;
 pub mod postgres;
 mod seed;
 pub mod sqlite;

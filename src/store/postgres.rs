@@ -31,6 +31,8 @@ pub struct PgStore {
     /// take, instead of every event ever written, and turning Redis on later does not replay
     /// the whole history into it.
     relays: bool,
+    /// Runs' ends, announced to the other processes on this database.
+    ends: super::pg_ends::Ends,
 }
 
 /// The connection options of `url`. TLS is turned off for a server on this machine (a
@@ -74,6 +76,8 @@ const SHARED_CONNECTIONS: u32 = 16;
 struct Commits {
     pool: PgPool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
+    /// Announces the ends it commits to the other processes.
+    ends: super::pg_ends::Ends,
     /// What a new event's `relayed` is (see `relays`).
     relayed: i64,
     /// A committer's own connection, kept between its batches (`None` outside a committer).
@@ -174,9 +178,15 @@ impl PgStore {
             .await?;
         // Checkpoints of many runs commit together, in as few transactions as keep up.
         let group = std::sync::Arc::new(group::GroupCommit::new(COMMITTERS));
+        let notifier: std::sync::Arc<crate::notify::Notifier> = Default::default();
+        // This process's waiters hear the runs other processes end; a store is handed out once
+        // it listens (or, with the listener failing, after a bounded wait: the waiters'
+        // re-check still finds every end).
+        let listening = super::pg_ends::listen(pool.clone(), std::sync::Arc::downgrade(&notifier));
         let store = PgStore {
+            ends: super::pg_ends::Ends::start(pool.clone()),
             pool,
-            notifier: Default::default(),
+            notifier,
             cancels: Default::default(),
             limits_seen: Default::default(),
             relays: true,
@@ -184,6 +194,14 @@ impl PgStore {
             renewals: Default::default(),
         };
         store.migrate().await?;
+        if tokio::time::timeout(Duration::from_secs(5), listening)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "not yet listening for runs' ends; waiters hear other processes' ends at their re-check"
+            );
+        }
         Ok(store)
     }
 
@@ -388,6 +406,7 @@ impl PgStore {
         Commits {
             pool: self.pool.clone(),
             notifier: self.notifier.clone(),
+            ends: self.ends.clone(),
             relayed: self.relayed_at_insert(),
             held: None,
         }
@@ -588,6 +607,7 @@ impl group::Progress for Commits {
                 let alone = checkpoint_query(&lease, &cp, ff, now, self.relayed, ENDS_ALONE);
                 if alone.fetch_optional(&self.pool).await?.is_some() {
                     self.notifier.notify(lease.run_id);
+                    self.ends.ended(lease.run_id);
                     return Ok(());
                 }
                 let query =
@@ -614,6 +634,7 @@ impl group::Progress for Commits {
                 )
                 .await?;
                 tx.commit().await?;
+                self.ends.ended(lease.run_id);
             }
             None => {
                 let query = checkpoint_query(&lease, &cp, ff, now, self.relayed, "");

@@ -207,6 +207,52 @@ conformance!(
     the_apis_reads_never_wait_for_an_open_write,
 );
 
+/// A run's end committed by one process wakes the waiters of another at once on PostgreSQL
+/// (LISTEN/NOTIFY), with no Redis: without it they hear of it only at their re-check timer. The
+/// other store's notifier is fired by nothing else here, so the wait cannot pass any other way.
+#[tokio::test]
+async fn postgres_announces_a_runs_end_to_the_other_processes() {
+    let s = postgres().await;
+    let other = s.another().await;
+    let mut runs = vec![];
+    for finish in [
+        Finish::Succeeded {
+            result: "r".into(),
+            forced: false,
+        },
+        Finish::Cancelled,
+    ] {
+        let t = ThreadId::generate();
+        let run = s.create_run(new_run(&t)).await.unwrap().run;
+        let Claim::Acquired(lease, _) = s
+            .claim_run(run.id, "w", Duration::from_secs(10))
+            .await
+            .unwrap()
+        else {
+            panic!("claimed")
+        };
+        runs.push((run.id, lease, finish));
+    }
+    for (run, lease, finish) in runs {
+        let signal = other.subscribe(run);
+        let heard = signal.notified();
+        tokio::pin!(heard);
+        heard.as_mut().enable();
+        s.checkpoint(
+            &lease,
+            Checkpoint {
+                finish: Some(finish),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        tokio::time::timeout(Duration::from_secs(20), heard)
+            .await
+            .unwrap_or_else(|_| panic!("the other process never heard run {run} end"));
+    }
+}
+
 /// A PostgreSQL connection the server dropped while it idled in the pool (a restart, an
 /// administrator's `pg_terminate_backend`) is replaced before a statement meets it: no caller
 /// sees the dead connection. SQLite's pools skip that test for connections used within the last
