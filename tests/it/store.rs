@@ -214,26 +214,16 @@ conformance!(
 async fn postgres_announces_a_runs_end_to_the_other_processes() {
     let s = postgres().await;
     let other = s.another().await;
-    let mut runs = vec![];
-    for finish in [
+    let ends = [
         Finish::Succeeded {
             result: "r".into(),
             forced: false,
         },
         Finish::Cancelled,
-    ] {
-        let t = ThreadId::generate();
-        let run = s.create_run(new_run(&t)).await.unwrap().run;
-        let Claim::Acquired(lease, _) = s
-            .claim_run(run.id, "w", Duration::from_secs(10))
-            .await
-            .unwrap()
-        else {
-            panic!("claimed")
-        };
-        runs.push((run.id, lease, finish));
-    }
-    for (run, lease, finish) in runs {
+    ];
+    for finish in ends {
+        let (_, lease) = claimed_run(&s, Duration::from_secs(10)).await;
+        let run = lease.run_id;
         let signal = other.subscribe(run);
         let heard = signal.notified();
         tokio::pin!(heard);
