@@ -35,6 +35,48 @@ pub struct PgStore {
     ends: super::pg_ends::Ends,
 }
 
+/// The pool's options: every connection is tested as it is taken from the pool, and one left
+/// inside a transaction nobody holds is closed instead of handed out.
+///
+/// The test stays on: skipping it for recently used connections (as SQLite does,
+/// `super::sqlite::pool_options`) made a restart fail the next statement of every connection
+/// used within that window, and the fleet test that cuts every connection
+/// (`fleet::dropped_database_connections_are_survived`) found the processes holding none 400 ms
+/// after a cut; with the test they reconnect at once.
+///
+/// It is a query rather than sqlx's ping because of a cancelled `BEGIN`. sqlx counts a
+/// transaction only once the server has answered its `BEGIN`; a caller dropped while it waits
+/// for that answer (apalis's fetch when a worker stops, any future given up by a `select!`)
+/// leaves the server inside a transaction that sqlx neither rolls back nor knows of, and the
+/// connection goes back to the pool. The next user's statements would then run inside it:
+/// invisible to everyone else, and lost when the connection closes (seen as a drained run whose
+/// release never landed, and PostgreSQL's warning "there is already a transaction in
+/// progress"). Outside a transaction block a statement's timestamp is its transaction's; inside
+/// one opened by an earlier command it is later.
+pub fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(30))
+        .test_before_acquire(false)
+        .before_acquire(|conn, _meta| {
+            Box::pin(async move {
+                // The simple protocol: one message, so the statement's timestamp is its
+                // implicit transaction's (the extended protocol's later messages move it on).
+                let row = sqlx::raw_sql(
+                    "SELECT statement_timestamp() = transaction_timestamp()",
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                let outside: bool = row.try_get(0)?;
+                if !outside {
+                    tracing::warn!(
+                        "closing a pooled connection left inside a transaction nobody holds (a cancelled BEGIN)"
+                    );
+                }
+                Ok(outside)
+            })
+        })
+}
+
 /// The connection options of `url`. TLS is turned off for a server on this machine (a
 /// loopback address or a socket) unless the URL asks for it with `sslmode=`: encrypting bytes
 /// that never leave the machine cost a third of the worker's CPU per step in a profile, and
@@ -163,17 +205,10 @@ impl PgStore {
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)??;
         sqlx::Connection::close(probe).await?;
-        // sqlx's default test of every connection taken from the pool stays on: skipping it for
-        // recently used ones (as SQLite does, `super::sqlite::pool_options`) made a restart fail the
-        // next statement of every connection used within that window, and the fleet test that
-        // cuts every connection (`fleet::dropped_database_connections_are_survived`) found the
-        // processes holding none 400 ms after a cut; with the test they reconnect at once.
-        //
         // Each group committer keeps a connection of its own (see `Commits::held`), so the pool
         // has one more per committer: the starts, claims and reads keep their 16.
-        let pool = PgPoolOptions::new()
+        let pool = pool_options()
             .max_connections(SHARED_CONNECTIONS + COMMITTERS as u32)
-            .acquire_timeout(Duration::from_secs(30))
             .connect_with(options)
             .await?;
         // Checkpoints of many runs commit together, in as few transactions as keep up.

@@ -243,6 +243,40 @@ async fn postgres_announces_a_runs_end_to_the_other_processes() {
     }
 }
 
+/// A pooled PostgreSQL connection left inside a transaction nobody holds (a `BEGIN` whose caller
+/// was dropped before the server answered: sqlx then neither rolls it back nor knows of it) is
+/// closed, not handed out: a write through the pool after it commits and is seen elsewhere.
+/// (sqlx's own test only pings, and the ping passes inside a transaction.)
+#[tokio::test]
+async fn a_pooled_connection_left_inside_a_transaction_is_not_reused() {
+    let url = crate::support::fresh_postgres_database().await;
+    let options = subagents::store::postgres::connect_options(&url).unwrap();
+    let mut outside: sqlx::PgConnection = sqlx::ConnectOptions::connect(&options).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE left_open (x INT)")
+        .execute(&mut outside)
+        .await
+        .unwrap();
+    let pool = subagents::store::postgres::pool_options()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .unwrap();
+    {
+        // What a cancelled BEGIN leaves: the server in a transaction, sqlx unaware.
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+    }
+    sqlx::query("INSERT INTO left_open VALUES (1)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM left_open")
+        .fetch_one(&mut outside)
+        .await
+        .unwrap();
+    assert_eq!(seen, 1, "the write through the pool committed");
+}
+
 /// A PostgreSQL connection the server dropped while it idled in the pool (a restart, an
 /// administrator's `pg_terminate_backend`) is replaced before a statement meets it: no caller
 /// sees the dead connection. SQLite's pools skip that test for connections used within the last
