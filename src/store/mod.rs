@@ -665,6 +665,18 @@ pub trait Claims: Send + Sync + 'static {
     /// moment before it stopped), so they are not left to the reaper's grace.
     async fn fetched_not_started(&self, worker: &str) -> Result<Vec<RunId>>;
 
+    /// Queued runs, oldest first (at most `limit`), whose current job a queue worker other than
+    /// `worker` fetched at least `held_for` ago and has not started: the batch a busy worker
+    /// holds while its slots are taken (apalis fetches a batch whenever one slot frees). A worker
+    /// with free slots gives them fresh jobs to start them itself; the busy worker's copy finds
+    /// its run taken when it gets to it.
+    async fn held_elsewhere(
+        &self,
+        worker: &str,
+        held_for: Duration,
+        limit: u32,
+    ) -> Result<Vec<RunId>>;
+
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
 

@@ -540,6 +540,106 @@ async fn a_draining_worker_finds_the_runs_it_fetched_and_never_started() {
             .unwrap()
             .is_empty()
     );
+    // What a worker with free slots takes over: the runs other workers fetched, never its own
+    // nor free ones, oldest first, only after they were held for the time given.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let store = &f.app.store;
+    let held = |w: &'static str, for_ms: u64, limit: u32| async move {
+        let mut h = store
+            .held_elsewhere(w, Duration::from_millis(for_ms), limit)
+            .await
+            .unwrap();
+        h.sort();
+        h
+    };
+    assert_eq!(held("drainer", 0, 10).await, vec![runs[2].id]);
+    assert_eq!(held("other", 0, 10).await, want);
+    assert_eq!(held("nobody", 0, 10).await.len(), 3);
+    assert_eq!(held("nobody", 0, 1).await, vec![runs[0].id]);
+    assert!(held("nobody", 3_600_000, 10).await.is_empty());
+}
+
+/// No run waits in a busy worker's batch while another worker has a free slot. apalis fetches
+/// a batch whenever one slot frees; the runs beyond the free slots would wait there until the
+/// busy worker's runs end, or for the reaper's grace (here the 60 s lease). An idle worker
+/// takes them over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_fetched_by_a_busy_worker_starts_on_an_idle_one() {
+    let mut f = fleet(0, 0, 3).await;
+    let long_lease = [("SUBAGENTS_LEASE_TTL", "60".to_owned())];
+    // One owner's queue is fetched in the order of its starts: three runs that hold their slot
+    // (a 45 s model call), one that ends at once, another holder, then the run under test.
+    let start = |input: &str| {
+        f.app.start_run(StartRun {
+            agent: Some("echo".into()),
+            input: input.to_owned(),
+            ..Default::default()
+        })
+    };
+    let hold = "Hold the slot.\nSCENARIO steps=1 latency_ms=45000";
+    let mut holders = vec![start(hold).await.unwrap(), start(hold).await.unwrap()];
+    let quick = start("Quick.\nSCENARIO steps=1").await.unwrap();
+    holders.push(start(hold).await.unwrap());
+    let target = start("The run under test.\nSCENARIO steps=1")
+        .await
+        .unwrap();
+    // The busy worker (3 slots, batches of 3) fetches the first two holders and the quick
+    // run; when the quick one ends it fetches the last holder and the target, and starts the
+    // holder: every slot taken, the target left in its batch.
+    f.workers
+        .push(worker_with(&f.url, &f.redis.url(), &f.mock, 3, &long_lease));
+    let busy = f.workers[0].id();
+    let done = f.app.wait(quick.id, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(done.map(|r| r.status), Some(RunStatus::Succeeded));
+    assert_eq!(holder(&f, &holders[2..], &[busy]).await, Some(busy));
+    let db = sqlx::PgPool::connect(&f.url).await.unwrap();
+    let (status, lock_by): (String, Option<String>) = sqlx::query_as(
+        "SELECT j.status, j.lock_by FROM apalis.jobs j JOIN sa_runs r ON j.id = r.job_id WHERE r.id = $1",
+    )
+    .bind(target.id.to_string())
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    assert!(
+        ["Queued", "Running"].contains(&status.as_str())
+            && lock_by.is_some_and(|w| w.starts_with(&format!("subagents-{busy}-"))),
+        "the busy worker holds the target's job: {status}"
+    );
+    let r = f.app.store.get_run(target.id).await.unwrap().unwrap();
+    assert_eq!(r.status, RunStatus::Queued, "the target waits: {r:?}");
+    // An idle worker takes it over and runs it while the busy one's slots are all still held.
+    f.workers
+        .push(worker_with(&f.url, &f.redis.url(), &f.mock, 2, &long_lease));
+    let idle = f.workers[1].id();
+    let done = f
+        .app
+        .wait(target.id, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.attempts, 1, "claimed once: {done:?}");
+    for h in &holders {
+        let h = f.app.store.get_run(h.id).await.unwrap().unwrap();
+        assert_eq!(
+            h.status,
+            RunStatus::Running,
+            "the holders still hold: {h:?}"
+        );
+    }
+    let started_by = f
+        .app
+        .store
+        .events_after(target.id, 0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == "run.started")
+        .and_then(|e| e.data["worker"].as_str().map(str::to_owned));
+    assert!(
+        started_by.is_some_and(|w| w.starts_with(&format!("subagents-{idle}-"))),
+        "the idle worker ran the target"
+    );
 }
 
 /// Delegation in a fleet under SIGKILL: parents awaiting four children each, workers killed at

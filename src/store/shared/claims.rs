@@ -109,6 +109,25 @@ macro_rules! claims_impl {
                 ids.iter().map(|id| id.parse().map_err(|e| corrupt("run id", e))).collect()
             }
 
+            async fn held_elsewhere(&self, worker: &str, held_for: Duration, limit: u32) -> Result<Vec<RunId>> {
+                // Only a run its thread would start now: no run of the thread active, none
+                // queued before it (as for orphans).
+                let ids: Vec<String> = sqlx::query_scalar(concat!(
+                    "SELECT r.id FROM sa_runs r JOIN ", $jobs, " j ON j.id = r.job_id \
+                     WHERE r.status = 'queued' AND r.enqueued_at < $1 \
+                       AND j.status IN ('Queued', 'Running') AND j.lock_by IS NOT NULL AND j.lock_by <> $2 \
+                       AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
+                       AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id) \
+                     ORDER BY r.enqueued_at LIMIT $3"
+                ))
+                .bind(now_ms() - held_for.as_millis() as i64)
+                .bind(worker)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await?;
+                ids.iter().map(|id| id.parse().map_err(|e| corrupt("run id", e))).collect()
+            }
+
             async fn orphans(&self, grace: Duration) -> Result<Vec<Orphan>> {
                 let nms = now_ms();
                 // apalis's job table is read, never written. A queued run needs a new job when
