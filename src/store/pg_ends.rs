@@ -69,7 +69,12 @@ pub(crate) fn listen(pool: PgPool, notifier: Weak<Notifier>) -> tokio::sync::one
     tokio::spawn(async move {
         let mut ready = Some(ready);
         while notifier.strong_count() > 0 {
-            let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
+            let connected = async {
+                let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+                listener.listen(CHANNEL).await?;
+                Ok::<_, sqlx::Error>(listener)
+            };
+            let mut listener = match connected.await {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot listen for runs' ends; retrying");
@@ -77,11 +82,6 @@ pub(crate) fn listen(pool: PgPool, notifier: Weak<Notifier>) -> tokio::sync::one
                     continue;
                 }
             };
-            if let Err(e) = listener.listen(CHANNEL).await {
-                tracing::debug!(error = %e, "cannot listen for runs' ends; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
             if let Some(r) = ready.take() {
                 let _ = r.send(());
             }
