@@ -6,153 +6,6 @@
 //! The engine talks to a `dyn Store`, so the SQLite implementation here and a PostgreSQL one
 //! can be swapped without touching it.
 
-/// Row-to-record mapping, written once and instantiated per backend: the two backends store
-/// the same columns, and sqlx's row types differ only in name.
-macro_rules! row_mappers {
-    ($row:ty) => {
-        fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
-            StoreError::Corrupt(format!("{what}: {v}"))
-        }
-
-        fn run_from_row(r: &$row) -> Result<RunRecord> {
-            let id: String = r.get("id");
-            let limits: String = r.get("limits");
-            let metadata: String = r.get("metadata");
-            let parent: Option<String> = r.get("parent_run_id");
-            let ekind: Option<ErrorKind> = r.try_get("error_kind")?;
-            let thread: String = r.get("thread_id");
-            Ok(RunRecord {
-                id: id.parse().map_err(|e| corrupt("run id", e))?,
-                thread_id: thread.parse().map_err(|e| corrupt("thread id", e))?,
-                owner: r.get("owner"),
-                agent: r.get("agent"),
-                status: r.try_get("status")?,
-                input: r.get("input"),
-                metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("metadata", e))?,
-                limits: serde_json::from_str(&limits).map_err(|e| corrupt("limits", e))?,
-                parent_run_id: parent
-                    .map(|p| p.parse())
-                    .transpose()
-                    .map_err(|e| corrupt("parent id", e))?,
-                tree: TreePosition {
-                    root_run_id: r
-                        .get::<Option<String>, _>("root_run_id")
-                        .map(|p| p.parse())
-                        .transpose()
-                        .map_err(|e| corrupt("root id", e))?,
-                    depth: r.get::<i64, _>("depth") as u32,
-                    detached: r.get::<i64, _>("detached") != 0,
-                },
-                wake_at: r.get("wake_at"),
-                claimed_from: r
-                    .get::<Option<String>, _>("claimed_from")
-                    .and_then(|s| RunStatus::parse(&s)),
-                step: r.get::<i64, _>("step") as u32,
-                forced: r.get::<i64, _>("forced") != 0,
-                result: r.get("result"),
-                error: match ekind {
-                    None => None,
-                    Some(kind) => Some(RunError {
-                        kind,
-                        message: r
-                            .get::<Option<String>, _>("error_message")
-                            .unwrap_or_default(),
-                    }),
-                },
-                usage: Usage {
-                    prompt_tokens: r.get::<i64, _>("prompt_tokens") as u64,
-                    completion_tokens: r.get::<i64, _>("completion_tokens") as u64,
-                },
-                attempts: r.get::<i64, _>("attempts") as u32,
-                crashes: r.get::<i64, _>("crashes") as u32,
-                lease_epoch: r.get("lease_epoch"),
-                cancel_requested: r.get::<i64, _>("cancel_requested") != 0,
-                job_id: r.get("job_id"),
-                event_seq: r.get::<i64, _>("event_seq") as u64,
-                created_at: r.get::<DateTime<Utc>, _>("created_at"),
-                started_at: r.get("started_at"),
-                finished_at: r.get("finished_at"),
-                heartbeat_at: r.get("heartbeat_at"),
-                cost_nanos: r.get::<i64, _>("cost_nanos").max(0) as u64,
-                priority: r.get::<i64, _>("priority").clamp(1, 5) as u8,
-                retry_of: r
-                    .get::<Option<String>, _>("retry_of")
-                    .map(|p| p.parse())
-                    .transpose()
-                    .map_err(|e| corrupt("retry_of id", e))?,
-            })
-        }
-
-        fn message_from_row(r: &$row) -> Result<StoredMessage> {
-            let run: String = r.get("run_id");
-            let body: String = r.get("body");
-            Ok(StoredMessage {
-                id: r.get("id"),
-                run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
-                step: r.get::<i64, _>("step") as u32,
-                key: r.get("key"),
-                message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
-            })
-        }
-
-        fn approval_from_row(r: &$row) -> Result<Approval> {
-            let run: String = r.get("run_id");
-            let root: String = r.get("root_run_id");
-            let input: String = r.get("input");
-            let updated: Option<String> = r.get("updated_input");
-            Ok(Approval {
-                id: r.get("id"),
-                run_id: run.parse().map_err(|e| corrupt("approval run id", e))?,
-                root_run_id: root.parse().map_err(|e| corrupt("approval root id", e))?,
-                tool: r.get("tool"),
-                input: serde_json::from_str(&input).map_err(|e| corrupt("approval input", e))?,
-                reason: r.get("reason"),
-                status: r.try_get("status")?,
-                answer_reason: r.get("answer_reason"),
-                resolved_by: r.get("resolved_by"),
-                updated_input: updated
-                    .map(|u| serde_json::from_str(&u))
-                    .transpose()
-                    .map_err(|e| corrupt("approval updated input", e))?,
-                scope: r.try_get("scope")?,
-                created_at: r.get("created_at"),
-                expires_at: r.get("expires_at"),
-                resolved_at: r.get("resolved_at"),
-            })
-        }
-
-        fn compaction_from_row(r: &$row) -> Result<Compaction> {
-            let run: String = r.get("run_id");
-            Ok(Compaction {
-                id: r.get("id"),
-                run_id: run.parse().map_err(|e| corrupt("compaction run id", e))?,
-                body: CompactionBody {
-                    first_message_id: r.get("first_message_id"),
-                    last_message_id: r.get("last_message_id"),
-                    messages: r.get("messages"),
-                    summary: r.get("summary"),
-                    tokens_before: r.get("tokens_before"),
-                    tokens_after: r.get("tokens_after"),
-                    reason: r.get("reason"),
-                },
-                created_at: r.get("created_at"),
-            })
-        }
-
-        fn event_from_row(r: &$row) -> Result<EventRecord> {
-            let run: String = r.get("run_id");
-            let data: String = r.get("data");
-            Ok(EventRecord {
-                seq: r.get::<i64, _>("seq") as u64,
-                kind: r.get("type"),
-                run_id: run.parse().map_err(|e| corrupt("event run id", e))?,
-                created_at: r.get("created_at"),
-                data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
-            })
-        }
-    };
-}
-
 /// The two questions a run's end asks of the database, as SQL literals so constants can be
 /// built from them: is some wait row about the run (someone waits on it, or it waited on
 /// someone), and has it an attached child still going. [`REACH_COLUMNS`] asks them after the
@@ -169,13 +22,13 @@ macro_rules! reach_children {
 }
 
 #[macro_use]
-mod shared;
-#[macro_use]
 mod common;
 mod group;
 mod pg_ends;
 pub mod postgres;
 mod seed;
+mod shared;
+mod sql;
 pub mod sqlite;
 
 use std::time::Duration;

@@ -9,28 +9,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgPoolOptions, PgRow};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
 
+use super::sql::{Common, SqlStore, Statements, corrupt};
 use super::*;
 
 /// The PostgreSQL implementation of [`Store`].
 #[derive(Clone, Debug)]
 pub struct PgStore {
     pool: PgPool,
-    notifier: std::sync::Arc<crate::notify::Notifier>,
-    cancels: std::sync::Arc<crate::notify::Notifier>,
-    /// This process configured concurrency limits (claims then serialise per owner).
-    limits_seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Progress checkpoints of all runs, committed in groups.
-    group: std::sync::Arc<group::GroupCommit>,
-    /// Lease renewals of all runs, one statement per group.
-    renewals: std::sync::Arc<group::GroupRenew>,
-    /// Whether a relay takes this store's events to Redis. Without one, events are written as
-    /// relayed: the outbox index (`sa_events_unrelayed`) then holds only what a relay will
-    /// take, instead of every event ever written, and turning Redis on later does not replay
-    /// the whole history into it.
-    relays: bool,
+    common: Common,
     /// Runs' ends, announced to the other processes on this database.
     ends: super::pg_ends::Ends,
 }
@@ -115,7 +104,7 @@ const SHARED_CONNECTIONS: u32 = 16;
 
 /// What the group committer needs of the store: the pool and the wake-ups.
 #[derive(Clone)]
-struct Commits {
+pub(crate) struct Commits {
     pool: PgPool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
     /// Announces the ends it commits to the other processes.
@@ -211,8 +200,6 @@ impl PgStore {
             .max_connections(SHARED_CONNECTIONS + COMMITTERS as u32)
             .connect_with(options)
             .await?;
-        // Checkpoints of many runs commit together, in as few transactions as keep up.
-        let group = std::sync::Arc::new(group::GroupCommit::new(COMMITTERS));
         let notifier: std::sync::Arc<crate::notify::Notifier> = Default::default();
         // This process's waiters hear the runs other processes end; a store is handed out once
         // it listens (or, with the listener failing, after a bounded wait: the waiters'
@@ -221,12 +208,7 @@ impl PgStore {
         let store = PgStore {
             ends: super::pg_ends::Ends::start(pool.clone()),
             pool,
-            notifier,
-            cancels: Default::default(),
-            limits_seen: Default::default(),
-            relays: true,
-            group,
-            renewals: Default::default(),
+            common: Common::new(notifier, COMMITTERS),
         };
         store.migrate().await?;
         if tokio::time::timeout(Duration::from_secs(5), listening)
@@ -266,35 +248,64 @@ impl PgStore {
         &self.pool
     }
 
-    /// Where the API's reads go: the same pool, as PostgreSQL's readers never wait for its
-    /// writers (the SQLite store gives them connections of their own).
-    fn reads(&self) -> &PgPool {
-        &self.pool
+    /// Tells the store whether a relay takes its events to Redis (this process has a
+    /// `REDIS_URL`); without one, its events are written as relayed from now on.
+    pub fn relaying(mut self, relays: bool) -> Self {
+        self.common.relays = relays;
+        self
     }
 }
 
 // PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
 // a child's terminal commit takes (its own row, then its parent's and waiters').
-store_impl!(
-    PgStore,
-    sqlx::Postgres,
-    "apalis.jobs",
-    park_reads_first = true,
-    share = " FOR SHARE",
-    owner_unindexed = "owner",
-    runs = {
-        async fn create_run(&self, new: NewRun) -> Result<Created> {
-            // One round trip (`sa_start_run_with_job`, migrations/postgres/0014): the checks and
-            // inserts, the run's first job, and the answer with the run's row and its place in its
-            // owner's queue.
-            // The function writes it as the run's `run.queued` (seq 1).
-            let event = Event::RunQueued(event::RunQueued {
-                agent: new.agent.clone(),
-                thread_id: new.thread_id.visible_to(&new.owner).to_string(),
-                parent_run_id: new.parent_run_id,
-            })
-            .data();
-            let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)")
+#[async_trait]
+impl SqlStore for PgStore {
+    type Db = sqlx::Postgres;
+    type Commits = Commits;
+    const PARK_READS_FIRST: bool = true;
+
+    fn statements() -> &'static Statements {
+        static S: std::sync::LazyLock<Statements> =
+            std::sync::LazyLock::new(|| Statements::new("apalis.jobs", " FOR SHARE", "owner"));
+        &S
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The same pool: PostgreSQL's readers never wait for its writers (the SQLite store gives
+    /// them connections of their own).
+    fn reads(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    fn commits(&self) -> Commits {
+        Commits {
+            pool: self.pool.clone(),
+            notifier: self.common.notifier.clone(),
+            ends: self.ends.clone(),
+            relayed: self.relayed_at_insert(),
+            held: None,
+        }
+    }
+
+    async fn start_run(&self, new: NewRun) -> Result<Created> {
+        // One round trip (`sa_start_run_with_job`, migrations/postgres/0014): the checks and
+        // inserts, the run's first job, and the answer with the run's row and its place in its
+        // owner's queue.
+        // The function writes it as the run's `run.queued` (seq 1).
+        let event = Event::RunQueued(event::RunQueued {
+            agent: new.agent.clone(),
+            thread_id: new.thread_id.visible_to(&new.owner).to_string(),
+            parent_run_id: new.parent_run_id,
+        })
+        .data();
+        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
             .bind(&new.owner)
@@ -321,43 +332,42 @@ store_impl!(
             .bind(self.relayed_at_insert())
             .fetch_one(&self.pool)
             .await?;
-            let outcome: String = row.get("outcome");
-            let rid: Option<String> = row.get("rid");
-            let rid = rid
-                .map(|r| r.parse::<RunId>().map_err(|e| corrupt("run id", e)))
-                .transpose()?;
-            let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
-            match (outcome.as_str(), rid) {
-                ("created", Some(_)) => {
-                    self.notifier.job_queued();
-                    Ok(Created {
-                        run: run_from_row(&row)?,
-                        existing: false,
-                        ahead,
-                    })
-                }
-                ("existing", Some(_)) => Ok(Created {
-                    run: run_from_row(&row)?,
-                    existing: true,
-                    ahead: 0,
-                }),
-                ("busy", Some(active_run)) => Err(StoreError::Busy {
-                    thread_id: new.thread_id,
-                    active_run,
-                }),
-                ("owned_elsewhere", _) => Err(StoreError::ThreadOwnedElsewhere(new.thread_id)),
-                (other, _) => Err(corrupt("sa_start_run outcome", other)),
+        let outcome: String = row.get("outcome");
+        let rid: Option<String> = row.get("rid");
+        let rid = rid
+            .map(|r| r.parse::<RunId>().map_err(|e| corrupt("run id", e)))
+            .transpose()?;
+        let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
+        match (outcome.as_str(), rid) {
+            ("created", Some(_)) => {
+                self.common.notifier.job_queued();
+                Ok(Created {
+                    run: Self::run_from_row(&row)?,
+                    existing: false,
+                    ahead,
+                })
             }
+            ("existing", Some(_)) => Ok(Created {
+                run: Self::run_from_row(&row)?,
+                existing: true,
+                ahead: 0,
+            }),
+            ("busy", Some(active_run)) => Err(StoreError::Busy {
+                thread_id: new.thread_id,
+                active_run,
+            }),
+            ("owned_elsewhere", _) => Err(StoreError::ThreadOwnedElsewhere(new.thread_id)),
+            (other, _) => Err(corrupt("sa_start_run outcome", other)),
         }
-    },
-    claims = {
-        async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
-            let now = Utc::now();
-            let nms = now_ms();
-            // One statement: the claim and its `run.started` / `run.resumed` event. A queued run is
-            // claimable once its thread is free and it is the thread's oldest; a parked one at any
-            // time (a spurious claim replays and parks again).
-            let row = sqlx::query(sql!(
+    }
+
+    async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
+        let now = Utc::now();
+        let nms = now_ms();
+        // One statement: the claim and its `run.started` / `run.resumed` event. A queued run is
+        // claimable once its thread is free and it is the thread's oldest; a parked one at any
+        // time (a spurious claim replays and parks again).
+        let row = sqlx::query(sql!(
             concat!(
                 "WITH c AS (UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
                  lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
@@ -381,74 +391,60 @@ store_impl!(
         .bind(now)
         .bind(id.to_string())
         .bind(self.relayed_at_insert());
-            // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
-            // COMMITTED two concurrent claims would both count the same running runs and both
-            // pass. The locks go with the transaction.
-            let row = if self.limits_seen.load(std::sync::atomic::Ordering::Relaxed) {
-                let mut tx = self.pool.begin().await?;
-                sqlx::query(
+        // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
+        // COMMITTED two concurrent claims would both count the same running runs and both
+        // pass. The locks go with the transaction.
+        let row = if self
+            .common
+            .limits_seen
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            let mut tx = self.pool.begin().await?;
+            sqlx::query(
                 "SELECT pg_advisory_xact_lock(hashtext('owner:' || owner)), pg_advisory_xact_lock(hashtext('agent:' || agent)) FROM sa_runs WHERE id = $1",
             )
             .bind(id.to_string())
             .fetch_optional(&mut *tx)
             .await?;
-                let r = row.fetch_optional(&mut *tx).await;
-                if r.is_ok() {
-                    tx.commit().await?;
-                }
-                r
-            } else {
-                row.fetch_optional(&self.pool).await
-            };
-            // Two workers claiming two queued runs of one thread at once: the unique index on
-            // active runs lets one win; the other simply finds nothing to claim.
-            let row = match row {
-                Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
-                    return Ok(Claim::NotClaimable(Some(RunStatus::Queued)));
-                }
-                other => other?,
-            };
-            let Some(row) = row else {
-                let status = self.get_run(id).await?.map(|r| r.status);
-                return Ok(Claim::NotClaimable(status));
-            };
-            // The claimed row comes back whole: no second read.
-            let run = run_from_row(&row)?;
-            self.notifier.notify(id);
-            Ok(Claim::Acquired(
-                Lease {
-                    run_id: id,
-                    epoch: run.lease_epoch,
-                    owner: owner.to_owned(),
-                    ttl,
-                },
-                Box::new(run),
-            ))
-        }
-    },
-    checkpoints = {
-        async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-            self.group.commit(&self.commits(), lease, cp).await
-        }
-    },
-);
-
-row_mappers!(PgRow);
-
-impl PgStore {
-    /// What the group committer and the renewer need of the store.
-    fn commits(&self) -> Commits {
-        Commits {
-            pool: self.pool.clone(),
-            notifier: self.notifier.clone(),
-            ends: self.ends.clone(),
-            relayed: self.relayed_at_insert(),
-            held: None,
-        }
+            let r = row.fetch_optional(&mut *tx).await;
+            if r.is_ok() {
+                tx.commit().await?;
+            }
+            r
+        } else {
+            row.fetch_optional(&self.pool).await
+        };
+        // Two workers claiming two queued runs of one thread at once: the unique index on
+        // active runs lets one win; the other simply finds nothing to claim.
+        let row = match row {
+            Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+                return Ok(Claim::NotClaimable(Some(RunStatus::Queued)));
+            }
+            other => other?,
+        };
+        let Some(row) = row else {
+            let status = self.get_run(id).await?.map(|r| r.status);
+            return Ok(Claim::NotClaimable(status));
+        };
+        // The claimed row comes back whole: no second read.
+        let run = Self::run_from_row(&row)?;
+        self.common.notifier.notify(id);
+        Ok(Claim::Acquired(
+            Lease {
+                run_id: id,
+                epoch: run.lease_epoch,
+                owner: owner.to_owned(),
+                ttl,
+            },
+            Box::new(run),
+        ))
     }
 
-    /// [`Outbox::mark_relayed`](super::Outbox::mark_relayed) in one statement, whatever the
-    /// number of runs.
+    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
+        self.common.group.commit(&self.commits(), lease, cp).await
+    }
+
+    /// In one statement, whatever the number of runs.
     ///
     /// Every process with `REDIS_URL` runs a relay, and two relays may mark overlapping ranges
     /// at once. A plain `UPDATE … FROM unnest(…)` locks rows in whatever order its plan visits
@@ -457,7 +453,7 @@ impl PgStore {
     /// relay holds: those are that relay's to mark (and if its transaction fails they stay
     /// unrelayed and are relayed again, which is idempotent), so no statement ever waits for
     /// another and none can deadlock.
-    async fn mark_relayed_ranges(pool: &PgPool, ranges: &[(RunId, u64, u64)]) -> Result<()> {
+    async fn mark_relayed_ranges(&self, ranges: &[(RunId, u64, u64)]) -> Result<()> {
         let runs: Vec<String> = ranges.iter().map(|(r, _, _)| r.to_string()).collect();
         let first: Vec<i64> = ranges.iter().map(|(_, f, _)| *f as i64).collect();
         let last: Vec<i64> = ranges.iter().map(|(_, _, l)| *l as i64).collect();
@@ -472,12 +468,11 @@ impl PgStore {
         .bind(runs)
         .bind(first)
         .bind(last)
-        .execute(pool)
+        .execute(&self.pool)
         .await?;
         Ok(())
     }
 
-    /// apalis's worker registry (heartbeats every few seconds), newest first.
     async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
         let rows = sqlx::query(
             "SELECT id, last_seen FROM apalis.workers ORDER BY last_seen DESC LIMIT 200",

@@ -16,6 +16,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, SqlitePool};
 
+use super::sql::{Common, SqlStore, Statements, corrupt};
 use super::*;
 
 /// The SQLite implementation of [`Store`].
@@ -29,40 +30,17 @@ pub struct SqliteStore {
     /// page cache is warm, where a reading connection drops its whole cache each time the
     /// writer committed since its last read.
     reads: SqlitePool,
-    notifier: std::sync::Arc<crate::notify::Notifier>,
-    cancels: std::sync::Arc<crate::notify::Notifier>,
-    /// This process configured concurrency limits (claims then serialise per owner).
-    limits_seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Progress checkpoints of all runs, committed in groups by one writer.
-    group: std::sync::Arc<group::GroupCommit>,
-    /// Lease renewals of all runs, one statement per group.
-    renewals: std::sync::Arc<group::GroupRenew>,
-    /// Whether a relay takes this store's events to Redis. Without one, events are written as
-    /// relayed: the outbox index (`sa_events_unrelayed`) then holds only what a relay will
-    /// take, instead of every event ever written, and turning Redis on later does not replay
-    /// the whole history into it.
-    relays: bool,
+    common: Common,
 }
 
 /// What the group committer needs of the store: the pool and the wake-ups (not the store
 /// itself, which owns the committer's queue).
 #[derive(Clone)]
-struct Commits {
+pub(crate) struct Commits {
     pool: SqlitePool,
     notifier: std::sync::Arc<crate::notify::Notifier>,
     /// What a new event's `relayed` is (see `relays`).
     relayed: i64,
-}
-
-impl SqliteStore {
-    /// What the group committer and the renewer need of the store.
-    fn commits(&self) -> Commits {
-        Commits {
-            pool: self.pool.clone(),
-            notifier: self.notifier.clone(),
-            relayed: self.relayed_at_insert(),
-        }
-    }
 }
 
 /// How long a pooled connection may sit idle before it is tested on its way out of the pool.
@@ -119,12 +97,7 @@ impl SqliteStore {
         let store = SqliteStore {
             pool,
             reads,
-            notifier: Default::default(),
-            cancels: Default::default(),
-            limits_seen: Default::default(),
-            relays: true,
-            group: std::sync::Arc::new(group::GroupCommit::new(1)),
-            renewals: Default::default(),
+            common: Common::new(Default::default(), 1),
         };
         store.migrate().await?;
         Ok(store)
@@ -152,28 +125,54 @@ impl SqliteStore {
         &self.pool
     }
 
-    /// Where the API's reads go (see `reads`).
-    fn reads(&self) -> &SqlitePool {
-        &self.reads
+    /// Tells the store whether a relay takes its events to Redis (this process has a
+    /// `REDIS_URL`); without one, its events are written as relayed from now on.
+    pub fn relaying(mut self, relays: bool) -> Self {
+        self.common.relays = relays;
+        self
     }
 }
 
 // SQLite serializes writers: the park's fence (a write) must come first, so the reads after it
 // see the latest state (a read first would pin a snapshot that the write could not upgrade).
-store_impl!(
-    SqliteStore,
-    sqlx::Sqlite,
-    "Jobs",
-    park_reads_first = false,
-    share = "",
-    owner_unindexed = "+owner",
-    runs = {
-        async fn create_run(&self, new: NewRun) -> Result<Created> {
-            let now = Utc::now();
-            let mut tx = self.pool.begin().await?;
-            // The upsert takes SQLite's write lock first, so the checks below and the insert see
-            // one state: no other start can slip in between.
-            let inserted = sqlx::query(
+#[async_trait]
+impl SqlStore for SqliteStore {
+    type Db = sqlx::Sqlite;
+    type Commits = Commits;
+    const PARK_READS_FIRST: bool = false;
+
+    fn statements() -> &'static Statements {
+        static S: std::sync::LazyLock<Statements> =
+            std::sync::LazyLock::new(|| Statements::new("Jobs", "", "+owner"));
+        &S
+    }
+
+    fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    fn reads(&self) -> &SqlitePool {
+        &self.reads
+    }
+
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    fn commits(&self) -> Commits {
+        Commits {
+            pool: self.pool.clone(),
+            notifier: self.common.notifier.clone(),
+            relayed: self.relayed_at_insert(),
+        }
+    }
+
+    async fn start_run(&self, new: NewRun) -> Result<Created> {
+        let now = Utc::now();
+        let mut tx = self.pool.begin().await?;
+        // The upsert takes SQLite's write lock first, so the checks below and the insert see
+        // one state: no other start can slip in between.
+        let inserted = sqlx::query(
             "INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES ($1, $2, $3, $3) \
              ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING owner",
         )
@@ -182,48 +181,48 @@ store_impl!(
         .bind(now)
         .fetch_one(&mut *tx)
         .await?;
-            let owner: OwnerId = inserted.get(0);
-            if owner != new.owner {
-                return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
+        let owner: OwnerId = inserted.get(0);
+        if owner != new.owner {
+            return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
+        }
+        if let Some(key) = &new.idempotency_key {
+            let existing: Option<String> = sqlx::query_scalar(
+                "SELECT id FROM sa_runs WHERE owner = $1 AND idempotency_key = $2",
+            )
+            .bind(&new.owner)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(id) = existing {
+                tx.rollback().await?;
+                let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
+                let run = self
+                    .get_run(id)
+                    .await?
+                    .ok_or_else(|| corrupt("run vanished", id))?;
+                return Ok(Created {
+                    run,
+                    existing: true,
+                    ahead: 0,
+                });
             }
-            if let Some(key) = &new.idempotency_key {
-                let existing: Option<String> = sqlx::query_scalar(
-                    "SELECT id FROM sa_runs WHERE owner = $1 AND idempotency_key = $2",
-                )
-                .bind(&new.owner)
-                .bind(key)
-                .fetch_optional(&mut *tx)
-                .await?;
-                if let Some(id) = existing {
-                    tx.rollback().await?;
-                    let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
-                    let run = self
-                        .get_run(id)
-                        .await?
-                        .ok_or_else(|| corrupt("run vanished", id))?;
-                    return Ok(Created {
-                        run,
-                        existing: true,
-                        ahead: 0,
-                    });
-                }
-            }
-            if new.if_busy == IfBusy::Reject {
-                let active: Option<String> = sqlx::query_scalar(
+        }
+        if new.if_busy == IfBusy::Reject {
+            let active: Option<String> = sqlx::query_scalar(
                 "SELECT id FROM sa_runs WHERE thread_id = $1 AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1",
             )
             .bind(new.thread_id.as_str())
             .fetch_optional(&mut *tx)
             .await?;
-                if let Some(a) = active {
-                    let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
-                    return Err(StoreError::Busy {
-                        thread_id: new.thread_id,
-                        active_run,
-                    });
-                }
+            if let Some(a) = active {
+                let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
+                return Err(StoreError::Busy {
+                    thread_id: new.thread_id,
+                    active_run,
+                });
             }
-            let inserted = sqlx::query(concat!(
+        }
+        let inserted = sqlx::query(concat!(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
              idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority) \
              VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17) RETURNING ",
@@ -248,27 +247,27 @@ store_impl!(
         .bind(i64::from(new.priority.clamp(1, 5)))
         .fetch_one(&mut *tx)
         .await?;
-            let run = run_from_row(&inserted)?;
-            Self::insert_events(
-                &mut tx,
-                new.id,
-                1,
-                &[Event::RunQueued(event::RunQueued {
-                    agent: new.agent.clone(),
-                    thread_id: new.thread_id.visible_to(&new.owner).to_string(),
-                    parent_run_id: new.parent_run_id,
-                })
-                .into()],
-                self.relayed_at_insert(),
-            )
-            .await?;
-            let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place)
-                .await?
-                .ok_or_else(|| corrupt("run vanished", new.id))?;
-            // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
-            // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
-            // a run without its job.
-            sqlx::query(
+        let run = Self::run_from_row(&inserted)?;
+        Self::insert_events(
+            &mut tx,
+            new.id,
+            1,
+            &[Event::RunQueued(event::RunQueued {
+                agent: new.agent.clone(),
+                thread_id: new.thread_id.visible_to(&new.owner).to_string(),
+                parent_run_id: new.parent_run_id,
+            })
+            .into()],
+            self.relayed_at_insert(),
+        )
+        .await?;
+        let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place)
+            .await?
+            .ok_or_else(|| corrupt("run vanished", new.id))?;
+        // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
+        // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
+        // a run without its job.
+        sqlx::query(
             "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
              VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
         )
@@ -280,23 +279,22 @@ store_impl!(
         .bind(job_priority(ahead, new.priority) as i64)
         .execute(&mut *tx)
         .await?;
-            tx.commit().await?;
-            self.notifier.job_queued();
-            Ok(Created {
-                run,
-                existing: false,
-                ahead,
-            })
-        }
-    },
-    claims = {
-        async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
-            let now = Utc::now();
-            let nms = now_ms();
-            let mut tx = self.pool.begin().await?;
-            // A queued run is claimable once its thread is free and it is the thread's oldest; a
-            // parked one at any time (a spurious claim replays and parks again).
-            let row = sqlx::query(sql!(
+        tx.commit().await?;
+        self.common.notifier.job_queued();
+        Ok(Created {
+            run,
+            existing: false,
+            ahead,
+        })
+    }
+
+    async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
+        let now = Utc::now();
+        let nms = now_ms();
+        let mut tx = self.pool.begin().await?;
+        // A queued run is claimable once its thread is free and it is the thread's oldest; a
+        // parked one at any time (a spurious claim replays and parks again).
+        let row = sqlx::query(sql!(
             concat!(
                 "UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
                  lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
@@ -316,61 +314,54 @@ store_impl!(
         .bind(id.to_string())
         .fetch_optional(&mut *tx)
         .await?;
-            let Some(row) = row else {
-                tx.rollback().await?;
-                let status = self.get_run(id).await?.map(|r| r.status);
-                return Ok(Claim::NotClaimable(status));
-            };
-            // The claimed row comes back whole: no second read.
-            let run = run_from_row(&row)?;
-            let from = run.claimed_from.unwrap_or(RunStatus::Queued);
-            let claim = event::Claimed {
-                attempt: run.attempts,
-                crashes: run.crashes,
-                worker: owner.to_owned(),
-                from,
-            };
-            let event = if from == RunStatus::Waiting {
-                Event::RunResumed(claim)
-            } else {
-                Event::RunStarted(claim)
-            };
-            Self::insert_events(
-                &mut tx,
-                id,
-                run.event_seq,
-                &[event.into()],
-                self.relayed_at_insert(),
-            )
-            .await?;
-            tx.commit().await?;
-            self.notifier.notify(id);
-            Ok(Claim::Acquired(
-                Lease {
-                    run_id: id,
-                    epoch: run.lease_epoch,
-                    owner: owner.to_owned(),
-                    ttl,
-                },
-                Box::new(run),
-            ))
-        }
-    },
-    checkpoints = {
-        async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
-            let commits = self.commits();
-            self.group.commit(&commits, lease, cp).await
-        }
-    },
-);
+        let Some(row) = row else {
+            tx.rollback().await?;
+            let status = self.get_run(id).await?.map(|r| r.status);
+            return Ok(Claim::NotClaimable(status));
+        };
+        // The claimed row comes back whole: no second read.
+        let run = Self::run_from_row(&row)?;
+        let from = run.claimed_from.unwrap_or(RunStatus::Queued);
+        let claim = event::Claimed {
+            attempt: run.attempts,
+            crashes: run.crashes,
+            worker: owner.to_owned(),
+            from,
+        };
+        let event = if from == RunStatus::Waiting {
+            Event::RunResumed(claim)
+        } else {
+            Event::RunStarted(claim)
+        };
+        Self::insert_events(
+            &mut tx,
+            id,
+            run.event_seq,
+            &[event.into()],
+            self.relayed_at_insert(),
+        )
+        .await?;
+        tx.commit().await?;
+        self.common.notifier.notify(id);
+        Ok(Claim::Acquired(
+            Lease {
+                run_id: id,
+                epoch: run.lease_epoch,
+                owner: owner.to_owned(),
+                ttl,
+            },
+            Box::new(run),
+        ))
+    }
 
-row_mappers!(SqliteRow);
+    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
+        let commits = self.commits();
+        self.common.group.commit(&commits, lease, cp).await
+    }
 
-impl SqliteStore {
-    /// [`Outbox::mark_relayed`](super::Outbox::mark_relayed): one statement per run, in one
-    /// transaction (SQLite statements cost no round trip).
-    async fn mark_relayed_ranges(pool: &SqlitePool, ranges: &[(RunId, u64, u64)]) -> Result<()> {
-        let mut tx = pool.begin().await?;
+    /// One statement per run, in one transaction (SQLite statements cost no round trip).
+    async fn mark_relayed_ranges(&self, ranges: &[(RunId, u64, u64)]) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
         for (run, first, last) in ranges {
             sqlx::query("UPDATE sa_events SET relayed = 1 WHERE run_id = $1 AND seq BETWEEN $2 AND $3 AND relayed = 0")
                 .bind(run.to_string())
@@ -383,7 +374,6 @@ impl SqliteStore {
         Ok(())
     }
 
-    /// apalis's worker registry (heartbeats every few seconds), newest first.
     async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>> {
         let rows =
             sqlx::query("SELECT id, last_seen FROM Workers ORDER BY last_seen DESC LIMIT 200")

@@ -1,21 +1,16 @@
-//! The store traits' shared implementations, one file per trait, each a macro that `store_impl!`
-//! (in `common.rs`) expands for both backends.
+//! The store traits, implemented once for every [`SqlStore`]: one file per trait, each the
+//! statements both backends share. What a backend does its own way it provides through
+//! [`SqlStore`].
 
-#[macro_use]
-mod runs;
-#[macro_use]
-mod claims;
-#[macro_use]
-mod checkpoints;
-#[macro_use]
-mod parking;
-#[macro_use]
 mod approvals;
-#[macro_use]
-mod rate_budgets;
-#[macro_use]
-mod queries;
-#[macro_use]
+mod checkpoints;
+mod claims;
 mod harness;
-#[macro_use]
 mod outbox;
+mod parking;
+mod queries;
+mod rate_budgets;
+mod runs;
+
+use super::sql::{Affected, Args, Col, Conn, DbRow, SqlStore, corrupt};
+use super::*;

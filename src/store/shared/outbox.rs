@@ -1,35 +1,51 @@
-//! [`Outbox`](crate::store::Outbox) for both backends: what the relay reads and marks. The
-//! statements both backends share; a backend's own items come in as `extra`. Invoked by
-//! `store_impl!`.
+//! [`Outbox`](crate::store::Outbox) for every [`SqlStore`]: what the relay reads and marks.
 
-/// Implements [`Outbox`](crate::store::Outbox) for `$store` (see `store_impl!` for the parameters).
-macro_rules! outbox_impl {
-    ($store:ty, $db:ty, $jobs:literal, $reads_first:literal, $share:literal, $owner_unindexed:literal, { $($extra:tt)* }) => {
-        #[async_trait]
-        impl Outbox for $store {
-            async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>> {
-                let rows = sqlx::query(
-                    "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1",
-                )
-                .bind(limit as i64)
-                .fetch_all(&self.pool)
-                .await?;
-                rows.iter().map(event_from_row).collect()
-            }
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Type};
 
-            async fn mark_relayed(&self, ranges: &[(RunId, u64, u64)]) -> Result<()> {
-                if ranges.is_empty() {
-                    return Ok(());
-                }
-                Self::mark_relayed_ranges(&self.pool, ranges).await
-            }
+use super::*;
 
-            fn wake_local(&self, run: RunId, cancel: bool) {
-                self.notifier.notify(run);
-                if cancel {
-                    self.cancels.notify(run);
-                }
-            }
+#[async_trait]
+impl<S> Outbox for S
+where
+    S: SqlStore,
+    for<'c> &'c mut Conn<S>: Executor<'c, Database = S::Db>,
+    Args<S>: IntoArguments<S::Db>,
+    usize: ColumnIndex<DbRow<S>>,
+    for<'a> &'a str: ColumnIndex<DbRow<S>> + Encode<'a, S::Db> + Decode<'a, S::Db>,
+    for<'a> Option<&'a str>: Encode<'a, S::Db>,
+    str: Type<S::Db>,
+    String: Col<S::Db>,
+    i64: Col<S::Db>,
+    i32: Col<S::Db>,
+    bool: Col<S::Db>,
+    DateTime<Utc>: Col<S::Db>,
+    Option<String>: Col<S::Db>,
+    Option<i64>: Col<S::Db>,
+    Option<DateTime<Utc>>: Col<S::Db>,
+{
+    async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query(
+            "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1",
+        )
+        .bind(limit as i64)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(S::event_from_row).collect()
+    }
+
+    async fn mark_relayed(&self, ranges: &[(RunId, u64, u64)]) -> Result<()> {
+        if ranges.is_empty() {
+            return Ok(());
         }
-    };
+        self.mark_relayed_ranges(ranges).await
+    }
+
+    fn wake_local(&self, run: RunId, cancel: bool) {
+        self.notifier().notify(run);
+        if cancel {
+            self.cancels().notify(run);
+        }
+    }
 }

@@ -1,208 +1,272 @@
-//! [`Queries`](crate::store::Queries) for both backends: what the api and metrics read. The
-//! statements both backends share; a backend's own items come in as `extra`. Invoked by
-//! `store_impl!`.
+//! [`Queries`](crate::store::Queries) for every [`SqlStore`]: what the API and metrics read.
 
-/// Implements [`Queries`](crate::store::Queries) for `$store` (see `store_impl!` for the
-/// parameters).
-macro_rules! queries_impl {
-    ($store:ty, $db:ty, $jobs:literal, $reads_first:literal, $share:literal, $owner_unindexed:literal, { $($extra:tt)* }) => {
-        #[async_trait]
-        impl Queries for $store {
-            async fn overview(&self, owner: &OwnerId, hour: DateTime<Utc>, day: DateTime<Utc>, cap: u32) -> Result<OverviewData> {
-                let mut out = OverviewData::default();
-                for row in sqlx::query("SELECT status, COUNT(*) FROM sa_runs WHERE owner = $1 GROUP BY status").bind(owner).fetch_all(self.reads()).await? {
-                    out.by_status.push((row.try_get(0)?, row.get::<i64, _>(1) as u64));
-                }
-                out.oldest_queued_ms = sqlx::query_scalar("SELECT MIN(enqueued_at) FROM sa_runs WHERE owner = $1 AND status = 'queued'")
-                    .bind(owner)
-                    .fetch_one(self.reads())
-                    .await?;
-                // Events of the runs that were active in the last hour (finished in it, or not
-                // finished): the runs come from indexes, their events from the primary key.
-                // On SQLite `+owner` keeps the planner on the finished_at index (without
-                // statistics it takes the owner index and walks every run the owner ever had);
-                // PostgreSQL's planner needs no hint, and misjudges the hinted form.
-                let rows = sqlx::query(concat!(
-                    "SELECT e.run_id, e.type, e.data, e.created_at FROM sa_events e \
-                     WHERE e.run_id IN (SELECT id FROM sa_runs WHERE finished_at >= $2 AND ", $owner_unindexed, " = $1 \
-                                        UNION SELECT id FROM sa_runs WHERE owner = $1 AND status IN ('running', 'waiting')) \
-                       AND e.type IN ('model.completed', 'run.succeeded', 'run.failed', 'run.cancelled') AND e.created_at >= $2 \
-                     ORDER BY e.created_at DESC LIMIT $3",
-                ))
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Row, Type};
+
+use super::*;
+
+#[async_trait]
+impl<S> Queries for S
+where
+    S: SqlStore,
+    for<'c> &'c mut Conn<S>: Executor<'c, Database = S::Db>,
+    Args<S>: IntoArguments<S::Db>,
+    usize: ColumnIndex<DbRow<S>>,
+    for<'a> &'a str: ColumnIndex<DbRow<S>> + Encode<'a, S::Db> + Decode<'a, S::Db>,
+    for<'a> Option<&'a str>: Encode<'a, S::Db>,
+    str: Type<S::Db>,
+    String: Col<S::Db>,
+    i64: Col<S::Db>,
+    i32: Col<S::Db>,
+    bool: Col<S::Db>,
+    DateTime<Utc>: Col<S::Db>,
+    Option<String>: Col<S::Db>,
+    Option<i64>: Col<S::Db>,
+    Option<DateTime<Utc>>: Col<S::Db>,
+{
+    async fn overview(
+        &self,
+        owner: &OwnerId,
+        hour: DateTime<Utc>,
+        day: DateTime<Utc>,
+        cap: u32,
+    ) -> Result<OverviewData> {
+        let mut out = OverviewData::default();
+        for row in
+            sqlx::query("SELECT status, COUNT(*) FROM sa_runs WHERE owner = $1 GROUP BY status")
                 .bind(owner)
-                .bind(hour)
-                .bind(i64::from(cap) + 1)
-                .fetch_all(self.reads())
-                .await?;
-                out.events_capped = rows.len() > cap as usize;
-                for row in rows.iter().take(cap as usize) {
-                    let run: String = row.get(0);
-                    let data: String = row.get(2);
-                    out.events.push((
-                        run.parse().map_err(|e| corrupt("event run id", e))?,
-                        row.get(1),
-                        serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
-                        row.get(3),
-                    ));
-                }
-                for row in sqlx::query(
-                    "SELECT COALESCE(error_kind, 'unknown'), COUNT(*) FROM sa_runs \
-                     WHERE owner = $1 AND finished_at >= $2 AND status = 'failed' GROUP BY error_kind",
-                )
-                .bind(owner)
-                .bind(day)
                 .fetch_all(self.reads())
                 .await?
-                {
-                    out.failures.push((row.get(0), row.get::<i64, _>(1) as u64));
-                }
-                // No ORDER BY: sorting by id would walk the (owner, id) index over every run.
-                for row in sqlx::query("SELECT id, lease_owner, heartbeat_at FROM sa_runs WHERE owner = $1 AND status = 'running' LIMIT 500")
-                    .bind(owner)
-                    .fetch_all(self.reads())
-                    .await?
-                {
-                    let id: String = row.get(0);
-                    out.running.push((id.parse().map_err(|e| corrupt("run id", e))?, row.get(1), row.get(2)));
-                }
-                out.workers = self.workers().await?;
-                Ok(out)
-            }
+        {
+            out.by_status
+                .push((row.try_get(0)?, row.get::<i64, _>(1) as u64));
+        }
+        out.oldest_queued_ms = sqlx::query_scalar(
+            "SELECT MIN(enqueued_at) FROM sa_runs WHERE owner = $1 AND status = 'queued'",
+        )
+        .bind(owner)
+        .fetch_one(self.reads())
+        .await?;
+        let rows = sqlx::query(S::statements().overview_events.as_str())
+            .bind(owner)
+            .bind(hour)
+            .bind(i64::from(cap) + 1)
+            .fetch_all(self.reads())
+            .await?;
+        out.events_capped = rows.len() > cap as usize;
+        for row in rows.iter().take(cap as usize) {
+            let run: String = row.get(0);
+            let data: String = row.get(2);
+            out.events.push((
+                run.parse().map_err(|e| corrupt("event run id", e))?,
+                row.get(1),
+                serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
+                row.get(3),
+            ));
+        }
+        for row in sqlx::query(
+            "SELECT COALESCE(error_kind, 'unknown'), COUNT(*) FROM sa_runs \
+             WHERE owner = $1 AND finished_at >= $2 AND status = 'failed' GROUP BY error_kind",
+        )
+        .bind(owner)
+        .bind(day)
+        .fetch_all(self.reads())
+        .await?
+        {
+            out.failures.push((row.get(0), row.get::<i64, _>(1) as u64));
+        }
+        // No ORDER BY: sorting by id would walk the (owner, id) index over every run.
+        for row in sqlx::query("SELECT id, lease_owner, heartbeat_at FROM sa_runs WHERE owner = $1 AND status = 'running' LIMIT 500")
+            .bind(owner)
+            .fetch_all(self.reads())
+            .await?
+        {
+            let id: String = row.get(0);
+            out.running.push((id.parse().map_err(|e| corrupt("run id", e))?, row.get(1), row.get(2)));
+        }
+        out.workers = self.workers().await?;
+        Ok(out)
+    }
 
-            async fn list_runs(&self, owner: &OwnerId, f: &RunFilter, limit: u32) -> Result<Vec<RunRecord>> {
-                let mut q = sqlx::QueryBuilder::<$db>::new(concat!("SELECT ", run_columns!(), " FROM sa_runs WHERE owner = "));
-                q.push_bind(owner.to_owned());
-                if !f.status.is_empty() {
-                    q.push(" AND status IN (");
-                    let mut list = q.separated(", ");
-                    for s in &f.status {
-                        list.push_bind(*s);
-                    }
-                    list.push_unseparated(")");
-                }
-                if let Some(a) = &f.agent {
-                    q.push(" AND agent = ").push_bind(a.clone());
-                }
-                if let Some(t) = &f.thread_id {
-                    q.push(" AND thread_id = ").push_bind(t.as_str().to_owned());
-                }
-                if let Some(p) = f.parent_run_id {
-                    q.push(" AND parent_run_id = ").push_bind(p.to_string());
-                }
-                if let Some(text) = &f.text {
-                    // LIKE's wildcards in the text are matched literally.
-                    let pattern = format!("%{}%", text.to_lowercase().replace('\\', "\\\\").replace('%', "\\%").replace('_', "\\_"));
-                    q.push(" AND (LOWER(input) LIKE ").push_bind(pattern.clone()).push(" ESCAPE '\\' OR LOWER(COALESCE(result, '')) LIKE ").push_bind(pattern).push(" ESCAPE '\\')");
-                }
-                // Ids are time-ordered: a time range is an id range, served by the primary key.
-                if let Some(t) = f.created_after {
-                    q.push(" AND id >= ").push_bind(RunId::lower_bound(t).to_string());
-                }
-                if let Some(t) = f.created_before {
-                    q.push(" AND id < ").push_bind(RunId::lower_bound(t).to_string());
-                }
-                if let Some(c) = f.before {
-                    q.push(if f.oldest_first { " AND id > " } else { " AND id < " }).push_bind(c.to_string());
-                }
-                q.push(if f.oldest_first { " ORDER BY id ASC LIMIT " } else { " ORDER BY id DESC LIMIT " }).push_bind(i64::from(limit));
-                let rows = q.build().fetch_all(self.reads()).await?;
-                rows.iter().map(run_from_row).collect()
+    async fn list_runs(
+        &self,
+        owner: &OwnerId,
+        f: &RunFilter,
+        limit: u32,
+    ) -> Result<Vec<RunRecord>> {
+        let mut q = sqlx::QueryBuilder::<S::Db>::new(concat!(
+            "SELECT ",
+            run_columns!(),
+            " FROM sa_runs WHERE owner = "
+        ));
+        q.push_bind(owner.to_owned());
+        if !f.status.is_empty() {
+            q.push(" AND status IN (");
+            let mut list = q.separated(", ");
+            for s in &f.status {
+                list.push_bind(*s);
             }
+            list.push_unseparated(")");
+        }
+        if let Some(a) = &f.agent {
+            q.push(" AND agent = ").push_bind(a.clone());
+        }
+        if let Some(t) = &f.thread_id {
+            q.push(" AND thread_id = ").push_bind(t.as_str().to_owned());
+        }
+        if let Some(p) = f.parent_run_id {
+            q.push(" AND parent_run_id = ").push_bind(p.to_string());
+        }
+        if let Some(text) = &f.text {
+            // LIKE's wildcards in the text are matched literally.
+            let pattern = format!(
+                "%{}%",
+                text.to_lowercase()
+                    .replace('\\', "\\\\")
+                    .replace('%', "\\%")
+                    .replace('_', "\\_")
+            );
+            q.push(" AND (LOWER(input) LIKE ")
+                .push_bind(pattern.clone())
+                .push(" ESCAPE '\\' OR LOWER(COALESCE(result, '')) LIKE ")
+                .push_bind(pattern)
+                .push(" ESCAPE '\\')");
+        }
+        // Ids are time-ordered: a time range is an id range, served by the primary key.
+        if let Some(t) = f.created_after {
+            q.push(" AND id >= ")
+                .push_bind(RunId::lower_bound(t).to_string());
+        }
+        if let Some(t) = f.created_before {
+            q.push(" AND id < ")
+                .push_bind(RunId::lower_bound(t).to_string());
+        }
+        if let Some(c) = f.before {
+            q.push(if f.oldest_first {
+                " AND id > "
+            } else {
+                " AND id < "
+            })
+            .push_bind(c.to_string());
+        }
+        q.push(if f.oldest_first {
+            " ORDER BY id ASC LIMIT "
+        } else {
+            " ORDER BY id DESC LIMIT "
+        })
+        .push_bind(i64::from(limit));
+        let rows = q.build().fetch_all(self.reads()).await?;
+        rows.iter().map(S::run_from_row).collect()
+    }
 
-            async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
-                let row = sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = $1")
-                    .bind(id.as_str())
-                    .fetch_optional(self.reads())
-                    .await?;
-                Ok(row.map(|r| ThreadRecord {
-                    id: id.clone(),
-                    owner: r.get("owner"),
-                    created_at: r.get("created_at"),
-                    updated_at: r.get("updated_at"),
-                }))
-            }
-
-            async fn compactions(&self, thread: &ThreadId) -> Result<Vec<Compaction>> {
-                let rows = sqlx::query(
-                    "SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
-                     tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id",
-                )
-                .bind(thread.as_str())
-                .fetch_all(self.reads())
-                .await?;
-                rows.iter().map(compaction_from_row).collect()
-            }
-
-            async fn messages_page(&self, thread: &ThreadId, after: i64, limit: u32) -> Result<Vec<StoredMessage>> {
-                let rows = sqlx::query(
-                    "SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = $1 AND id > $2 ORDER BY id LIMIT $3",
-                )
-                .bind(thread.as_str())
-                .bind(after)
-                .bind(limit as i64)
-                .fetch_all(self.reads())
-                .await?;
-                rows.iter().map(message_from_row).collect()
-            }
-
-            async fn queue_position(&self, run: RunId) -> Result<i64> {
-                // Jobs go by rank in their owner's queue: ahead of a run of rank r are the r
-                // runs ahead in its own owner's queue and, from every other owner, its first
-                // r + 1 queued runs (at most). One statement: a runs page asks for each run.
-                let n: Option<i64> = sqlx::query_scalar(
-                    "WITH me AS (SELECT owner, priority, id FROM sa_runs WHERE id = $1), \
-                     rk AS (SELECT COUNT(*) AS r FROM sa_runs q, me WHERE q.owner = me.owner AND q.status = 'queued' \
-                       AND (q.priority > me.priority OR (q.priority = me.priority AND q.id < me.id))), \
-                     per_owner AS (SELECT COUNT(*) AS n FROM sa_runs o, me WHERE o.status = 'queued' AND o.owner <> me.owner GROUP BY o.owner) \
-                     SELECT CAST(rk.r + COALESCE((SELECT SUM(CASE WHEN n < rk.r + 1 THEN n ELSE rk.r + 1 END) FROM per_owner), 0) AS BIGINT) \
-                     FROM rk, me",
-                )
-                .bind(run.to_string())
+    async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
+        let row =
+            sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = $1")
+                .bind(id.as_str())
                 .fetch_optional(self.reads())
                 .await?;
-                Ok(n.unwrap_or(0))
-            }
+        Ok(row.map(|r| ThreadRecord {
+            id: id.clone(),
+            owner: r.get("owner"),
+            created_at: r.get("created_at"),
+            updated_at: r.get("updated_at"),
+        }))
+    }
 
-            async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>> {
-                // The run's assistant messages, newest first; the index on (run_id, id) keeps it
-                // to this run's rows.
-                let pattern = format!("%\"name\":\"{tool}\"%");
-                let rows = sqlx::query(
-                    "SELECT body FROM sa_messages WHERE run_id = $1 AND role = 'assistant' AND body LIKE $2 ORDER BY id DESC LIMIT 1",
-                )
-                .bind(run.to_string())
-                .bind(pattern)
-                .fetch_all(self.reads())
-                .await?;
-                let Some(row) = rows.first() else { return Ok(None) };
-                let body: String = row.get(0);
-                let message: crate::model::Message = serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?;
-                Ok(match message {
-                    crate::model::Message::Assistant { tool_calls, .. } => {
-                        tool_calls.into_iter().rev().find(|c| c.function.name == tool).map(|c| c.function.arguments)
-                    }
-                    _ => None,
-                })
-            }
+    async fn compactions(&self, thread: &ThreadId) -> Result<Vec<Compaction>> {
+        let rows = sqlx::query(
+            "SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+             tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id",
+        )
+        .bind(thread.as_str())
+        .fetch_all(self.reads())
+        .await?;
+        rows.iter().map(S::compaction_from_row).collect()
+    }
 
-            async fn queued_count(&self, owner: &OwnerId) -> Result<u64> {
-                let n: i64 = sqlx::query_scalar("SELECT CAST(COALESCE(SUM(queued), 0) AS BIGINT) FROM sa_queue_depth WHERE owner = $1")
-                    .bind(owner)
-                    .fetch_one(self.reads())
-                    .await?;
-                Ok(n.max(0) as u64)
-            }
+    async fn messages_page(
+        &self,
+        thread: &ThreadId,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>> {
+        let rows = sqlx::query(
+            "SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = $1 AND id > $2 ORDER BY id LIMIT $3",
+        )
+        .bind(thread.as_str())
+        .bind(after)
+        .bind(limit as i64)
+        .fetch_all(self.reads())
+        .await?;
+        rows.iter().map(S::message_from_row).collect()
+    }
 
-            async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
-                let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status").fetch_all(self.reads()).await?;
-                rows.iter()
-                    .map(|r| Ok((r.try_get(0)?, r.get::<i64, _>(1))))
-                    .collect()
-            }
+    async fn queue_position(&self, run: RunId) -> Result<i64> {
+        // Jobs go by rank in their owner's queue: ahead of a run of rank r are the r
+        // runs ahead in its own owner's queue and, from every other owner, its first
+        // r + 1 queued runs (at most). One statement: a runs page asks for each run.
+        let n: Option<i64> = sqlx::query_scalar(
+            "WITH me AS (SELECT owner, priority, id FROM sa_runs WHERE id = $1), \
+             rk AS (SELECT COUNT(*) AS r FROM sa_runs q, me WHERE q.owner = me.owner AND q.status = 'queued' \
+               AND (q.priority > me.priority OR (q.priority = me.priority AND q.id < me.id))), \
+             per_owner AS (SELECT COUNT(*) AS n FROM sa_runs o, me WHERE o.status = 'queued' AND o.owner <> me.owner GROUP BY o.owner) \
+             SELECT CAST(rk.r + COALESCE((SELECT SUM(CASE WHEN n < rk.r + 1 THEN n ELSE rk.r + 1 END) FROM per_owner), 0) AS BIGINT) \
+             FROM rk, me",
+        )
+        .bind(run.to_string())
+        .fetch_optional(self.reads())
+        .await?;
+        Ok(n.unwrap_or(0))
+    }
 
-            fn subscribe_all(&self) -> std::sync::Arc<crate::notify::Signal> {
-                self.notifier.subscribe_all()
-            }
-        }
-    };
+    async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>> {
+        // The run's assistant messages, newest first; the index on (run_id, id) keeps it
+        // to this run's rows.
+        let pattern = format!("%\"name\":\"{tool}\"%");
+        let rows = sqlx::query(
+            "SELECT body FROM sa_messages WHERE run_id = $1 AND role = 'assistant' AND body LIKE $2 ORDER BY id DESC LIMIT 1",
+        )
+        .bind(run.to_string())
+        .bind(pattern)
+        .fetch_all(self.reads())
+        .await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let body: String = row.get(0);
+        let message: crate::model::Message =
+            serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?;
+        Ok(match message {
+            crate::model::Message::Assistant { tool_calls, .. } => tool_calls
+                .into_iter()
+                .rev()
+                .find(|c| c.function.name == tool)
+                .map(|c| c.function.arguments),
+            _ => None,
+        })
+    }
+
+    async fn queued_count(&self, owner: &OwnerId) -> Result<u64> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(queued), 0) AS BIGINT) FROM sa_queue_depth WHERE owner = $1",
+        )
+        .bind(owner)
+        .fetch_one(self.reads())
+        .await?;
+        Ok(n.max(0) as u64)
+    }
+
+    async fn status_counts(&self) -> Result<Vec<(RunStatus, i64)>> {
+        let rows = sqlx::query("SELECT status, count(*) FROM sa_runs GROUP BY status")
+            .fetch_all(self.reads())
+            .await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.get::<i64, _>(1))))
+            .collect()
+    }
+
+    fn subscribe_all(&self) -> std::sync::Arc<crate::notify::Signal> {
+        self.notifier().subscribe_all()
+    }
 }

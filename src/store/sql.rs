@@ -1,0 +1,652 @@
+//! What the SQL both backends share stands on: [`SqlStore`], the little a backend provides
+//! (its pools, its notifiers, the statements that really differ, and its own start, claim and
+//! checkpoint), and the helpers every store trait's shared statements use.
+//!
+//! The store traits are implemented once, generically, for every `SqlStore` (in `shared/`, one
+//! file per trait). Every statement there is valid on SQLite and on PostgreSQL (`$N`
+//! placeholders, which sqlx binds positionally on both; `CAST` instead of `::`). Status guards
+//! come from [`crate::lifecycle::sql_sources`], so a statement can only apply a move the state
+//! machine allows.
+//!
+//! Generic code over a sqlx database must name what it uses of it: that its connections
+//! execute, and that the column types it binds and reads encode and decode. Rust does not carry
+//! such bounds from a trait to its users, so each generic impl repeats the list (the `where`
+//! clause of [`SqlStore`]); a concrete backend meets it without a word.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Row, Type};
+
+use super::*;
+use crate::notify::Notifier;
+
+/// A column type both backends bind and read the same way.
+pub(crate) trait Col<DB: Database>:
+    Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>
+{
+}
+
+impl<DB: Database, T: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>> Col<DB> for T {}
+
+/// A backend's connection, arguments and row (the names the generic impls' bounds use).
+pub(crate) type Conn<S> = <<S as SqlStore>::Db as Database>::Connection;
+/// See [`Conn`].
+pub(crate) type Args<S> = <<S as SqlStore>::Db as Database>::Arguments;
+/// See [`Conn`].
+pub(crate) type DbRow<S> = <<S as SqlStore>::Db as Database>::Row;
+
+/// How many rows a statement changed, whichever the backend.
+pub(crate) trait Affected {
+    /// The rows the statement inserted, changed or deleted.
+    fn rows_affected(&self) -> u64;
+}
+
+impl Affected for sqlx::sqlite::SqliteQueryResult {
+    fn rows_affected(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+impl Affected for sqlx::postgres::PgQueryResult {
+    fn rows_affected(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+/// The statements that differ between the backends only in a table name or a lock clause,
+/// built once per backend (a `static` in a generic function would be one for both).
+pub(crate) struct Statements {
+    /// [`Runs::next_queued`].
+    pub(crate) next_queued: String,
+    /// [`Claims::fetched_not_started`].
+    pub(crate) fetched_not_started: String,
+    /// [`Claims::held_elsewhere`].
+    pub(crate) held_elsewhere: String,
+    /// [`Claims::orphans`].
+    pub(crate) orphans: String,
+    /// The overview's events (see [`Queries::overview`]).
+    pub(crate) overview_events: String,
+    /// [`Harness::wipe`]'s jobs.
+    pub(crate) wipe_jobs: String,
+    /// A run's status, read with the park's lock (see [`SqlStore::any_ended`]).
+    pub(crate) run_status: String,
+    /// An approval's status, read with the park's lock (see [`SqlStore::answered`]).
+    pub(crate) approval_status: String,
+}
+
+impl Statements {
+    /// The statements for a backend whose apalis job table is `jobs`, whose park reads with the
+    /// lock clause `share`, and whose overview names the owner column as `owner_unindexed` to
+    /// keep its planner off the owner index.
+    pub(crate) fn new(jobs: &str, share: &str, owner_unindexed: &str) -> Statements {
+        Statements {
+            next_queued: format!(
+                "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 AND status = 'queued' ORDER BY id LIMIT 1) r \
+                 WHERE NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending')"
+            ),
+            fetched_not_started: format!(
+                "SELECT r.id FROM sa_runs r JOIN {jobs} j ON j.id = r.job_id \
+                 WHERE r.status = 'queued' AND j.lock_by = $1 AND j.status IN ('Queued', 'Running')"
+            ),
+            // Only a run its thread would start now: no run of the thread active, none queued
+            // before it (as for orphans).
+            held_elsewhere: format!(
+                "SELECT r.id FROM sa_runs r JOIN {jobs} j ON j.id = r.job_id \
+                 WHERE r.status = 'queued' AND r.enqueued_at < $1 \
+                   AND j.status IN ('Queued', 'Running') AND j.lock_by IS NOT NULL AND j.lock_by <> $2 \
+                   AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
+                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id) \
+                 ORDER BY r.enqueued_at LIMIT $3"
+            ),
+            // apalis's job table is read, never written. A queued run needs a new job when its
+            // own is not `Pending` (free for any worker to fetch) after the grace period: gone,
+            // finished, or fetched (`Queued`, `Running`) by a worker that has not started it —
+            // the batch of a dead or full worker. A duplicate job is harmless.
+            orphans: format!(
+                "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < $1 AND ( \
+                   (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at <= $2) OR \
+                   (r.status = 'queued' \
+                     AND NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending') \
+                     AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
+                     AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id)) \
+                 ) LIMIT 1000"
+            ),
+            // Events of the runs that were active in the last hour (finished in it, or not
+            // finished): the runs come from indexes, their events from the primary key. On
+            // SQLite `+owner` keeps the planner on the finished_at index (without statistics it
+            // takes the owner index and walks every run the owner ever had); PostgreSQL's
+            // planner needs no hint, and misjudges the hinted form.
+            overview_events: format!(
+                "SELECT e.run_id, e.type, e.data, e.created_at FROM sa_events e \
+                 WHERE e.run_id IN (SELECT id FROM sa_runs WHERE finished_at >= $2 AND {owner_unindexed} = $1 \
+                                    UNION SELECT id FROM sa_runs WHERE owner = $1 AND status IN ('running', 'waiting')) \
+                   AND e.type IN ('model.completed', 'run.succeeded', 'run.failed', 'run.cancelled') AND e.created_at >= $2 \
+                 ORDER BY e.created_at DESC LIMIT $3"
+            ),
+            wipe_jobs: format!("DELETE FROM {jobs} WHERE job_type = $1"),
+            run_status: format!("SELECT status FROM sa_runs WHERE id = $1{share}"),
+            approval_status: format!("SELECT status FROM sa_approvals WHERE id = $1{share}"),
+        }
+    }
+}
+
+/// What every backend keeps beside its pools; clones share it.
+#[derive(Clone, Debug)]
+pub(crate) struct Common {
+    /// This process's waiters on runs' changes.
+    pub(crate) notifier: Arc<Notifier>,
+    /// This process's waiters on cancel requests.
+    pub(crate) cancels: Arc<Notifier>,
+    /// This process configured concurrency limits (claims then serialise per owner).
+    pub(crate) limits_seen: Arc<AtomicBool>,
+    /// Progress checkpoints of all runs, committed in groups.
+    pub(crate) group: Arc<group::GroupCommit>,
+    /// Lease renewals of all runs, one statement per group.
+    pub(crate) renewals: Arc<group::GroupRenew>,
+    /// Whether a relay takes this store's events to Redis. Without one, events are written as
+    /// relayed: the outbox index (`sa_events_unrelayed`) then holds only what a relay will
+    /// take, instead of every event ever written, and turning Redis on later does not replay
+    /// the whole history into it.
+    pub(crate) relays: bool,
+}
+
+impl Common {
+    /// With `committers` group committers, telling `notifier`'s waiters of changes.
+    pub(crate) fn new(notifier: Arc<Notifier>, committers: usize) -> Common {
+        Common {
+            notifier,
+            cancels: Default::default(),
+            limits_seen: Default::default(),
+            group: Arc::new(group::GroupCommit::new(committers)),
+            renewals: Default::default(),
+            relays: true,
+        }
+    }
+}
+
+/// A row the code cannot read: a value it does not know, or a broken reference.
+pub(crate) fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(format!("{what}: {v}"))
+}
+
+/// A backend the shared statements run on: its pools and notifiers, the statements that differ
+/// ([`Statements`]), how its park orders its reads, and its own start, claim, checkpoint and
+/// outbox marking. Both [`SqliteStore`] and [`PgStore`] are one; the store traits are
+/// implemented for every one (`shared/`). The provided methods are the helpers those share.
+#[async_trait]
+pub(crate) trait SqlStore: Send + Sync + Sized + 'static
+where
+    for<'c> &'c mut <Self::Db as Database>::Connection: Executor<'c, Database = Self::Db>,
+    <Self::Db as Database>::Arguments: IntoArguments<Self::Db>,
+    usize: ColumnIndex<<Self::Db as Database>::Row>,
+    for<'a> &'a str:
+        ColumnIndex<<Self::Db as Database>::Row> + Encode<'a, Self::Db> + Decode<'a, Self::Db>,
+    for<'a> Option<&'a str>: Encode<'a, Self::Db>,
+    str: Type<Self::Db>,
+    String: Col<Self::Db>,
+    i64: Col<Self::Db>,
+    i32: Col<Self::Db>,
+    bool: Col<Self::Db>,
+    DateTime<Utc>: Col<Self::Db>,
+    Option<String>: Col<Self::Db>,
+    Option<i64>: Col<Self::Db>,
+    Option<DateTime<Utc>>: Col<Self::Db>,
+{
+    /// The sqlx database.
+    type Db: Database<QueryResult: Affected>;
+    /// What the group committer and the lease renewer use of the store.
+    type Commits: group::Renewals;
+
+    /// Whether a park reads what it waits on before its own fence (PostgreSQL: share locks in
+    /// the order a child's end takes them) or after it (SQLite: the fence, a write, takes the
+    /// write lock first, so the reads after it see the latest state).
+    const PARK_READS_FIRST: bool;
+
+    /// The statements that differ (see [`Statements`]).
+    fn statements() -> &'static Statements;
+    /// The pool that writes.
+    fn pool(&self) -> &sqlx::Pool<Self::Db>;
+    /// Where the API's reads go.
+    fn reads(&self) -> &sqlx::Pool<Self::Db>;
+    /// What every backend keeps beside its pools.
+    fn common(&self) -> &Common;
+    /// What the group committer and the renewer need of the store.
+    fn commits(&self) -> Self::Commits;
+
+    /// The backend's own [`Runs::create_run`].
+    async fn start_run(&self, new: NewRun) -> Result<Created>;
+    /// The backend's own [`Claims::claim_run`].
+    async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim>;
+    /// The backend's own [`Checkpoints::checkpoint`].
+    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
+    /// Marks the outbox's `(run, first seq, last seq)` ranges relayed.
+    async fn mark_relayed_ranges(&self, ranges: &[(RunId, u64, u64)]) -> Result<()>;
+    /// apalis's worker registry (heartbeats every few seconds), newest first.
+    async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>>;
+
+    /// The `relayed` column of an event written now: without a relay, events are written as
+    /// relayed (the outbox index then holds only what a relay will take).
+    fn relayed_at_insert(&self) -> i64 {
+        i64::from(!self.common().relays)
+    }
+
+    /// This process's waiters on runs' changes.
+    fn notifier(&self) -> &Notifier {
+        &self.common().notifier
+    }
+
+    /// This process's waiters on cancel requests.
+    fn cancels(&self) -> &Notifier {
+        &self.common().cancels
+    }
+
+    /// A run's place in its owner's queue: the runs queued ahead of it by `place`, and its
+    /// priority; None if there is no such run. Read from `sa_queue_depth`, which triggers keep
+    /// (migrations */queue_depth): one row per owner and priority (and stripe), whatever the
+    /// backlog. On any connection, so a start can read it in its transaction.
+    async fn rank_in(
+        conn: &mut <Self::Db as Database>::Connection,
+        run: RunId,
+        place: QueuePlace,
+    ) -> Result<Option<(u32, u8)>> {
+        let row = sqlx::query(
+            "SELECT CAST(COALESCE((SELECT SUM(d.queued) FROM sa_queue_depth d WHERE d.owner = r.owner \
+               AND (d.priority > r.priority OR ($2 AND d.priority = r.priority))), 0) AS BIGINT), \
+               r.priority, CASE WHEN r.status = 'queued' THEN 1 ELSE 0 END \
+             FROM sa_runs r WHERE r.id = $1",
+        )
+        .bind(run.to_string())
+        .bind(place == QueuePlace::Back)
+        .fetch_optional(conn)
+        .await?;
+        Ok(row.map(|r| {
+            // At the back, the run does not count itself.
+            let ahead = r.get::<i64, _>(0)
+                - if place == QueuePlace::Back {
+                    i64::from(r.get::<i32, _>(2))
+                } else {
+                    0
+                };
+            (
+                ahead.clamp(0, i64::from(u32::MAX)) as u32,
+                r.get::<i64, _>(1).clamp(1, 5) as u8,
+            )
+        }))
+    }
+
+    /// Inserts a commit's events in one statement (one round trip, whatever their number).
+    async fn insert_events(
+        conn: &mut <Self::Db as Database>::Connection,
+        run: RunId,
+        first_seq: u64,
+        events: &[NewEvent],
+        relayed: i64,
+    ) -> Result<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let now = Utc::now();
+        let run = run.to_string();
+        let mut q = sqlx::QueryBuilder::<Self::Db>::new(
+            "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ",
+        );
+        q.push_values(events.iter().enumerate(), |mut b, (i, ev)| {
+            b.push_bind(run.clone())
+                .push_bind((first_seq + i as u64) as i64)
+                .push_bind(ev.kind())
+                .push_bind(ev.data().to_string())
+                .push_bind(now)
+                .push_bind(relayed);
+        });
+        q.build().execute(conn).await?;
+        Ok(())
+    }
+
+    /// Inserts `events` as the run's seqs ending at `last` (where the fence just moved
+    /// `event_seq`), commits, and wakes this process's waiters on the run.
+    async fn commit_events(
+        &self,
+        mut tx: sqlx::Transaction<'_, Self::Db>,
+        run: RunId,
+        last: i64,
+        events: &[NewEvent],
+    ) -> Result<()> {
+        Self::insert_events(
+            &mut tx,
+            run,
+            (last - events.len() as i64 + 1) as u64,
+            events,
+            self.relayed_at_insert(),
+        )
+        .await?;
+        tx.commit().await?;
+        self.notifier().notify(run);
+        Ok(())
+    }
+
+    /// What every terminal transition commits with it, whichever way the run ended (finish,
+    /// cancel, give-up): the parent's `child.finished` event (unless the parent has ended:
+    /// nothing follows a terminal event), the wake-up of every run parked on this one (a parent
+    /// only wakes for the children it waits on: a detached child ending does not disturb it),
+    /// the end of this run's own waits, and the end of its attached children.
+    #[allow(clippy::too_many_arguments)]
+    async fn terminal_effects(
+        conn: &mut <Self::Db as Database>::Connection,
+        run: RunId,
+        thread: &str,
+        parent: Option<&str>,
+        status: RunStatus,
+        error: Option<&RunError>,
+        reach: Reach,
+        relayed: i64,
+    ) -> Result<()> {
+        if let Some(parent) = parent {
+            let row = sqlx::query(
+                "UPDATE sa_runs SET event_seq = event_seq + 1 \
+                 WHERE id = $1 AND status IN ('queued','running','waiting') RETURNING event_seq, owner",
+            )
+            .bind(parent)
+            .fetch_optional(&mut *conn)
+            .await?;
+            if let Some(row) = row {
+                let seq: i64 = row.get(0);
+                // As the owner (the parent's, so the child's) chose it.
+                let owner: OwnerId = row.get(1);
+                let shown = thread
+                    .parse::<ThreadId>()
+                    .map(|t| t.visible_to(&owner).to_string())
+                    .unwrap_or_else(|_| thread.to_owned());
+                let event = Event::ChildFinished(event::ChildFinished {
+                    child_run_id: run,
+                    thread_id: shown,
+                    status,
+                    error: error.cloned(),
+                });
+                let parent_id: RunId = parent.parse().map_err(|e| corrupt("parent id", e))?;
+                Self::insert_events(conn, parent_id, seq as u64, &[event.into()], relayed).await?;
+            }
+        }
+        if reach.waits {
+            Self::end_waits(conn, &run.to_string()).await?;
+        }
+        if reach.children {
+            Self::end_attached_children(conn, run, relayed).await?;
+        }
+        Ok(())
+    }
+
+    /// The waits around a run that ended: whoever is parked on it is woken (`wake`), and its
+    /// own waits are dropped.
+    async fn end_waits(conn: &mut <Self::Db as Database>::Connection, run: &str) -> Result<()> {
+        sqlx::query(sql!(
+            "UPDATE sa_runs SET wake_at = $1 WHERE status IN ({}) \
+             AND id IN (SELECT waiter FROM sa_run_waits WHERE target = $2)",
+            Transition::Wake
+        ))
+        .bind(now_ms())
+        .bind(run)
+        .execute(&mut *conn)
+        .await?;
+        sqlx::query("DELETE FROM sa_run_waits WHERE waiter = $1")
+            .bind(run)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    /// A run that ends takes its attached (non-detached) descendants with it, in the same
+    /// commit: parked and queued ones are cancelled here (their waiters woken), running ones
+    /// are asked to stop (their workers finish them within a second). So a crash right after a
+    /// parent's end cannot leave its children running.
+    async fn end_attached_children(
+        conn: &mut <Self::Db as Database>::Connection,
+        run: RunId,
+        relayed: i64,
+    ) -> Result<()> {
+        let now = Utc::now();
+        let mut stack = vec![run.to_string()];
+        while let Some(parent) = stack.pop() {
+            sqlx::query(sql!(
+                "UPDATE sa_runs SET cancel_requested = 1, updated_at = $1 \
+                 WHERE parent_run_id = $2 AND detached = 0 AND status IN ({})",
+                Transition::RequestCancel
+            ))
+            .bind(now)
+            .bind(&parent)
+            .execute(&mut *conn)
+            .await?;
+            let running: Vec<String> = sqlx::query_scalar(sql!(
+                "SELECT id FROM sa_runs WHERE parent_run_id = $1 AND detached = 0 AND status IN ({})",
+                Transition::RequestCancel
+            ))
+            .bind(&parent)
+            .fetch_all(&mut *conn)
+            .await?;
+            stack.extend(running);
+            let ended = sqlx::query(sql!(
+                "UPDATE sa_runs SET status = 'cancelled', finished_at = $1, updated_at = $1, event_seq = event_seq + 1, \
+                 cancel_requested = 0, lease_expires_at = 0, wake_at = NULL \
+                 WHERE parent_run_id = $2 AND detached = 0 AND status IN ({}) RETURNING id, event_seq",
+                Transition::Cancel
+            ))
+            .bind(now)
+            .bind(&parent)
+            .fetch_all(&mut *conn)
+            .await?;
+            for row in &ended {
+                let id: String = row.get(0);
+                let child: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
+                let seq: i64 = row.get(1);
+                let parent_run_id = Some(parent.parse().map_err(|e| corrupt("parent id", e))?);
+                let event = Event::RunCancelled(event::RunCancelled {
+                    reason: Some("parent_ended".into()),
+                    parent_run_id,
+                    while_: None,
+                });
+                Self::insert_events(conn, child, seq as u64, &[event.into()], relayed).await?;
+                Self::end_waits(conn, &id).await?;
+                stack.push(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens a write made under a lease besides a checkpoint (a compaction, a tool decision):
+    /// `statement` proves the epoch ([`Transition::Heartbeat`]), renews the lease and reserves
+    /// `events` seqs; its row (`RETURNING event_seq, …`) comes back.
+    async fn fence(
+        conn: &mut <Self::Db as Database>::Connection,
+        lease: &Lease,
+        events: usize,
+        now: DateTime<Utc>,
+        statement: &'static str,
+    ) -> Result<<Self::Db as Database>::Row> {
+        let row = sqlx::query(statement)
+            .bind(events as i64)
+            .bind(now_ms() + lease.ttl.as_millis() as i64)
+            .bind(now)
+            .bind(lease.run_id.to_string())
+            .bind(lease.epoch)
+            .fetch_optional(conn)
+            .await?;
+        row.ok_or(StoreError::LeaseLost(lease.run_id))
+    }
+
+    /// Whether an approval a park waits on is no longer pending (read with the same lock as the
+    /// runs in [`SqlStore::any_ended`]).
+    async fn answered(
+        conn: &mut <Self::Db as Database>::Connection,
+        approvals: &[ApprovalId],
+    ) -> Result<bool> {
+        let mut answered = false;
+        for id in approvals {
+            let status: Option<String> =
+                sqlx::query_scalar(Self::statements().approval_status.as_str())
+                    .bind(id)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            answered |= status.as_deref() != Some("pending");
+        }
+        Ok(answered)
+    }
+
+    /// Whether any of `targets` has ended (or is missing): a park on them is due at once.
+    async fn any_ended(
+        conn: &mut <Self::Db as Database>::Connection,
+        targets: &[RunId],
+    ) -> Result<bool> {
+        let mut ended = false;
+        for target in targets {
+            let status: Option<String> = sqlx::query_scalar(Self::statements().run_status.as_str())
+                .bind(target.to_string())
+                .fetch_optional(&mut *conn)
+                .await?;
+            ended |= status
+                .and_then(|s| RunStatus::parse(&s))
+                .is_none_or(RunStatus::is_terminal);
+        }
+        Ok(ended)
+    }
+
+    /// A run from a row of [`run_columns!`] (by name).
+    fn run_from_row(r: &<Self::Db as Database>::Row) -> Result<RunRecord> {
+        let id: String = r.get("id");
+        let limits: String = r.get("limits");
+        let metadata: String = r.get("metadata");
+        let parent: Option<String> = r.get("parent_run_id");
+        let ekind: Option<ErrorKind> = r.try_get("error_kind")?;
+        let thread: String = r.get("thread_id");
+        Ok(RunRecord {
+            id: id.parse().map_err(|e| corrupt("run id", e))?,
+            thread_id: thread.parse().map_err(|e| corrupt("thread id", e))?,
+            owner: r.get("owner"),
+            agent: r.get("agent"),
+            status: r.try_get("status")?,
+            input: r.get("input"),
+            metadata: serde_json::from_str(&metadata).map_err(|e| corrupt("metadata", e))?,
+            limits: serde_json::from_str(&limits).map_err(|e| corrupt("limits", e))?,
+            parent_run_id: parent
+                .map(|p| p.parse())
+                .transpose()
+                .map_err(|e| corrupt("parent id", e))?,
+            tree: TreePosition {
+                root_run_id: r
+                    .get::<Option<String>, _>("root_run_id")
+                    .map(|p| p.parse())
+                    .transpose()
+                    .map_err(|e| corrupt("root id", e))?,
+                depth: r.get::<i64, _>("depth") as u32,
+                detached: r.get::<i64, _>("detached") != 0,
+            },
+            wake_at: r.get("wake_at"),
+            claimed_from: r
+                .get::<Option<String>, _>("claimed_from")
+                .and_then(|s| RunStatus::parse(&s)),
+            step: r.get::<i64, _>("step") as u32,
+            forced: r.get::<i64, _>("forced") != 0,
+            result: r.get("result"),
+            error: ekind.map(|kind| RunError {
+                kind,
+                message: r
+                    .get::<Option<String>, _>("error_message")
+                    .unwrap_or_default(),
+            }),
+            usage: Usage {
+                prompt_tokens: r.get::<i64, _>("prompt_tokens") as u64,
+                completion_tokens: r.get::<i64, _>("completion_tokens") as u64,
+            },
+            attempts: r.get::<i64, _>("attempts") as u32,
+            crashes: r.get::<i64, _>("crashes") as u32,
+            lease_epoch: r.get("lease_epoch"),
+            cancel_requested: r.get::<i64, _>("cancel_requested") != 0,
+            job_id: r.get("job_id"),
+            event_seq: r.get::<i64, _>("event_seq") as u64,
+            created_at: r.get::<DateTime<Utc>, _>("created_at"),
+            started_at: r.get("started_at"),
+            finished_at: r.get("finished_at"),
+            heartbeat_at: r.get("heartbeat_at"),
+            cost_nanos: r.get::<i64, _>("cost_nanos").max(0) as u64,
+            priority: r.get::<i64, _>("priority").clamp(1, 5) as u8,
+            retry_of: r
+                .get::<Option<String>, _>("retry_of")
+                .map(|p| p.parse())
+                .transpose()
+                .map_err(|e| corrupt("retry_of id", e))?,
+        })
+    }
+
+    /// A stored message from its row (by name).
+    fn message_from_row(r: &<Self::Db as Database>::Row) -> Result<StoredMessage> {
+        let run: String = r.get("run_id");
+        let body: String = r.get("body");
+        Ok(StoredMessage {
+            id: r.get("id"),
+            run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
+            step: r.get::<i64, _>("step") as u32,
+            key: r.get("key"),
+            message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
+        })
+    }
+
+    /// An approval from its row (by name).
+    fn approval_from_row(r: &<Self::Db as Database>::Row) -> Result<Approval> {
+        let run: String = r.get("run_id");
+        let root: String = r.get("root_run_id");
+        let input: String = r.get("input");
+        let updated: Option<String> = r.get("updated_input");
+        Ok(Approval {
+            id: r.get("id"),
+            run_id: run.parse().map_err(|e| corrupt("approval run id", e))?,
+            root_run_id: root.parse().map_err(|e| corrupt("approval root id", e))?,
+            tool: r.get("tool"),
+            input: serde_json::from_str(&input).map_err(|e| corrupt("approval input", e))?,
+            reason: r.get("reason"),
+            status: r.try_get("status")?,
+            answer_reason: r.get("answer_reason"),
+            resolved_by: r.get("resolved_by"),
+            updated_input: updated
+                .map(|u| serde_json::from_str(&u))
+                .transpose()
+                .map_err(|e| corrupt("approval updated input", e))?,
+            scope: r.try_get("scope")?,
+            created_at: r.get("created_at"),
+            expires_at: r.get("expires_at"),
+            resolved_at: r.get("resolved_at"),
+        })
+    }
+
+    /// A compaction from its row (by name).
+    fn compaction_from_row(r: &<Self::Db as Database>::Row) -> Result<Compaction> {
+        let run: String = r.get("run_id");
+        Ok(Compaction {
+            id: r.get("id"),
+            run_id: run.parse().map_err(|e| corrupt("compaction run id", e))?,
+            body: CompactionBody {
+                first_message_id: r.get("first_message_id"),
+                last_message_id: r.get("last_message_id"),
+                messages: r.get("messages"),
+                summary: r.get("summary"),
+                tokens_before: r.get("tokens_before"),
+                tokens_after: r.get("tokens_after"),
+                reason: r.get("reason"),
+            },
+            created_at: r.get("created_at"),
+        })
+    }
+
+    /// A stored event from its row (by name).
+    fn event_from_row(r: &<Self::Db as Database>::Row) -> Result<EventRecord> {
+        let run: String = r.get("run_id");
+        let data: String = r.get("data");
+        Ok(EventRecord {
+            seq: r.get::<i64, _>("seq") as u64,
+            kind: r.get("type"),
+            run_id: run.parse().map_err(|e| corrupt("event run id", e))?,
+            created_at: r.get("created_at"),
+            data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
+        })
+    }
+}
