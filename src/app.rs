@@ -550,6 +550,35 @@ impl App {
         Ok(outcome)
     }
 
+    /// Sends `owner`'s run a message for its next step boundary (see [`crate::store::Inbox`]):
+    /// a run parked on children gets its job now; the worker holding a running one hears it at
+    /// once, in any process when Redis is configured (else at its next lease renewal, within a
+    /// second).
+    pub async fn send_message(
+        &self,
+        run: RunId,
+        owner: &OwnerId,
+        content: &str,
+    ) -> Result<(crate::ids::MessageId, crate::store::Sent), StoreError> {
+        let id = crate::ids::MessageId::generate();
+        let sent = self.store.send_message(run, owner, &id, content).await?;
+        match sent {
+            crate::store::Sent::Accepted { woken: true, .. } => {
+                crate::runs::push(self.store.as_ref(), &self.queue, run).await?
+            }
+            crate::store::Sent::Accepted {
+                status: crate::store::RunStatus::Running,
+                ..
+            } => {
+                if let Some(r) = &self.redis {
+                    r.announce_cancel(run).await;
+                }
+            }
+            _ => {}
+        }
+        Ok((id, sent))
+    }
+
     /// Events of a run after a cursor: from Redis when configured (falling back to the outbox
     /// for any range Redis lacks), else from the outbox.
     pub async fn events_after(

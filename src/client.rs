@@ -63,6 +63,15 @@ pub enum ClientCommand {
         /// Run id.
         run_id: String,
     },
+    /// Send a queued, running or waiting run a message: it reaches the model before its next
+    /// call (a run waiting on its subagents wakes for it). Prints the message id.
+    Say {
+        /// Run id.
+        run_id: String,
+        /// The message; `-` reads it from stdin.
+        #[arg(required = true)]
+        text: Vec<String>,
+    },
     /// Retry a failed or cancelled run: a new run on its thread with the same agent and input,
     /// linked by `retry_of`; prints it as JSON. Retrying twice returns the first retry.
     Retry {
@@ -130,6 +139,9 @@ pub enum ClientError {
         /// Message.
         message: String,
     },
+    /// Standard input could not be read (`-` as the text).
+    #[error("cannot read the text from stdin: {0}")]
+    Stdin(#[from] std::io::Error),
 }
 
 struct Client {
@@ -256,6 +268,23 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
                 .send(c.req(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel")))
                 .await?;
             println!("{}", serde_json::to_string_pretty(&v).unwrap());
+            Ok(0)
+        }
+        ClientCommand::Say { run_id, text } => {
+            let mut content = text.join(" ");
+            if content == "-" {
+                content = std::io::read_to_string(std::io::stdin())?;
+            }
+            let v = c
+                .send(
+                    c.req(
+                        reqwest::Method::POST,
+                        &format!("/v1/runs/{run_id}/messages"),
+                    )
+                    .json(&serde_json::json!({"content": content})),
+                )
+                .await?;
+            println!("{}", v["message_id"].as_str().unwrap_or_default());
             Ok(0)
         }
         ClientCommand::Retry { run_id } => {

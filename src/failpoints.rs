@@ -13,6 +13,8 @@
 //! | `before_park_commit` | a run decided to park; the park is not yet committed |
 //! | `after_park_commit` | the park is committed; nothing else done yet |
 //! | `after_terminal_commit` | a run's terminal state is committed; the thread's next run and its waiters are not yet pushed |
+//! | `before_message_delivery` | a step boundary found messages waiting; they are not yet delivered |
+//! | `after_message_delivery` | the messages are in the thread; the step's model call is not yet made |
 //! | `before_compaction_commit` | a compaction's summary arrived; it is not yet committed |
 //! | `after_compaction_commit` | the compaction is committed; the context is not yet rebuilt |
 //!

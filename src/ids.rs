@@ -298,6 +298,19 @@ impl ApprovalId {
     }
 }
 
+text_id!(
+    /// The id of a message sent to a run (`POST /v1/runs/{id}/messages`): `msg_` and a
+    /// time-ordered suffix. It keys the message's delivery, so a replay delivers it once.
+    MessageId
+);
+
+impl MessageId {
+    /// A fresh id: `msg_` and a UUID v7 in simple form.
+    pub fn generate() -> Self {
+        Self(format!("msg_{}", Uuid::now_v7().simple()))
+    }
+}
+
 /// A malformed id, with the offending text.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum IdError {

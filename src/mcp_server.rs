@@ -3,7 +3,7 @@
 //! One `run_agent(agent, input, thread_id?)` tool rather than one tool per agent: the tool list
 //! stays the same when agent files change (clients cache it), and the agents are listed in the
 //! tool's description and schema enum, as `task` lists them for our own agents. `run_status`,
-//! `run_wait`, `run_events` and `run_cancel` act on runs by id.
+//! `run_wait`, `run_events`, `run_message` and `run_cancel` act on runs by id.
 //!
 //! A client that declares the Tasks extension (`io.modelcontextprotocol/tasks`) gets a task
 //! back from `run_agent` — the run, already committed — and follows it with `tasks/get` and
@@ -99,6 +99,13 @@ impl McpRuns {
                 ),
             ),
             Tool::new("run_cancel", "Cancel a run (and its subagents).", run_id),
+            Tool::new(
+                "run_message",
+                "Send a queued, running or waiting run a message: it reaches the model before its next call (a run waiting on its subagents wakes for it). A finished run cannot take one: start a new run on its thread instead.",
+                obj(
+                    json!({"type": "object", "properties": {"run_id": {"type": "string"}, "content": {"type": "string", "minLength": 1}}, "required": ["run_id", "content"]}),
+                ),
+            ),
         ]
     }
 
@@ -347,6 +354,35 @@ impl McpRuns {
                     text(
                         json!({"events": lines, "next_after": events.last().map_or(after, |e| e.seq)}),
                     )
+                }
+                Err(e) => refuse(e),
+            },
+            "run_message" => match self.owned(&owner, &args["run_id"]).await {
+                Ok(r) => {
+                    let content = args["content"].as_str().unwrap_or_default();
+                    if content.trim().is_empty() || content.contains('\0') {
+                        return refuse("content must be non-empty text without NUL".into());
+                    }
+                    if content.len() > self.app.settings.max_input_bytes {
+                        return refuse(format!(
+                            "the message is longer than {} bytes (SUBAGENTS_MAX_INPUT_BYTES)",
+                            self.app.settings.max_input_bytes
+                        ));
+                    }
+                    match self.app.send_message(r.id, &owner, content).await {
+                        Ok((id, crate::store::Sent::Accepted { .. })) => {
+                            text(json!({"run_id": r.id, "message_id": id, "status": "pending"}))
+                        }
+                        Ok((_, crate::store::Sent::Finished(s))) => refuse(format!(
+                            "run {} already ended as {}; start a new run on its thread to go on",
+                            r.id,
+                            s.as_str()
+                        )),
+                        Ok((_, crate::store::Sent::NotFound)) => {
+                            refuse(format!("there is no run {}", r.id))
+                        }
+                        Err(e) => refuse(format!("storage: {e}")),
+                    }
                 }
                 Err(e) => refuse(e),
             },

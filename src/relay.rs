@@ -261,6 +261,9 @@ impl RedisEvents {
     }
 
     /// Tells every process that a cancel was requested for `run`.
+    ///
+    /// Its receivers renew the run's lease at once, which is also how the worker holding it
+    /// hears a message sent to it ([`crate::app::App::send_message`]).
     pub async fn announce_cancel(&self, run: RunId) {
         let mut c = self.conn.clone();
         let _: Result<i64, _> = c.publish(WAKE_CHANNEL, format!("cancel:{run}")).await;

@@ -132,6 +132,7 @@ fn documented_routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(runs::start_and_wait))
         .routes(routes!(runs::get))
         .routes(routes!(runs::events))
+        .routes(routes!(runs::message))
         .routes(routes!(runs::cancel))
         .routes(routes!(runs::retry))
         .routes(routes!(overview::bulk))

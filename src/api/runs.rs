@@ -1,4 +1,4 @@
-//! `/v1/runs…`: start, wait, list, snapshot, events (JSON pages and SSE), cancel.
+//! `/v1/runs…`: start, wait, list, snapshot, events (JSON pages and SSE), messages, cancel.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -115,9 +115,12 @@ macro_rules! start_body {
             /// Limit overrides.
             #[serde(default, deserialize_with = "object_only")]
             limits: Option<LimitsBody>,
-            /// Busy thread: `reject` (409 thread_busy) or `enqueue` behind its active run.
+            /// Busy thread: `reject` (409 thread_busy), `enqueue` behind its active run,
+            /// `interrupt` (cancel the active run, its committed work kept on the thread, and
+            /// start this one when it has ended) or `steer` (deliver the input into the active
+            /// run as a message instead of starting a run).
             #[serde(default)]
-            if_busy: IfBusy,
+            if_busy: BusyPolicy,
             /// A repeated start with the same key returns the first run.
             #[serde(default)]
             #[schema(min_length = 1, max_length = 200)]
@@ -162,6 +165,41 @@ impl From<WaitStartBody> for StartBody {
     }
 }
 
+/// What a start does when its thread has an unfinished run (the store knows only `reject` and
+/// `enqueue`; the other two are built on them here).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BusyPolicy {
+    /// 409 `thread_busy`.
+    #[default]
+    Reject,
+    /// Queue behind the active run.
+    Enqueue,
+    /// Cancel the active run and queue behind it: it starts as soon as that one has ended.
+    Interrupt,
+    /// Send the input to the active run as a message (`POST /v1/runs/{id}/messages`).
+    Steer,
+}
+
+/// What a start came to.
+enum Started {
+    /// A run was created (or found by its idempotency key).
+    Run { run: RunRecord },
+    /// `steer`: the input went into the thread's active run as this message.
+    Steered {
+        run: RunRecord,
+        message_id: crate::ids::MessageId,
+    },
+}
+
+impl Started {
+    fn run(&self) -> &RunRecord {
+        match self {
+            Started::Run { run, .. } | Started::Steered { run, .. } => run,
+        }
+    }
+}
+
 fn parse_run_id(s: &str) -> Result<RunId, ApiError> {
     s.parse()
         .map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))
@@ -187,11 +225,7 @@ pub async fn owned_run(state: &ApiState, owner: &Owner, id: RunId) -> Result<Run
     }
 }
 
-async fn start_from(
-    state: &ApiState,
-    owner: &Owner,
-    body: StartBody,
-) -> Result<(RunRecord, bool), ApiError> {
+async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<Started, ApiError> {
     let thread_id = match body.thread_id.as_deref().map(ThreadId::chosen).transpose() {
         Ok(Some(t)) => Some(state.app.thread_for(&owner.0, &t).await?),
         Ok(None) => None,
@@ -234,28 +268,74 @@ async fn start_from(
             Some(percent.round() as u8)
         }
     };
-    let created = state
-        .app
-        .start(StartRun {
-            agent: body.agent,
-            input: body.input,
-            thread_id,
-            owner: Some(owner.0.clone()),
-            max_steps: limits
-                .max_steps
-                .map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
-            timeout_secs: limits.timeout_s,
-            max_total_tokens: limits.max_total_tokens,
-            max_total_steps: limits.max_total_steps,
-            compact_at,
-            metadata: body.metadata,
-            if_busy: body.if_busy,
-            idempotency_key: body.idempotency_key,
-            priority: body.priority,
-            ..Default::default()
-        })
-        .await?;
-    Ok((created.run, created.existing))
+    let req = StartRun {
+        agent: body.agent,
+        input: body.input,
+        thread_id,
+        owner: Some(owner.0.clone()),
+        max_steps: limits
+            .max_steps
+            .map(|m| u32::try_from(m).unwrap_or(u32::MAX)),
+        timeout_secs: limits.timeout_s,
+        max_total_tokens: limits.max_total_tokens,
+        max_total_steps: limits.max_total_steps,
+        compact_at,
+        metadata: body.metadata,
+        if_busy: IfBusy::Reject,
+        idempotency_key: body.idempotency_key,
+        priority: body.priority,
+        ..Default::default()
+    };
+    start_busy(state, owner, req, body.if_busy).await
+}
+
+/// Starts `req` under `policy`. `interrupt` and `steer` first try a plain start; on a busy
+/// thread they act on its active run. Should that run end in between (a steer then finds it
+/// finished), the start is tried again, a few times at most.
+async fn start_busy(
+    state: &ApiState,
+    owner: &Owner,
+    mut req: StartRun,
+    policy: BusyPolicy,
+) -> Result<Started, ApiError> {
+    if policy == BusyPolicy::Enqueue {
+        req.if_busy = IfBusy::Enqueue;
+    }
+    for _ in 0..3 {
+        let active = match state.app.start(req.clone()).await {
+            Ok(c) => {
+                return Ok(Started::Run { run: c.run });
+            }
+            Err(crate::app::StartError::Store(crate::store::StoreError::Busy {
+                active_run,
+                ..
+            })) if matches!(policy, BusyPolicy::Interrupt | BusyPolicy::Steer) => active_run,
+            Err(e) => return Err(e.into()),
+        };
+        if policy == BusyPolicy::Steer {
+            let (message_id, sent) = state.app.send_message(active, &owner.0, &req.input).await?;
+            if let crate::store::Sent::Accepted { .. } = sent
+                && let Some(run) = state.app.store.get_run(active).await?
+            {
+                tracing::info!(run_id = %active, %message_id, "a start steered the thread's active run");
+                return Ok(Started::Steered { run, message_id });
+            }
+            continue;
+        }
+        // Interrupt: queue behind the active run first, so nothing else takes the thread in
+        // between, then cancel it; its end starts this run.
+        let mut queued = req.clone();
+        queued.if_busy = IfBusy::Enqueue;
+        let created = state.app.start(queued).await?;
+        let outcome = state.app.cancel(active).await?;
+        tracing::info!(interrupted = %active, run_id = %created.run.id, ?outcome, "a start interrupted the thread's active run");
+        return Ok(Started::Run { run: created.run });
+    }
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "thread_busy",
+        "the thread's active run kept changing while this start tried to act on it; retry",
+    ))
 }
 
 /// `POST /v1/runs`
@@ -267,9 +347,18 @@ pub async fn start(
     ApiJson(body): ApiJson<StartBody>,
 ) -> Result<Response, ApiError> {
     queue_room(&state, &owner).await?;
-    let (run, _existing) = start_from(&state, &owner, body).await?;
-    let view = RunView::build(state.app.store.as_ref(), run).await?;
-    Ok((StatusCode::ACCEPTED, Json(view)).into_response())
+    let started = start_from(&state, &owner, body).await?;
+    let message_id = match &started {
+        Started::Steered { message_id, .. } => Some(message_id.clone()),
+        Started::Run { .. } => None,
+    };
+    let view = RunView::build(state.app.store.as_ref(), started.run().clone()).await?;
+    let mut v = serde_json::to_value(view).unwrap_or_default();
+    if let Some(id) = message_id {
+        // `steer`: the thread's active run, and the message it was sent.
+        v["steered"] = json!({"message_id": id});
+    }
+    Ok((StatusCode::ACCEPTED, Json(v)).into_response())
 }
 
 /// `POST /v1/runs/wait`: start, then wait for the end (`timeout_s`, default 30).
@@ -283,8 +372,8 @@ pub async fn start_and_wait(
     let timeout = wait_duration(body.timeout_s)?;
     let _held = state.quotas.take(&owner.0, super::quota::Kind::Wait)?;
     queue_room(&state, &owner).await?;
-    let (run, _) = start_from(&state, &owner, body.into()).await?;
-    wait_view(&state, run.id, timeout).await
+    let started = start_from(&state, &owner, body.into()).await?;
+    wait_view(&state, started.run().id, timeout).await
 }
 
 /// Refuses a start (429 `queue_full`) when the owner already has its cap of queued runs.
@@ -827,6 +916,97 @@ pub async fn cancel(
             details: Some(json!({"status": s})),
         }),
         CancelOutcome::NotFound => Err(ApiError::not_found("run")),
+    }
+}
+
+/// The body of `POST /v1/runs/{id}/messages`.
+#[derive(Deserialize, Debug, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MessageBody {
+    /// The message, as the user's words to the model (not empty; at most
+    /// `SUBAGENTS_MAX_INPUT_BYTES`).
+    content: String,
+}
+
+/// What `POST /v1/runs/{id}/messages` answers.
+#[derive(serde::Serialize, Debug, ToSchema)]
+pub struct MessageSent {
+    /// The run.
+    #[schema(value_type = String)]
+    run_id: RunId,
+    /// The message (`msg_…`): its `message.received` and `message.delivered` events name it.
+    #[schema(value_type = String)]
+    message_id: crate::ids::MessageId,
+    /// Always `pending`: it is committed, and the run's next step boundary delivers it.
+    status: &'static str,
+}
+
+/// `POST /v1/runs/{id}/messages`: a message for a queued, running or waiting run, committed at
+/// once (`message.received`) and delivered at the run's next step boundary
+/// (`message.delivered`): the model sees it before its next call, never between a step's tool
+/// calls. A run parked on children wakes for it; one parked on an approval or a rate limit
+/// hears it when that ends. 409 `already_finished` once the run has ended.
+#[utoipa::path(post, path = "/v1/runs/{id}/messages", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")), request_body = MessageBody,
+    responses((status = 202, body = MessageSent), (status = 409, description = "already_finished", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 413, body = ErrorBody), (status = 422, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn message(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<MessageBody>,
+) -> Result<Response, ApiError> {
+    let id = parse_run_id(&id)?;
+    let run = owned_run(&state, &owner, id).await?;
+    if body.content.trim().is_empty() {
+        return Err(ApiError::bad_request(
+            "empty_input",
+            "content is empty; send the words the run should hear",
+        ));
+    }
+    let limit = state.app.settings.max_input_bytes;
+    if body.content.len() > limit {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "input_too_large",
+            format!(
+                "the message is {} bytes; the limit is {limit} (SUBAGENTS_MAX_INPUT_BYTES)",
+                body.content.len()
+            ),
+        ));
+    }
+    if body.content.contains('\0') {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "nul_character",
+            "the message contains a NUL character, which cannot be stored; remove it",
+        ));
+    }
+    match state
+        .app
+        .send_message(id, &run.owner, &body.content)
+        .await?
+    {
+        (message_id, crate::store::Sent::Accepted { .. }) => Ok((
+            StatusCode::ACCEPTED,
+            Json(MessageSent {
+                run_id: id,
+                message_id,
+                status: "pending",
+            }),
+        )
+            .into_response()),
+        (_, crate::store::Sent::Finished(s)) => {
+            let thread = run.thread_id.visible_to(&run.owner);
+            Err(ApiError {
+                status: StatusCode::CONFLICT,
+                code: "already_finished",
+                message: format!(
+                    "run {id} already ended as {}; to go on, start a new run on its thread (POST /v1/runs with \"thread_id\": \"{thread}\")",
+                    s.as_str()
+                ),
+                details: Some(json!({"status": s, "thread_id": thread.to_string()})),
+            })
+        }
+        (_, crate::store::Sent::NotFound) => Err(ApiError::not_found("run")),
     }
 }
 

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::RunError;
 use super::approval::{ApprovalScope, ApprovalStatus};
-use crate::ids::{AgentName, ApprovalId, OwnerId, RunId};
+use crate::ids::{AgentName, ApprovalId, MessageId, OwnerId, RunId};
 use crate::lifecycle::RunStatus;
 use crate::model::Usage;
 
@@ -52,6 +52,13 @@ pub enum Event {
     /// A person answered (written by the API, not the worker).
     #[serde(rename = "approval.resolved")]
     ApprovalResolved(ApprovalResolved),
+    /// A message for the run was committed (written by the API, not the worker).
+    #[serde(rename = "message.received")]
+    MessageReceived(MessageReceived),
+    /// A step boundary put a received message into the thread: the step's model request is
+    /// the first to carry it.
+    #[serde(rename = "message.delivered")]
+    MessageDelivered(MessageDelivered),
     /// A rule, a mode or a hook's deny refused a call.
     #[serde(rename = "tool.denied")]
     ToolDenied(ToolDenied),
@@ -290,6 +297,26 @@ pub struct ApprovalResolved {
     pub scope: ApprovalScope,
 }
 
+/// `message.received`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MessageReceived {
+    /// The message.
+    pub message_id: MessageId,
+    /// Its length in characters (the text itself is in the thread once delivered).
+    pub chars: u64,
+}
+
+/// `message.delivered`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MessageDelivered {
+    /// The message.
+    pub message_id: MessageId,
+    /// The step whose model request first carries it.
+    pub step: u32,
+}
+
 /// `tool.denied`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -433,6 +460,8 @@ impl Event {
             Event::ContextCompacted(_) => "context.compacted",
             Event::ApprovalRequested(_) => "approval.requested",
             Event::ApprovalResolved(_) => "approval.resolved",
+            Event::MessageReceived(_) => "message.received",
+            Event::MessageDelivered(_) => "message.delivered",
             Event::ToolDenied(_) => "tool.denied",
             Event::HookBlocked(_) => "hook.blocked",
             Event::RunWaiting(_) => "run.waiting",
@@ -459,6 +488,8 @@ impl Event {
             Event::ContextCompacted(p) => serde_json::to_value(p),
             Event::ApprovalRequested(p) => serde_json::to_value(p),
             Event::ApprovalResolved(p) => serde_json::to_value(p),
+            Event::MessageReceived(p) => serde_json::to_value(p),
+            Event::MessageDelivered(p) => serde_json::to_value(p),
             Event::ToolDenied(p) => serde_json::to_value(p),
             Event::HookBlocked(p) => serde_json::to_value(p),
             Event::RunWaiting(p) => serde_json::to_value(p),
@@ -572,6 +603,14 @@ impl Event {
                 decision: ApprovalStatus::Allowed,
                 reason: Some("r".into()),
                 scope: ApprovalScope::Once,
+            }),
+            Event::MessageReceived(MessageReceived {
+                message_id: "msg".into(),
+                chars: 1,
+            }),
+            Event::MessageDelivered(MessageDelivered {
+                message_id: "msg".into(),
+                step: 1,
             }),
             Event::ToolDenied(ToolDenied {
                 step: 1,

@@ -149,6 +149,9 @@ pub struct RunRecord {
     pub lease_epoch: i64,
     /// A cancel was requested and not yet acted on.
     pub cancel_requested: bool,
+    /// Messages sent to it (`POST /v1/runs/{id}/messages`) that its next step boundary has
+    /// not delivered yet.
+    pub inbox: u32,
     /// Latest queue job id.
     pub job_id: String,
     /// Seq of the run's latest event.

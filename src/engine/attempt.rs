@@ -15,6 +15,7 @@ use tracing::{Instrument, info_span};
 use super::compaction::{Compacted, RunContext, Window};
 use super::decide::{self, ModelFailure, Pressure};
 use super::plan::{Next, plan, prior_calls, refusals, unique_call_ids};
+use super::steer::Mailbox;
 use super::{End, Engine, FORCE_MESSAGE, Flow, Release};
 use crate::agents::AgentDef;
 use crate::delegation::Wait;
@@ -22,7 +23,7 @@ use crate::domain::event;
 use crate::domain::{ErrorKind, Event, Finish, NewMessage, RunError, RunRecord, StoredMessage};
 use crate::model::{ChatResponse, Message, ModelError, ToolSpec, Usage};
 use crate::policy::HookEvent;
-use crate::store::{Checkpoint, Lease, NewEvent};
+use crate::store::{Checkpoint, Lease, NewEvent, StoreError};
 
 /// The tools a run is offered: their names, and their specs as the model gets them.
 pub(super) struct Offered {
@@ -54,6 +55,8 @@ pub(super) struct Attempt<'a> {
     /// The run's usage, this attempt's calls included.
     pub usage: Usage,
     pub pressure: Pressure,
+    /// Whether messages wait for the next step boundary ([`super::steer`]).
+    pub inbox: Mailbox,
 }
 
 impl Attempt<'_> {
@@ -109,10 +112,11 @@ impl Engine {
         &self,
         lease: &Lease,
         run: &RunRecord,
+        inbox: Mailbox,
         shutdown: &CancellationToken,
     ) -> End {
         let steps = async {
-            let mut a = self.begin(lease, run).await?;
+            let mut a = self.begin(lease, run, inbox).await?;
             self.steps(&mut a, shutdown).await
         };
         match steps.await {
@@ -129,12 +133,7 @@ impl Engine {
                 return Err(End::Release(Release::Drained));
             }
             match plan(&a.own(), a.steps_done) {
-                Next::Finish { result } => {
-                    return Err(End::Finish(Finish::Succeeded {
-                        result,
-                        forced: a.run.forced,
-                    }));
-                }
+                Next::Finish { result } => self.finish_replayed(a, result).await?,
                 Next::RunTools {
                     step,
                     calls,
@@ -146,7 +145,12 @@ impl Engine {
     }
 
     /// Resolves the run for this claim, and commits its input when it starts.
-    async fn begin<'a>(&self, lease: &'a Lease, run: &'a RunRecord) -> Flow<Attempt<'a>> {
+    async fn begin<'a>(
+        &self,
+        lease: &'a Lease,
+        run: &'a RunRecord,
+        inbox: Mailbox,
+    ) -> Flow<Attempt<'a>> {
         let agent = self
             .agents
             .get(run.agent.as_str())
@@ -182,6 +186,7 @@ impl Engine {
             announced: None,
             usage: run.usage,
             pressure: Pressure::default(),
+            inbox,
         };
         let input_key = format!("{}:input", run.id);
         if run.step == 0 && !a.ctx.history.iter().any(|m| m.key == input_key) {
@@ -269,6 +274,9 @@ impl Engine {
             .await?;
         let forced = decide::forced(a.steps_done, &a.run.limits, tree_limit);
         let span = info_span!("step", otel.name = format!("step {step}"), step, forced, gen_ai.request.model = %a.model, run_id = %a.run.id, thread_id = %a.run.thread_id);
+        if a.inbox.take() {
+            self.deliver(a, step).await?;
+        }
         self.admit(a, forced).await?;
         if a.prestarted != Some(step) {
             let started = Event::StepStarted(event::StepStarted { step, forced });
@@ -454,9 +462,10 @@ impl Engine {
     }
 
     /// The final answer: message, events and terminal state in one commit; then the stop hooks.
+    /// A message waiting for the run makes it an ordinary turn instead ([`super::steer`]).
     async fn commit_answer(
         &self,
-        a: &Attempt<'_>,
+        a: &mut Attempt<'_>,
         step: u32,
         forced: bool,
         result: String,
@@ -464,22 +473,80 @@ impl Engine {
     ) -> Flow {
         cp.events
             .push(Event::StepCompleted(event::StepCompleted { step }).into());
+        if !forced && a.inbox.take() {
+            return self.answer_steered(a, step, cp).await;
+        }
+        let mut finishing = cp.clone();
         let succeeded = event::RunSucceeded {
             result: result.clone(),
             forced,
         };
-        cp.events.push(Event::RunSucceeded(succeeded).into());
-        cp.finish = Some(Finish::Succeeded {
+        finishing.events.push(Event::RunSucceeded(succeeded).into());
+        finishing.finish = Some(Finish::Succeeded {
             result: result.clone(),
             forced,
         });
-        self.store.checkpoint(a.lease, cp).await?;
+        match self.store.checkpoint(a.lease, finishing).await {
+            Ok(()) => {}
+            Err(StoreError::LeaseLost(_)) if !forced && self.refused_for_messages(a).await? => {
+                a.inbox.take();
+                return self.answer_steered(a, step, cp).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
         metrics::counter!("subagents_runs_finished_total", "status" => "succeeded").increment(1);
         tracing::info!(forced, steps = step, "run succeeded");
         let extra = json!({"result": result, "steps": step});
         self.lifecycle_hooks(a.run, &a.agent, a.hook_for_stop(), extra)
             .await;
         Err(End::Committed)
+    }
+
+    /// An answer that met a waiting message: it commits as an ordinary turn, then the message
+    /// follows it, and the loop asks the model again.
+    async fn answer_steered(&self, a: &mut Attempt<'_>, step: u32, cp: Checkpoint) -> Flow {
+        tracing::info!(
+            step,
+            "a message arrived before the final answer; going on with it"
+        );
+        let committed = cp.messages[0].clone();
+        self.store.checkpoint(a.lease, cp).await?;
+        a.steps_done = step;
+        a.remember(committed);
+        self.deliver(a, step + 1).await
+    }
+
+    /// A final answer committed before, without its run's end (it met a message, and the
+    /// worker stopped before delivering it): deliver and go on, or end the run.
+    async fn finish_replayed(&self, a: &mut Attempt<'_>, result: String) -> Flow {
+        let forced = a.run.forced;
+        if !forced && a.inbox.take() {
+            return self.deliver(a, a.steps_done + 1).await;
+        }
+        let cp = Checkpoint {
+            events: vec![
+                Event::RunSucceeded(event::RunSucceeded {
+                    result: result.clone(),
+                    forced,
+                })
+                .into(),
+            ],
+            finish: Some(Finish::Succeeded { result, forced }),
+            ..Default::default()
+        };
+        match self.store.checkpoint(a.lease, cp).await {
+            Ok(()) => {
+                metrics::counter!("subagents_runs_finished_total", "status" => "succeeded")
+                    .increment(1);
+                tracing::info!(forced, "run succeeded");
+                Err(End::Committed)
+            }
+            Err(StoreError::LeaseLost(_)) if !forced && self.refused_for_messages(a).await? => {
+                a.inbox.take();
+                self.deliver(a, a.steps_done + 1).await
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

@@ -21,6 +21,7 @@ pub mod compaction;
 pub mod decide;
 mod gate;
 pub mod plan;
+mod steer;
 mod tool_calls;
 
 use std::path::PathBuf;
@@ -259,11 +260,15 @@ impl Engine {
         }
         let cancel = CancellationToken::new();
         let lost = CancellationToken::new();
+        let inbox = steer::Mailbox::new(run.inbox > 0);
         let heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
             self.store.clone(),
             lease.clone(),
-            cancel.clone(),
-            lost.clone(),
+            Heard {
+                cancel: cancel.clone(),
+                lost: lost.clone(),
+                inbox: inbox.clone(),
+            },
         )));
         // A drain lets the step in flight finish (the loop stops at the next step boundary),
         // but only for so long.
@@ -273,7 +278,7 @@ impl Engine {
             tokio::time::sleep(grace).await;
         };
         let end = tokio::select! {
-            end = self.drive(&lease, &run, shutdown) => end,
+            end = self.drive(&lease, &run, inbox, shutdown) => end,
             _ = cancel.cancelled() => End::Finish(Finish::Cancelled),
             _ = lost.cancelled() => End::LeaseLost,
             _ = drain_cut => End::Release(Release::GraceOver),
@@ -702,16 +707,27 @@ fn run_deadline_ms(run: &RunRecord) -> Option<i64> {
     started.checked_add(limit)
 }
 
-/// Renews the lease every third of its length (at least every second, so a cancel from another
-/// process is seen within a second; one from this process wakes it at once); trips `cancel`
-/// when a cancel was requested and `lost` when the lease is gone. A failed renewal (database
-/// briefly away) is retried until the lease would have expired.
-async fn heartbeat(
-    store: Arc<dyn RunLog>,
-    lease: Lease,
+/// What the heartbeat tells the attempt.
+struct Heard {
+    /// A cancel was requested.
     cancel: CancellationToken,
+    /// The lease is gone.
     lost: CancellationToken,
-) {
+    /// Messages wait for the next step boundary.
+    inbox: steer::Mailbox,
+}
+
+/// Renews the lease every third of its length (at least every second, so a cancel or a message
+/// from another process is seen within a second; one from this process wakes it at once); trips
+/// `cancel` when a cancel was requested, `lost` when the lease is gone, and raises `inbox` when
+/// messages wait. A failed renewal (database briefly away) is retried until the lease would
+/// have expired.
+async fn heartbeat(store: Arc<dyn RunLog>, lease: Lease, heard: Heard) {
+    let Heard {
+        cancel,
+        lost,
+        inbox,
+    } = heard;
     let every = (lease.ttl / 3).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_ok = std::time::Instant::now();
     let cancel_asked = store.subscribe_cancel(lease.run_id);
@@ -725,6 +741,9 @@ async fn heartbeat(
                 last_ok = std::time::Instant::now();
                 if st.cancel_requested {
                     cancel.cancel();
+                }
+                if st.messages_waiting {
+                    inbox.raise();
                 }
             }
             Err(StoreError::LeaseLost(_)) => {

@@ -38,15 +38,15 @@ pub enum Next {
 /// Decides the next action from the run's own committed messages (in commit order) and the
 /// number of steps it has committed.
 pub fn plan(own: &[&StoredMessage], steps_done: u32) -> Next {
-    let Some(last) = own
+    let Some(at) = own
         .iter()
-        .rev()
-        .find(|m| matches!(m.message, Message::Assistant { .. }))
+        .rposition(|m| matches!(m.message, Message::Assistant { .. }))
     else {
         return Next::CallModel {
             step: steps_done + 1,
         };
     };
+    let last = own[at];
     let Message::Assistant {
         content,
         tool_calls,
@@ -55,6 +55,15 @@ pub fn plan(own: &[&StoredMessage], steps_done: u32) -> Next {
         unreachable!("filtered above")
     };
     if tool_calls.is_empty() {
+        // A message delivered after the answer (see `steer`) is for the model to answer.
+        let steered = own[at + 1..]
+            .iter()
+            .any(|m| matches!(m.message, Message::User { .. }));
+        if steered {
+            return Next::CallModel {
+                step: steps_done.max(last.step) + 1,
+            };
+        }
         return Next::Finish {
             result: content.clone().unwrap_or_default(),
         };
@@ -289,6 +298,26 @@ mod tests {
                 result: "done".into()
             }
         );
+    }
+
+    #[test]
+    fn a_message_delivered_after_an_answer_asks_the_model_again() {
+        let r = RunId::new();
+        let a = msg(r, 3, assistant(vec![], Some("done")));
+        let user = msg(
+            r,
+            4,
+            Message::User {
+                content: "also check the tests".into(),
+            },
+        );
+        assert_eq!(plan(&[&a, &user], 3), Next::CallModel { step: 4 });
+        // Between a step's calls and their results, a message waits for them.
+        let b = msg(r, 5, assistant(vec![call("x")], None));
+        assert!(matches!(
+            plan(&[&a, &user, &b], 5),
+            Next::RunTools { step: 5, .. }
+        ));
     }
 
     #[test]

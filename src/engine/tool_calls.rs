@@ -229,6 +229,15 @@ impl Engine {
         let ctx = self.delegation_ctx(a.run, &a.agent);
         Ok(
             match ctx.call(&call.function.name, &arguments, &call.id).await? {
+                // A message waits: the model hears it now rather than after the children.
+                crate::delegation::Call::Park(wait) if !wait.on.is_empty() && a.inbox.waiting() => {
+                    tracing::info!(waits_on = ?wait.on, "a message arrived; answering the wait with where the children stand");
+                    Ok(ToolResult {
+                        text: super::steer::interrupted_wait(&wait),
+                        ok: true,
+                        offloaded: false,
+                    })
+                }
                 crate::delegation::Call::Park(wait) => Err(wait),
                 crate::delegation::Call::Done(Answer { text, ok }) => Ok(ToolResult {
                     text,

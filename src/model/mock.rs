@@ -181,6 +181,10 @@ pub struct LogEntry {
     /// Whether it was a compaction (summarisation) request.
     #[serde(default)]
     pub summary: bool,
+    /// The request's user messages in order, each cut to its first 200 characters (what a
+    /// test checks a message reached the model, and how often).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub user_texts: Vec<String>,
 }
 
 /// One scripted turn: text, tool calls, or both.
@@ -547,6 +551,7 @@ async fn completions_inner(
                 model: req.model.clone(),
                 prompt_tokens,
                 summary: is_summary,
+                user_texts: vec![],
             });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
@@ -584,6 +589,7 @@ async fn completions_inner(
                 model: req.model.clone(),
                 prompt_tokens,
                 summary: is_summary,
+                user_texts: vec![],
             });
             let mut resp = oai_error(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -619,6 +625,14 @@ async fn completions_inner(
         model: req.model.clone(),
         prompt_tokens,
         summary: is_summary,
+        user_texts: req
+            .messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::User { content } => Some(content.chars().take(200).collect()),
+                _ => None,
+            })
+            .collect(),
     };
     if let Some(window) = scenario
         .as_ref()

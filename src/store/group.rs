@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::{Checkpoint, Lease, Result, StoreError};
+use super::{Checkpoint, Lease, LeaseStatus, Result, StoreError};
 use crate::ids::RunId;
 
 /// Most checkpoints in one transaction.
@@ -175,17 +175,17 @@ async fn committer<P: Progress>(
 pub(crate) const MAX_RENEWALS: usize = 512;
 
 /// How a backend renews leases: many in one statement. Each lease is still fenced by its own
-/// epoch; `None` where a lease was gone, else whether a cancel was requested.
+/// epoch; `None` where a lease was gone, else what the holder must hear (a cancel, messages).
 pub(crate) trait Renewals: Clone + Send + Sync + 'static {
     fn renew_many(
         &self,
         leases: &[Lease],
-    ) -> impl Future<Output = Result<Vec<Option<bool>>>> + Send;
+    ) -> impl Future<Output = Result<Vec<Option<LeaseStatus>>>> + Send;
 }
 
 struct Renewal {
     lease: Lease,
-    reply: oneshot::Sender<Result<Option<bool>>>,
+    reply: oneshot::Sender<Result<Option<LeaseStatus>>>,
 }
 
 /// The queue in front of a backend's lease renewals. Every run in flight renews its lease
@@ -199,13 +199,13 @@ pub(crate) struct GroupRenew {
 }
 
 impl GroupRenew {
-    /// Renews `lease` with whatever else is queued: `Some(cancel_requested)`, or `None` when
+    /// Renews `lease` with whatever else is queued: `Some(status)`, or `None` when
     /// the lease was gone.
     pub(crate) async fn renew<B: Renewals>(
         &self,
         backend: &B,
         lease: &Lease,
-    ) -> Result<Option<bool>> {
+    ) -> Result<Option<LeaseStatus>> {
         let queue = self.queue.get_or_init(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(renewer(backend.clone(), rx));

@@ -38,7 +38,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::ids::{ApprovalId, OwnerId, RunId, ThreadId};
+use crate::ids::{ApprovalId, MessageId, OwnerId, RunId, ThreadId};
 use crate::model::Usage;
 
 pub use postgres::PgStore;
@@ -243,6 +243,11 @@ pub(crate) const REACH_COLUMNS: &str = concat!(", ", reach_waits!(), ", ", reach
 /// What a checkpoint's fenced `UPDATE` writes besides the counters: the terminal columns (if
 /// it finishes the run) and the status guard its transition allows. Both backends bind these
 /// the same way (see `bind_fence!`).
+/// The fence of a final answer: no message waits for the run. A refused fence looks like a
+/// lost lease to the committer; the engine then renews the lease, hears the messages, and goes
+/// on with them instead of finishing.
+pub(crate) const UNSTEERED: &str = " AND inbox = 0";
+
 pub(crate) struct FenceFields {
     pub(crate) status: Option<RunStatus>,
     pub(crate) result: Option<String>,
@@ -251,6 +256,10 @@ pub(crate) struct FenceFields {
     pub(crate) error_message: Option<String>,
     pub(crate) finished_at: Option<DateTime<Utc>>,
     pub(crate) guard: &'static str,
+    /// More of the fence's `WHERE`: a final answer that was not forced holds only while no
+    /// message waits for the run ([`UNSTEERED`]), so a message that committed before it is
+    /// delivered, not dropped.
+    pub(crate) only_if: &'static str,
     /// [`REACH_COLUMNS`] for a terminal checkpoint, nothing otherwise.
     pub(crate) reach_columns: &'static str,
 }
@@ -265,6 +274,7 @@ impl Checkpoint {
             error_message: None,
             finished_at: self.finish.as_ref().map(|_| now),
             guard: sources!(Transition::Heartbeat),
+            only_if: "",
             reach_columns: if self.finish.is_some() {
                 REACH_COLUMNS
             } else {
@@ -277,6 +287,9 @@ impl Checkpoint {
                 f.result = Some(result.clone());
                 f.forced = Some(*forced as i64);
                 f.guard = sources!(Transition::Finish(Terminal::Succeeded));
+                if !forced {
+                    f.only_if = UNSTEERED;
+                }
             }
             Some(Finish::Failed(e)) => {
                 f.error_kind = Some(e.kind);
@@ -302,6 +315,8 @@ impl Checkpoint {
 pub struct LeaseStatus {
     /// Somebody asked to cancel this run.
     pub cancel_requested: bool,
+    /// Messages wait for its next step boundary ([`Inbox`]).
+    pub messages_waiting: bool,
 }
 
 /// The answer to a cancel request.
@@ -706,10 +721,47 @@ pub trait RateBudgets: Send + Sync + 'static {
     async fn owner_budget(&self, owner: &OwnerId) -> Result<Option<OwnerBudget>>;
 }
 
-/// Everything the engine and the services write and read of runs, as one bound: [`Runs`], [`Claims`], [`Checkpoints`], [`Parking`], [`Approvals`], [`RateBudgets`].
-pub trait RunLog: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets {}
+/// Messages sent to a run while it works (`POST /v1/runs/{id}/messages`): committed at once,
+/// delivered into its thread at its next step boundary, each exactly once.
+#[async_trait]
+pub trait Inbox: Send + Sync + 'static {
+    /// Commits a message for `owner`'s run `run` with its `message.received`, if the run has
+    /// not ended. A run parked on children is made due (the caller pushes its job when
+    /// [`Sent::Accepted::woken`] says so); a running one is told through its lease renewal.
+    async fn send_message(
+        &self,
+        run: RunId,
+        owner: &OwnerId,
+        id: &MessageId,
+        content: &str,
+    ) -> Result<Sent>;
 
-impl<T: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets> RunLog for T {}
+    /// Delivers every message waiting for the run into its thread as user messages of
+    /// `step`, with their `message.delivered`, fenced by the lease. Returns what it delivered
+    /// (nothing when none waits).
+    async fn deliver_messages(&self, lease: &Lease, step: u32) -> Result<Vec<NewMessage>>;
+}
+
+/// The answer to [`Inbox::send_message`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sent {
+    /// Committed; the run's next step boundary delivers it.
+    Accepted {
+        /// The run's state when the message committed.
+        status: RunStatus,
+        /// The run was parked on children and is due now: push its job.
+        woken: bool,
+    },
+    /// The run has ended: a message can no longer reach it.
+    Finished(RunStatus),
+    /// No such run of this owner.
+    NotFound,
+}
+
+/// Everything the engine and the services write and read of runs, as one bound: [`Runs`], [`Claims`], [`Checkpoints`], [`Parking`], [`Approvals`], [`RateBudgets`], [`Inbox`].
+pub trait RunLog: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets + Inbox {}
+
+impl<T: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets + Inbox> RunLog for T {}
 
 /// What the API and metrics read beyond a single run.
 #[async_trait]

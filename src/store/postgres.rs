@@ -511,7 +511,7 @@ fn checkpoint_query<'q>(
     relayed: i64,
     only_if: &str,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    let (guard, reach_columns) = (ff.guard, ff.reach_columns);
+    let (guard, reach_columns, unsteered) = (ff.guard, ff.reach_columns, ff.only_if);
     let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
     let m_role: Vec<String> = cp
         .messages
@@ -535,7 +535,7 @@ fn checkpoint_query<'q>(
            error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
            finished_at = COALESCE($12, finished_at), \
            cancel_requested = CASE WHEN $5::text IS NULL THEN cancel_requested ELSE 0 END \
-           WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){only_if} RETURNING event_seq, thread_id, parent_run_id{reach_columns} \
+           WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){unsteered}{only_if} RETURNING event_seq, thread_id, parent_run_id{reach_columns} \
          ), m AS ( \
            INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
            SELECT f.thread_id, $13, x.step, x.role, x.key, x.body, $7 \
@@ -559,7 +559,7 @@ fn checkpoint_query<'q>(
 }
 
 impl group::Renewals for Commits {
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Option<bool>>> {
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Option<LeaseStatus>>> {
         // One fenced UPDATE for the whole group: each row only under its own epoch and in a
         // status a heartbeat may renew. It takes no row another transaction holds (SKIP
         // LOCKED): a statement holding many row locks while waiting for one more would
@@ -578,7 +578,7 @@ impl group::Renewals for Commits {
              l AS (SELECT r.id, t.exp FROM sa_runs r JOIN t ON r.id = t.id AND r.lease_epoch = t.epoch \
                    WHERE r.status IN ({}) FOR UPDATE OF r SKIP LOCKED) \
              UPDATE sa_runs r SET lease_expires_at = l.exp, heartbeat_at = $1 FROM l WHERE r.id = l.id \
-             RETURNING r.id, r.cancel_requested",
+             RETURNING r.id, r.cancel_requested, r.inbox",
             Transition::Heartbeat
         ))
         .bind(Utc::now())
@@ -587,9 +587,9 @@ impl group::Renewals for Commits {
         .bind(&expires)
         .fetch_all(&self.pool)
         .await?;
-        let renewed: std::collections::HashMap<String, bool> = rows
+        let renewed: std::collections::HashMap<String, LeaseStatus> = rows
             .iter()
-            .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0))
+            .map(|r| (r.get::<String, _>(0), lease_status(r, 1)))
             .collect();
         let mut out = Vec::with_capacity(leases.len());
         for (lease, id) in leases.iter().zip(&ids) {
@@ -605,10 +605,10 @@ impl group::Renewals for Commits {
 
 impl Commits {
     /// One lease renewed by itself: `None` when the lease is gone.
-    async fn renew_one(&self, lease: &Lease) -> Result<Option<bool>> {
+    async fn renew_one(&self, lease: &Lease) -> Result<Option<LeaseStatus>> {
         let row = sqlx::query(sql!(
             "UPDATE sa_runs SET lease_expires_at = $1, heartbeat_at = $2 \
-             WHERE id = $3 AND lease_epoch = $4 AND status IN ({}) RETURNING cancel_requested",
+             WHERE id = $3 AND lease_epoch = $4 AND status IN ({}) RETURNING cancel_requested, inbox",
             Transition::Heartbeat
         ))
         .bind(now_ms() + lease.ttl.as_millis() as i64)
@@ -617,7 +617,15 @@ impl Commits {
         .bind(lease.epoch)
         .fetch_optional(&self.pool)
         .await?;
-        Ok(row.map(|r| r.get::<i64, _>(0) != 0))
+        Ok(row.map(|r| lease_status(&r, 0)))
+    }
+}
+
+/// What a renewal's `cancel_requested, inbox` columns (from `at`) tell the holder.
+fn lease_status(r: &sqlx::postgres::PgRow, at: usize) -> LeaseStatus {
+    LeaseStatus {
+        cancel_requested: r.get::<i64, _>(at) != 0,
+        messages_waiting: r.get::<i64, _>(at + 1) > 0,
     }
 }
 

@@ -422,7 +422,7 @@ async fn fence(
     ff: FenceFields,
     now: DateTime<Utc>,
 ) -> Result<Option<SqliteRow>> {
-    let (guard, reach_columns) = (ff.guard, ff.reach_columns);
+    let (guard, reach_columns, unsteered) = (ff.guard, ff.reach_columns, ff.only_if);
     let row = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
          prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, cost_nanos = cost_nanos + $15, \
@@ -431,7 +431,7 @@ async fn fence(
          error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
          finished_at = COALESCE($12, finished_at), \
          cancel_requested = CASE WHEN $5 IS NULL THEN cancel_requested ELSE 0 END \
-         WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}) RETURNING event_seq, thread_id, parent_run_id{reach_columns}"
+         WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){unsteered} RETURNING event_seq, thread_id, parent_run_id{reach_columns}"
     ))), cp, ff, lease, now)
     .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
     .fetch_optional(&mut **tx)
@@ -508,8 +508,16 @@ impl<'a> Appends<'a> {
     }
 }
 
+/// What a renewal's `RETURNING …, cancel_requested, inbox` row tells the holder.
+fn lease_status(r: &SqliteRow) -> LeaseStatus {
+    LeaseStatus {
+        cancel_requested: r.get::<i64, _>(1) != 0,
+        messages_waiting: r.get::<i64, _>(2) > 0,
+    }
+}
+
 impl group::Renewals for Commits {
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Option<bool>>> {
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Option<LeaseStatus>>> {
         // One fenced UPDATE for the whole group (one write transaction): each row only under
         // its own epoch and in a status a heartbeat may renew.
         let now = now_ms();
@@ -524,11 +532,11 @@ impl group::Renewals for Commits {
         });
         q.push(") AS t WHERE sa_runs.id = t.column1 AND sa_runs.lease_epoch = t.column2 AND sa_runs.status IN (")
             .push(crate::lifecycle::sql_sources(Transition::Heartbeat))
-            .push(") RETURNING sa_runs.id, sa_runs.cancel_requested");
+            .push(") RETURNING sa_runs.id, sa_runs.cancel_requested, sa_runs.inbox");
         let rows = q.build().fetch_all(&self.pool).await?;
-        let renewed: std::collections::HashMap<String, bool> = rows
+        let renewed: std::collections::HashMap<String, LeaseStatus> = rows
             .iter()
-            .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) != 0))
+            .map(|r| (r.get::<String, _>(0), lease_status(r)))
             .collect();
         Ok(leases
             .iter()

@@ -406,6 +406,8 @@ function eventRow(e) {
     case 'approval.requested': return li('', 'approval?', h('code', {}, d.tool), ' ', d.reason || '');
     case 'approval.resolved': return li('', 'approval', d.decision || d.status || '', d.reason ? ' — ' + d.reason : '');
     case 'run.waiting': return li('', 'waiting', d.waiting_on || '');
+    case 'message.received': return li('', 'message', `received (${num(d.chars)} characters)`);
+    case 'message.delivered': return li('', 'message', `delivered to the model at step ${d.step}`);
     default: return li('', e.type, h('span', { class: 'muted mono' }, JSON.stringify(d).slice(0, 200)));
   }
 }
@@ -481,8 +483,20 @@ async function run(id) {
     lastTree = html;
     put(kids, ...(t ? [h('h2', {}, 'Children'), t] : []));
   };
-  drawHead(); drawApprovals(); await drawKids();
-  put(main, head, approvals, kids, h('h2', {}, 'Timeline'), timeline);
+  // A message for the run, delivered before its next model call (drawn once, so a redraw of
+  // the head never loses what is being typed).
+  const say = h('form', { id: 'say', class: 'say', onsubmit: async (ev) => {
+    ev.preventDefault();
+    const text = say.querySelector('textarea');
+    if (!text.value.trim()) return;
+    const sent = await api('POST', `/v1/runs/${r.id}/messages`, { content: text.value }).catch((e) => { toast(e.message); return null; });
+    if (sent) { text.value = ''; toast('message sent: the run reads it before its next model call'); }
+  } },
+    h('textarea', { id: 'say-text', rows: 2, placeholder: 'Message this run: it reads it before its next model call' }),
+    h('button', { id: 'say-send', class: 'primary', type: 'submit' }, 'Send'));
+  const drawSay = () => { say.hidden = TERMINAL.includes(r.status); };
+  drawHead(); drawApprovals(); drawSay(); await drawKids();
+  put(main, head, say, approvals, kids, h('h2', {}, 'Timeline'), timeline);
   let pending = null;
   const reread = () => {
     if (pending) return;
@@ -490,7 +504,7 @@ async function run(id) {
       pending = null;
       r = await api('GET', '/v1/runs/' + id).catch(() => r);
       if (!document.getElementById('run-head')) return;
-      drawHead(); drawApprovals(); await drawKids();
+      drawHead(); drawApprovals(); drawSay(); await drawKids();
     }, 150);
   };
   sse(`/v1/runs/${id}/events`, (type, e) => {

@@ -54,7 +54,7 @@ impl Api {
     }
 }
 
-async fn setup(keys: &str, latency_ms: u64) -> (TestApp, Api) {
+pub(crate) async fn setup(keys: &str, latency_ms: u64) -> (TestApp, Api) {
     let t = spawn_app_with(Options {
         latency: Duration::from_millis(latency_ms),
         ..Default::default()

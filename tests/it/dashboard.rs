@@ -1,7 +1,7 @@
 //! Operating the fleet (issue 13): retry, cost, the overview's figures, bulk actions, the
 //! dashboard in a real headless Chromium, and OTLP traces.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
@@ -357,8 +357,34 @@ async fn the_dashboard_in_a_real_browser() {
     b.goto(&format!("{base}/ui/runs/{slow_id}")).await;
     b.wait_for("#timeline [data-type='model.completed']", 20)
         .await;
+    // A message from the page reaches the run's next model call.
+    b.type_into("#say-text", "STEER-DASHBOARD also look left")
+        .await;
+    b.click("#say-send").await;
+    b.wait_for("#timeline [data-type='message.delivered']", 20)
+        .await;
+    let heard = Instant::now();
+    while !t
+        .mock
+        .state
+        .log()
+        .iter()
+        .any(|e| e.user_texts.iter().any(|u| u.contains("STEER-DASHBOARD")))
+    {
+        assert!(
+            heard.elapsed() < Duration::from_secs(20),
+            "the model heard the message sent from the dashboard"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     b.click("#cancel").await;
     b.wait_for("#run-head [data-status=cancelled]", 20).await;
+    b.wait_until(
+        "the message box goes once the run has ended",
+        "return document.querySelector('#say').hidden",
+        10,
+    )
+    .await;
     assert_eq!(wait_done(&api, &slow_id).await["status"], "cancelled");
 
     // Bulk retry of the failed runs, from the filtered table.

@@ -18,6 +18,7 @@ mod policy;
 mod redis;
 mod runs;
 mod security;
+mod steer;
 mod store;
 mod support;
 mod tools;

@@ -173,6 +173,7 @@ async fn a_client_lists_tools_starts_a_run_hears_progress_and_gets_the_answer() 
         "run_wait",
         "run_events",
         "run_cancel",
+        "run_message",
     ] {
         assert!(tools.contains(&t.to_owned()), "{tools:?}");
     }
@@ -462,11 +463,17 @@ async fn serve_offers_the_same_over_streamable_http_behind_its_keys_and_owners()
     assert_eq!(runs.len(), 1, "the run belongs to alice");
     let bob = http_client(&base, Some("bob-secret-key")).await.unwrap();
     // Not one of the run tools tells bob that alice's run exists, or acts on it.
-    for tool in ["run_status", "run_events", "run_wait", "run_cancel"] {
+    for tool in [
+        "run_status",
+        "run_events",
+        "run_wait",
+        "run_cancel",
+        "run_message",
+    ] {
         let seen = serde_json::to_value(
             bob.call_tool(call(
                 tool,
-                json!({"run_id": runs[0].id, "run_ids": [runs[0].id], "timeout_s": 0}),
+                json!({"run_id": runs[0].id, "run_ids": [runs[0].id], "timeout_s": 0, "content": "hi"}),
             ))
             .await
             .unwrap(),

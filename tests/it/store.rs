@@ -185,6 +185,7 @@ conformance!(
     appends_are_idempotent_and_sequences_gap_free,
     terminal_states_never_change,
     a_stored_name_the_code_does_not_know_is_a_corrupt_row,
+    a_message_is_delivered_once_and_holds_back_the_final_answer,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     a_start_writes_the_runs_job_with_its_place_in_the_queue,
@@ -1341,6 +1342,96 @@ async fn a_stored_name_the_code_does_not_know_is_a_corrupt_row(s: Backend) {
         other => panic!("expected a corrupt row, got {other:?}"),
     }
     assert!(s.get_run(RunId::new()).await.unwrap().is_none());
+}
+
+/// A message for a run commits with its event, is reported by the lease renewal, refuses the
+/// final answer's commit (not a forced one) until it is delivered, and is delivered once: a
+/// second delivery finds nothing. Another owner's run is not found; an ended run refuses.
+async fn a_message_is_delivered_once_and_holds_back_the_final_answer(s: Backend) {
+    let (thread, lease) = claimed_run(&s, Duration::from_secs(30)).await;
+    let run = lease.run_id;
+    let id = subagents::ids::MessageId::generate();
+    let owner: subagents::ids::OwnerId = "o".into();
+    assert_eq!(
+        s.send_message(run, &"intruder".into(), &id, "psst")
+            .await
+            .unwrap(),
+        Sent::NotFound,
+        "another owner's run is not found"
+    );
+    assert_eq!(
+        s.send_message(run, &owner, &id, "also look at B")
+            .await
+            .unwrap(),
+        Sent::Accepted {
+            status: RunStatus::Running,
+            woken: false
+        }
+    );
+    assert_eq!(s.get_run(run).await.unwrap().unwrap().inbox, 1);
+    assert!(s.renew_lease(&lease).await.unwrap().messages_waiting);
+    let answer = |forced| Checkpoint {
+        finish: Some(Finish::Succeeded {
+            result: "done".into(),
+            forced,
+        }),
+        ..Default::default()
+    };
+    assert!(
+        matches!(
+            s.checkpoint(&lease, answer(false)).await,
+            Err(StoreError::LeaseLost(_))
+        ),
+        "a final answer does not commit over a waiting message"
+    );
+    assert_eq!(
+        s.get_run(run).await.unwrap().unwrap().status,
+        RunStatus::Running
+    );
+    let delivered = s.deliver_messages(&lease, 2).await.unwrap();
+    assert_eq!(delivered.len(), 1);
+    assert_eq!(
+        delivered[0].message,
+        Message::User {
+            content: "also look at B".into()
+        }
+    );
+    assert!(s.deliver_messages(&lease, 3).await.unwrap().is_empty());
+    let history = s.thread_messages(&thread, 100).await.unwrap();
+    assert_eq!(
+        history
+            .iter()
+            .filter(|m| m.message
+                == Message::User {
+                    content: "also look at B".into()
+                })
+            .count(),
+        1
+    );
+    assert!(!s.renew_lease(&lease).await.unwrap().messages_waiting);
+    let kinds: Vec<String> = s
+        .events_after(run, 0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    let received = kinds.iter().position(|k| k == "message.received");
+    let delivered = kinds.iter().position(|k| k == "message.delivered");
+    assert!(received.is_some() && received < delivered, "{kinds:?}");
+    // A forced answer is not held back (the limit wins); this one is not forced and now commits.
+    let id2 = subagents::ids::MessageId::generate();
+    s.send_message(run, &owner, &id2, "late").await.unwrap();
+    s.checkpoint(&lease, answer(true)).await.unwrap();
+    assert_eq!(
+        s.send_message(run, &owner, &subagents::ids::MessageId::generate(), "after")
+            .await
+            .unwrap(),
+        Sent::Finished(RunStatus::Succeeded)
+    );
+    // The fence of an unforced answer holds once nothing waits.
+    let (_, lease) = claimed_run(&s, Duration::from_secs(30)).await;
+    s.checkpoint(&lease, answer(false)).await.unwrap();
 }
 
 async fn the_database_enforces_one_active_run_per_thread(s: Backend) {

@@ -33,7 +33,7 @@ where
     async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {
         // With whatever other runs renew now, in one statement (see `group::GroupRenew`).
         match self.common().renewals.renew(&self.commits(), lease).await? {
-            Some(cancel_requested) => Ok(LeaseStatus { cancel_requested }),
+            Some(status) => Ok(status),
             None => Err(StoreError::LeaseLost(lease.run_id)),
         }
     }

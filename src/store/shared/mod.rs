@@ -6,6 +6,7 @@ mod approvals;
 mod checkpoints;
 mod claims;
 mod harness;
+mod inbox;
 mod outbox;
 mod parking;
 mod queries;
