@@ -404,12 +404,17 @@ impl App {
     }
 
     /// Retries a failed or cancelled root run ([`crate::runs::retry`]).
-    pub async fn retry(&self, original: &RunRecord) -> Result<Created, StartError> {
+    pub async fn retry(
+        &self,
+        original: &RunRecord,
+        input: Option<String>,
+    ) -> Result<Created, StartError> {
         crate::runs::retry(
             self.store.as_ref(),
             &self.agents,
             self.settings.max_input_bytes,
             original,
+            input,
         )
         .await
     }

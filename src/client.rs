@@ -72,6 +72,21 @@ pub enum ClientCommand {
         #[arg(required = true)]
         text: Vec<String>,
     },
+    /// Fork a thread: a new thread whose history is this one's up to message `--at` (default:
+    /// all of it), shared rather than copied; with a prompt, a run starts on it at once. Prints
+    /// the new thread (and run) as JSON.
+    Fork {
+        /// Thread id.
+        thread_id: String,
+        /// The last message to share (an id from the thread view).
+        #[arg(long)]
+        at: Option<i64>,
+        /// The agent of the run started with the prompt.
+        #[arg(long)]
+        agent: Option<String>,
+        /// A task for a run on the new thread (`-` reads it from stdin).
+        prompt: Vec<String>,
+    },
     /// Retry a failed or cancelled run: a new run on its thread with the same agent and input,
     /// linked by `retry_of`; prints it as JSON. Retrying twice returns the first retry.
     Retry {
@@ -285,6 +300,32 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
                 )
                 .await?;
             println!("{}", v["message_id"].as_str().unwrap_or_default());
+            Ok(0)
+        }
+        ClientCommand::Fork {
+            thread_id,
+            at,
+            agent,
+            prompt,
+        } => {
+            let mut input = prompt.join(" ");
+            if input == "-" {
+                input = std::io::read_to_string(std::io::stdin())?;
+            }
+            let mut body = serde_json::json!({"at_message": at, "agent": agent});
+            if !input.is_empty() {
+                body["input"] = serde_json::json!(input);
+            }
+            let v = c
+                .send(
+                    c.req(
+                        reqwest::Method::POST,
+                        &format!("/v1/threads/{thread_id}/fork"),
+                    )
+                    .json(&body),
+                )
+                .await?;
+            println!("{}", serde_json::to_string_pretty(&v).unwrap());
             Ok(0)
         }
         ClientCommand::Retry { run_id } => {

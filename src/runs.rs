@@ -212,11 +212,15 @@ pub async fn start_run(
 /// input, limits and metadata, linked by `retry_of`, queued behind whatever the thread runs now.
 /// Idempotent per original (its key is `retry:<id>`): a double click or a repeated bulk retry
 /// returns the first retry; to try once more, retry the retry.
+///
+/// With `input`, the retry runs that instead of the original's input ("do that differently");
+/// retries with the same new input are one retry, as plain retries are.
 pub async fn retry(
     store: &dyn RunLog,
     agents: &AgentRegistry,
     max_input_bytes: usize,
     original: &RunRecord,
+    input: Option<String>,
 ) -> Result<Created, StartError> {
     if !matches!(original.status, RunStatus::Failed | RunStatus::Cancelled) {
         return Err(StartError::NotRetryable(format!(
@@ -238,13 +242,22 @@ pub async fn retry(
         )));
     }
     let l = &original.limits;
+    let idempotency_key = match &input {
+        None => format!("retry:{}", original.id),
+        Some(text) => {
+            use sha2::{Digest, Sha256};
+            let h = Sha256::digest(text.as_bytes());
+            let hex: String = h[..8].iter().map(|b| format!("{b:02x}")).collect();
+            format!("retry:{}:{hex}", original.id)
+        }
+    };
     start_run(
         store,
         agents,
         max_input_bytes,
         StartRun {
             agent: Some(original.agent.to_string()),
-            input: original.input.clone(),
+            input: input.unwrap_or_else(|| original.input.clone()),
             thread_id: Some(original.thread_id.clone()),
             owner: Some(original.owner.clone()),
             max_steps: Some(l.max_steps),
@@ -254,7 +267,7 @@ pub async fn retry(
             compact_at: l.compact_at,
             metadata: Some(original.metadata.clone()),
             if_busy: IfBusy::Enqueue,
-            idempotency_key: Some(format!("retry:{}", original.id)),
+            idempotency_key: Some(idempotency_key),
             parent_run_id: None,
             tree: TreePosition::default(),
             retry_of: Some(original.id),

@@ -142,6 +142,7 @@ fn documented_routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(approvals::list))
         .routes(routes!(approvals::get, approvals::answer))
         .routes(routes!(system::thread))
+        .routes(routes!(system::fork))
         .routes(routes!(system::agents))
         .routes(routes!(system::healthz))
         .routes(routes!(system::readyz))

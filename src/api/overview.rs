@@ -520,7 +520,7 @@ pub async fn bulk(
                     new_run_id: None,
                 }),
             },
-            BulkAction::Retry => match state.app.retry(&run).await {
+            BulkAction::Retry => match state.app.retry(&run, None).await {
                 Ok(created) => done.push(BulkDone {
                     run_id: id,
                     new_run_id: Some(created.run.id),

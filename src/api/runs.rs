@@ -1010,19 +1010,49 @@ pub async fn message(
     }
 }
 
+/// The optional body of `POST /v1/runs/{id}/retry`.
+#[derive(Deserialize, Debug, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBody {
+    /// Run this instead of the original's input ("do that differently").
+    #[serde(default)]
+    input: Option<String>,
+}
+
 /// `POST /v1/runs/{id}/retry`: a new run on the same thread with the same agent, input, limits
 /// and metadata, linked by `retry_of` (201; 200 with the same run when this run was retried
 /// before). Only a failed or cancelled root run: otherwise 409 `not_retryable`.
-#[utoipa::path(post, path = "/v1/runs/{id}/retry", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")),
+#[utoipa::path(post, path = "/v1/runs/{id}/retry", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")), request_body(content = Option<RetryBody>, description = "optional: `{input}` to run instead of the original's"),
     responses((status = 201, body = RunView), (status = 200, description = "retried before: the first retry", body = RunView), (status = 409, description = "not_retryable", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn retry(
     State(state): State<ApiState>,
     owner: Owner,
     Path(id): Path<String>,
+    body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     let id = parse_run_id(&id)?;
     let run = owned_run(&state, &owner, id).await?;
-    let created = state.app.retry(&run).await?;
+    // The body is optional: none (or `{}`) reruns the same input.
+    let input = if body.iter().all(u8::is_ascii_whitespace) {
+        None
+    } else {
+        let b: RetryBody = serde_json::from_slice(&body).map_err(|e| {
+            if e.is_data() {
+                ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid_request",
+                    format!("the request body does not match the schema: {e}"),
+                )
+            } else {
+                ApiError::bad_request(
+                    "malformed_json",
+                    format!("the request body is not valid JSON: {e}"),
+                )
+            }
+        })?;
+        b.input
+    };
+    let created = state.app.retry(&run, input).await?;
     let status = if created.existing {
         StatusCode::OK
     } else {

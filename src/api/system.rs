@@ -8,10 +8,10 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use super::auth::Owner;
-use super::views::{AgentsList, ErrorBody, Health, MessageView, RunView, ThreadView};
+use super::views::{AgentsList, ErrorBody, ForkPoint, Health, MessageView, RunView, ThreadView};
 use super::{ApiError, ApiQuery, ApiState};
 use crate::ids::ThreadId;
-use crate::store::{RunFilter, RunStatus};
+use crate::store::{ForkAt, Forked, RunFilter, RunStatus};
 use utoipa::IntoParams;
 
 /// Query of `GET /v1/threads/{id}`.
@@ -96,6 +96,11 @@ pub async fn thread(
         .collect();
     let next_after = messages.last().map(|m| m.id).unwrap_or(after);
     let compactions = store.compactions(&id).await?;
+    let point = |(thread, at): (ThreadId, i64)| ForkPoint {
+        thread_id: thread.visible_to(&t.owner),
+        at_message: at,
+    };
+    let forks = store.forks_of(&id).await?.into_iter().map(point).collect();
     Ok(Json(ThreadView {
         id: t.id.visible_to(&t.owner),
         created_at: t.created_at,
@@ -104,7 +109,127 @@ pub async fn thread(
         messages,
         next_after,
         compactions,
+        forked_from: t.forked_from.clone().map(point),
+        forks,
     }))
+}
+
+/// The body of `POST /v1/threads/{id}/fork`.
+#[derive(Deserialize, Debug, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkBody {
+    /// Share the history up to this message (an id from the thread view), included.
+    #[serde(default)]
+    at_message: Option<i64>,
+    /// Share the history up to the end of this run of the thread.
+    #[serde(default)]
+    #[schema(value_type = Option<String>)]
+    at_run: Option<String>,
+    /// Start a run on the new thread at once, with this task.
+    #[serde(default)]
+    input: Option<String>,
+    /// The agent of that run (default `general-purpose`).
+    #[serde(default)]
+    agent: Option<String>,
+}
+
+/// What `POST /v1/threads/{id}/fork` answers.
+#[derive(serde::Serialize, Debug, utoipa::ToSchema)]
+pub struct ForkCreated {
+    /// The new thread.
+    pub thread_id: ThreadId,
+    /// Where it was forked from.
+    pub forked_from: ForkPoint,
+    /// The run started on it, when `input` was given.
+    pub run: Option<RunView>,
+}
+
+/// `POST /v1/threads/{id}/fork`: a new thread whose history is this one's up to a message
+/// (`at_message`), the end of a run (`at_run`), or now; shared, not copied, so a fork costs the
+/// same whatever the thread's length. Both threads go on independently. With `input`, a run
+/// starts on the new thread at once.
+#[utoipa::path(post, path = "/v1/threads/{id}/fork", tag = "threads", params(("id" = String, Path, pattern = "^[A-Za-z0-9_.:-]{1,200}$", description = "thread id")), request_body = ForkBody,
+    responses((status = 201, body = ForkCreated), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 413, body = ErrorBody), (status = 422, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn fork(
+    State(state): State<ApiState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    super::ApiJson(body): super::ApiJson<ForkBody>,
+) -> Result<Response, ApiError> {
+    let id: ThreadId = id
+        .parse()
+        .map_err(|e: crate::ids::IdError| ApiError::bad_request("invalid_id", e.to_string()))?;
+    let at = match (body.at_message, body.at_run.as_deref()) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                "give at_message or at_run, not both",
+            ));
+        }
+        (Some(m), None) => ForkAt::Message(m),
+        (None, Some(r)) => ForkAt::Run(r.parse().map_err(|e: crate::ids::IdError| {
+            ApiError::bad_request("invalid_id", e.to_string())
+        })?),
+        (None, None) => ForkAt::End,
+    };
+    let source = state.app.thread_for(&owner.0, &id).await?;
+    let new = ThreadId::generate();
+    let store = state.app.store.as_ref();
+    let at_message = match store.fork_thread(&owner.0, &source, at, &new).await? {
+        Forked::Done { at_message } => at_message,
+        Forked::NoThread => return Err(ApiError::not_found("thread")),
+        Forked::NoMessage => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "no_such_message",
+                "at_message is not a message of this thread's history; take an id from GET /v1/threads/{id}",
+            ));
+        }
+        Forked::NoRun => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "no_such_run",
+                "at_run is not a run of this thread",
+            ));
+        }
+        Forked::Empty => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "nothing_to_fork",
+                "there is no message to fork from yet (the thread, or that run, has none)",
+            ));
+        }
+    };
+    tracing::info!(thread_id = %source, fork = %new, at_message, "thread forked");
+    let run = match body.input {
+        None => None,
+        Some(input) => {
+            let created = state
+                .app
+                .start(crate::app::StartRun {
+                    agent: body.agent,
+                    input,
+                    thread_id: Some(new.clone()),
+                    owner: Some(owner.0.clone()),
+                    ..Default::default()
+                })
+                .await?;
+            Some(RunView::build(store, created.run).await?)
+        }
+    };
+    Ok((
+        StatusCode::CREATED,
+        Json(ForkCreated {
+            thread_id: new.visible_to(&owner.0),
+            forked_from: ForkPoint {
+                thread_id: source.visible_to(&owner.0),
+                at_message,
+            },
+            run,
+        }),
+    )
+        .into_response())
 }
 
 /// `GET /v1/agents`

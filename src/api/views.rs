@@ -329,6 +329,20 @@ pub struct ThreadView {
     /// Every compaction of the thread, oldest first: which messages each summary stands for
     /// when a context is rebuilt (the messages themselves are all still here).
     pub compactions: Vec<crate::domain::Compaction>,
+    /// The thread it was forked from and the last message it shares with it (its messages up
+    /// to that one are the other thread's, listed here too), or null.
+    pub forked_from: Option<ForkPoint>,
+    /// The threads forked from this one, oldest first (at most 1,000).
+    pub forks: Vec<ForkPoint>,
+}
+
+/// One end of a fork: a thread, and the last message its history shares.
+#[derive(Serialize, Debug, Clone, ToSchema)]
+pub struct ForkPoint {
+    /// The thread.
+    pub thread_id: ThreadId,
+    /// The last shared message's id.
+    pub at_message: i64,
 }
 
 /// The agent definitions.

@@ -153,6 +153,9 @@ enum Command {
     /// floor the machine sets for the same work (the loopback model calls and durable commits,
     /// timed alone); prints one JSON line.
     BenchLatency(crate::bench::latency::LatencyBenchArgs),
+    /// Time forking a long thread (shared, not copied) and the context read of a run on the
+    /// fork against one on the original; prints one JSON line.
+    BenchFork(crate::bench::fork::ForkBenchArgs),
     /// Serve a deterministic OpenAI-compatible model for tests, demos and load tests.
     #[command(after_long_help = SCENARIO_HELP)]
     MockLlm {
@@ -297,6 +300,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::from(1)
             })
         }
+        Command::BenchFork(args) => Ok(if crate::bench::fork::run(settings, args).await? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }),
         Command::BenchLatency(args) => Ok(if crate::bench::latency::run(args).await? {
             ExitCode::SUCCESS
         } else {

@@ -101,6 +101,9 @@ pub struct ThreadRecord {
     pub created_at: DateTime<Utc>,
     /// Last run start.
     pub updated_at: DateTime<Utc>,
+    /// The thread it was forked from, and the last message of that thread's history it
+    /// shares (`POST /v1/threads/{id}/fork`).
+    pub forked_from: Option<(ThreadId, i64)>,
 }
 
 /// A run as stored.

@@ -742,6 +742,52 @@ pub trait Inbox: Send + Sync + 'static {
     async fn deliver_messages(&self, lease: &Lease, step: u32) -> Result<Vec<NewMessage>>;
 }
 
+/// Forking threads: a new thread whose history is another's up to a point, shared rather than
+/// copied (`sa_thread_lineage`), so a fork costs the same whatever the thread's length.
+#[async_trait]
+pub trait Forks: Send + Sync + 'static {
+    /// Creates `new`, `owner`'s fork of `source` at `at`.
+    async fn fork_thread(
+        &self,
+        owner: &OwnerId,
+        source: &ThreadId,
+        at: ForkAt,
+        new: &ThreadId,
+    ) -> Result<Forked>;
+
+    /// The threads forked from `thread`, oldest first.
+    async fn forks_of(&self, thread: &ThreadId) -> Result<Vec<(ThreadId, i64)>>;
+}
+
+/// Where a fork's shared history ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForkAt {
+    /// At this message (included), which must be in the thread's history.
+    Message(i64),
+    /// At the last message of this run of the thread.
+    Run(RunId),
+    /// At the thread's newest message.
+    End,
+}
+
+/// The answer to [`Forks::fork_thread`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forked {
+    /// Forked; the new thread's history ends at this message.
+    Done {
+        /// The last shared message.
+        at_message: i64,
+    },
+    /// No such thread of this owner.
+    NoThread,
+    /// The message is not in the thread's history.
+    NoMessage,
+    /// The run is not one of the thread's.
+    NoRun,
+    /// Nothing to fork: the thread (or the run) has no message yet.
+    Empty,
+}
+
 /// The answer to [`Inbox::send_message`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sent {
@@ -854,11 +900,11 @@ pub trait Harness: Send + Sync + 'static {
 }
 
 /// The whole store, split by its users: the run log's parts ([`RunLog`]), the API's reads
-/// ([`Queries`]), the relay's [`Outbox`], and [`Harness`] for tests and benchmarks. Both backends
+/// ([`Queries`]), the relay's [`Outbox`], [`Forks`], and [`Harness`] for tests and benchmarks. Both backends
 /// implement every part.
-pub trait Store: RunLog + Queries + Outbox + Harness {}
+pub trait Store: RunLog + Queries + Outbox + Harness + Forks {}
 
-impl<T: RunLog + Queries + Outbox + Harness> Store for T {}
+impl<T: RunLog + Queries + Outbox + Harness + Forks> Store for T {}
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend
 /// compares them the same way.

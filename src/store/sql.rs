@@ -243,6 +243,89 @@ where
         &self.common().cancels
     }
 
+    /// Where a forked thread's history comes from besides its own messages: each thread it
+    /// shares and the last message of it that it includes (empty for a thread never forked).
+    /// Read on `pool`: the run's own pool for its context, the API's for its views.
+    async fn lineage(pool: &sqlx::Pool<Self::Db>, thread: &ThreadId) -> Result<Vec<(String, i64)>> {
+        let rows = sqlx::query("SELECT ancestor, upto FROM sa_thread_lineage WHERE thread = $1")
+            .bind(thread.as_str())
+            .fetch_all(pool)
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// The messages of a forked thread's history (its own, and its lineage's up to each one's
+    /// last shared message) with an id above `after`: the first `limit` when `oldest_first`,
+    /// else the newest `limit`; in order either way.
+    async fn shared_messages(
+        pool: &sqlx::Pool<Self::Db>,
+        thread: &ThreadId,
+        lineage: &[(String, i64)],
+        after: i64,
+        limit: u32,
+        oldest_first: bool,
+    ) -> Result<Vec<StoredMessage>> {
+        // One index-ordered, limited read per thread of the lineage (each walks
+        // `sa_messages_thread` from its end, so a fork at the middle of a long thread does not
+        // scan the source's messages past the fork point), merged and cut to `limit`.
+        let order = if oldest_first { "" } else { " DESC" };
+        let mut q = sqlx::QueryBuilder::<Self::Db>::new(
+            "SELECT id, run_id, step, key, body FROM (SELECT id, run_id, step, key, body FROM (",
+        );
+        let own = std::iter::once((thread.as_str().to_owned(), None));
+        let ancestors = lineage.iter().map(|(a, upto)| (a.clone(), Some(*upto)));
+        for (i, (t, upto)) in own.chain(ancestors).enumerate() {
+            if i > 0 {
+                q.push(" UNION ALL ");
+            }
+            q.push("SELECT id, run_id, step, key, body FROM (SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = ")
+                .push_bind(t)
+                .push(" AND id > ")
+                .push_bind(after);
+            if let Some(upto) = upto {
+                q.push(" AND id <= ").push_bind(upto);
+            }
+            q.push(" ORDER BY id")
+                .push(order)
+                .push(" LIMIT ")
+                .push_bind(i64::from(limit))
+                .push(format!(") s{i}"));
+        }
+        q.push(") u ORDER BY id")
+            .push(order)
+            .push(" LIMIT ")
+            .push_bind(i64::from(limit))
+            .push(") t ORDER BY id");
+        let rows = q.build().fetch_all(pool).await?;
+        rows.iter().map(Self::message_from_row).collect()
+    }
+
+    /// The compaction a forked thread's context starts after: its own newest, else the newest
+    /// of its lineage that lies within the shared history.
+    async fn shared_compaction(
+        pool: &sqlx::Pool<Self::Db>,
+        own: Option<Compaction>,
+        lineage: &[(String, i64)],
+    ) -> Result<Option<Compaction>> {
+        if own.is_some() || lineage.is_empty() {
+            return Ok(own);
+        }
+        let mut q = sqlx::QueryBuilder::<Self::Db>::new(
+            "SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+             tokens_after, reason, created_at FROM sa_compactions WHERE 1 = 0",
+        );
+        for (ancestor, upto) in lineage {
+            q.push(" OR (thread_id = ")
+                .push_bind(ancestor.clone())
+                .push(" AND last_message_id <= ")
+                .push_bind(*upto)
+                .push(")");
+        }
+        q.push(" ORDER BY id DESC LIMIT 1");
+        let row = q.build().fetch_optional(pool).await?;
+        row.as_ref().map(Self::compaction_from_row).transpose()
+    }
+
     /// A run's place in its owner's queue: the runs queued ahead of it by `place`, and its
     /// priority; None if there is no such run. Read from `sa_queue_depth`, which triggers keep
     /// (migrations */queue_depth): one row per owner and priority (and stripe), whatever the

@@ -520,13 +520,18 @@ async function run(id) {
   });
 }
 
-function messageBox(m) {
+function messageBox(m, threadId) {
   const msg = m.message;
   const body = [];
   if (msg.content) body.push(h('pre', { class: 'pre' }, typeof msg.content === 'string' ? msg.content : JSON.stringify(msg.content)));
   for (const c of msg.tool_calls || []) body.push(h('div', {}, '→ ', h('code', {}, c.function.name), h('pre', { class: 'pre' }, c.function.arguments)));
+  // A new thread that shares this one's history up to here, to go on differently from it.
+  const fork = threadId ? h('button', { class: 'fork', 'data-fork': m.id, title: 'A new thread with the history up to this message', onclick: async () => {
+    const f = await api('POST', `/v1/threads/${encodeURIComponent(threadId)}/fork`, { at_message: m.id }).catch((e) => { toast(e.message); return null; });
+    if (f) go('/ui/threads/' + encodeURIComponent(f.thread_id));
+  } }, 'Fork from here') : null;
   return h('div', { class: 'msg', 'data-message': m.id },
-    h('div', { class: 'role' }, msg.role, msg.tool_call_id ? ' · ' + msg.tool_call_id : '', ' · step ' + m.step + ' · run ', link('/ui/runs/' + m.run_id, short(m.run_id), { class: 'mono' })), body);
+    h('div', { class: 'role' }, msg.role, msg.tool_call_id ? ' · ' + msg.tool_call_id : '', ' · step ' + m.step + ' · run ', link('/ui/runs/' + m.run_id, short(m.run_id), { class: 'mono' }), ' ', fork), body);
 }
 
 async function thread(id, q) {
@@ -535,12 +540,14 @@ async function thread(id, q) {
   const nextHref = `/ui/threads/${encodeURIComponent(id)}?after=${t.next_after}`;
   put(main, 
     h('h1', {}, 'Thread ', h('span', { class: 'mono' }, id)),
+    t.forked_from ? h('p', { id: 'forked-from' }, 'Forked from ', link('/ui/threads/' + encodeURIComponent(t.forked_from.thread_id), t.forked_from.thread_id, { class: 'mono' }), ` at message ${t.forked_from.at_message}`) : null,
+    t.forks.length ? h('p', { id: 'forks' }, 'Forks: ', t.forks.map((f) => [link('/ui/threads/' + encodeURIComponent(f.thread_id), f.thread_id, { class: 'mono' }), ` (at message ${f.at_message}) `])) : null,
     h('h2', {}, 'Runs'),
     h('div', { class: 'scroll' }, h('table', { id: 'thread-runs' }, h('tr', {}, h('th', {}, 'run'), h('th', {}, 'status'), h('th', {}, 'agent'), h('th', {}, 'created'), h('th', {}, 'cost')),
       t.runs.map((r) => h('tr', {}, h('td', {}, link('/ui/runs/' + r.id, short(r.id), { class: 'mono' })), h('td', {}, badge(r.status)), h('td', {}, r.agent), h('td', {}, when(r.created_at)), h('td', {}, usd(r.usage.cost_usd)))))),
     t.compactions.length ? h('p', { class: 'muted' }, `${t.compactions.length} compaction(s): older messages are summarised in the model's context; all are still listed here.`) : null,
     h('h2', {}, 'Messages'),
-    h('div', { id: 'messages' }, t.messages.map(messageBox)),
+    h('div', { id: 'messages' }, t.messages.map((m) => messageBox(m, id))),
     h('p', {}, after !== '0' ? [link(`/ui/threads/${encodeURIComponent(id)}`, '← first page'), ' '] : null,
       t.messages.length === 50 ? link(nextHref, 'Next messages →', { id: 'next-messages' }) : h('span', { class: 'muted' }, 'End of the thread.')));
 }

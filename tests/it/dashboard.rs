@@ -345,6 +345,17 @@ async fn the_dashboard_in_a_real_browser() {
     b.click("#thread-link").await;
     b.wait_for("#messages [data-message]", 10).await;
     b.screenshot("thread").await;
+    // "Fork from here" on the first message opens the new thread, which says where it came
+    // from and lists that message as its whole history.
+    b.click("#messages [data-message] button[data-fork]").await;
+    b.wait_for("#forked-from", 10).await;
+    let shared = b
+        .js(
+            "return document.querySelectorAll('#messages [data-message]').length",
+            json!([]),
+        )
+        .await;
+    assert_eq!(shared, 1, "the fork shares the first message only");
 
     // Cancel from the page.
     let (_, slow) = api

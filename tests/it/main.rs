@@ -9,6 +9,7 @@ mod dashboard;
 mod delegation;
 mod docs;
 mod fleet;
+mod forks;
 mod kill;
 mod layers;
 mod lifecycle;

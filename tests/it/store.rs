@@ -70,6 +70,20 @@ impl Backend {
         }
     }
 
+    /// The single number `sql` answers.
+    async fn count(&self, sql: &str) -> i64 {
+        match &self.jobs {
+            Jobs::Sqlite(p) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+                .fetch_one(p)
+                .await
+                .unwrap(),
+            Jobs::Postgres(p) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+                .fetch_one(p)
+                .await
+                .unwrap(),
+        }
+    }
+
     /// Puts every event back in the outbox, as if no relay had taken any.
     async fn unmark_all_events(&self) {
         match &self.jobs {
@@ -186,6 +200,7 @@ conformance!(
     terminal_states_never_change,
     a_stored_name_the_code_does_not_know_is_a_corrupt_row,
     a_message_is_delivered_once_and_holds_back_the_final_answer,
+    a_fork_shares_its_history_up_to_its_point_without_copying_it,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     a_start_writes_the_runs_job_with_its_place_in_the_queue,
@@ -1432,6 +1447,155 @@ async fn a_message_is_delivered_once_and_holds_back_the_final_answer(s: Backend)
     // The fence of an unforced answer holds once nothing waits.
     let (_, lease) = claimed_run(&s, Duration::from_secs(30)).await;
     s.checkpoint(&lease, answer(false)).await.unwrap();
+}
+
+/// A fork's history is the source's up to its point, read through the lineage (no message is
+/// copied); each thread then goes on apart, a fork of a fork shares both, and a fork point
+/// outside the history, another owner's thread or an empty one is refused.
+async fn a_fork_shares_its_history_up_to_its_point_without_copying_it(s: Backend) {
+    let (thread, lease) = claimed_run(&s, Duration::from_secs(30)).await;
+    let owner: subagents::ids::OwnerId = "o".into();
+    let said = |key: &str| {
+        let mut m = msg(lease.run_id, key);
+        m.step = 1;
+        m
+    };
+    for key in ["one", "two", "three"] {
+        s.checkpoint(
+            &lease,
+            Checkpoint {
+                messages: vec![said(key)],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    }
+    let history = s.thread_messages(&thread, 100).await.unwrap();
+    assert_eq!(history.len(), 3);
+    let rows_before = s
+        .count("SELECT CAST(COUNT(*) AS BIGINT) FROM sa_messages")
+        .await;
+    let fork = ThreadId::generate();
+    let at = history[1].id;
+    assert_eq!(
+        s.fork_thread(&owner, &thread, ForkAt::Message(at), &fork)
+            .await
+            .unwrap(),
+        Forked::Done { at_message: at }
+    );
+    assert_eq!(
+        s.count("SELECT CAST(COUNT(*) AS BIGINT) FROM sa_messages")
+            .await,
+        rows_before,
+        "a fork copies no message"
+    );
+    let keys = |m: &[StoredMessage]| m.iter().map(|m| m.key.clone()).collect::<Vec<_>>();
+    let shared = s.thread_messages(&fork, 100).await.unwrap();
+    assert_eq!(keys(&shared), keys(&history[..2]));
+    let (_, context) = s.context(&fork, 100).await.unwrap();
+    assert_eq!(keys(&context), keys(&history[..2]));
+    assert_eq!(
+        keys(&s.messages_page(&fork, 0, 100).await.unwrap()),
+        keys(&history[..2])
+    );
+    let t = s.get_thread(&fork).await.unwrap().unwrap();
+    assert_eq!(t.forked_from, Some((thread.clone(), at)));
+    assert_eq!(s.forks_of(&thread).await.unwrap(), vec![(fork.clone(), at)]);
+    // Both go on: the original's new message is not the fork's, and the other way round.
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            messages: vec![said("four")],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut on_fork = new_run(&fork);
+    on_fork.input = "forked".into();
+    let run = s.create_run(on_fork).await.unwrap().run;
+    let Claim::Acquired(fl, _) = s
+        .claim_run(run.id, "w1", Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("the fork's run is claimable")
+    };
+    let mut own = msg(fl.run_id, "fork-own");
+    own.step = 1;
+    s.checkpoint(
+        &fl,
+        Checkpoint {
+            messages: vec![own.clone()],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (_, fork_context) = s.context(&fork, 100).await.unwrap();
+    let mut want = keys(&history[..2]);
+    want.push(own.key.clone());
+    assert_eq!(keys(&fork_context), want);
+    let (_, original) = s.context(&thread, 100).await.unwrap();
+    assert_eq!(original.len(), 4);
+    assert!(!keys(&original).contains(&own.key));
+    // The newest `limit` of a fork come from both threads, in order.
+    let (_, newest) = s.context(&fork, 2).await.unwrap();
+    assert_eq!(keys(&newest), want[1..].to_vec());
+    // A fork of the fork shares both, up to its own point.
+    let grandchild = ThreadId::generate();
+    assert_eq!(
+        s.fork_thread(&owner, &fork, ForkAt::End, &grandchild)
+            .await
+            .unwrap(),
+        Forked::Done {
+            at_message: fork_context.last().unwrap().id
+        }
+    );
+    assert_eq!(
+        keys(&s.thread_messages(&grandchild, 100).await.unwrap()),
+        want
+    );
+    let at_run = ThreadId::generate();
+    assert_eq!(
+        s.fork_thread(&owner, &thread, ForkAt::Run(lease.run_id), &at_run)
+            .await
+            .unwrap(),
+        Forked::Done {
+            at_message: original.last().unwrap().id
+        }
+    );
+    // Refusals.
+    let nowhere = ThreadId::generate();
+    assert_eq!(
+        s.fork_thread(&"intruder".into(), &thread, ForkAt::End, &nowhere)
+            .await
+            .unwrap(),
+        Forked::NoThread
+    );
+    assert_eq!(
+        s.fork_thread(&owner, &fork, ForkAt::Message(history[2].id), &nowhere)
+            .await
+            .unwrap(),
+        Forked::NoMessage,
+        "a message of the source after the fork point is not in the fork's history"
+    );
+    assert_eq!(
+        s.fork_thread(&owner, &thread, ForkAt::Run(run.id), &nowhere)
+            .await
+            .unwrap(),
+        Forked::NoRun,
+        "a run of another thread"
+    );
+    let (empty, _) = claimed_run(&s, Duration::from_secs(30)).await;
+    assert_eq!(
+        s.fork_thread(&owner, &empty, ForkAt::End, &nowhere)
+            .await
+            .unwrap(),
+        Forked::Empty
+    );
+    assert!(s.get_thread(&nowhere).await.unwrap().is_none());
 }
 
 async fn the_database_enforces_one_active_run_per_thread(s: Backend) {

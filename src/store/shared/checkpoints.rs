@@ -36,6 +36,10 @@ where
         after: i64,
         limit: u32,
     ) -> Result<Vec<StoredMessage>> {
+        let lineage = S::lineage(self.reads(), thread).await?;
+        if !lineage.is_empty() {
+            return S::shared_messages(self.reads(), thread, &lineage, after, limit, false).await;
+        }
         let rows = sqlx::query(
             "SELECT id, run_id, step, key, body FROM (SELECT id, run_id, step, key, body FROM sa_messages \
              WHERE thread_id = $1 AND id > $2 ORDER BY id DESC LIMIT $3) t ORDER BY id",
@@ -64,6 +68,9 @@ where
              SELECT 1, id, run_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, step, key, body \
              FROM (SELECT id, run_id, step, key, body FROM sa_messages \
                WHERE thread_id = $1 AND id > COALESCE((SELECT last_message_id FROM c), 0) ORDER BY id DESC LIMIT $2) m \
+             UNION ALL \
+             SELECT 2, upto, ancestor, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
+             FROM sa_thread_lineage WHERE thread = $1 \
              ORDER BY part, id",
         )
         .bind(thread.as_str())
@@ -72,13 +79,23 @@ where
         .await?;
         let mut compaction = None;
         let mut messages = Vec::with_capacity(rows.len());
+        let mut lineage = vec![];
         for r in &rows {
-            if r.get::<i32, _>("part") == 0 {
-                compaction = Some(S::compaction_from_row(r)?);
-            } else {
-                messages.push(S::message_from_row(r)?);
+            match r.get::<i32, _>("part") {
+                0 => compaction = Some(S::compaction_from_row(r)?),
+                1 => messages.push(S::message_from_row(r)?),
+                _ => lineage.push((r.get::<String, _>("run_id"), r.get::<i64, _>("id"))),
             }
         }
+        if lineage.is_empty() {
+            return Ok((compaction, messages));
+        }
+        // A forked thread: its history goes on in the threads it shares (a second read, for
+        // forked threads only).
+        let compaction = S::shared_compaction(self.pool(), compaction, &lineage).await?;
+        let after = compaction.as_ref().map_or(0, |c| c.last_message_id);
+        let messages =
+            S::shared_messages(self.pool(), thread, &lineage, after, limit, false).await?;
         Ok((compaction, messages))
     }
 

@@ -5,6 +5,7 @@
 mod approvals;
 mod checkpoints;
 mod claims;
+mod forks;
 mod harness;
 mod inbox;
 mod outbox;

@@ -161,16 +161,25 @@ where
     }
 
     async fn get_thread(&self, id: &ThreadId) -> Result<Option<ThreadRecord>> {
-        let row =
-            sqlx::query("SELECT id, owner, created_at, updated_at FROM sa_threads WHERE id = $1")
-                .bind(id.as_str())
-                .fetch_optional(self.reads())
-                .await?;
-        Ok(row.map(|r| ThreadRecord {
+        let row = sqlx::query(
+            "SELECT id, owner, created_at, updated_at, forked_from, forked_at FROM sa_threads WHERE id = $1",
+        )
+        .bind(id.as_str())
+        .fetch_optional(self.reads())
+        .await?;
+        let Some(r) = row else { return Ok(None) };
+        let from: Option<String> = r.get("forked_from");
+        let at: Option<i64> = r.get("forked_at");
+        Ok(Some(ThreadRecord {
             id: id.clone(),
             owner: r.get("owner"),
             created_at: r.get("created_at"),
             updated_at: r.get("updated_at"),
+            forked_from: from
+                .zip(at)
+                .map(|(t, at)| t.parse().map(|t| (t, at)))
+                .transpose()
+                .map_err(|e| corrupt("thread id", e))?,
         }))
     }
 
@@ -191,6 +200,10 @@ where
         after: i64,
         limit: u32,
     ) -> Result<Vec<StoredMessage>> {
+        let lineage = S::lineage(self.reads(), thread).await?;
+        if !lineage.is_empty() {
+            return S::shared_messages(self.reads(), thread, &lineage, after, limit, true).await;
+        }
         let rows = sqlx::query(
             "SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = $1 AND id > $2 ORDER BY id LIMIT $3",
         )
