@@ -53,6 +53,29 @@ pub struct AgentDef {
     pub max_concurrency: Option<u32>,
     /// Where it came from (`None` for the built-in).
     pub source: Option<PathBuf>,
+    /// A short hash of its file's content (`builtin-…` for the built-ins): what a run pins.
+    pub version: String,
+    /// Its file's content, kept so a run pinned to this version can be given it again after
+    /// the file changed ([`crate::pinning`]); `None` for the built-ins.
+    pub text: Option<std::sync::Arc<str>>,
+}
+
+/// The version of a definition file's content: the first 12 hex digits of its SHA-256.
+pub fn content_version(text: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(text.as_bytes())[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A built-in's version: its content as this build defines it.
+fn builtin_version(def: &AgentDef) -> String {
+    let content = format!(
+        "{}\0{}\0{:?}\0{}",
+        def.name, def.description, def.tools, def.system_prompt
+    );
+    format!("builtin-{}", content_version(&content))
 }
 
 impl AgentDef {
@@ -73,7 +96,16 @@ impl AgentDef {
             max_concurrency: None,
             system_prompt: "You are a capable general-purpose agent working on one delegated task. Use the tools you are given when they help, keep going until the task is done, and finish with a concise final answer that contains everything the caller needs: they will see only that answer, not your intermediate steps.".into(),
             source: None,
+            version: String::new(),
+            text: None,
         }
+        .versioned()
+    }
+
+    /// The definition with its built-in version set (for definitions made in code).
+    pub fn versioned(mut self) -> AgentDef {
+        self.version = builtin_version(&self);
+        self
     }
 }
 
@@ -526,13 +558,15 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         system_prompt,
         max_concurrency,
         source: Some(path.to_owned()),
+        version: content_version(text),
+        text: Some(text.into()),
     })
 }
 
 /// The definitions visible to this process.
 #[derive(Clone, Debug)]
 pub struct AgentRegistry {
-    agents: BTreeMap<String, AgentDef>,
+    agents: BTreeMap<String, std::sync::Arc<AgentDef>>,
 }
 
 impl AgentRegistry {
@@ -540,7 +574,10 @@ impl AgentRegistry {
     /// for benchmarks and smoke tests).
     pub fn builtin() -> Self {
         let mut agents = BTreeMap::new();
-        agents.insert(GENERAL_PURPOSE.to_owned(), AgentDef::general_purpose());
+        agents.insert(
+            GENERAL_PURPOSE.to_owned(),
+            std::sync::Arc::new(AgentDef::general_purpose()),
+        );
         let echo = AgentDef {
             name: "echo".into(),
             description: "Benchmark and smoke-test agent: may only call the echo tool.".into(),
@@ -548,8 +585,9 @@ impl AgentRegistry {
             system_prompt: "You test the executor. Call the echo tool when asked, then answer."
                 .into(),
             ..AgentDef::general_purpose()
-        };
-        agents.insert(echo.name.clone(), echo);
+        }
+        .versioned();
+        agents.insert(echo.name.clone(), std::sync::Arc::new(echo));
         Self { agents }
     }
 
@@ -620,7 +658,8 @@ impl AgentRegistry {
                         continue;
                     }
                     from_files.insert(def.name.clone(), path.clone());
-                    reg.agents.insert(def.name.clone(), def);
+                    reg.agents
+                        .insert(def.name.clone(), std::sync::Arc::new(def));
                 }
                 Err(e) => errors.push(e),
             }
@@ -630,17 +669,23 @@ impl AgentRegistry {
 
     /// Looks an agent up by name.
     pub fn get(&self, name: &str) -> Option<&AgentDef> {
-        self.agents.get(name)
+        self.agents.get(name).map(|a| a.as_ref())
+    }
+
+    /// Looks an agent up by name, as a shared handle (no copy of the definition).
+    pub fn shared(&self, name: &str) -> Option<std::sync::Arc<AgentDef>> {
+        self.agents.get(name).cloned()
     }
 
     /// All agents, by name.
     pub fn all(&self) -> impl Iterator<Item = &AgentDef> {
-        self.agents.values()
+        self.agents.values().map(|a| a.as_ref())
     }
 
     /// Adds or replaces a definition (used by tests and embedders).
     pub fn insert(&mut self, def: AgentDef) {
-        self.agents.insert(def.name.clone(), def);
+        self.agents
+            .insert(def.name.clone(), std::sync::Arc::new(def));
     }
 
     /// Names, for error messages.

@@ -41,7 +41,7 @@ pub struct App {
     /// Engine.
     pub engine: Arc<Engine>,
     /// Agents.
-    pub agents: Arc<AgentRegistry>,
+    pub agents: Arc<crate::pinning::Agents>,
     /// Definition files that failed to load (reported, not fatal).
     pub agent_errors: Vec<AgentFileError>,
     /// Redis, when configured.
@@ -260,7 +260,8 @@ impl App {
             path: settings.workspace.display().to_string(),
             source,
         })?;
-        let (agents, agent_errors) = AgentRegistry::load_dir(&settings.jobs_dir);
+        let (pins, agent_errors) = crate::pinning::Agents::load(&settings.jobs_dir);
+        let agents = pins.current();
         for e in &agent_errors {
             tracing::warn!("agent definition skipped: {e}");
         }
@@ -290,7 +291,7 @@ impl App {
                 })?,
             ),
         };
-        let agents = Arc::new(agents);
+        let agents = Arc::new(pins);
         let engine = Arc::new(Engine {
             store: store.clone(),
             agents: agents.clone(),
@@ -335,7 +336,7 @@ impl App {
                         .filter(|v| !v.is_empty())
                         .collect(),
                 },
-                mcp: Arc::new(Self::mcp_hub(&settings, &agents)?),
+                mcp: Arc::new(Self::mcp_hub(&settings, &agents.current())?),
                 rate_limits: crate::engine::RateLimits {
                     by_model: settings.model_limit_map().map_err(OpenError::Config)?,
                     window: Duration::from_millis(settings.rate_window_ms.max(100)),
@@ -394,6 +395,7 @@ impl App {
     pub fn concurrency_limits(&self) -> Vec<(&'static str, Vec<(String, u32)>)> {
         let agents = self
             .agents
+            .current()
             .all()
             .filter_map(|a| a.max_concurrency.map(|n| (format!("agent:{}", a.name), n)))
             .collect();

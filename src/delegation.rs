@@ -139,8 +139,8 @@ pub struct Ctx<'a> {
     pub store: &'a dyn RunLog,
     /// For pushing child jobs.
     pub queue: &'a Queue,
-    /// Agent definitions.
-    pub agents: &'a AgentRegistry,
+    /// Agent definitions, current and pinned.
+    pub agents: &'a crate::pinning::Agents,
     /// The calling (parent) run.
     pub parent: &'a RunRecord,
     /// The parent's agent.
@@ -471,7 +471,8 @@ impl Ctx<'_> {
         let Some(subagent) = args["subagent"].as_str() else {
             return Ok(Err(err("bad_arguments", "`subagent` is required")));
         };
-        let allowed = allowed(self.agent, self.agents);
+        let current = self.agents.current();
+        let allowed = allowed(self.agent, &current);
         if !allowed.iter().any(|a| a.name == subagent) {
             let names: Vec<&str> = allowed.iter().map(|a| a.name.as_str()).collect();
             return Ok(Err(err(
@@ -519,6 +520,10 @@ impl Ctx<'_> {
             idempotency_key: Some(format!("child:{}:{}", self.parent.id, call_id)),
             parent_run_id: Some(self.parent.id),
             priority: Some(self.parent.priority),
+            // A child of its parent's own agent runs the parent's version of it.
+            agent_version: (subagent == self.parent.agent.as_str())
+                .then(|| self.parent.agent_version.clone())
+                .flatten(),
             max_total_tokens: self.parent.limits.max_total_tokens,
             max_total_steps: self.parent.limits.max_total_steps,
             tree: TreePosition {

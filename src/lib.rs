@@ -117,6 +117,7 @@ pub mod mcp_server;
 pub mod model;
 pub mod notify;
 pub mod permissions;
+pub mod pinning;
 pub mod policy;
 pub mod procs;
 pub mod queue;

@@ -50,10 +50,9 @@ impl McpRuns {
     }
 
     fn tools(&self) -> Vec<Tool> {
-        let agents: Vec<String> = self.app.agents.all().map(|a| a.name.clone()).collect();
-        let menu: String = self
-            .app
-            .agents
+        let current = self.app.agents.current();
+        let agents: Vec<String> = current.all().map(|a| a.name.clone()).collect();
+        let menu: String = current
             .all()
             .map(|a| {
                 format!(
@@ -484,6 +483,7 @@ impl ServerHandler for McpRuns {
         let resources = self
             .app
             .agents
+            .current()
             .all()
             .filter_map(|a| {
                 serde_json::from_value(json!({"uri": format!("agent://{}", a.name), "name": a.name, "description": a.description, "mimeType": "text/markdown"})).ok()
@@ -498,7 +498,8 @@ impl ServerHandler for McpRuns {
         _context: RequestContext<RoleServer>,
     ) -> Result<rmcp::model::ReadResourceResponse, ErrorData> {
         let name = request.uri.strip_prefix("agent://").unwrap_or("");
-        let Some(a) = self.app.agents.get(name) else {
+        let current = self.app.agents.current();
+        let Some(a) = current.get(name) else {
             return Err(ErrorData::resource_not_found(
                 format!("no resource {}; agents are agent://<name>", request.uri),
                 None,

@@ -8,9 +8,10 @@
 
 use serde_json::Value;
 
-use crate::agents::{AgentRegistry, GENERAL_PURPOSE};
+use crate::agents::GENERAL_PURPOSE;
 use crate::domain::{IfBusy, NewRun, RunLimits, RunRecord, TreePosition};
 use crate::ids::{OwnerId, RunId, ThreadId};
+use crate::pinning::Agents;
 use crate::queue::{Queue, new_job_id};
 use crate::store::{CancelOutcome, Created, RunLog, RunStatus, StoreError};
 
@@ -57,6 +58,9 @@ pub struct StartRun {
     pub retry_of: Option<RunId>,
     /// 1 (lowest) to 5; 3 when absent.
     pub priority: Option<u8>,
+    /// Run this version of the agent instead of its current definition (a child of the same
+    /// agent as its parent runs its parent's version).
+    pub agent_version: Option<String>,
 }
 
 /// Why a run could not be started. Each has a stable code for APIs and scripts.
@@ -117,17 +121,25 @@ impl StartError {
 /// and its job are durable.
 pub async fn start_run(
     store: &dyn RunLog,
-    agents: &AgentRegistry,
+    agents: &Agents,
     max_input_bytes: usize,
     req: StartRun,
 ) -> Result<Created, StartError> {
     let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
-    let agent = agents
-        .get(&agent_name)
-        .ok_or_else(|| StartError::UnknownAgent {
-            name: agent_name.clone(),
-            known: agents.names(),
-        })?;
+    let current = agents.current();
+    let inherited = match &req.agent_version {
+        Some(v) => agents.at_version(store, &agent_name, v).await?,
+        None => None,
+    };
+    let agent = match inherited {
+        Some(a) => a,
+        None => current
+            .shared(&agent_name)
+            .ok_or_else(|| StartError::UnknownAgent {
+                name: agent_name.clone(),
+                known: current.names(),
+            })?,
+    };
     if req.input.trim().is_empty() {
         return Err(StartError::EmptyInput);
     }
@@ -172,8 +184,10 @@ pub async fn start_run(
             "priority {priority} is out of range 1..=5 (5 runs first)"
         )));
     }
+    let agent_version = Some(agents.pin(store, &agent).await?);
     let created = store
         .create_run(NewRun {
+            agent_version,
             id: RunId::new(),
             thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
             owner: req.owner.unwrap_or_else(OwnerId::local),
@@ -217,7 +231,7 @@ pub async fn start_run(
 /// retries with the same new input are one retry, as plain retries are.
 pub async fn retry(
     store: &dyn RunLog,
-    agents: &AgentRegistry,
+    agents: &Agents,
     max_input_bytes: usize,
     original: &RunRecord,
     input: Option<String>,
@@ -272,6 +286,8 @@ pub async fn retry(
             tree: TreePosition::default(),
             retry_of: Some(original.id),
             priority: Some(original.priority),
+            // A retry is a new run: it takes the agent's current definition.
+            agent_version: None,
         },
     )
     .await

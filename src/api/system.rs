@@ -239,6 +239,7 @@ pub async fn agents(State(state): State<ApiState>, _owner: Owner) -> Json<Agents
         agents: state
             .app
             .agents
+            .current()
             .all()
             .map(|a| super::views::AgentView::build(a, &state.app.engine))
             .collect(),

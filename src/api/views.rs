@@ -47,6 +47,9 @@ pub struct RunView {
     pub thread_id: ThreadId,
     /// Agent.
     pub agent: String,
+    /// The version of its agent's definition it runs (a hash of the file it started with; it
+    /// keeps running that one when the file changes); `null` for runs from before versions.
+    pub agent_version: Option<String>,
     /// State.
     pub status: RunStatus,
     /// Delegating run.
@@ -187,6 +190,7 @@ impl RunView {
             // As its owner chose it (stored ids carry the owner's scope).
             thread_id: r.thread_id.visible_to(&r.owner),
             agent: r.agent.into(),
+            agent_version: r.agent_version,
             status: r.status,
             parent_run_id: r.parent_run_id,
             retry_of: r.retry_of,
@@ -273,6 +277,8 @@ pub struct AgentView {
     pub effective_tools: Vec<String>,
     /// The model its runs call (after aliases and the server default).
     pub effective_model: String,
+    /// Its current version (a hash of its file): what new runs pin.
+    pub version: String,
 }
 
 impl AgentView {
@@ -298,6 +304,7 @@ impl AgentView {
             subagents: a.subagents.clone(),
             effective_tools,
             effective_model,
+            version: a.version.clone(),
         }
     }
 }

@@ -71,6 +71,7 @@ pub async fn run(mut settings: Settings, args: ForkBenchArgs) -> anyhow::Result<
             retry_of: None,
             priority: 3,
             place: QueuePlace::Back,
+            agent_version: None,
         })
         .await?;
     let Claim::Acquired(lease, _) = store

@@ -390,7 +390,7 @@ async fn worker(settings: Settings) -> anyhow::Result<ExitCode> {
     };
     eprintln!(
         "subagents worker: {} agents, concurrency {}, database {}",
-        app.agents.all().count(),
+        app.agents.current().all().count(),
         app.settings.concurrency,
         crate::app::redact(&app.settings.database_url)
     );

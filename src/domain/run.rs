@@ -66,6 +66,8 @@ pub struct NewRun {
     /// Where it joins its owner's queue: a new root run at the back, a child (its parent
     /// already had its turn) at the front. The store answers with the runs ahead of it.
     pub place: QueuePlace,
+    /// The agent definition version it runs ([`crate::pinning`]).
+    pub agent_version: Option<String>,
 }
 
 /// A run's place in its delegation tree.
@@ -173,6 +175,9 @@ pub struct RunRecord {
     pub retry_of: Option<RunId>,
     /// 1 (lowest) to 5: the order of an owner's queued runs.
     pub priority: u8,
+    /// The agent definition version it runs, whatever its file says now ([`crate::pinning`]);
+    /// `None` for runs from before pinning (they run the current definition).
+    pub agent_version: Option<String>,
 }
 
 /// How a run ends.

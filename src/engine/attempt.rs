@@ -151,10 +151,12 @@ impl Engine {
         run: &'a RunRecord,
         inbox: Mailbox,
     ) -> Flow<Attempt<'a>> {
+        // The version the run pinned when it started, whatever its file says now.
         let agent = self
             .agents
-            .get(run.agent.as_str())
-            .cloned()
+            .for_run(self.store.as_ref(), run)
+            .await?
+            .map(|a| (*a).clone())
             .ok_or_else(|| {
                 End::fail(
                     ErrorKind::Internal,
@@ -202,7 +204,7 @@ impl Engine {
         let mut names = self.tools.allowed_for(agent);
         let mut specs = self.tools.specs(&names);
         if crate::delegation::offered(agent, run.tree.depth, &self.settings.delegation) {
-            specs.extend(crate::delegation::specs(agent, &self.agents));
+            specs.extend(crate::delegation::specs(agent, &self.agents.current()));
             names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
         self.add_mcp_tools(agent, &run.owner, &mut names, &mut specs)

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::attempt::Attempt;
 use super::{Engine, Flow};
-use crate::agents::{AgentDef, AgentRegistry};
+use crate::agents::AgentDef;
 use crate::delegation::Wait;
 use crate::domain::event;
 use crate::domain::{ApprovalStatus, Event, NewApproval, RunRecord};
@@ -375,20 +375,22 @@ impl Engine {
 
     /// The rule sources this run answers to: its agent's, then every ancestor's agent's, each
     /// with the settings file (a child never gets more than its parent).
+    /// Each run's agent is the version that run pinned, so an edited or deleted file changes
+    /// no rule a running tree answers to.
     pub(super) async fn rule_chain(&self, run: &RunRecord) -> Flow<RuleChain> {
-        let mut names = vec![run.agent.clone()];
+        let store = self.store.as_ref();
+        let mut defs = vec![self.agents.for_run(store, run).await?];
         let mut parent = run.parent_run_id;
         while let Some(id) = parent {
             let Some(p) = self.store.get_run(id).await? else {
                 break;
             };
-            names.push(p.agent.clone());
+            defs.push(self.agents.for_run(store, &p).await?);
             parent = p.parent_run_id;
         }
         Ok(RuleChain {
             settings: self.settings.policy.settings.clone(),
-            agents: self.agents.clone(),
-            names: names.into_iter().map(String::from).collect(),
+            defs,
         })
     }
 
@@ -478,15 +480,23 @@ impl Engine {
 #[derive(Clone)]
 pub(super) struct RuleChain {
     settings: Arc<Policy>,
-    agents: Arc<AgentRegistry>,
-    /// The run's agent, then its ancestors'.
-    names: Vec<String>,
+    /// The run's agent, then its ancestors', as each run pinned it (`None`: a definition
+    /// neither the files nor the store know any more).
+    defs: Vec<Option<Arc<AgentDef>>>,
 }
 
 impl RuleChain {
     /// The run's ancestors' agents, nearest first.
     pub(super) fn ancestors(&self) -> impl Iterator<Item = &AgentDef> {
-        self.names.iter().skip(1).filter_map(|n| self.agents.get(n))
+        self.defs.iter().skip(1).flatten().map(|a| a.as_ref())
+    }
+
+    /// Every source agent, with its place (0: the run's own).
+    fn sources(&self) -> impl Iterator<Item = (usize, &AgentDef)> {
+        self.defs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| a.as_deref().map(|a| (i, a)))
     }
 
     /// Whether any source has a rule that names a path: only then is a path worth resolving
@@ -497,12 +507,7 @@ impl RuleChain {
                 .iter()
                 .any(|l| l.iter().any(|x| x.specifier.is_some()))
         };
-        has(&self.settings.rules)
-            || self
-                .names
-                .iter()
-                .filter_map(|n| self.agents.get(n))
-                .any(|a| has(&a.policy.rules))
+        has(&self.settings.rules) || self.sources().any(|(_, a)| has(&a.policy.rules))
     }
 
     /// The strictest verdict of every source on `tool` called with `input`.
@@ -514,10 +519,7 @@ impl RuleChain {
     fn verdict_of(&self, call: &permissions::Call) -> Verdict {
         let settings = &self.settings.rules;
         let mut verdict: Option<Verdict> = None;
-        for (i, name) in self.names.iter().enumerate() {
-            let Some(a) = self.agents.get(name) else {
-                continue;
-            };
+        for (i, a) in self.sources() {
             let v = match permissions::evaluate(&[settings, &a.policy.rules], call) {
                 Verdict::Deny(r) if i > 0 => Verdict::Deny(format!(
                     "{r} (for the parent agent `{}`: a subagent never gets more than its parent)",
@@ -537,12 +539,7 @@ impl RuleChain {
     fn grant_scope(&self, tool: &str, input: &Value) -> String {
         let call = permissions::Call::new(tool, input, None);
         let mut sources: Vec<&crate::policy::Rules> = vec![&self.settings.rules];
-        sources.extend(
-            self.names
-                .iter()
-                .filter_map(|n| self.agents.get(n))
-                .map(|a| &a.policy.rules),
-        );
+        sources.extend(self.sources().map(|(_, a)| &a.policy.rules));
         permissions::grant_scope(&sources, &call)
     }
 

@@ -32,7 +32,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span};
 
-use crate::agents::{AgentDef, AgentRegistry};
+use crate::agents::AgentDef;
 pub use crate::budget::RateLimits;
 use crate::delegation::{DelegationSettings, Wait};
 use crate::domain::event;
@@ -121,7 +121,7 @@ pub struct Engine {
     /// Storage.
     pub store: Arc<dyn RunLog>,
     /// Agent definitions.
-    pub agents: Arc<AgentRegistry>,
+    pub agents: Arc<crate::pinning::Agents>,
     /// Tools.
     pub tools: Arc<ToolRegistry>,
     /// The model.
@@ -562,9 +562,13 @@ impl Engine {
     /// this is the fast path that wakes their workers in this process at once. A run whose
     /// agent was never offered the delegation tools has none, and costs no query.
     async fn end_children(&self, run: &RunRecord) {
-        let may_delegate = self.agents.get(run.agent.as_str()).is_none_or(|a| {
-            crate::delegation::offered(a, run.tree.depth, &self.settings.delegation)
-        });
+        let may_delegate = self
+            .agents
+            .current()
+            .get(run.agent.as_str())
+            .is_none_or(|a| {
+                crate::delegation::offered(a, run.tree.depth, &self.settings.delegation)
+            });
         if !may_delegate {
             return;
         }
@@ -587,7 +591,8 @@ impl Engine {
             };
             chain.push(
                 self.agents
-                    .get(p.agent.as_str())
+                    .for_run(self.store.as_ref(), &p)
+                    .await?
                     .and_then(|a| a.model.clone()),
             );
             parent = p.parent_run_id;

@@ -185,6 +185,9 @@ pub struct LogEntry {
     /// test checks a message reached the model, and how often).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub user_texts: Vec<String>,
+    /// The request's first system message, cut to its first 200 characters.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub system: String,
 }
 
 /// One scripted turn: text, tool calls, or both.
@@ -552,6 +555,7 @@ async fn completions_inner(
                 prompt_tokens,
                 summary: is_summary,
                 user_texts: vec![],
+                system: String::new(),
             });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
@@ -590,6 +594,7 @@ async fn completions_inner(
                 prompt_tokens,
                 summary: is_summary,
                 user_texts: vec![],
+                system: String::new(),
             });
             let mut resp = oai_error(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -633,6 +638,14 @@ async fn completions_inner(
                 _ => None,
             })
             .collect(),
+        system: req
+            .messages
+            .iter()
+            .find_map(|m| match m {
+                Message::System { content } => Some(content.chars().take(200).collect()),
+                _ => None,
+            })
+            .unwrap_or_default(),
     };
     if let Some(window) = scenario
         .as_ref()

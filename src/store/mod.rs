@@ -456,6 +456,13 @@ impl StoreError {
 /// run and its tree, and the wake-ups they wait on.
 #[async_trait]
 pub trait Runs: Send + Sync + 'static {
+    /// Keeps the text of an agent definition's version (once: the same version again is a
+    /// no-op), so runs pinned to it can be given it after its file changed.
+    async fn record_agent_version(&self, version: &str, agent: &str, text: &str) -> Result<()>;
+
+    /// A kept agent definition version: its agent's name and its file's text.
+    async fn agent_version(&self, version: &str) -> Result<Option<(String, String)>>;
+
     /// Creates the thread if new and the run (`queued`) with its `run.queued` event.
     /// With [`IfBusy::Reject`], refuses with [`StoreError::Busy`] when the thread has an
     /// unfinished run.

@@ -305,7 +305,7 @@ impl SqlStore for PgStore {
             parent_run_id: new.parent_run_id,
         })
         .data();
-        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)")
+        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
             .bind(&new.owner)
@@ -330,6 +330,7 @@ impl SqlStore for PgStore {
             .bind(job_body(new.id))
             .bind(JOB_MAX_ATTEMPTS as i32)
             .bind(self.relayed_at_insert())
+            .bind(new.agent_version.as_deref())
             .fetch_one(&self.pool)
             .await?;
         let outcome: String = row.get("outcome");

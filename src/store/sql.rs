@@ -646,6 +646,7 @@ where
             lease_epoch: r.get("lease_epoch"),
             cancel_requested: r.get::<i64, _>("cancel_requested") != 0,
             inbox: r.get::<i64, _>("inbox").clamp(0, u32::MAX as i64) as u32,
+            agent_version: r.get("agent_version"),
             job_id: r.get("job_id"),
             event_seq: r.get::<i64, _>("event_seq") as u64,
             created_at: r.get::<DateTime<Utc>, _>("created_at"),

@@ -224,8 +224,8 @@ impl SqlStore for SqliteStore {
         }
         let inserted = sqlx::query(concat!(
             "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
-             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority) \
-             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17) RETURNING ",
+             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority, agent_version) \
+             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17, $18) RETURNING ",
             run_columns!()
         ))
         .bind(new.id.to_string())
@@ -245,6 +245,7 @@ impl SqlStore for SqliteStore {
         .bind(new.tree.detached as i64)
         .bind(new.retry_of.map(|r| r.to_string()))
         .bind(i64::from(new.priority.clamp(1, 5)))
+        .bind(new.agent_version.as_deref())
         .fetch_one(&mut *tx)
         .await?;
         let run = Self::run_from_row(&inserted)?;

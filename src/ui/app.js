@@ -425,6 +425,8 @@ async function tree(list, depth) {
 
 async function run(id) {
   let r = await api('GET', '/v1/runs/' + id);
+  // The agents' current versions: a run that pinned an older one says so.
+  const current = await api('GET', '/v1/agents').then((l) => Object.fromEntries(l.agents.map((a) => [a.name, a.version]))).catch(() => ({}));
   const head = h('div', { id: 'run-head' });
   const kids = h('div', { id: 'children' });
   const approvals = h('div', { id: 'approvals' });
@@ -445,7 +447,8 @@ async function run(id) {
         } }, 'Retry') : null),
       h('dl', { class: 'kv' },
         h('dt', {}, 'id'), h('dd', { class: 'mono' }, r.id),
-        h('dt', {}, 'agent'), h('dd', {}, r.agent),
+        h('dt', {}, 'agent'), h('dd', {}, r.agent, r.agent_version ? h('span', { class: 'muted mono', id: 'agent-version' }, ' ' + r.agent_version) : '',
+          r.agent_version && current[r.agent] !== r.agent_version ? h('span', { class: 'warn', id: 'agent-version-old', title: 'the run keeps the definition it started with' }, current[r.agent] ? ` (not the current version ${current[r.agent]})` : ' (its file is gone)') : ''),
         h('dt', {}, 'thread'), h('dd', {}, link('/ui/threads/' + encodeURIComponent(r.thread_id), r.thread_id, { class: 'mono', id: 'thread-link' })),
         r.parent_run_id ? [h('dt', {}, 'parent'), h('dd', {}, link('/ui/runs/' + r.parent_run_id, r.parent_run_id, { class: 'mono' }))] : null,
         r.retry_of ? [h('dt', {}, 'retry of'), h('dd', {}, link('/ui/runs/' + r.retry_of, r.retry_of, { class: 'mono' }))] : null,

@@ -488,7 +488,8 @@ async fn depth_limit_bad_subagents_and_result_cut() {
             .starts_with("DONE after")
     );
     // Children (depth 1) are offered no delegation tools.
-    let gp = t.app.agents.get("general-purpose").unwrap();
+    let current = t.app.agents.current();
+    let gp = current.get("general-purpose").unwrap();
     assert!(!subagents::delegation::offered(
         gp,
         1,

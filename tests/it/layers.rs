@@ -18,7 +18,7 @@ const LAYERS: &[&[&str]] = &[
     &["model", "notify", "agents", "procs"],
     &["domain"],
     &["tools", "store", "mcp"],
-    &["events", "hooks", "permissions"],
+    &["events", "hooks", "permissions", "pinning"],
     &["relay", "queue"],
     &["runs", "budget"],
     &["delegation"],

@@ -1163,11 +1163,14 @@ async fn rules_that_name_no_tool_are_reported_at_load() {
     })
     .await;
     let policy = subagents::policy::load_settings(&t.app.settings.settings_file).unwrap();
-    let reported: Vec<String> =
-        subagents::app::App::rules_naming_no_tool(&t.app.settings, &t.app.agents, &policy)
-            .into_iter()
-            .map(|(_, r)| r)
-            .collect();
+    let reported: Vec<String> = subagents::app::App::rules_naming_no_tool(
+        &t.app.settings,
+        &t.app.agents.current(),
+        &policy,
+    )
+    .into_iter()
+    .map(|(_, r)| r)
+    .collect();
     assert_eq!(reported, ["WRITE", "write", "Write_File", "mcp__Files"]);
 }
 

@@ -201,6 +201,7 @@ conformance!(
     a_stored_name_the_code_does_not_know_is_a_corrupt_row,
     a_message_is_delivered_once_and_holds_back_the_final_answer,
     a_fork_shares_its_history_up_to_its_point_without_copying_it,
+    an_agent_version_is_pinned_with_the_run_and_kept_once,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     a_start_writes_the_runs_job_with_its_place_in_the_queue,
@@ -461,6 +462,7 @@ fn new_run(thread: &ThreadId) -> NewRun {
         retry_of: None,
         priority: 3,
         place: QueuePlace::Back,
+        agent_version: Some("0123456789ab".into()),
     }
 }
 
@@ -1596,6 +1598,32 @@ async fn a_fork_shares_its_history_up_to_its_point_without_copying_it(s: Backend
         Forked::Empty
     );
     assert!(s.get_thread(&nowhere).await.unwrap().is_none());
+}
+
+/// A run records the agent version it starts with; a version's text is kept once (the first
+/// text stays) and read back by its version.
+async fn an_agent_version_is_pinned_with_the_run_and_kept_once(s: Backend) {
+    let run = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    assert_eq!(run.agent_version.as_deref(), Some("0123456789ab"));
+    assert_eq!(
+        s.get_run(run.id).await.unwrap().unwrap().agent_version,
+        run.agent_version
+    );
+    assert_eq!(s.agent_version("0123456789ab").await.unwrap(), None);
+    s.record_agent_version("0123456789ab", "a", "first")
+        .await
+        .unwrap();
+    s.record_agent_version("0123456789ab", "a", "second")
+        .await
+        .unwrap();
+    assert_eq!(
+        s.agent_version("0123456789ab").await.unwrap(),
+        Some(("a".to_owned(), "first".to_owned()))
+    );
 }
 
 async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
