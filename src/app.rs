@@ -586,6 +586,18 @@ impl App {
         Ok((id, sent))
     }
 
+    /// Interrupts a run ([`crate::runs::interrupt`]): the worker holding a running one hears it
+    /// at once (through Redis in another process, else at its next lease renewal).
+    pub async fn interrupt(&self, run: RunId) -> Result<crate::store::CancelOutcome, StoreError> {
+        let outcome = crate::runs::interrupt(self.store.as_ref(), &self.queue, run).await?;
+        if outcome == crate::store::CancelOutcome::Requested
+            && let Some(r) = &self.redis
+        {
+            r.announce_cancel(run).await;
+        }
+        Ok(outcome)
+    }
+
     /// Events of a run after a cursor: from Redis when configured (falling back to the outbox
     /// for any range Redis lacks), else from the outbox.
     pub async fn events_after(

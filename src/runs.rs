@@ -309,6 +309,22 @@ pub async fn cancel(
     Ok(outcome)
 }
 
+/// Interrupts a run: a running one is cancelled at its next step boundary (the step in flight
+/// finishes and commits; its end then takes its attached children along), a queued or parked
+/// one at once, as [`cancel`] does.
+pub async fn interrupt(
+    store: &dyn RunLog,
+    queue: &Queue,
+    run: RunId,
+) -> Result<CancelOutcome, StoreError> {
+    let outcome = store.request_interrupt(run).await?;
+    if outcome == CancelOutcome::Cancelled {
+        after_end_of(store, queue, run).await?;
+        cancel_attached_children(store, queue, run).await?;
+    }
+    Ok(outcome)
+}
+
 /// Cancels the attached children (and theirs) of a run: what happens when a parent ends or is
 /// cancelled.
 pub async fn cancel_attached_children(

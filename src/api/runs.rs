@@ -116,8 +116,8 @@ macro_rules! start_body {
             #[serde(default, deserialize_with = "object_only")]
             limits: Option<LimitsBody>,
             /// Busy thread: `reject` (409 thread_busy), `enqueue` behind its active run,
-            /// `interrupt` (cancel the active run, its committed work kept on the thread, and
-            /// start this one when it has ended) or `steer` (deliver the input into the active
+            /// `interrupt` (cancel the active run at its next step boundary, its work kept on the
+            /// thread, and start this one when it has ended) or `steer` (deliver the input into the active
             /// run as a message instead of starting a run).
             #[serde(default)]
             if_busy: BusyPolicy,
@@ -175,7 +175,8 @@ pub enum BusyPolicy {
     Reject,
     /// Queue behind the active run.
     Enqueue,
-    /// Cancel the active run and queue behind it: it starts as soon as that one has ended.
+    /// Cancel the active run at its next step boundary (its committed work stays on the
+    /// thread) and queue behind it: this run starts as soon as that one has ended.
     Interrupt,
     /// Send the input to the active run as a message (`POST /v1/runs/{id}/messages`).
     Steer,
@@ -323,11 +324,11 @@ async fn start_busy(
             continue;
         }
         // Interrupt: queue behind the active run first, so nothing else takes the thread in
-        // between, then cancel it; its end starts this run.
+        // between, then have it cancelled at its next step boundary; its end starts this run.
         let mut queued = req.clone();
         queued.if_busy = IfBusy::Enqueue;
         let created = state.app.start(queued).await?;
-        let outcome = state.app.cancel(active).await?;
+        let outcome = state.app.interrupt(active).await?;
         tracing::info!(interrupted = %active, run_id = %created.run.id, ?outcome, "a start interrupted the thread's active run");
         return Ok(Started::Run { run: created.run });
     }

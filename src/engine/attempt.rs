@@ -15,7 +15,7 @@ use tracing::{Instrument, info_span};
 use super::compaction::{Compacted, RunContext, Window};
 use super::decide::{self, ModelFailure, Pressure};
 use super::plan::{Next, plan, prior_calls, refusals, unique_call_ids};
-use super::steer::Mailbox;
+use super::steer::Flag;
 use super::{End, Engine, FORCE_MESSAGE, Flow, Release};
 use crate::agents::AgentDef;
 use crate::delegation::Wait;
@@ -56,7 +56,9 @@ pub(super) struct Attempt<'a> {
     pub usage: Usage,
     pub pressure: Pressure,
     /// Whether messages wait for the next step boundary ([`super::steer`]).
-    pub inbox: Mailbox,
+    pub inbox: Flag,
+    /// Whether the run is to be cancelled at its next step boundary (`if_busy: interrupt`).
+    pub interrupt: Flag,
 }
 
 impl Attempt<'_> {
@@ -112,11 +114,11 @@ impl Engine {
         &self,
         lease: &Lease,
         run: &RunRecord,
-        inbox: Mailbox,
+        heard: super::steer::Heard,
         shutdown: &CancellationToken,
     ) -> End {
         let steps = async {
-            let mut a = self.begin(lease, run, inbox).await?;
+            let mut a = self.begin(lease, run, heard).await?;
             self.steps(&mut a, shutdown).await
         };
         match steps.await {
@@ -149,7 +151,7 @@ impl Engine {
         &self,
         lease: &'a Lease,
         run: &'a RunRecord,
-        inbox: Mailbox,
+        heard: super::steer::Heard,
     ) -> Flow<Attempt<'a>> {
         // The version the run pinned when it started, whatever its file says now.
         let agent = self
@@ -188,7 +190,8 @@ impl Engine {
             announced: None,
             usage: run.usage,
             pressure: Pressure::default(),
-            inbox,
+            inbox: heard.inbox,
+            interrupt: heard.interrupt,
         };
         let input_key = format!("{}:input", run.id);
         if run.step == 0 && !a.ctx.history.iter().any(|m| m.key == input_key) {
@@ -276,6 +279,11 @@ impl Engine {
             .await?;
         let forced = decide::forced(a.steps_done, &a.run.limits, tree_limit);
         let span = info_span!("step", otel.name = format!("step {step}"), step, forced, gen_ai.request.model = %a.model, run_id = %a.run.id, thread_id = %a.run.thread_id);
+        // A step boundary: an interrupt ends the run here, with everything so far committed.
+        if a.interrupt.waiting() {
+            tracing::info!(step, "interrupted: ending the run at this step boundary");
+            return Err(End::Finish(Finish::Cancelled));
+        }
         if a.inbox.take() {
             self.deliver(a, step).await?;
         }

@@ -260,7 +260,8 @@ impl Engine {
         }
         let cancel = CancellationToken::new();
         let lost = CancellationToken::new();
-        let inbox = steer::Mailbox::new(run.inbox > 0);
+        let inbox = steer::Flag::new(run.inbox > 0);
+        let interrupt = steer::Flag::new(false);
         let heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
             self.store.clone(),
             lease.clone(),
@@ -268,6 +269,7 @@ impl Engine {
                 cancel: cancel.clone(),
                 lost: lost.clone(),
                 inbox: inbox.clone(),
+                interrupt: interrupt.clone(),
             },
         )));
         // A drain lets the step in flight finish (the loop stops at the next step boundary),
@@ -278,7 +280,7 @@ impl Engine {
             tokio::time::sleep(grace).await;
         };
         let end = tokio::select! {
-            end = self.drive(&lease, &run, inbox, shutdown) => end,
+            end = self.drive(&lease, &run, steer::Heard { inbox, interrupt }, shutdown) => end,
             _ = cancel.cancelled() => End::Finish(Finish::Cancelled),
             _ = lost.cancelled() => End::LeaseLost,
             _ = drain_cut => End::Release(Release::GraceOver),
@@ -719,7 +721,9 @@ struct Heard {
     /// The lease is gone.
     lost: CancellationToken,
     /// Messages wait for the next step boundary.
-    inbox: steer::Mailbox,
+    inbox: steer::Flag,
+    /// The run is to be cancelled at its next step boundary.
+    interrupt: steer::Flag,
 }
 
 /// Renews the lease every third of its length (at least every second, so a cancel or a message
@@ -732,6 +736,7 @@ async fn heartbeat(store: Arc<dyn RunLog>, lease: Lease, heard: Heard) {
         cancel,
         lost,
         inbox,
+        interrupt,
     } = heard;
     let every = (lease.ttl / 3).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut last_ok = std::time::Instant::now();
@@ -749,6 +754,9 @@ async fn heartbeat(store: Arc<dyn RunLog>, lease: Lease, heard: Heard) {
                 }
                 if st.messages_waiting {
                     inbox.raise();
+                }
+                if st.interrupt_requested {
+                    interrupt.raise();
                 }
             }
             Err(StoreError::LeaseLost(_)) => {

@@ -25,31 +25,39 @@ use super::{End, Engine, Flow};
 use crate::delegation::Wait;
 use crate::store::StoreError;
 
-/// Whether messages wait for the run: raised by its claim and its lease renewals, taken by the
-/// step boundary that delivers them.
+/// Something the next step boundary must act on, raised from outside the loop (its claim, its
+/// lease renewals): messages to deliver, or an interrupt.
 #[derive(Clone, Debug, Default)]
-pub(super) struct Mailbox(Arc<AtomicBool>);
+pub(super) struct Flag(Arc<AtomicBool>);
 
-impl Mailbox {
-    /// A mailbox that starts raised when `waiting`.
+impl Flag {
+    /// A flag that starts raised when `waiting`.
     pub fn new(waiting: bool) -> Self {
         Self(Arc::new(AtomicBool::new(waiting)))
     }
 
-    /// Messages wait.
+    /// Raises it.
     pub fn raise(&self) {
         self.0.store(true, Ordering::SeqCst);
     }
 
-    /// Whether messages wait, without taking them.
+    /// Whether it is raised, without lowering it.
     pub fn waiting(&self) -> bool {
         self.0.load(Ordering::SeqCst)
     }
 
-    /// Whether messages wait; lowered, so only arrivals after this raise it again.
+    /// Whether it was raised; lowered, so only what arrives after this raises it again.
     pub fn take(&self) -> bool {
         self.0.swap(false, Ordering::SeqCst)
     }
+}
+
+/// What the attempt hears from outside its loop, for its step boundaries.
+pub(super) struct Heard {
+    /// Messages wait.
+    pub inbox: Flag,
+    /// End the run as cancelled at the next boundary.
+    pub interrupt: Flag,
 }
 
 /// The result a delegation call parked on children gets when a message arrives: the model
@@ -104,8 +112,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_mailbox_is_taken_once_per_raise() {
-        let m = Mailbox::new(true);
+    fn a_flag_is_taken_once_per_raise() {
+        let m = Flag::new(true);
         assert!(m.waiting());
         assert!(m.take());
         assert!(!m.take());

@@ -317,7 +317,26 @@ pub struct LeaseStatus {
     pub cancel_requested: bool,
     /// Messages wait for its next step boundary ([`Inbox`]).
     pub messages_waiting: bool,
+    /// It is to be cancelled at its next step boundary ([`Runs::request_interrupt`]).
+    pub interrupt_requested: bool,
 }
+
+impl LeaseStatus {
+    /// Reads a renewal's `cancel_requested` and `inbox` columns: 1 asks for a cancel now, 2 for
+    /// one at the next step boundary (any other value but 0 is a cancel now).
+    pub(crate) fn from_columns(cancel: i64, inbox: i64) -> LeaseStatus {
+        LeaseStatus {
+            cancel_requested: cancel != 0 && cancel != INTERRUPT,
+            messages_waiting: inbox > 0,
+            interrupt_requested: cancel == INTERRUPT,
+        }
+    }
+}
+
+/// `sa_runs.cancel_requested` for a cancel at the run's next step boundary (an interrupt);
+/// 1 is a cancel now. Everything that reads the column at a boundary (a claim, a park) treats
+/// both alike; only a running run's lease renewal tells them apart.
+pub(crate) const INTERRUPT: i64 = 2;
 
 /// The answer to a cancel request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -473,6 +492,10 @@ pub trait Runs: Send + Sync + 'static {
 
     /// Events of a run with `seq > after`, at most `limit`.
     async fn events_after(&self, run: RunId, after: u64, limit: u32) -> Result<Vec<EventRecord>>;
+
+    /// Like [`Runs::request_cancel`], except that a running run is cancelled at its next step
+    /// boundary (the step in flight finishes and commits) rather than at once.
+    async fn request_interrupt(&self, run: RunId) -> Result<CancelOutcome>;
 
     /// Asks a run to stop; idempotent.
     async fn request_cancel(&self, run: RunId) -> Result<CancelOutcome>;

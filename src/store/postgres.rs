@@ -624,10 +624,7 @@ impl Commits {
 
 /// What a renewal's `cancel_requested, inbox` columns (from `at`) tell the holder.
 fn lease_status(r: &sqlx::postgres::PgRow, at: usize) -> LeaseStatus {
-    LeaseStatus {
-        cancel_requested: r.get::<i64, _>(at) != 0,
-        messages_waiting: r.get::<i64, _>(at + 1) > 0,
-    }
+    LeaseStatus::from_columns(r.get(at), r.get(at + 1))
 }
 
 impl group::Progress for Commits {

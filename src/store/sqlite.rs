@@ -511,10 +511,7 @@ impl<'a> Appends<'a> {
 
 /// What a renewal's `RETURNING …, cancel_requested, inbox` row tells the holder.
 fn lease_status(r: &SqliteRow) -> LeaseStatus {
-    LeaseStatus {
-        cancel_requested: r.get::<i64, _>(1) != 0,
-        messages_waiting: r.get::<i64, _>(2) > 0,
-    }
+    LeaseStatus::from_columns(r.get(1), r.get(2))
 }
 
 impl group::Renewals for Commits {

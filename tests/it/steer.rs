@@ -388,7 +388,8 @@ async fn the_messages_endpoint_refuses_what_it_cannot_deliver() {
 }
 
 /// `if_busy: steer` sends the input into the thread's active run; `interrupt` cancels that run
-/// (its work stays on the thread) and starts the new one when it has ended.
+/// at its next step boundary (the model call in flight is answered and committed, its work
+/// stays on the thread) and starts the new one when it has ended.
 #[tokio::test]
 async fn a_start_on_a_busy_thread_steers_or_interrupts_its_active_run() {
     let (t, alice) = setup(KEYS, 0).await;
@@ -423,6 +424,15 @@ async fn a_start_on_a_busy_thread_steers_or_interrupts_its_active_run() {
             .any(|e| e.kind == "message.delivered" && e.data["message_id"] == message_id)
     })
     .await;
+    // Interrupt while a model call is in flight: it is answered and committed first.
+    until("a model call of the active run is in flight", || async {
+        t.events(a)
+            .await
+            .last()
+            .is_some_and(|e| e.kind == "step.started")
+    })
+    .await;
+    let before = t.events(a).await.last().unwrap().seq;
     let (s, v) = alice
         .call(
             Method::POST,
@@ -440,6 +450,13 @@ async fn a_start_on_a_busy_thread_steers_or_interrupts_its_active_run() {
     assert_eq!(b_done.thread_id, a_done.thread_id);
     let a_events = t.events(a).await;
     assert_gap_free(&a_events, RunStatus::Cancelled);
+    assert!(
+        a_events
+            .iter()
+            .any(|e| e.kind == "model.completed" && e.seq > before),
+        "the step in flight finished before the interrupt took effect: {:?}",
+        kinds(&a_events)
+    );
     let b_events = t.events(b).await;
     assert!(
         a_events.last().unwrap().created_at

@@ -202,6 +202,7 @@ conformance!(
     a_message_is_delivered_once_and_holds_back_the_final_answer,
     a_fork_shares_its_history_up_to_its_point_without_copying_it,
     an_agent_version_is_pinned_with_the_run_and_kept_once,
+    an_interrupt_waits_for_the_boundary_and_a_cancel_does_not,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     a_start_writes_the_runs_job_with_its_place_in_the_queue,
@@ -1623,6 +1624,48 @@ async fn an_agent_version_is_pinned_with_the_run_and_kept_once(s: Backend) {
     assert_eq!(
         s.agent_version("0123456789ab").await.unwrap(),
         Some(("a".to_owned(), "first".to_owned()))
+    );
+}
+
+/// A running run's interrupt is heard by its lease renewal as an interrupt (the holder ends it
+/// at its next step boundary), not as a cancel now; a cancel asked later wins; a queued run is
+/// at a boundary, so its interrupt cancels it at once.
+async fn an_interrupt_waits_for_the_boundary_and_a_cancel_does_not(s: Backend) {
+    let (_, lease) = claimed_run(&s, Duration::from_secs(30)).await;
+    assert_eq!(
+        s.request_interrupt(lease.run_id).await.unwrap(),
+        CancelOutcome::Requested
+    );
+    let st = s.renew_lease(&lease).await.unwrap();
+    assert!(st.interrupt_requested && !st.cancel_requested, "{st:?}");
+    assert!(
+        s.get_run(lease.run_id)
+            .await
+            .unwrap()
+            .unwrap()
+            .cancel_requested,
+        "a claim or a park (boundaries) sees it as a cancel"
+    );
+    s.request_cancel(lease.run_id).await.unwrap();
+    let st = s.renew_lease(&lease).await.unwrap();
+    assert!(st.cancel_requested && !st.interrupt_requested, "{st:?}");
+    s.request_interrupt(lease.run_id).await.unwrap();
+    assert!(
+        s.renew_lease(&lease).await.unwrap().cancel_requested,
+        "an interrupt does not soften a cancel already asked"
+    );
+    let queued = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    assert_eq!(
+        s.request_interrupt(queued.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
+    assert_eq!(
+        s.get_run(queued.id).await.unwrap().unwrap().status,
+        RunStatus::Cancelled
     );
 }
 

@@ -145,6 +145,27 @@ where
         })
     }
 
+    async fn request_interrupt(&self, run: RunId) -> Result<CancelOutcome> {
+        // A cancel now already asked for stays one.
+        let flagged = sqlx::query(
+            "UPDATE sa_runs SET cancel_requested = CASE WHEN cancel_requested = 0 THEN $1 ELSE cancel_requested END, \
+             updated_at = $2 WHERE id = $3 AND status = 'running'",
+        )
+        .bind(INTERRUPT)
+        .bind(Utc::now())
+        .bind(run.to_string())
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        if flagged > 0 {
+            self.notifier().notify(run);
+            self.cancels().notify(run);
+            return Ok(CancelOutcome::Requested);
+        }
+        // Queued or parked, it is at a boundary now; ended or missing, the answer says so.
+        self.request_cancel(run).await
+    }
+
     async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>> {
         let id: Option<String> = sqlx::query_scalar(S::statements().next_queued.as_str())
             .bind(thread.as_str())
