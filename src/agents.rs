@@ -563,6 +563,34 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
     })
 }
 
+/// Every definition file under `dir`: each `*.md` in it and its subdirectories, hidden ones
+/// left out, in path order (a missing directory has none).
+pub fn definition_files(dir: &Path) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = vec![];
+    let mut dirs = vec![dir.to_owned()];
+    while let Some(d) = dirs.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let hidden = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with('.'));
+            match e.file_type() {
+                Ok(t) if t.is_dir() && !hidden => dirs.push(p),
+                Ok(t) if t.is_file() && p.extension().is_some_and(|x| x == "md") && !hidden => {
+                    paths.push(p)
+                }
+                _ => {}
+            }
+        }
+    }
+    paths.sort();
+    paths
+}
+
 /// The definitions visible to this process.
 #[derive(Clone, Debug)]
 pub struct AgentRegistry {
@@ -597,28 +625,7 @@ impl AgentRegistry {
     pub fn load_dir(dir: &Path) -> (Self, Vec<AgentFileError>) {
         let mut reg = Self::builtin();
         let mut errors = vec![];
-        let mut paths: Vec<PathBuf> = vec![];
-        let mut dirs = vec![dir.to_owned()];
-        while let Some(d) = dirs.pop() {
-            let Ok(rd) = std::fs::read_dir(&d) else {
-                continue;
-            };
-            for e in rd.flatten() {
-                let p = e.path();
-                let hidden = p
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with('.'));
-                match e.file_type() {
-                    Ok(t) if t.is_dir() && !hidden => dirs.push(p),
-                    Ok(t) if t.is_file() && p.extension().is_some_and(|x| x == "md") && !hidden => {
-                        paths.push(p)
-                    }
-                    _ => {}
-                }
-            }
-        }
-        paths.sort();
+        let paths = definition_files(dir);
         let mut from_files: BTreeMap<String, PathBuf> = BTreeMap::new();
         for path in paths {
             let text = match std::fs::read_to_string(&path) {

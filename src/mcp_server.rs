@@ -380,6 +380,11 @@ impl McpRuns {
                         Ok((_, crate::store::Sent::NotFound)) => {
                             refuse(format!("there is no run {}", r.id))
                         }
+                        Ok((_, crate::store::Sent::Full)) => refuse(format!(
+                            "{} messages already wait for run {}; send more after its next step",
+                            crate::store::MAX_WAITING_MESSAGES,
+                            r.id
+                        )),
                         Err(e) => refuse(format!("storage: {e}")),
                     }
                 }

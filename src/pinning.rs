@@ -174,25 +174,19 @@ impl Agents {
     }
 }
 
-/// Every definition file's size and modification time under `dir` (as `load_dir` walks it).
+/// Every definition file's size and modification time under `dir` (the files `load_dir` reads).
 fn fingerprint(dir: &Path) -> Fingerprint {
-    let mut out = Fingerprint::new();
-    let mut dirs = vec![dir.to_owned()];
-    while let Some(d) = dirs.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let p = e.path();
-            let Ok(meta) = e.metadata() else { continue };
-            if meta.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "md") {
-                out.insert(p, (meta.len(), meta.modified().ok()));
-            }
-        }
-    }
-    out
+    crate::agents::definition_files(dir)
+        .into_iter()
+        .map(|p| {
+            let meta = std::fs::metadata(&p).ok();
+            let seen = (
+                meta.as_ref().map_or(0, |m| m.len()),
+                meta.and_then(|m| m.modified().ok()),
+            );
+            (p, seen)
+        })
+        .collect()
 }
 
 /// What changed between two loads, per agent: `added`, `removed`, or `version a -> b`.

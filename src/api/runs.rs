@@ -315,6 +315,9 @@ async fn start_busy(
         };
         if policy == BusyPolicy::Steer {
             let (message_id, sent) = state.app.send_message(active, &owner.0, &req.input).await?;
+            if sent == crate::store::Sent::Full {
+                return Err(inbox_full(active));
+            }
             if let crate::store::Sent::Accepted { .. } = sent
                 && let Some(run) = state.app.store.get_run(active).await?
             {
@@ -920,6 +923,18 @@ pub async fn cancel(
     }
 }
 
+/// 429 `inbox_full`: as many messages as may wait for one run already do.
+fn inbox_full(run: RunId) -> ApiError {
+    ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "inbox_full",
+        format!(
+            "{} messages already wait for run {run}; send more once it has read them (its next step)",
+            crate::store::MAX_WAITING_MESSAGES
+        ),
+    )
+}
+
 /// The body of `POST /v1/runs/{id}/messages`.
 #[derive(Deserialize, Debug, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -948,7 +963,7 @@ pub struct MessageSent {
 /// calls. A run parked on children wakes for it; one parked on an approval or a rate limit
 /// hears it when that ends. 409 `already_finished` once the run has ended.
 #[utoipa::path(post, path = "/v1/runs/{id}/messages", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id")), request_body = MessageBody,
-    responses((status = 202, body = MessageSent), (status = 409, description = "already_finished", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 413, body = ErrorBody), (status = 422, body = ErrorBody), (status = 503, body = ErrorBody)))]
+    responses((status = 202, body = MessageSent), (status = 409, description = "already_finished", body = ErrorBody), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 413, body = ErrorBody), (status = 422, body = ErrorBody), (status = 429, description = "inbox_full", body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn message(
     State(state): State<ApiState>,
     owner: Owner,
@@ -1007,6 +1022,7 @@ pub async fn message(
                 details: Some(json!({"status": s, "thread_id": thread.to_string()})),
             })
         }
+        (_, crate::store::Sent::Full) => Err(inbox_full(id)),
         (_, crate::store::Sent::NotFound) => Err(ApiError::not_found("run")),
     }
 }

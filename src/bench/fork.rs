@@ -30,19 +30,7 @@ pub struct ForkBenchArgs {
 /// its end, and the context read (the newest 200 messages, as a claim reads it) of the original
 /// and of a fork. Prints one JSON line; true when a fork wrote no message row.
 pub async fn run(mut settings: Settings, args: ForkBenchArgs) -> anyhow::Result<bool> {
-    let dir = std::env::temp_dir().join(format!(
-        "subagents-bench-fork-{}",
-        uuid::Uuid::now_v7().simple()
-    ));
-    std::fs::create_dir_all(&dir)?;
-    settings.database_url = if args.dsn.is_empty() {
-        format!("sqlite://{}", dir.join("bench.db").display())
-    } else {
-        args.dsn.clone()
-    };
-    settings.jobs_dir = dir.join("jobs");
-    settings.workspace = dir.join("workspace");
-    settings.concurrency = 0;
+    let dir = super::scratch(&mut settings, "fork", &args.dsn)?;
     let app = crate::app::App::open(settings).await?;
     let store = app.store.clone();
     let owner: OwnerId = crate::app::LOCAL_OWNER.into();

@@ -832,6 +832,29 @@ pub async fn run_context(mut settings: Settings, args: ContextBenchArgs) -> anyh
     Ok(ok)
 }
 
+/// A fresh directory for a bench that serves no runs (no workers): its jobs, its workspace, and
+/// its SQLite file unless `dsn` names a database. The caller removes it.
+pub(crate) fn scratch(
+    settings: &mut Settings,
+    name: &str,
+    dsn: &str,
+) -> anyhow::Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "subagents-bench-{name}-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::create_dir_all(&dir)?;
+    settings.database_url = if dsn.is_empty() {
+        format!("sqlite://{}", dir.join("bench.db").display())
+    } else {
+        dsn.to_owned()
+    };
+    settings.jobs_dir = dir.join("jobs");
+    settings.workspace = dir.join("workspace");
+    settings.concurrency = 0;
+    Ok(dir)
+}
+
 /// Arguments of `subagents bench-dashboard`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DashboardBenchArgs {
@@ -857,19 +880,7 @@ pub async fn run_dashboard(
     mut settings: Settings,
     args: DashboardBenchArgs,
 ) -> anyhow::Result<bool> {
-    let dir = std::env::temp_dir().join(format!(
-        "subagents-bench-dashboard-{}",
-        uuid::Uuid::now_v7().simple()
-    ));
-    std::fs::create_dir_all(&dir)?;
-    settings.database_url = if args.dsn.is_empty() {
-        format!("sqlite://{}", dir.join("bench.db").display())
-    } else {
-        args.dsn.clone()
-    };
-    settings.jobs_dir = dir.join("jobs");
-    settings.workspace = dir.join("workspace");
-    settings.concurrency = 0;
+    let dir = scratch(&mut settings, "dashboard", &args.dsn)?;
     let app = std::sync::Arc::new(crate::app::App::open(settings).await?);
     app.store.wipe().await?;
     let owner = crate::app::LOCAL_OWNER;

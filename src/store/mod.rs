@@ -818,6 +818,10 @@ pub enum Forked {
     Empty,
 }
 
+/// Messages that may wait for one run at once; more are refused until it takes them (a
+/// client cannot grow a run's inbox, and its next request, without bound).
+pub const MAX_WAITING_MESSAGES: i64 = 64;
+
 /// The answer to [`Inbox::send_message`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sent {
@@ -830,6 +834,8 @@ pub enum Sent {
     },
     /// The run has ended: a message can no longer reach it.
     Finished(RunStatus),
+    /// [`MAX_WAITING_MESSAGES`] already wait for the run: nothing more until it takes them.
+    Full,
     /// No such run of this owner.
     NotFound,
 }

@@ -1282,3 +1282,105 @@ async fn a_worker_process_starts_runs_without_waiting_for_its_poll() {
         );
     }
 }
+
+/// The pinned definition travels with the run: the workers here have no jobs directory, yet
+/// they run an agent only the starter's files define, with its system prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_without_the_agents_file_runs_the_pinned_definition() {
+    let jobs = tempfile::tempdir().unwrap();
+    std::fs::write(
+        jobs.path().join("traveller.md"),
+        "---\nname: traveller\ndescription: only the starter has this file\n---\nPROMPT-TRAVELLER you test pinning.\n",
+    )
+    .unwrap();
+    let f = fleet_with_jobs(0, 1, 2, Some(jobs.path())).await;
+    let r = f
+        .app
+        .start_run(StartRun {
+            agent: Some("traveller".into()),
+            input: "SCENARIO steps=2 run=traveller".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let done = wait_all(&f, &[r], Duration::from_secs(60)).await.remove(0);
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let prompts: Vec<String> = f
+        .mock
+        .state
+        .log()
+        .into_iter()
+        .filter(|e| e.scenario.contains("run=traveller"))
+        .map(|e| e.system)
+        .collect();
+    assert_eq!(prompts.len(), 2, "{prompts:?}");
+    assert!(
+        prompts.iter().all(|p| p.starts_with("PROMPT-TRAVELLER")),
+        "{prompts:?}"
+    );
+}
+
+/// A message for a run held by a worker in another process reaches its next model call once
+/// (the holder hears of it through Redis's wake, or at its next lease renewal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_held_by_another_process_is_steered() {
+    let f = fleet(400, 1, 2).await;
+    let r = f
+        .app
+        .start_run(StartRun {
+            agent: Some("echo".into()),
+            input: "SCENARIO steps=4 tool=echo run=steer-fleet".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f
+        .app
+        .store
+        .events_after(r.id, 0, 100)
+        .await
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == "step.started")
+    {
+        assert!(Instant::now() < deadline, "the run starts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, sent) = f
+        .app
+        .send_message(r.id, &r.owner, "STEER-FLEET from another process")
+        .await
+        .unwrap();
+    assert!(
+        matches!(sent, subagents::store::Sent::Accepted { .. }),
+        "{sent:?}"
+    );
+    let done = wait_all(&f, &[r], Duration::from_secs(60)).await.remove(0);
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let events = f.app.store.events_after(done.id, 0, 1000).await.unwrap();
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind == "message.delivered")
+            .count(),
+        1
+    );
+    let carrying: Vec<_> = f
+        .mock
+        .state
+        .log()
+        .into_iter()
+        .filter(|e| e.status == 200 && e.user_texts.iter().any(|u| u.contains("STEER-FLEET")))
+        .collect();
+    assert!(!carrying.is_empty(), "a request carried the message");
+    for e in carrying {
+        assert_eq!(
+            e.user_texts
+                .iter()
+                .filter(|u| u.contains("STEER-FLEET"))
+                .count(),
+            1
+        );
+    }
+}

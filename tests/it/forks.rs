@@ -111,42 +111,39 @@ async fn a_fork_goes_on_apart_from_its_thread() {
         .await;
     assert_eq!((s, code(&v)), (StatusCode::NOT_FOUND, "not_found"), "{v}");
     let later = ov["messages"].as_array().unwrap().last().unwrap()["id"].clone();
-    let (s, v) = alice
-        .call(
-            Method::POST,
-            &format!("/v1/threads/{fork_thread}/fork"),
-            Some(json!({"at_message": later})),
-        )
-        .await;
-    assert_eq!(
-        (s, code(&v)),
-        (StatusCode::UNPROCESSABLE_ENTITY, "no_such_message"),
-        "{v}"
-    );
-    let (s, v) = alice
-        .call(
-            Method::POST,
-            "/v1/threads/forked-thread/fork",
-            Some(json!({"at_message": input_id, "at_run": fork_run})),
-        )
-        .await;
-    assert_eq!(
-        (s, code(&v)),
-        (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
-        "{v}"
-    );
-    let (s, v) = alice
-        .call(
-            Method::POST,
-            "/v1/threads/forked-thread/fork",
-            Some(json!({"at_run": fork_run})),
-        )
-        .await;
-    assert_eq!(
-        (s, code(&v)),
-        (StatusCode::UNPROCESSABLE_ENTITY, "no_such_run"),
-        "{v}"
-    );
+    let refused = [
+        // A message of the source after the fork point is not in the fork's history.
+        (
+            fork_thread.clone(),
+            json!({"at_message": later}),
+            "no_such_message",
+        ),
+        (
+            "forked-thread".to_owned(),
+            json!({"at_message": input_id, "at_run": fork_run}),
+            "invalid_request",
+        ),
+        // The fork's run is not a run of the original thread.
+        (
+            "forked-thread".to_owned(),
+            json!({"at_run": fork_run}),
+            "no_such_run",
+        ),
+    ];
+    for (thread, body, want) in refused {
+        let (s, v) = alice
+            .call(
+                Method::POST,
+                &format!("/v1/threads/{thread}/fork"),
+                Some(body),
+            )
+            .await;
+        assert_eq!(
+            (s, code(&v)),
+            (StatusCode::UNPROCESSABLE_ENTITY, want),
+            "{v}"
+        );
+    }
     // `subagents fork` is the same call from the command line.
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_subagents"))
         .args(["fork", &fork_thread, "--at", &input_id.to_string()])

@@ -27,6 +27,17 @@ where
     }
 }
 
+/// Waits until the run's first step has started (its model call is in flight).
+async fn first_step_started(t: &TestApp, run: &RunRecord) {
+    until("the first step starts", || async {
+        t.events(run.id)
+            .await
+            .iter()
+            .any(|e| e.kind == "step.started")
+    })
+    .await;
+}
+
 async fn send(t: &TestApp, run: &RunRecord, text: &str) {
     let (_, sent) = t.app.send_message(run.id, &run.owner, text).await.unwrap();
     assert!(matches!(sent, Sent::Accepted { .. }), "{sent:?}");
@@ -77,13 +88,7 @@ async fn a_message_sent_while_running_reaches_the_next_model_call_once() {
     let run = t
         .start("SCENARIO steps=3 latency_ms=600 run=steer-running")
         .await;
-    until("the first step starts", || async {
-        t.events(run.id)
-            .await
-            .iter()
-            .any(|e| e.kind == "step.started")
-    })
-    .await;
+    first_step_started(&t, &run).await;
     send(&t, &run, "STEER-RUNNING also count the files").await;
     let done = t.wait(run.id).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
@@ -118,13 +123,7 @@ async fn a_message_that_meets_the_final_answer_is_answered_before_the_run_ends()
     let run = t
         .start("SCENARIO steps=1 latency_ms=1500 run=steer-final")
         .await;
-    until("the model call is in flight", || async {
-        t.events(run.id)
-            .await
-            .iter()
-            .any(|e| e.kind == "step.started")
-    })
-    .await;
+    first_step_started(&t, &run).await;
     send(&t, &run, "STEER-FINAL and say it in French").await;
     let done = t.wait(run.id).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");

@@ -1450,6 +1450,32 @@ async fn a_message_is_delivered_once_and_holds_back_the_final_answer(s: Backend)
     // The fence of an unforced answer holds once nothing waits.
     let (_, lease) = claimed_run(&s, Duration::from_secs(30)).await;
     s.checkpoint(&lease, answer(false)).await.unwrap();
+    // A run's inbox is bounded: the next message is refused until the run takes them.
+    let (_, lease) = claimed_run(&s, Duration::from_secs(30)).await;
+    for i in 0..MAX_WAITING_MESSAGES {
+        let id = subagents::ids::MessageId::generate();
+        let sent = s
+            .send_message(lease.run_id, &owner, &id, &format!("m{i}"))
+            .await;
+        assert!(matches!(sent, Ok(Sent::Accepted { .. })), "{i}: {sent:?}");
+    }
+    let id = subagents::ids::MessageId::generate();
+    assert_eq!(
+        s.send_message(lease.run_id, &owner, &id, "one too many")
+            .await
+            .unwrap(),
+        Sent::Full
+    );
+    assert_eq!(
+        s.deliver_messages(&lease, 1).await.unwrap().len() as i64,
+        MAX_WAITING_MESSAGES
+    );
+    assert!(matches!(
+        s.send_message(lease.run_id, &owner, &id, "room again")
+            .await
+            .unwrap(),
+        Sent::Accepted { .. }
+    ));
 }
 
 /// A fork's history is the source's up to its point, read through the lineage (no message is

@@ -44,13 +44,14 @@ where
             "UPDATE sa_runs SET inbox = inbox + 1, event_seq = event_seq + 1, updated_at = $1, \
              wake_at = CASE WHEN status = 'waiting' AND EXISTS (SELECT 1 FROM sa_run_waits w WHERE w.waiter = sa_runs.id) \
                THEN $2 ELSE wake_at END \
-             WHERE id = $3 AND owner = $4 AND status IN ('queued', 'running', 'waiting') \
+             WHERE id = $3 AND owner = $4 AND status IN ('queued', 'running', 'waiting') AND inbox < $5 \
              RETURNING event_seq, status, wake_at",
         )
         .bind(now)
         .bind(now_ms())
         .bind(run.to_string())
         .bind(owner)
+        .bind(MAX_WAITING_MESSAGES)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {
@@ -61,7 +62,8 @@ where
                     .fetch_optional(self.pool())
                     .await?;
             return Ok(match status {
-                Some((st, o)) if o == *owner => Sent::Finished(st),
+                Some((st, o)) if o == *owner && st.is_terminal() => Sent::Finished(st),
+                Some((_, o)) if o == *owner => Sent::Full,
                 _ => Sent::NotFound,
             });
         };
