@@ -100,11 +100,11 @@ impl Agents {
     /// process pins it (a built-in has no text to keep), and returns the version.
     pub async fn pin(&self, store: &dyn RunLog, agent: &AgentDef) -> Result<String, StoreError> {
         if let Some(text) = &agent.text {
-            let fresh = self
-                .recorded
-                .lock()
-                .expect("agents lock")
-                .insert(agent.version.clone());
+            // Known versions (every start but the first of each) cost a lookup, not a copy.
+            let fresh = {
+                let mut recorded = self.recorded.lock().expect("agents lock");
+                !recorded.contains(&agent.version) && recorded.insert(agent.version.clone())
+            };
             if fresh
                 && let Err(e) = store
                     .record_agent_version(&agent.version, &agent.name, text)
