@@ -272,8 +272,10 @@ impl App {
             }
         }
         let policy =
-            crate::policy::load_settings(&settings.settings_file).map_err(OpenError::Config)?;
-        for (source, rule) in Self::rules_naming_no_tool(&settings, &agents, &policy) {
+            crate::pinning::Settings::load(&settings.settings_file).map_err(OpenError::Config)?;
+        for (source, rule) in
+            Self::rules_naming_no_tool(&settings, &agents, &policy.current().policy)
+        {
             tracing::warn!(source = %source, rule = %rule, "a permission rule names no tool this server has (names are case-sensitive: Bash, Read, Edit, Write, WebFetch, mcp__<server>…); it never matches");
         }
         let redis = match &settings.redis_url {
@@ -358,6 +360,7 @@ impl App {
             queue: queue.clone(),
             deltas: redis.clone(),
             budgets: crate::budget::Budgets::new(store.clone(), redis.clone()),
+            menus: crate::engine::menus(),
         });
         Ok(App {
             settings,

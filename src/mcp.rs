@@ -204,6 +204,17 @@ pub enum McpError {
         /// Why.
         why: String,
     },
+    /// The server no longer offers a tool the run's menu has (its tool list changed since the
+    /// run pinned it).
+    #[error(
+        "the MCP server `{server}` no longer offers `{tool}` (its tool list changed after this run started); do without it"
+    )]
+    Gone {
+        /// Server.
+        server: String,
+        /// Tool.
+        tool: String,
+    },
     /// The call failed at the protocol level.
     #[error("error[mcp_call_failed]: `{tool}` on the MCP server `{server}` failed: {why}")]
     Call {
@@ -446,6 +457,13 @@ impl Hub {
         };
         for attempt in 0..2 {
             let live = self.connect(server, owner).await?;
+            // The run's menu is the list it pinned; the server's may have changed since.
+            if !live.tools.iter().any(|t| t.name == tool) {
+                return Err(McpError::Gone {
+                    server: server.into(),
+                    tool: tool.into(),
+                });
+            }
             let mut params = CallToolRequestParams::new(tool.to_owned());
             params.arguments = args.clone();
             match live.service.call_tool(params).await {

@@ -8,14 +8,20 @@
 //! the directory's files (names, sizes, modification times) at most once a second, and a change
 //! is reloaded and logged. A broken file keeps its last good definition out of the way exactly
 //! as at start: it is reported, and the other files load.
+//!
+//! The settings file (hooks, permission rules) is versioned and re-read the same way
+//! ([`Settings`]); a run pins the version it first ran under, as it pins its model and each MCP
+//! server's tool list (the engine's `pins`). Those texts are kept once per version too
+//! ([`Texts`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::agents::{AgentDef, AgentRegistry};
+use crate::agents::{AgentDef, AgentRegistry, content_version};
 use crate::domain::RunRecord;
+use crate::policy::Policy;
 use crate::store::{RunLog, StoreError};
 
 /// How often the jobs directory is looked at for changes, at most.
@@ -28,11 +34,90 @@ type Fingerprint = BTreeMap<PathBuf, (u64, Option<SystemTime>)>;
 pub struct Agents {
     dir: PathBuf,
     current: RwLock<Arc<AgentRegistry>>,
-    seen: Mutex<(Instant, Fingerprint)>,
-    /// Pinned definitions read back from the store, by version.
-    pinned: Mutex<HashMap<String, Arc<AgentDef>>>,
-    /// Versions this process has recorded in the store.
+    seen: Watch,
+    kept: Kept<AgentDef>,
+}
+
+/// The last look at watched files: when, and what it saw.
+struct Watch(Mutex<(Instant, Fingerprint)>);
+
+impl Watch {
+    fn new(seen: Fingerprint) -> Watch {
+        Watch(Mutex::new((Instant::now(), seen)))
+    }
+
+    /// Whether the files changed since the last look, looking at most once a second (and
+    /// never while another look is under way).
+    fn changed(&self, look: impl FnOnce() -> Fingerprint) -> bool {
+        let Ok(mut seen) = self.0.try_lock() else {
+            return false;
+        };
+        if seen.0.elapsed() < CHECK_EVERY {
+            return false;
+        }
+        seen.0 = Instant::now();
+        let now = look();
+        if now == seen.1 {
+            return false;
+        }
+        seen.1 = now;
+        true
+    }
+
+    #[cfg(test)]
+    fn look_now(&self) {
+        self.0.lock().unwrap().0 -= CHECK_EVERY;
+    }
+}
+
+/// The versions this process wrote to the store, and those it read back, parsed.
+struct Kept<T> {
     recorded: Mutex<HashSet<String>>,
+    read: Mutex<HashMap<String, Arc<T>>>,
+}
+
+impl<T> Default for Kept<T> {
+    fn default() -> Self {
+        Kept {
+            recorded: Mutex::default(),
+            read: Mutex::default(),
+        }
+    }
+}
+
+impl<T> Kept<T> {
+    /// Writes `version` with `write` the first time this process pins it: every later start
+    /// costs a lookup here, not a copy.
+    async fn record<F>(&self, version: &str, write: F) -> Result<(), StoreError>
+    where
+        F: std::future::Future<Output = Result<(), StoreError>>,
+    {
+        let fresh = {
+            let mut recorded = self.recorded.lock().expect("pinning lock");
+            !recorded.contains(version) && recorded.insert(version.to_owned())
+        };
+        if fresh && let Err(e) = write.await {
+            self.recorded.lock().expect("pinning lock").remove(version);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn get(&self, version: &str) -> Option<Arc<T>> {
+        self.read
+            .lock()
+            .expect("pinning lock")
+            .get(version)
+            .cloned()
+    }
+
+    fn keep(&self, version: &str, value: Arc<T>) -> Arc<T> {
+        self.read
+            .lock()
+            .expect("pinning lock")
+            .insert(version.to_owned(), value.clone());
+        value
+    }
 }
 
 impl Agents {
@@ -43,9 +128,8 @@ impl Agents {
         let agents = Agents {
             dir: dir.to_owned(),
             current: RwLock::new(Arc::new(reg)),
-            seen: Mutex::new((Instant::now(), fingerprint(dir))),
-            pinned: Mutex::default(),
-            recorded: Mutex::default(),
+            seen: Watch::new(fingerprint(dir)),
+            kept: Kept::default(),
         };
         (agents, errors)
     }
@@ -55,9 +139,8 @@ impl Agents {
         Agents {
             dir: PathBuf::new(),
             current: RwLock::new(Arc::new(reg)),
-            seen: Mutex::new((Instant::now(), Fingerprint::new())),
-            pinned: Mutex::default(),
-            recorded: Mutex::default(),
+            seen: Watch::new(Fingerprint::new()),
+            kept: Kept::default(),
         }
     }
 
@@ -70,21 +153,9 @@ impl Agents {
     /// Re-reads the directory when a second has passed since the last look and its files
     /// changed; says in the log what changed.
     fn refresh(&self) {
-        if self.dir.as_os_str().is_empty() {
+        if self.dir.as_os_str().is_empty() || !self.seen.changed(|| fingerprint(&self.dir)) {
             return;
         }
-        let Ok(mut seen) = self.seen.try_lock() else {
-            return;
-        };
-        if seen.0.elapsed() < CHECK_EVERY {
-            return;
-        }
-        seen.0 = Instant::now();
-        let now = fingerprint(&self.dir);
-        if now == seen.1 {
-            return;
-        }
-        seen.1 = now;
         let (reg, errors) = AgentRegistry::load_dir(&self.dir);
         for e in &errors {
             tracing::warn!("agent definition skipped: {e}");
@@ -100,22 +171,12 @@ impl Agents {
     /// process pins it (a built-in has no text to keep), and returns the version.
     pub async fn pin(&self, store: &dyn RunLog, agent: &AgentDef) -> Result<String, StoreError> {
         if let Some(text) = &agent.text {
-            // Known versions (every start but the first of each) cost a lookup, not a copy.
-            let fresh = {
-                let mut recorded = self.recorded.lock().expect("agents lock");
-                !recorded.contains(&agent.version) && recorded.insert(agent.version.clone())
-            };
-            if fresh
-                && let Err(e) = store
-                    .record_agent_version(&agent.version, &agent.name, text)
-                    .await
-            {
-                self.recorded
-                    .lock()
-                    .expect("agents lock")
-                    .remove(&agent.version);
-                return Err(e);
-            }
+            self.kept
+                .record(
+                    &agent.version,
+                    store.record_agent_version(&agent.version, &agent.name, text),
+                )
+                .await?;
         }
         Ok(agent.version.clone())
     }
@@ -133,21 +194,14 @@ impl Agents {
         {
             return Ok(Some(d));
         }
-        if let Some(d) = self.pinned.lock().expect("agents lock").get(version) {
-            return Ok(Some(d.clone()));
+        if let Some(d) = self.kept.get(version) {
+            return Ok(Some(d));
         }
         let Some((name, text)) = store.agent_version(version).await? else {
             return Ok(None);
         };
         match crate::agents::parse_agent(Path::new(&format!("{name}.md")), &text) {
-            Ok(def) => {
-                let def = Arc::new(def);
-                self.pinned
-                    .lock()
-                    .expect("agents lock")
-                    .insert(version.to_owned(), def.clone());
-                Ok(Some(def))
-            }
+            Ok(def) => Ok(Some(self.kept.keep(version, Arc::new(def)))),
             Err(e) => {
                 tracing::warn!(agent, version, error = %e, "a pinned agent definition no longer parses; using the current one");
                 Ok(None)
@@ -172,6 +226,204 @@ impl Agents {
         }
         Ok(self.current().shared(run.agent.as_str()))
     }
+}
+
+/// Pinned texts of one kind (settings files, MCP tool lists), parsed: each version written to
+/// the store once by this process, and read back and parsed once.
+pub struct Texts<T> {
+    kept: Kept<T>,
+    what: &'static str,
+    parse: fn(&str) -> Result<T, String>,
+}
+
+impl<T> Texts<T> {
+    /// Texts of a kind named `what` (for the log), read with `parse`.
+    pub fn new(what: &'static str, parse: fn(&str) -> Result<T, String>) -> Texts<T> {
+        Texts {
+            kept: Kept::default(),
+            what,
+            parse,
+        }
+    }
+
+    /// Keeps `text` as `version` in the store (the first time this process pins it).
+    pub async fn pin(
+        &self,
+        store: &dyn RunLog,
+        version: &str,
+        text: &str,
+    ) -> Result<(), StoreError> {
+        self.kept
+            .record(version, store.record_pinned_text(version, text))
+            .await
+    }
+
+    /// The kept text of `version`, parsed; `None` when the store has no such version or it no
+    /// longer parses (said in the log).
+    pub async fn at_version(
+        &self,
+        store: &dyn RunLog,
+        version: &str,
+    ) -> Result<Option<Arc<T>>, StoreError> {
+        if let Some(v) = self.kept.get(version) {
+            return Ok(Some(v));
+        }
+        let Some(text) = store.pinned_text(version).await? else {
+            return Ok(None);
+        };
+        match (self.parse)(&text) {
+            Ok(v) => Ok(Some(self.kept.keep(version, Arc::new(v)))),
+            Err(e) => {
+                tracing::warn!(what = self.what, version, error = %e, "a pinned version no longer parses");
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// The version of "no settings file": no hooks, no rules.
+pub const NO_SETTINGS: &str = "none";
+
+/// One version of the settings file.
+pub struct SettingsVersion {
+    /// A hash of the file's text ([`NO_SETTINGS`] without a file).
+    pub version: String,
+    /// The file's text (`None` without a file, or for a fixed policy: nothing to keep).
+    text: Option<String>,
+    /// What it says.
+    pub policy: Arc<Policy>,
+}
+
+/// The operator's settings file (`SUBAGENTS_SETTINGS`): its current version, re-read when the
+/// file changes (looked at, at most once a second, when a run starts), and the versions runs
+/// pinned. A file that no longer parses keeps the last good version in force, and says why.
+pub struct Settings {
+    path: PathBuf,
+    current: RwLock<Arc<SettingsVersion>>,
+    seen: Watch,
+    texts: Texts<Policy>,
+}
+
+impl Settings {
+    /// The file at `path` (missing: no hooks and no rules). A file that does not parse is an
+    /// error at start: nothing has run under it yet.
+    pub fn load(path: &Path) -> Result<Settings, String> {
+        Ok(Settings {
+            path: path.to_owned(),
+            current: RwLock::new(Arc::new(read_settings(path)?)),
+            seen: Watch::new(file_fingerprint(path)),
+            texts: Texts::new("settings file", parse_settings),
+        })
+    }
+
+    /// A fixed policy (tests and embedders): never re-read, never kept in the store.
+    pub fn fixed(policy: Policy) -> Settings {
+        Settings {
+            path: PathBuf::new(),
+            current: RwLock::new(Arc::new(SettingsVersion {
+                version: "fixed".into(),
+                text: None,
+                policy: Arc::new(policy),
+            })),
+            seen: Watch::new(Fingerprint::new()),
+            texts: Texts::new("settings file", parse_settings),
+        }
+    }
+
+    /// The current version (the file re-read first when it changed).
+    pub fn current(&self) -> Arc<SettingsVersion> {
+        if !self.path.as_os_str().is_empty() && self.seen.changed(|| file_fingerprint(&self.path)) {
+            match read_settings(&self.path) {
+                Ok(now) => {
+                    tracing::info!(file = %self.path.display(), version = %now.version, "settings file changed; new runs take the new version, running ones keep theirs");
+                    *self.current.write().expect("settings lock") = Arc::new(now);
+                }
+                Err(e) => {
+                    tracing::error!(file = %self.path.display(), error = %e, "settings file changed but does not load; new runs keep the last good version");
+                }
+            }
+        }
+        self.current.read().expect("settings lock").clone()
+    }
+
+    /// Pins the current version for a new run: keeps its text in the store (once), and
+    /// returns the version.
+    pub async fn pin(&self, store: &dyn RunLog) -> Result<String, StoreError> {
+        let now = self.current();
+        if let Some(text) = &now.text {
+            self.texts.pin(store, &now.version, text).await?;
+        }
+        Ok(now.version.clone())
+    }
+
+    /// The policy of `version`: the current one's, none for [`NO_SETTINGS`], else the one the
+    /// store kept. `None` when neither knows it.
+    pub async fn at_version(
+        &self,
+        store: &dyn RunLog,
+        version: &str,
+    ) -> Result<Option<Arc<Policy>>, StoreError> {
+        let now = self.current();
+        if now.version == version {
+            return Ok(Some(now.policy.clone()));
+        }
+        if version == NO_SETTINGS {
+            return Ok(Some(Arc::default()));
+        }
+        self.texts.at_version(store, version).await
+    }
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("path", &self.path)
+            .field(
+                "version",
+                &self.current.read().expect("settings lock").version,
+            )
+            .finish()
+    }
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings::fixed(Policy::default())
+    }
+}
+
+fn parse_settings(text: &str) -> Result<Policy, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    crate::policy::parse_policy(&v)
+}
+
+/// The settings file's current version: its text parsed and hashed.
+fn read_settings(path: &Path) -> Result<SettingsVersion, String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(SettingsVersion {
+                version: NO_SETTINGS.into(),
+                text: None,
+                policy: Arc::default(),
+            });
+        }
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let policy = parse_settings(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(SettingsVersion {
+        version: content_version(&text),
+        text: Some(text),
+        policy: Arc::new(policy),
+    })
+}
+
+/// One file's size and modification time (nothing when it is missing).
+fn file_fingerprint(path: &Path) -> Fingerprint {
+    std::fs::metadata(path)
+        .map(|m| Fingerprint::from([(path.to_owned(), (m.len(), m.modified().ok()))]))
+        .unwrap_or_default()
 }
 
 /// Every definition file's size and modification time under `dir` (the files `load_dir` reads).
@@ -232,14 +484,14 @@ mod tests {
         write(dir.path(), "a", "second, and longer");
         write(dir.path(), "b", "new");
         // The look happens at most once a second.
-        agents.seen.lock().unwrap().0 -= CHECK_EVERY;
+        agents.seen.look_now();
         let now = agents.current();
         let a = now.get("a").unwrap();
         assert_ne!(a.version, v1);
         assert!(a.system_prompt.starts_with("second"));
         assert!(now.get("b").is_some());
         std::fs::remove_file(dir.path().join("b.md")).unwrap();
-        agents.seen.lock().unwrap().0 -= CHECK_EVERY;
+        agents.seen.look_now();
         assert!(
             agents.current().get("b").is_none(),
             "a deleted file is gone for new runs"

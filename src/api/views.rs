@@ -50,6 +50,11 @@ pub struct RunView {
     /// The version of its agent's definition it runs (a hash of the file it started with; it
     /// keeps running that one when the file changes); `null` for runs from before versions.
     pub agent_version: Option<String>,
+    /// What else it fixed at its first claim and keeps for good: `settings` (the settings
+    /// file's version), `model`, `provider`, and `mcp:<server>` (the version of that server's
+    /// tool list as the run saw it). Empty until it first runs.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub pins: std::collections::BTreeMap<String, String>,
     /// State.
     pub status: RunStatus,
     /// Delegating run.
@@ -153,13 +158,14 @@ impl RunView {
                 _ => Ok(vec![]),
             }
         };
-        let (recent, queue_position, (children, tree), plan, approvals) = futures::try_join!(
+        let (recent, queue_position, (children, tree), plan, approvals, pins) = futures::try_join!(
             store.events_after(r.id, r.event_seq.saturating_sub(12), 12),
             queue_position,
             tree,
             // The plan as the agent last wrote it (a run that never planned costs one indexed read).
             store.last_call_arguments(r.id, "todo_write"),
             approvals,
+            store.run_pins(r.id),
         )?;
         let mut progress: Vec<String> = recent.iter().filter_map(progress_line).collect();
         let n = progress.len();
@@ -191,6 +197,7 @@ impl RunView {
             thread_id: r.thread_id.visible_to(&r.owner),
             agent: r.agent.into(),
             agent_version: r.agent_version,
+            pins,
             status: r.status,
             parent_run_id: r.parent_run_id,
             retry_of: r.retry_of,

@@ -59,6 +59,8 @@ pub(super) struct Attempt<'a> {
     pub inbox: Flag,
     /// Whether the run is to be cancelled at its next step boundary (`if_busy: interrupt`).
     pub interrupt: Flag,
+    /// The settings file's hooks and rules, as the run pinned them.
+    pub settings: std::sync::Arc<crate::policy::Policy>,
 }
 
 impl Attempt<'_> {
@@ -168,8 +170,9 @@ impl Engine {
                     ),
                 )
             })?;
-        let tools = self.offered_tools(run, &agent).await?;
-        let model = self.model_for(run, &agent).await?;
+        let pinned = self.pinned(run, &agent).await?;
+        let tools = self.offered_tools(run, &agent, &pinned).await?;
+        let model = pinned.model;
         let window = Window::resolve(
             &self.settings.context,
             &agent,
@@ -192,6 +195,7 @@ impl Engine {
             pressure: Pressure::default(),
             inbox: heard.inbox,
             interrupt: heard.interrupt,
+            settings: pinned.settings,
         };
         let input_key = format!("{}:input", run.id);
         if run.step == 0 && !a.ctx.history.iter().any(|m| m.key == input_key) {
@@ -203,17 +207,21 @@ impl Engine {
     /// What the run may call: the agent's tools, delegation when offered at its depth, its MCP
     /// servers' tools; a subagent never gets a tool an ancestor's `tools:` list leaves out
     /// (delegation is bounded by depth instead).
-    async fn offered_tools(&self, run: &RunRecord, agent: &AgentDef) -> Flow<Offered> {
+    async fn offered_tools(
+        &self,
+        run: &RunRecord,
+        agent: &AgentDef,
+        pinned: &super::pins::Pinned,
+    ) -> Flow<Offered> {
         let mut names = self.tools.allowed_for(agent);
         let mut specs = self.tools.specs(&names);
         if crate::delegation::offered(agent, run.tree.depth, &self.settings.delegation) {
             specs.extend(crate::delegation::specs(agent, &self.agents.current()));
             names.extend(crate::delegation::TOOL_NAMES.iter().map(|s| s.to_string()));
         }
-        self.add_mcp_tools(agent, &run.owner, &mut names, &mut specs)
-            .await;
+        self.add_mcp_tools(agent, pinned, &mut names, &mut specs);
         if run.parent_run_id.is_some() {
-            let chain = self.rule_chain(run).await?;
+            let chain = self.rule_chain(run, &pinned.settings).await?;
             names.retain(|t| {
                 crate::delegation::TOOL_NAMES.contains(&t.as_str())
                     || chain.ancestors().all(|a| super::tool_calls::lists(a, t))
@@ -248,7 +256,8 @@ impl Engine {
             HookEvent::RunStart
         };
         let extra = json!({"input": run.input, "parent_run_id": run.parent_run_id});
-        self.lifecycle_hooks(run, &a.agent, event, extra).await;
+        self.lifecycle_hooks(run, &a.settings, &a.agent, event, extra)
+            .await;
         Ok(())
     }
 
@@ -507,7 +516,7 @@ impl Engine {
         metrics::counter!("subagents_runs_finished_total", "status" => "succeeded").increment(1);
         tracing::info!(forced, steps = step, "run succeeded");
         let extra = json!({"result": result, "steps": step});
-        self.lifecycle_hooks(a.run, &a.agent, a.hook_for_stop(), extra)
+        self.lifecycle_hooks(a.run, &a.settings, &a.agent, a.hook_for_stop(), extra)
             .await;
         Err(End::Committed)
     }

@@ -510,7 +510,8 @@ impl Engine {
         };
         let extra = json!({"trigger": trigger, "first_message_id": ev.first_id, "last_message_id": ev.last_id});
         let hook = crate::policy::HookEvent::PreCompact;
-        self.lifecycle_hooks(a.run, &a.agent, hook, extra).await;
+        self.lifecycle_hooks(a.run, &a.settings, &a.agent, hook, extra)
+            .await;
         let messages_before = a.ctx.messages(&a.agent.system_prompt, a.run.id);
         let (_, tokens_before) = a.window.estimate(&messages_before, tools);
         let range = event::Range {

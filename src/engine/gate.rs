@@ -28,8 +28,9 @@ use crate::store::NewEvent;
 /// Policy settings that do not vary per run.
 #[derive(Clone, Debug)]
 pub struct PolicySettings {
-    /// The operator's settings file: hooks and rules for every run.
-    pub settings: Arc<Policy>,
+    /// The operator's settings file: hooks and rules for every run (each run under the version
+    /// it pinned).
+    pub settings: Arc<crate::pinning::Settings>,
     /// How long an approval waits when neither the agent nor the settings file says.
     pub approval_timeout: Duration,
     /// For http hooks.
@@ -103,8 +104,11 @@ const UNGATED: &[&str] = &[
 ];
 
 impl Engine {
-    fn hook_configs<'a>(&'a self, agent: &'a AgentDef) -> [&'a crate::policy::HookConfig; 2] {
-        [&self.settings.policy.settings.hooks, &agent.policy.hooks]
+    fn hook_configs<'a>(
+        settings: &'a Policy,
+        agent: &'a AgentDef,
+    ) -> [&'a crate::policy::HookConfig; 2] {
+        [&settings.hooks, &agent.policy.hooks]
     }
 
     /// Decides whether `call` runs (see the module doc).
@@ -125,9 +129,9 @@ impl Engine {
         }
         let input: Value =
             serde_json::from_str(&call.function.arguments).unwrap_or_else(|_| json!({}));
-        let configs = self.hook_configs(&a.agent);
+        let configs = Self::hook_configs(&a.settings, &a.agent);
         let pre = hooks::matching(&configs, HookEvent::PreToolUse, Some(tool));
-        let chain = self.rule_chain(a.run).await?;
+        let chain = self.rule_chain(a.run, &a.settings).await?;
         // No hook to ask and the rules allow it: configuration alone decides, the same way on
         // a replay, so there is nothing to look up or commit (a read and a commit per call
         // saved). A call that an approver answered is asked again by these rules, so it still
@@ -273,7 +277,7 @@ impl Engine {
             .agent
             .policy
             .approval_timeout
-            .or(self.settings.policy.settings.approval_timeout)
+            .or(a.settings.approval_timeout)
             .unwrap_or(self.settings.policy.approval_timeout);
         let expires_at = chrono::Utc::now()
             .timestamp_millis()
@@ -377,7 +381,11 @@ impl Engine {
     /// with the settings file (a child never gets more than its parent).
     /// Each run's agent is the version that run pinned, so an edited or deleted file changes
     /// no rule a running tree answers to.
-    pub(super) async fn rule_chain(&self, run: &RunRecord) -> Flow<RuleChain> {
+    pub(super) async fn rule_chain(
+        &self,
+        run: &RunRecord,
+        settings: &Arc<Policy>,
+    ) -> Flow<RuleChain> {
         let store = self.store.as_ref();
         let mut defs = vec![self.agents.for_run(store, run).await?];
         let mut parent = run.parent_run_id;
@@ -389,7 +397,7 @@ impl Engine {
             parent = p.parent_run_id;
         }
         Ok(RuleChain {
-            settings: self.settings.policy.settings.clone(),
+            settings: settings.clone(),
             defs,
         })
     }
@@ -411,7 +419,7 @@ impl Engine {
         } else {
             HookEvent::PostToolUseFailure
         };
-        let configs = self.hook_configs(agent);
+        let configs = Self::hook_configs(&a.settings, agent);
         let post = hooks::matching(&configs, event, Some(tool));
         if post.is_empty() {
             return text;
@@ -449,11 +457,12 @@ impl Engine {
     pub(super) async fn lifecycle_hooks(
         &self,
         run: &RunRecord,
+        settings: &Policy,
         agent: &AgentDef,
         event: HookEvent,
         extra: Value,
     ) {
-        let configs = self.hook_configs(agent);
+        let configs = Self::hook_configs(settings, agent);
         let list = hooks::matching(&configs, event, None);
         if list.is_empty() {
             return;

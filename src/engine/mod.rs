@@ -20,6 +20,7 @@ mod call;
 pub mod compaction;
 pub mod decide;
 mod gate;
+mod pins;
 pub mod plan;
 mod steer;
 mod tool_calls;
@@ -38,13 +39,14 @@ use crate::delegation::{DelegationSettings, Wait};
 use crate::domain::event;
 use crate::domain::{ErrorKind, Event, Finish, RunError, RunRecord};
 use crate::failpoints::Failpoints;
-use crate::ids::{OwnerId, RunId};
+use crate::ids::RunId;
 use crate::model::ChatModel;
 use crate::queue::Queue;
 use crate::store::{Checkpoint, Claim, Lease, NewEvent, Park, Parked, RunLog, StoreError};
 use crate::tools::ToolRegistry;
 pub use compaction::{ContextSettings, Window};
 pub use gate::PolicySettings;
+pub use pins::menus;
 pub use plan::{Next, context, plan};
 
 /// The text a refused repeated call gets; the marker is stable so models (and the mock) can
@@ -134,6 +136,8 @@ pub struct Engine {
     pub budgets: crate::budget::Budgets,
     /// Settings.
     pub settings: EngineSettings,
+    /// The MCP tool lists runs pinned, by version ([`pins`]).
+    pub menus: crate::pinning::Texts<Vec<crate::model::ToolSpec>>,
 }
 
 /// How one attempt at a run ends: reached by the loop, or imposed on it from outside. It is
@@ -581,9 +585,24 @@ impl Engine {
         }
     }
 
-    /// The model this run calls: its agent's `model:` through the alias map; `inherit` walks up
-    /// to the nearest ancestor whose agent names one (the default at the root).
-    async fn model_for(&self, run: &RunRecord, agent: &AgentDef) -> Flow<String> {
+    /// The model this run calls: its agent's `model:` through the alias map; `inherit` takes
+    /// the parent's pinned model, else (a parent from before pins) walks up to the nearest
+    /// ancestor whose agent names one (the default at the root).
+    async fn model_for(
+        &self,
+        run: &RunRecord,
+        agent: &AgentDef,
+        parent_model: Option<&str>,
+    ) -> Flow<String> {
+        if let Some(parent_model) = parent_model {
+            let (model, _) = crate::agents::resolve_model(
+                agent.model.as_deref(),
+                Some(parent_model),
+                &self.settings.default_model,
+                &self.settings.model_aliases,
+            );
+            return Ok(model);
+        }
         let mut chain = vec![agent.model.clone()];
         let mut parent = run.parent_run_id;
         while chain.last().and_then(|m| m.as_deref()).map(str::trim) == Some("inherit") {
@@ -615,54 +634,46 @@ impl Engine {
         Ok(resolved.unwrap_or_else(|| self.settings.default_model.clone()))
     }
 
-    /// The tools of the MCP servers the agent may use: all it can see when its file names no
-    /// tools, else the servers and tools it names (`mcp__server`, `mcp__server__tool`). A server
-    /// that cannot be reached offers nothing this time; a tool named explicitly is still offered,
-    /// so a call of it tells the model what is wrong.
-    async fn add_mcp_tools(
+    /// The tools of the MCP servers the agent may use, from the lists the run pinned (see
+    /// [`pins::mcp_wanted`]). A server that could not be reached offers nothing this time; a
+    /// tool named explicitly is still offered, so a call of it tells the model what is wrong.
+    fn add_mcp_tools(
         &self,
         agent: &AgentDef,
-        owner: &OwnerId,
+        pinned: &pins::Pinned,
         names: &mut Vec<String>,
         specs: &mut Vec<crate::model::ToolSpec>,
     ) {
-        let hub = &self.settings.mcp;
-        let visible = hub.visible(&agent.name);
-        let wanted: Vec<(String, Option<String>)> = match &agent.tools {
-            None => visible.into_iter().map(|s| (s, None)).collect(),
-            Some(list) => list
-                .iter()
-                .filter_map(|t| crate::mcp::split(t.trim()))
-                .map(|(s, t)| (s.to_owned(), t.map(str::to_owned)))
-                .collect(),
-        };
-        for (server, only) in wanted {
-            match hub.specs(&server, only.as_deref(), owner).await {
-                Ok(found) => {
-                    for s in found {
-                        if !names.contains(&s.function.name) {
-                            names.push(s.function.name.clone());
-                            specs.push(s);
-                        }
+        let visible = self.settings.mcp.visible(&agent.name);
+        for (server, only) in pins::mcp_wanted(agent, visible) {
+            if let Some(menu) = pinned.menus.get(&server) {
+                let prefix = format!("mcp__{server}__");
+                for s in menu.iter() {
+                    let tool = s.function.name.strip_prefix(&prefix);
+                    if only.as_deref().is_none_or(|o| tool == Some(o))
+                        && !names.contains(&s.function.name)
+                    {
+                        names.push(s.function.name.clone());
+                        specs.push(s.clone());
                     }
                 }
-                Err(e) => {
-                    tracing::warn!(server = %server, error = %e, "MCP server unavailable for this run");
-                    if let Some(tool) = only {
-                        let name = format!("mcp__{server}__{tool}");
-                        names.push(name.clone());
-                        specs.push(crate::model::ToolSpec {
-                            kind: "function".into(),
-                            function: crate::model::FunctionSpec {
-                                name,
-                                description: format!(
-                                    "(The MCP server `{server}` is not available right now: {e})"
-                                ),
-                                parameters: json!({"type": "object"}),
-                            },
-                        });
-                    }
-                }
+            } else if let Some(tool) = only {
+                let why = pinned
+                    .unreachable
+                    .get(&server)
+                    .map_or("it could not be reached", String::as_str);
+                let name = format!("mcp__{server}__{tool}");
+                names.push(name.clone());
+                specs.push(crate::model::ToolSpec {
+                    kind: "function".into(),
+                    function: crate::model::FunctionSpec {
+                        name,
+                        description: format!(
+                            "(The MCP server `{server}` is not available right now: {why})"
+                        ),
+                        parameters: json!({"type": "object"}),
+                    },
+                });
             }
         }
     }

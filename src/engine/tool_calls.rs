@@ -299,7 +299,7 @@ impl Engine {
         let name = call.function.name.as_str();
         // A search shows only the files the run's read rules let it read.
         let readable = match name {
-            "grep" | "glob" => Some(self.rule_chain(a.run).await?.readable()),
+            "grep" | "glob" => Some(self.rule_chain(a.run, &a.settings).await?.readable()),
             _ => None,
         };
         let ctx = ToolCtx {
@@ -368,6 +368,10 @@ impl Engine {
             Ok((text, false)) => Err(crate::tools::ToolError::new(
                 crate::tools::ErrorCode::McpToolError,
                 text,
+            )),
+            Err(e @ crate::mcp::McpError::Gone { .. }) => Err(crate::tools::ToolError::new(
+                crate::tools::ErrorCode::ToolUnavailable,
+                e.to_string(),
             )),
             Err(e) => Err(crate::tools::ToolError::new(
                 crate::tools::ErrorCode::McpUnavailable,

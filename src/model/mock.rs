@@ -188,6 +188,9 @@ pub struct LogEntry {
     /// The request's first system message, cut to its first 200 characters.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub system: String,
+    /// The names of the tools the request offered, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<String>,
 }
 
 /// One scripted turn: text, tool calls, or both.
@@ -556,6 +559,7 @@ async fn completions_inner(
                 summary: is_summary,
                 user_texts: vec![],
                 system: String::new(),
+                tools: vec![],
             });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
@@ -595,6 +599,7 @@ async fn completions_inner(
                 summary: is_summary,
                 user_texts: vec![],
                 system: String::new(),
+                tools: vec![],
             });
             let mut resp = oai_error(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -646,6 +651,7 @@ async fn completions_inner(
                 _ => None,
             })
             .unwrap_or_default(),
+        tools: req.tools.iter().map(|t| t.function.name.clone()).collect(),
     };
     if let Some(window) = scenario
         .as_ref()

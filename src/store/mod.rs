@@ -31,6 +31,7 @@ mod shared;
 mod sql;
 pub mod sqlite;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -471,10 +472,10 @@ impl StoreError {
     }
 }
 
-/// Starting runs and reading them: what the runs service, delegation and the worker ask of a
-/// run and its tree, and the wake-ups they wait on.
+/// What a run runs, fixed for its whole life ([`crate::pinning`]): the versions of the files it
+/// depends on, each version's text kept once, and the values a run pinned at its first claim.
 #[async_trait]
-pub trait Runs: Send + Sync + 'static {
+pub trait Pins: Send + Sync + 'static {
     /// Keeps the text of an agent definition's version (once: the same version again is a
     /// no-op), so runs pinned to it can be given it after its file changed.
     async fn record_agent_version(&self, version: &str, agent: &str, text: &str) -> Result<()>;
@@ -482,6 +483,30 @@ pub trait Runs: Send + Sync + 'static {
     /// A kept agent definition version: its agent's name and its file's text.
     async fn agent_version(&self, version: &str) -> Result<Option<(String, String)>>;
 
+    /// Keeps a pinned text by its version (a hash of it): a settings file, an MCP server's tool
+    /// list. Once: the same version again is a no-op.
+    async fn record_pinned_text(&self, version: &str, text: &str) -> Result<()>;
+
+    /// A kept pinned text.
+    async fn pinned_text(&self, version: &str) -> Result<Option<String>>;
+
+    /// Everything `run` pinned so far, by name.
+    async fn run_pins(&self, run: RunId) -> Result<BTreeMap<String, String>>;
+
+    /// Pins each of `pins` the run has no value of that name for yet; a value once pinned never
+    /// changes (of two claims racing, the first to commit wins). Returns the values now in
+    /// force for the names given.
+    async fn pin_run(
+        &self,
+        run: RunId,
+        pins: Vec<(String, String)>,
+    ) -> Result<BTreeMap<String, String>>;
+}
+
+/// Starting runs and reading them: what the runs service, delegation and the worker ask of a
+/// run and its tree, and the wake-ups they wait on.
+#[async_trait]
+pub trait Runs: Send + Sync + 'static {
     /// Creates the thread if new and the run (`queued`) with its `run.queued` event.
     /// With [`IfBusy::Reject`], refuses with [`StoreError::Busy`] when the thread has an
     /// unfinished run.
@@ -841,9 +866,15 @@ pub enum Sent {
 }
 
 /// Everything the engine and the services write and read of runs, as one bound: [`Runs`], [`Claims`], [`Checkpoints`], [`Parking`], [`Approvals`], [`RateBudgets`], [`Inbox`].
-pub trait RunLog: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets + Inbox {}
+pub trait RunLog:
+    Runs + Pins + Claims + Checkpoints + Parking + Approvals + RateBudgets + Inbox
+{
+}
 
-impl<T: Runs + Claims + Checkpoints + Parking + Approvals + RateBudgets + Inbox> RunLog for T {}
+impl<T: Runs + Pins + Claims + Checkpoints + Parking + Approvals + RateBudgets + Inbox> RunLog
+    for T
+{
+}
 
 /// What the API and metrics read beyond a single run.
 #[async_trait]

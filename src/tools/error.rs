@@ -87,6 +87,8 @@ error_codes! {
     McpCallFailed => "mcp_call_failed",
     /// No MCP server of that name is configured.
     McpUnknownServer => "mcp_unknown_server",
+    /// The run was offered the tool when it started, but its MCP server no longer has it.
+    ToolUnavailable => "tool_unavailable",
     /// A rule, a mode, a hook or a person refused the call; it was not run.
     PermissionDenied => "permission_denied",
     /// A PreToolUse hook blocked the call; it was not run.

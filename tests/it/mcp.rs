@@ -389,3 +389,146 @@ async fn a_stdio_server_is_one_process_per_owner_and_gets_no_worker_secrets() {
         );
     }
 }
+
+/// A stdio server written here with the official TypeScript SDK whose tools are the names in
+/// the JSON list at `tools`, read when it starts; each answers `<name> answered`.
+fn shifting_server(dir: &Path, tools: &Path) -> PathBuf {
+    let sdk = servers_dir().join("node_modules/@modelcontextprotocol/sdk/dist/esm/server");
+    let script = dir.join("shifting.mjs");
+    std::fs::write(
+        &script,
+        format!(
+            r#"import {{ McpServer }} from "{sdk}/mcp.js";
+import {{ StdioServerTransport }} from "{sdk}/stdio.js";
+import {{ readFileSync }} from "node:fs";
+const server = new McpServer({{ name: "shifting", version: "1.0.0" }});
+for (const name of JSON.parse(readFileSync("{tools}", "utf8"))) {{
+  server.tool(name, `the ${{name}} tool`, async () => ({{ content: [{{ type: "text", text: `${{name}} answered` }}] }}));
+}}
+await server.connect(new StdioServerTransport());
+"#,
+            sdk = sdk.display(),
+            tools = tools.display()
+        ),
+    )
+    .unwrap();
+    script
+}
+
+/// The tools offered in the model requests of the run whose input is `input`.
+fn offered(t: &TestApp, input: &str) -> Vec<Vec<String>> {
+    t.mock
+        .state
+        .log()
+        .into_iter()
+        .filter(|e| e.status == 200 && e.user_texts.first().map(String::as_str) == Some(input))
+        .map(|e| e.tools)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_keeps_its_mcp_menu_when_the_server_changes_its_tools() {
+    let dir = tempfile::tempdir().unwrap();
+    let tools = dir.path().join("tools.json");
+    std::fs::write(&tools, r#"["alpha", "beta"]"#).unwrap();
+    let script = shifting_server(dir.path(), &tools);
+    let pidfile = dir.path().join("pid");
+    let command = format!(
+        "echo $$ > {}; exec node {}",
+        pidfile.display(),
+        script.display()
+    );
+    let mcp = json!({"shift": {"command": "bash", "args": ["-c", command]}});
+    let turns = vec![
+        calls(vec![call(
+            "task",
+            json!({"description": "Slow child.\nSCENARIO steps=3 latency_ms=1500 run=menu-kid", "subagent": "general-purpose"}),
+        )]),
+        calls(vec![
+            call("mcp__shift__alpha", json!({})),
+            call("mcp__shift__beta", json!({})),
+        ]),
+        say("done"),
+    ];
+    let t = app(
+        mcp,
+        vec![agent("shifter", "mcp__shift, Task")],
+        turns,
+        Duration::ZERO,
+        30.0,
+    )
+    .await;
+    let start = |input: &str| StartRun {
+        agent: Some("shifter".into()),
+        input: input.into(),
+        ..Default::default()
+    };
+    let first = t.app.start_run(start("FIRST")).await.unwrap();
+    let t0 = Instant::now();
+    while t.app.store.get_run(first.id).await.unwrap().unwrap().status != RunStatus::Waiting {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the run parks on its child"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // While it is parked, the server changes its tools: alpha goes, gamma comes.
+    std::fs::write(&tools, r#"["beta", "gamma"]"#).unwrap();
+    let pid = std::fs::read_to_string(&pidfile).unwrap().trim().to_owned();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-9", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(
+        t.app.store.get_run(first.id).await.unwrap().unwrap().status,
+        RunStatus::Waiting,
+        "the server changed before the run woke (the child is slow enough)"
+    );
+
+    let done = t
+        .app
+        .wait(first.id, Duration::from_secs(120))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let menus = offered(&t, "FIRST");
+    assert_eq!(menus.len(), 3, "{menus:?}");
+    for menu in &menus {
+        assert!(
+            menu.contains(&"mcp__shift__alpha".to_owned())
+                && menu.contains(&"mcp__shift__beta".to_owned())
+                && !menu.contains(&"mcp__shift__gamma".to_owned()),
+            "every request of the run offers the menu it started with: {menu:?}"
+        );
+    }
+    let results = tool_texts(&t, &done).await;
+    assert_eq!(results.len(), 3, "{results:?}");
+    assert!(
+        results[1].starts_with("error[tool_unavailable]") && results[1].contains("alpha"),
+        "{results:?}"
+    );
+    assert_eq!(results[2], "beta answered");
+    assert_ne!(
+        std::fs::read_to_string(&pidfile).unwrap().trim(),
+        pid,
+        "a new server process answered"
+    );
+
+    // A new run takes the server's list as it is now.
+    let second = t.app.start_run(start("SECOND")).await.unwrap();
+    t.app
+        .wait(second.id, Duration::from_secs(120))
+        .await
+        .unwrap()
+        .unwrap();
+    let menu = &offered(&t, "SECOND")[0];
+    assert!(
+        menu.contains(&"mcp__shift__gamma".to_owned())
+            && !menu.contains(&"mcp__shift__alpha".to_owned()),
+        "{menu:?}"
+    );
+}

@@ -147,3 +147,98 @@ async fn a_parked_run_keeps_its_agent_version_when_the_file_changes_or_goes() {
         "the second run ran the version it started with, after its file was deleted: {second_prompts:?}"
     );
 }
+
+/// The run as `GET /v1/runs/{id}` shows it.
+async fn view(t: &TestApp, run: &str) -> serde_json::Value {
+    let id: subagents::ids::RunId = run.parse().unwrap();
+    let r = t.app.store.get_run(id).await.unwrap().unwrap();
+    let v = subagents::api::views::RunView::build(t.app.store.as_ref(), r)
+        .await
+        .unwrap();
+    serde_json::to_value(v).unwrap()
+}
+
+#[tokio::test]
+async fn a_parked_run_keeps_its_settings_and_model_when_the_settings_file_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("settings.json");
+    std::fs::write(
+        &path,
+        json!({"permissions": {"allow": ["echo"]}}).to_string(),
+    )
+    .unwrap();
+    let file = path.clone();
+    let t = spawn_app_with(Options {
+        jobs: vec![("pinned".into(), job("PROMPT"))],
+        tweak: Box::new(move |s| s.settings_file = file),
+        ..Default::default()
+    })
+    .await;
+    t.mock.state.set_script(Script::from([(
+        "pinned".to_owned(),
+        vec![
+            calls(vec![call(
+                "task",
+                json!({"description": "Slow child.\nSCENARIO steps=2 latency_ms=1200 run=pin-set", "subagent": "general-purpose"}),
+            )]),
+            calls(vec![call("echo", json!({"text": "after the park"}))]),
+            say("parent done"),
+        ],
+    )]));
+    let settings = &t.app.engine.settings.policy.settings;
+    let v1 = settings.current().version.clone();
+    let first = start(&t, "FIRST PARENT").await;
+    parked(&t, first.id).await;
+
+    // Tightened while the first run is parked: new runs answer to the new file.
+    std::fs::write(
+        &path,
+        json!({"permissions": {"deny": ["echo"]}}).to_string(),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    while settings.current().version == v1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the change is noticed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let v2 = settings.current().version.clone();
+    let second = start(&t, "SECOND PARENT").await;
+
+    let done = t.wait(first.id).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let view = view(&t, &first.id.to_string()).await;
+    assert_eq!(view["pins"]["settings"], v1.as_str(), "{view}");
+    assert_eq!(view["pins"]["provider"], "openai", "{view}");
+    assert_eq!(
+        view["pins"]["model"],
+        t.app.settings.default_model.as_str(),
+        "{view}"
+    );
+    let child = view["children"][0].as_str().unwrap().to_owned();
+    let child_view = self::view(&t, &child).await;
+    assert_eq!(
+        child_view["pins"]["settings"],
+        v1.as_str(),
+        "a child runs under its parent's settings, though it started after the change: {child_view}"
+    );
+    let results = tool_texts(&t, &done).await;
+    assert!(
+        results.last().is_some_and(|r| r.contains("after the park")),
+        "the first run's echo ran under the settings it started with: {results:?}"
+    );
+
+    let done = t.wait(second.id).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    let view = self::view(&t, &second.id.to_string()).await;
+    assert_eq!(view["pins"]["settings"], v2.as_str(), "{view}");
+    let results = tool_texts(&t, &done).await;
+    assert!(
+        results
+            .last()
+            .is_some_and(|r| r.starts_with("error[permission_denied]")),
+        "a new run answers to the new file: {results:?}"
+    );
+}

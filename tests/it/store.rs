@@ -202,6 +202,7 @@ conformance!(
     a_message_is_delivered_once_and_holds_back_the_final_answer,
     a_fork_shares_its_history_up_to_its_point_without_copying_it,
     an_agent_version_is_pinned_with_the_run_and_kept_once,
+    a_run_pins_each_value_once_and_the_first_pin_holds,
     an_interrupt_waits_for_the_boundary_and_a_cancel_does_not,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
@@ -1650,6 +1651,59 @@ async fn an_agent_version_is_pinned_with_the_run_and_kept_once(s: Backend) {
     assert_eq!(
         s.agent_version("0123456789ab").await.unwrap(),
         Some(("a".to_owned(), "first".to_owned()))
+    );
+}
+
+/// A run's pins: each name takes its first value for good (a second pin of it, as from a claim
+/// racing the first, gets the first value back); names pinned later join them; a pinned
+/// text is kept once.
+async fn a_run_pins_each_value_once_and_the_first_pin_holds(s: Backend) {
+    let run = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let pin = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect()
+    };
+    assert!(s.run_pins(run.id).await.unwrap().is_empty());
+    let first = s
+        .pin_run(run.id, pin(&[("model", "m1"), ("settings", "v1")]))
+        .await
+        .unwrap();
+    assert_eq!(first["model"], "m1");
+    let again = s
+        .pin_run(run.id, pin(&[("model", "m2"), ("mcp:files", "[]")]))
+        .await
+        .unwrap();
+    assert_eq!(again.len(), 2);
+    assert_eq!(again["model"], "m1", "the first pin holds");
+    assert_eq!(again["mcp:files"], "[]");
+    let all = s.run_pins(run.id).await.unwrap();
+    assert_eq!(
+        all.into_iter().collect::<Vec<_>>(),
+        pin(&[("mcp:files", "[]"), ("model", "m1"), ("settings", "v1")])
+    );
+    let other = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    assert!(
+        s.run_pins(other.id).await.unwrap().is_empty(),
+        "pins are per run"
+    );
+    assert_eq!(s.pinned_text("abcdefabcdef").await.unwrap(), None);
+    s.record_pinned_text("abcdefabcdef", "{}").await.unwrap();
+    s.record_pinned_text("abcdefabcdef", "{\"x\":1}")
+        .await
+        .unwrap();
+    assert_eq!(
+        s.pinned_text("abcdefabcdef").await.unwrap().as_deref(),
+        Some("{}")
     );
 }
 

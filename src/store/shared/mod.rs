@@ -10,6 +10,7 @@ mod harness;
 mod inbox;
 mod outbox;
 mod parking;
+mod pins;
 mod queries;
 mod rate_budgets;
 mod runs;

@@ -30,28 +30,6 @@ where
         self.start_run(new).await
     }
 
-    async fn record_agent_version(&self, version: &str, agent: &str, text: &str) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO sa_agent_versions (version, agent, text, created_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (version) DO NOTHING",
-        )
-        .bind(version)
-        .bind(agent)
-        .bind(text)
-        .bind(Utc::now())
-        .execute(self.pool())
-        .await?;
-        Ok(())
-    }
-
-    async fn agent_version(&self, version: &str) -> Result<Option<(String, String)>> {
-        let row = sqlx::query("SELECT agent, text FROM sa_agent_versions WHERE version = $1")
-            .bind(version)
-            .fetch_optional(self.pool())
-            .await?;
-        Ok(row.map(|r| (r.get(0), r.get(1))))
-    }
-
     async fn get_run(&self, id: RunId) -> Result<Option<RunRecord>> {
         let row = sqlx::query(concat!(
             "SELECT ",
