@@ -57,20 +57,22 @@ pg_isready -h 127.0.0.1 -p 5432 -q || { echo "PostgreSQL is not reachable on 127
 need chromium chromium
 need chromedriver chromium-driver
 
-# MCP servers the tests call, and the official TypeScript SDK whose client drives `subagents mcp`
-# (from the npm registry, pinned); the tests install them themselves
+# MCP servers the tests call, the official TypeScript SDK whose client drives `subagents mcp`,
+# and the Standard Webhooks library the webhook receiver verifies signatures with (from the npm
+# registry, pinned); the tests install them themselves
 # when this was skipped, as long as node and npm are there.
 need node nodejs
 need npm npm
 export SUBAGENTS_TEST_MCP_DIR="${SUBAGENTS_TEST_MCP_DIR:-$PWD/target/mcp-servers}"
 if [ ! -f "$SUBAGENTS_TEST_MCP_DIR/node_modules/@modelcontextprotocol/server-everything/dist/index.js" ] \
     || [ ! -f "$SUBAGENTS_TEST_MCP_DIR/node_modules/@modelcontextprotocol/server-filesystem/dist/index.js" ] \
-    || [ ! -f "$SUBAGENTS_TEST_MCP_DIR/node_modules/@modelcontextprotocol/sdk/dist/esm/client/index.js" ]; then
+    || [ ! -f "$SUBAGENTS_TEST_MCP_DIR/node_modules/@modelcontextprotocol/sdk/dist/esm/client/index.js" ] \
+    || [ ! -f "$SUBAGENTS_TEST_MCP_DIR/node_modules/standardwebhooks/package.json" ]; then
     echo "installing the MCP reference servers into $SUBAGENTS_TEST_MCP_DIR"
     mkdir -p "$SUBAGENTS_TEST_MCP_DIR"
     npm install --no-audit --no-fund --prefix "$SUBAGENTS_TEST_MCP_DIR" \
         @modelcontextprotocol/server-everything@2026.8.31 @modelcontextprotocol/server-filesystem@2026.8.31 \
-        @modelcontextprotocol/sdk@1.32.2 >/dev/null
+        @modelcontextprotocol/sdk@1.32.2 standardwebhooks@1.3.0 >/dev/null
 fi
 
 # A failing test's own message is what CI shows at the end of its output: no backtrace after it

@@ -351,6 +351,65 @@ pub struct Settings {
     )]
     pub fetch_allow: Vec<String>,
 
+    /// Hosts a webhook may be delivered to even though they resolve to a private or local
+    /// address (comma-separated names or addresses, like `SUBAGENTS_FETCH_ALLOW`).
+    #[arg(
+        long,
+        env = "SUBAGENTS_WEBHOOK_ALLOW",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub webhook_allow: Vec<String>,
+
+    /// How long a webhook delivery is retried (seconds from its first attempt) before it is
+    /// `dead`.
+    #[arg(
+        long,
+        env = "SUBAGENTS_WEBHOOK_RETRY_FOR",
+        default_value_t = 86_400.0,
+        global = true
+    )]
+    pub webhook_retry_for_secs: f64,
+
+    /// The wait before a failed webhook delivery's first retry (seconds); it doubles at each
+    /// retry, up to an hour.
+    #[arg(
+        long,
+        env = "SUBAGENTS_WEBHOOK_BACKOFF",
+        default_value_t = 5.0,
+        global = true
+    )]
+    pub webhook_backoff_secs: f64,
+
+    /// Seconds a webhook receiver has to answer one delivery.
+    #[arg(
+        long,
+        env = "SUBAGENTS_WEBHOOK_TIMEOUT",
+        default_value_t = 10.0,
+        global = true
+    )]
+    pub webhook_timeout_secs: f64,
+
+    /// Deliveries in flight at once to one subscription, per process: a slow receiver holds
+    /// up only its own.
+    #[arg(
+        long,
+        env = "SUBAGENTS_WEBHOOK_IN_FLIGHT",
+        default_value_t = 4,
+        global = true
+    )]
+    pub webhook_in_flight: u32,
+
+    /// A subscription whose deliveries go dead this many times in a row is paused (with the
+    /// reason) until its owner resumes it; what it missed waits, nothing is dropped.
+    #[arg(
+        long,
+        env = "SUBAGENTS_WEBHOOK_PAUSE_AFTER",
+        default_value_t = 5,
+        global = true
+    )]
+    pub webhook_pause_after: u32,
+
     /// Hosts `web_fetch` never reaches (comma-separated).
     #[arg(
         long,
@@ -464,6 +523,15 @@ impl std::fmt::Debug for Settings {
 }
 
 impl Settings {
+    /// `SUBAGENTS_WEBHOOK_ALLOW`'s hosts, trimmed, empty entries dropped.
+    pub fn webhook_allow_hosts(&self) -> Vec<String> {
+        self.webhook_allow
+            .iter()
+            .map(|h| h.trim().to_owned())
+            .filter(|h| !h.is_empty())
+            .collect()
+    }
+
     /// The declared defaults (environment fallbacks still apply, as on the command line), with
     /// the given database: for tests and embedders.
     pub fn defaults(database_url: &str) -> Settings {

@@ -17,6 +17,7 @@
 //! | `after_message_delivery` | the messages are in the thread; the step's model call is not yet made |
 //! | `before_compaction_commit` | a compaction's summary arrived; it is not yet committed |
 //! | `after_compaction_commit` | the compaction is committed; the context is not yet rebuilt |
+//! | `before_webhook_send` | a webhook delivery is claimed for an attempt; nothing is sent yet |
 //!
 //! Actions: `sleep(MS)` pauses the task there; `wait(PATH)` pauses it until the file `PATH`
 //! exists (at most a minute), so a test can hold a run at a point until the world is as it

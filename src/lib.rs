@@ -127,4 +127,5 @@ pub mod secrets;
 pub mod store;
 pub mod telemetry;
 pub mod tools;
+pub mod webhooks;
 pub mod worker;

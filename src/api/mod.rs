@@ -10,6 +10,7 @@ pub mod runs;
 pub mod system;
 pub mod ui;
 pub mod views;
+pub mod webhooks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -147,6 +148,11 @@ fn documented_routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(system::healthz))
         .routes(routes!(system::readyz))
         .routes(routes!(system::metrics))
+        .routes(routes!(webhooks::create, webhooks::list))
+        .routes(routes!(webhooks::get, webhooks::update, webhooks::delete))
+        .routes(routes!(webhooks::rotate))
+        .routes(routes!(webhooks::deliveries))
+        .routes(routes!(webhooks::redeliver))
 }
 
 /// The OpenAPI 3.1 document of the API.

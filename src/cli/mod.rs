@@ -358,6 +358,7 @@ async fn serve(
     } else {
         app.spawn_relay(shutdown.clone())
     };
+    let webhooks = crate::webhooks::spawn(app.clone(), shutdown.clone());
     let server = crate::api::Server::start(
         app.clone(),
         keys,
@@ -374,6 +375,7 @@ async fn serve(
     tracing::info!("shutdown requested");
     shutdown.cancel();
     let _ = server.join().await;
+    let _ = webhooks.await;
     if let Some(w) = workers {
         let _ = w.await;
     }
@@ -394,11 +396,14 @@ async fn worker(settings: Settings) -> anyhow::Result<ExitCode> {
         app.settings.concurrency,
         crate::app::redact(&app.settings.database_url)
     );
+    let app = Arc::new(app);
     let shutdown = CancellationToken::new();
     let workers = app.spawn_workers(shutdown.clone());
+    let webhooks = crate::webhooks::spawn(app.clone(), shutdown.clone());
     signal.recv().await;
     tracing::info!("shutdown requested: finishing the current step boundary and releasing runs");
     shutdown.cancel();
+    let _ = webhooks.await;
     let _ = workers.await;
     Ok(ExitCode::SUCCESS)
 }

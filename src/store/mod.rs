@@ -56,6 +56,10 @@ pub use crate::lifecycle::{IllegalTransition, RunStatus, Terminal, Transition};
 
 #[allow(unused_imports)]
 use crate::domain::event;
+pub use crate::domain::webhook::{
+    Attempted, Delivery, DeliveryStatus, DueDelivery, NewDelivery, QueuedEvent, Webhook,
+    WebhookPatch,
+};
 pub use crate::domain::{
     Answered, Approval, ApprovalAnswer, ApprovalScope, ApprovalStatus, Compaction, CompactionBody,
     ErrorKind, Event, Finish, IfBusy, NewApproval, NewMessage, NewRun, OverviewData, QueuePlace,
@@ -797,6 +801,90 @@ pub trait Inbox: Send + Sync + 'static {
     async fn deliver_messages(&self, lease: &Lease, step: u32) -> Result<Vec<NewMessage>>;
 }
 
+/// Webhooks: each owner's subscriptions, the events a trigger queued for them in the event's own
+/// transaction, and the deliveries made of those with their attempts (`crate::webhooks` sends
+/// them).
+#[async_trait]
+pub trait Webhooks: Send + Sync + 'static {
+    /// Stores a new subscription.
+    async fn create_webhook(&self, hook: &Webhook) -> Result<()>;
+
+    /// An owner's subscriptions, oldest first.
+    async fn list_webhooks(&self, owner: &OwnerId) -> Result<Vec<Webhook>>;
+
+    /// Every subscription (the dispatcher matches events against them).
+    async fn all_webhooks(&self) -> Result<Vec<Webhook>>;
+
+    /// One of an owner's subscriptions.
+    async fn get_webhook(&self, owner: &OwnerId, id: &str) -> Result<Option<Webhook>>;
+
+    /// Changes a subscription; `None` when the owner has no such one.
+    async fn update_webhook(
+        &self,
+        owner: &OwnerId,
+        id: &str,
+        patch: WebhookPatch,
+    ) -> Result<Option<Webhook>>;
+
+    /// Deletes a subscription and its deliveries; false when the owner has no such one.
+    async fn delete_webhook(&self, owner: &OwnerId, id: &str) -> Result<bool>;
+
+    /// Replaces the secret; the old one signs too until `old_until` (ms since the epoch).
+    async fn rotate_webhook_secret(
+        &self,
+        owner: &OwnerId,
+        id: &str,
+        secret: &str,
+        old_until: i64,
+    ) -> Result<Option<Webhook>>;
+
+    /// A subscription's deliveries, newest first, older than the delivery `before` if given.
+    async fn list_deliveries(
+        &self,
+        webhook: &str,
+        before: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<Delivery>>;
+
+    /// Makes a delivery due again now, with a fresh retry window; false when the subscription
+    /// has no such delivery.
+    async fn redeliver(&self, webhook: &str, delivery: &str) -> Result<bool>;
+
+    /// Events queued for webhooks, oldest first.
+    async fn queued_webhook_events(&self, limit: u32) -> Result<Vec<QueuedEvent>>;
+
+    /// Creates the deliveries made of queued events (each once: its id is derived from the
+    /// event and the subscription) and takes those events off the queue, in one transaction.
+    async fn create_deliveries(
+        &self,
+        deliveries: Vec<NewDelivery>,
+        done: Vec<(RunId, u64)>,
+    ) -> Result<()>;
+
+    /// Subscriptions with deliveries due at `now` (ms), with how many, paused ones left out.
+    async fn due_webhooks(&self, now: i64) -> Result<Vec<(String, u32)>>;
+
+    /// Claims up to `limit` due deliveries of `webhook` for an attempt: each is locked until
+    /// `lock_until` (a process that dies mid-attempt leaves it to be tried again after that)
+    /// and its attempt counted.
+    async fn claim_deliveries(
+        &self,
+        webhook: &str,
+        now: i64,
+        lock_until: i64,
+        limit: u32,
+    ) -> Result<Vec<DueDelivery>>;
+
+    /// Records an attempt: delivered, due again, or dead; a subscription whose deliveries went
+    /// dead `pause_after` times in a row without a success in between is paused with the reason.
+    async fn record_attempt(
+        &self,
+        delivery: &DueDelivery,
+        outcome: &Attempted,
+        pause_after: u32,
+    ) -> Result<()>;
+}
+
 /// Forking threads: a new thread whose history is another's up to a point, shared rather than
 /// copied (`sa_thread_lineage`), so a fork costs the same whatever the thread's length.
 #[async_trait]
@@ -969,9 +1057,9 @@ pub trait Harness: Send + Sync + 'static {
 /// The whole store, split by its users: the run log's parts ([`RunLog`]), the API's reads
 /// ([`Queries`]), the relay's [`Outbox`], [`Forks`], and [`Harness`] for tests and benchmarks. Both backends
 /// implement every part.
-pub trait Store: RunLog + Queries + Outbox + Harness + Forks {}
+pub trait Store: RunLog + Queries + Outbox + Harness + Forks + Webhooks {}
 
-impl<T: RunLog + Queries + Outbox + Harness + Forks> Store for T {}
+impl<T: RunLog + Queries + Outbox + Harness + Forks + Webhooks> Store for T {}
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend
 /// compares them the same way.

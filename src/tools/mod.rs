@@ -29,7 +29,7 @@ use crate::ids::OwnerId;
 use crate::model::{FunctionSpec, ToolSpec};
 pub use error::{ErrorCode, ToolError};
 pub use fs::{EditFile, ListDir, MultiEdit, ReadFile, WriteFile};
-pub use web::FetchPolicy;
+pub use web::{FetchPolicy, WebFetch};
 
 /// What a tool knows about the call it is serving.
 #[derive(Clone, Debug)]

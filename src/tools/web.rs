@@ -37,6 +37,8 @@ pub struct FetchPolicy {
     pub max_bytes: usize,
     /// Time for the whole fetch, redirects included.
     pub timeout: Duration,
+    /// The setting that allows a host, for the refusal's message.
+    pub allow_setting: &'static str,
 }
 
 impl Default for FetchPolicy {
@@ -46,6 +48,7 @@ impl Default for FetchPolicy {
             deny_hosts: vec![],
             max_bytes: 2 * 1024 * 1024,
             timeout: Duration::from_secs(20),
+            allow_setting: "SUBAGENTS_FETCH_ALLOW",
         }
     }
 }
@@ -127,8 +130,9 @@ pub struct WebFetch {
 }
 
 impl WebFetch {
-    /// Resolves `url`'s host and returns the address to connect to, or why not.
-    async fn check(&self, url: &reqwest::Url) -> Result<SocketAddr, ToolError> {
+    /// Resolves `url`'s host and returns the address to connect to, or why not. Webhook
+    /// destinations go through the same guard (with their own allow list).
+    pub async fn check(&self, url: &reqwest::Url) -> Result<SocketAddr, ToolError> {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(ToolError::new(
                 ErrorCode::BadUrl,
@@ -186,8 +190,9 @@ impl WebFetch {
             return Err(ToolError::new(
                 ErrorCode::PrivateAddress,
                 format!(
-                    "`{host}` resolves to {}, a private or local address; fetching it is not allowed (an operator can allow the host with SUBAGENTS_FETCH_ALLOW)",
-                    bad.ip()
+                    "`{host}` resolves to {}, a private or local address; fetching it is not allowed (an operator can allow the host with {})",
+                    bad.ip(),
+                    self.policy.allow_setting
                 ),
             ));
         }

@@ -172,7 +172,27 @@ function sse(path, onEvent) {
 function go(href, replace) {
   if (replace) history.replaceState(null, '', href);
   else history.pushState(null, '', href);
-  render();
+  async function webhooks() {
+  const v = await api('GET', '/v1/webhooks');
+  const recent = await Promise.all(v.webhooks.map((w) =>
+    api('GET', `/v1/webhooks/${encodeURIComponent(w.id)}/deliveries?limit=10`).catch(() => ({ deliveries: [] }))));
+  put(main, h('h1', {}, 'Webhooks'),
+    v.webhooks.length ? '' : h('p', { class: 'muted' }, 'No subscriptions. POST /v1/webhooks adds one (see docs/webhooks.md).'),
+    h('div', { class: 'scroll' }, h('table', { id: 'webhooks' },
+      h('tr', {}, h('th', {}, 'destination'), h('th', {}, 'events'), h('th', {}, 'state'), h('th', { class: 'hide-sm' }, 'latest deliveries')),
+      v.webhooks.map((w, i) => h('tr', { 'data-webhook': w.id },
+        h('td', {}, h('b', { class: 'mono' }, w.url), h('div', { class: 'muted' }, w.description || w.id)),
+        h('td', { class: 'mono' }, w.events.join(', '), w.agents ? h('div', { class: 'muted' }, 'agents: ' + w.agents.join(', ')) : ''),
+        h('td', {}, w.paused
+          ? h('span', { class: 'warn', 'data-paused': 'true' }, 'paused: ' + (w.paused_reason || ''))
+          : h('span', {}, 'active')),
+        h('td', { class: 'hide-sm' }, recent[i].deliveries.map((d) =>
+          h('div', { class: 'mono', title: d.last_error || d.last_body || '' },
+            badge(d.status), ` ${d.event_type} · ${d.attempts} attempt${d.attempts === 1 ? '' : 's'}`,
+            d.last_status ? ` · HTTP ${d.last_status}` : ''))))))));
+}
+
+render();
 }
 document.addEventListener('click', (ev) => {
   const a = ev.target.closest('a');
@@ -201,6 +221,7 @@ async function render() {
     else if ((m = path.match(/^\/ui\/runs\/([0-9a-f-]{36})$/))) await run(m[1]);
     else if ((m = path.match(/^\/ui\/threads\/([A-Za-z0-9_.:-]{1,200})$/))) await thread(decodeURIComponent(m[1]), q);
     else if (path === '/ui/agents') await agents();
+    else if (path === '/ui/webhooks') await webhooks();
     else put(main, h('h1', {}, 'Not found'), h('p', {}, link('/ui/', 'Back to the overview')));
   } catch (e) {
     put(main, h('h1', {}, e.status === 404 ? 'Not found' : 'Error'), h('p', { class: 'err', id: 'error' }, e.message));
@@ -566,6 +587,26 @@ async function agents() {
         h('td', { class: 'mono' }, a.effective_tools.length ? a.effective_tools.join(', ') : '(none)'),
         h('td', { class: 'hide-sm' }, `${a.max_steps} steps, ${a.timeout_s} s`),
         h('td', { class: 'hide-sm' }, a.subagents.join(', ')))))));
+}
+
+async function webhooks() {
+  const v = await api('GET', '/v1/webhooks');
+  const recent = await Promise.all(v.webhooks.map((w) =>
+    api('GET', `/v1/webhooks/${encodeURIComponent(w.id)}/deliveries?limit=10`).catch(() => ({ deliveries: [] }))));
+  put(main, h('h1', {}, 'Webhooks'),
+    v.webhooks.length ? '' : h('p', { class: 'muted' }, 'No subscriptions. POST /v1/webhooks adds one (see docs/webhooks.md).'),
+    h('div', { class: 'scroll' }, h('table', { id: 'webhooks' },
+      h('tr', {}, h('th', {}, 'destination'), h('th', {}, 'events'), h('th', {}, 'state'), h('th', { class: 'hide-sm' }, 'latest deliveries')),
+      v.webhooks.map((w, i) => h('tr', { 'data-webhook': w.id },
+        h('td', {}, h('b', { class: 'mono' }, w.url), h('div', { class: 'muted' }, w.description || w.id)),
+        h('td', { class: 'mono' }, w.events.join(', '), w.agents ? h('div', { class: 'muted' }, 'agents: ' + w.agents.join(', ')) : ''),
+        h('td', {}, w.paused
+          ? h('span', { class: 'warn', 'data-paused': 'true' }, 'paused: ' + (w.paused_reason || ''))
+          : h('span', {}, 'active')),
+        h('td', { class: 'hide-sm' }, recent[i].deliveries.map((d) =>
+          h('div', { class: 'mono', title: d.last_error || d.last_body || '' },
+            badge(d.status), ` ${d.event_type} · ${d.attempts} attempt${d.attempts === 1 ? '' : 's'}`,
+            d.last_status ? ` · HTTP ${d.last_status}` : ''))))))));
 }
 
 render();

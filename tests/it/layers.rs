@@ -27,6 +27,7 @@ const LAYERS: &[&[&str]] = &[
     &["app"],
     &["mcp_server"],
     &["api"],
+    &["webhooks"],
     &["bench"],
     &["cli"],
 ];

@@ -24,3 +24,4 @@ mod steer;
 mod store;
 mod support;
 mod tools;
+mod webhooks;

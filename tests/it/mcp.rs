@@ -18,6 +18,7 @@ const PACKAGES: &[&str] = &[
     "@modelcontextprotocol/server-everything@2026.8.31",
     "@modelcontextprotocol/server-filesystem@2026.8.31",
     "@modelcontextprotocol/sdk@1.32.2",
+    "standardwebhooks@1.3.0",
 ];
 static INSTALL: Mutex<()> = Mutex::new(());
 
@@ -31,6 +32,9 @@ pub(crate) fn servers_dir() -> PathBuf {
     if !entry(&dir, "server-everything").exists()
         || !entry(&dir, "server-filesystem").exists()
         || !sdk.exists()
+        || !dir
+            .join("node_modules/standardwebhooks/package.json")
+            .exists()
     {
         std::fs::create_dir_all(&dir).unwrap();
         let ok = std::process::Command::new("npm")

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use subagents::ids::{RunId, ThreadId};
+use subagents::ids::{OwnerId, RunId, ThreadId};
 use subagents::model::Message;
 use subagents::queue::new_job_id;
 use subagents::store::*;
@@ -203,6 +203,7 @@ conformance!(
     a_fork_shares_its_history_up_to_its_point_without_copying_it,
     an_agent_version_is_pinned_with_the_run_and_kept_once,
     a_run_pins_each_value_once_and_the_first_pin_holds,
+    webhook_events_are_queued_with_their_commit_and_delivered_once_each,
     an_interrupt_waits_for_the_boundary_and_a_cancel_does_not,
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
@@ -1704,6 +1705,200 @@ async fn a_run_pins_each_value_once_and_the_first_pin_holds(s: Backend) {
     assert_eq!(
         s.pinned_text("abcdefabcdef").await.unwrap().as_deref(),
         Some("{}")
+    );
+}
+
+/// Webhooks in the store: a run's end is queued by the trigger in its own commit (only once a
+/// subscription exists, and only the types one can name); deliveries made of it are created
+/// once however often; a due delivery is claimed by one claimer; attempts move it to failed,
+/// dead (pausing the subscription) or delivered; a redelivery makes it due again.
+async fn webhook_events_are_queued_with_their_commit_and_delivered_once_each(s: Backend) {
+    use subagents::store::{Attempted, DeliveryStatus, NewDelivery, Webhook, WebhookPatch};
+    let finish = async |s: &Backend| {
+        let (_, lease) = claimed_run(s, Duration::from_secs(10)).await;
+        s.checkpoint(
+            &lease,
+            Checkpoint {
+                events: vec![step_started(1), step_completed(1), sample("run.succeeded")],
+                finish: Some(Finish::Succeeded {
+                    result: "r".into(),
+                    forced: false,
+                }),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        lease.run_id
+    };
+    finish(&s).await;
+    assert!(
+        s.queued_webhook_events(100).await.unwrap().is_empty(),
+        "nothing is queued while nobody subscribes"
+    );
+    let now = chrono::Utc::now();
+    let hook = Webhook {
+        id: "wh_1".into(),
+        owner: OwnerId::local(),
+        url: "https://example.com/h".into(),
+        events: vec!["run.succeeded".into()],
+        agents: None,
+        description: String::new(),
+        secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
+        old_secret: None,
+        paused_reason: None,
+        created_at: now,
+        updated_at: now,
+    };
+    s.create_webhook(&hook).await.unwrap();
+    let read = s
+        .get_webhook(&OwnerId::local(), "wh_1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (&read.url, &read.events, &read.secret, &read.agents),
+        (&hook.url, &hook.events, &hook.secret, &hook.agents)
+    );
+    assert_eq!(
+        s.get_webhook(&OwnerId::from("other"), "wh_1")
+            .await
+            .unwrap(),
+        None
+    );
+    let run = finish(&s).await;
+    let queued = s.queued_webhook_events(100).await.unwrap();
+    let kinds: Vec<&str> = queued.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["run.started", "run.succeeded"],
+        "the types a subscription can name, not every event"
+    );
+    assert!(queued.iter().all(|e| e.run_id == run));
+    let delivery = |id: &str| NewDelivery {
+        id: id.into(),
+        webhook_id: "wh_1".into(),
+        event_type: "run.succeeded".into(),
+        run_id: run,
+        body: "{}".into(),
+    };
+    let done: Vec<_> = queued.iter().map(|e| (run, e.seq)).collect();
+    s.create_deliveries(vec![delivery("msg_a")], done.clone())
+        .await
+        .unwrap();
+    // Made again (a crash before the queue row went): nothing new.
+    s.create_deliveries(vec![delivery("msg_a")], done)
+        .await
+        .unwrap();
+    assert!(s.queued_webhook_events(100).await.unwrap().is_empty());
+    assert_eq!(s.list_deliveries("wh_1", None, 10).await.unwrap().len(), 1);
+
+    let t = subagents::store::now_ms();
+    assert_eq!(
+        s.due_webhooks(t).await.unwrap(),
+        vec![("wh_1".to_owned(), 1)]
+    );
+    let claimed = s.claim_deliveries("wh_1", t, t + 60_000, 5).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].attempts, 1);
+    assert!(
+        s.claim_deliveries("wh_1", t, t + 60_000, 5)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a locked delivery is nobody else's"
+    );
+    let failed = Attempted {
+        delivered: false,
+        status: Some(500),
+        error: Some("HTTP 500".into()),
+        body: Some("no".into()),
+        retry_at: Some(t + 1_000),
+    };
+    s.record_attempt(&claimed[0], &failed, 1).await.unwrap();
+    let d = &s.list_deliveries("wh_1", None, 10).await.unwrap()[0];
+    assert_eq!(
+        (d.status, d.last_status),
+        (DeliveryStatus::Failed, Some(500))
+    );
+    assert!(
+        s.due_webhooks(t).await.unwrap().is_empty(),
+        "not due before its retry"
+    );
+    let again = s
+        .claim_deliveries("wh_1", t + 1_000, t + 60_000, 5)
+        .await
+        .unwrap();
+    assert_eq!(again[0].attempts, 2);
+    let dead = Attempted {
+        retry_at: None,
+        ..failed
+    };
+    s.record_attempt(&again[0], &dead, 1).await.unwrap();
+    let d = &s.list_deliveries("wh_1", None, 10).await.unwrap()[0];
+    assert_eq!(d.status, DeliveryStatus::Dead);
+    let paused = s
+        .get_webhook(&OwnerId::local(), "wh_1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        paused
+            .paused_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("HTTP 500")),
+        "{paused:?}"
+    );
+    assert!(s.redeliver("wh_1", "msg_a").await.unwrap());
+    assert!(!s.redeliver("wh_1", "msg_nope").await.unwrap());
+    assert!(
+        s.due_webhooks(subagents::store::now_ms())
+            .await
+            .unwrap()
+            .is_empty(),
+        "a paused subscription's deliveries wait"
+    );
+    s.update_webhook(
+        &OwnerId::local(),
+        "wh_1",
+        WebhookPatch {
+            paused: Some(false),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let t = subagents::store::now_ms();
+    let third = s.claim_deliveries("wh_1", t, t + 60_000, 5).await.unwrap();
+    assert_eq!(third.len(), 1, "resumed, the redelivery is due");
+    let ok = Attempted {
+        delivered: true,
+        status: Some(204),
+        error: None,
+        body: None,
+        retry_at: None,
+    };
+    s.record_attempt(&third[0], &ok, 1).await.unwrap();
+    assert_eq!(
+        s.list_deliveries("wh_1", None, 10).await.unwrap()[0].status,
+        DeliveryStatus::Delivered
+    );
+    let rotated = s
+        .rotate_webhook_secret(&OwnerId::local(), "wh_1", "whsec_bmV3", t + 1_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rotated.signing_secrets(t),
+        ["whsec_bmV3", hook.secret.as_str()]
+    );
+    assert_eq!(rotated.signing_secrets(t + 2_000), ["whsec_bmV3"]);
+    assert!(s.delete_webhook(&OwnerId::local(), "wh_1").await.unwrap());
+    assert!(
+        s.list_deliveries("wh_1", None, 10)
+            .await
+            .unwrap()
+            .is_empty()
     );
 }
 

@@ -19,7 +19,7 @@ pub struct TestApp {
     pub app: Arc<App>,
     pub mock: MockServer,
     pub dir: tempfile::TempDir,
-    shutdown: CancellationToken,
+    pub shutdown: CancellationToken,
     workers: Option<tokio::task::JoinHandle<()>>,
 }
 
