@@ -24,6 +24,51 @@ pub struct ClientArgs {
     pub key: Option<String>,
 }
 
+/// What `subagents schedules` does.
+#[derive(Subcommand, Debug)]
+pub enum ScheduleAction {
+    /// One line per schedule: id, cron, time zone, agent, state, next tick.
+    List,
+    /// Add a schedule; prints it as JSON.
+    Add {
+        /// Five fields (minute hour day month weekday), or six with seconds first; quote it.
+        cron: String,
+        /// IANA time zone.
+        #[arg(long, default_value = "UTC")]
+        timezone: String,
+        /// Agent.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Continue this thread at every tick (default: a new thread each time).
+        #[arg(long)]
+        thread: Option<String>,
+        /// `skip`, `enqueue` or `cancel_previous`: what a tick does while the last run goes on.
+        #[arg(long, default_value = "enqueue")]
+        overlap: String,
+        /// `none`, `last` or `all`: which ticks missed during downtime still fire.
+        #[arg(long, default_value = "none")]
+        catch_up: String,
+        /// The task (`-` reads it from stdin).
+        #[arg(required = true)]
+        prompt: Vec<String>,
+    },
+    /// Stop it firing until resumed.
+    Pause {
+        /// Schedule id (`sch_…`).
+        id: String,
+    },
+    /// Let it fire again (missed ticks as its catch_up says).
+    Resume {
+        /// Schedule id.
+        id: String,
+    },
+    /// Fire it now; prints the run id.
+    Trigger {
+        /// Schedule id.
+        id: String,
+    },
+}
+
 /// Client commands.
 #[derive(Subcommand, Debug)]
 pub enum ClientCommand {
@@ -120,6 +165,12 @@ pub enum ClientCommand {
         /// Why (the model sees it).
         #[arg(long)]
         reason: Option<String>,
+    },
+    /// Schedules: agent runs on a clock (`list` when no action is given).
+    Schedules {
+        /// What to do (default: list).
+        #[command(subcommand)]
+        action: Option<ScheduleAction>,
     },
     /// Wait for a run to end; prints the final snapshot. Exit 0 succeeded, 1 otherwise.
     Wait {
@@ -302,6 +353,9 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
             println!("{}", v["message_id"].as_str().unwrap_or_default());
             Ok(0)
         }
+        ClientCommand::Schedules { action } => {
+            schedules(&c, action.unwrap_or(ScheduleAction::List)).await
+        }
         ClientCommand::Fork {
             thread_id,
             at,
@@ -408,6 +462,79 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
                         return Ok(1);
                     }
                 }
+            }
+            Ok(0)
+        }
+    }
+}
+
+async fn schedules(c: &Client, action: ScheduleAction) -> Result<u8, ClientError> {
+    let post = |path: String| c.req(reqwest::Method::POST, &path);
+    match action {
+        ScheduleAction::List => {
+            let v = c.send(c.req(reqwest::Method::GET, "/v1/schedules")).await?;
+            let list = v["schedules"].as_array().cloned().unwrap_or_default();
+            if list.is_empty() {
+                eprintln!("no schedules");
+            }
+            for s in list {
+                println!(
+                    "{}\t{}\t{}\t{}\t{}\tnext {}",
+                    s["id"].as_str().unwrap_or(""),
+                    s["cron"].as_str().unwrap_or(""),
+                    s["timezone"].as_str().unwrap_or(""),
+                    s["agent"].as_str().unwrap_or(""),
+                    if s["paused"] == true {
+                        "paused"
+                    } else {
+                        "active"
+                    },
+                    s["next_fire_times"][0].as_str().unwrap_or("-"),
+                );
+            }
+            Ok(0)
+        }
+        ScheduleAction::Add {
+            cron,
+            timezone,
+            agent,
+            thread,
+            overlap,
+            catch_up,
+            prompt,
+        } => {
+            let mut input = prompt.join(" ");
+            if input == "-" {
+                input = std::io::read_to_string(std::io::stdin())?;
+            }
+            let body = json!({"cron": cron, "timezone": timezone, "agent": agent, "thread_id": thread,
+                "overlap": overlap, "catch_up": catch_up, "input": input});
+            let v = c.send(post("/v1/schedules".into()).json(&body)).await?;
+            println!("{}", serde_json::to_string_pretty(&v).unwrap());
+            Ok(0)
+        }
+        ScheduleAction::Pause { id } => {
+            let v = c.send(post(format!("/v1/schedules/{id}/pause"))).await?;
+            println!("{} paused", v["id"].as_str().unwrap_or(""));
+            Ok(0)
+        }
+        ScheduleAction::Resume { id } => {
+            let v = c.send(post(format!("/v1/schedules/{id}/resume"))).await?;
+            println!(
+                "{} resumed; next {}",
+                v["id"].as_str().unwrap_or(""),
+                v["next_fire_times"][0].as_str().unwrap_or("-")
+            );
+            Ok(0)
+        }
+        ScheduleAction::Trigger { id } => {
+            let v = c.send(post(format!("/v1/schedules/{id}/trigger"))).await?;
+            match v["run_id"].as_str() {
+                Some(r) => println!("{r}"),
+                None => eprintln!(
+                    "skipped: the previous run {} is still going (overlap: skip)",
+                    v["skipped_for"].as_str().unwrap_or("")
+                ),
             }
             Ok(0)
         }

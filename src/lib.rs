@@ -123,6 +123,7 @@ pub mod procs;
 pub mod queue;
 pub mod relay;
 pub mod runs;
+pub mod schedules;
 pub mod secrets;
 pub mod store;
 pub mod telemetry;

@@ -7,6 +7,7 @@ mod error;
 pub mod overview;
 pub mod quota;
 pub mod runs;
+pub mod schedules;
 pub mod system;
 pub mod ui;
 pub mod views;
@@ -153,6 +154,15 @@ fn documented_routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(webhooks::rotate))
         .routes(routes!(webhooks::deliveries))
         .routes(routes!(webhooks::redeliver))
+        .routes(routes!(schedules::create, schedules::list))
+        .routes(routes!(
+            schedules::get,
+            schedules::update,
+            schedules::delete
+        ))
+        .routes(routes!(schedules::pause))
+        .routes(routes!(schedules::resume))
+        .routes(routes!(schedules::trigger))
 }
 
 /// The OpenAPI 3.1 document of the API.

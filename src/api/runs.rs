@@ -559,6 +559,8 @@ pub struct ListQuery {
     /// Parent run id.
     #[param(value_type = Option<String>, format = Uuid)]
     parent_run_id: Option<String>,
+    /// Only runs this schedule started.
+    schedule_id: Option<String>,
     /// Text the input or the result contains (case-insensitive, at most 200 characters).
     #[param(max_length = 200)]
     q: Option<String>,
@@ -653,6 +655,7 @@ impl ListQuery {
                 .map(parse_run_id)
                 .transpose()?,
             text,
+            schedule_id: self.schedule_id,
             created_after: time("since", self.since)?,
             created_before: time("until", self.until)?,
             oldest_first,

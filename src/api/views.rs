@@ -62,6 +62,12 @@ pub struct RunView {
     /// The failed or cancelled run this one retries.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_of: Option<RunId>,
+    /// The schedule that started it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schedule_id: Option<String>,
+    /// The tick it was started for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scheduled_for: Option<DateTime<Utc>>,
     /// Model calls committed.
     pub step: u32,
     /// Times a worker claimed it (more than 1 after a crash, a drain or a park).
@@ -158,7 +164,7 @@ impl RunView {
                 _ => Ok(vec![]),
             }
         };
-        let (recent, queue_position, (children, tree), plan, approvals, pins) = futures::try_join!(
+        let (recent, queue_position, (children, tree), plan, approvals, pins, scheduled) = futures::try_join!(
             store.events_after(r.id, r.event_seq.saturating_sub(12), 12),
             queue_position,
             tree,
@@ -166,6 +172,7 @@ impl RunView {
             store.last_call_arguments(r.id, "todo_write"),
             approvals,
             store.run_pins(r.id),
+            store.run_schedule(r.id),
         )?;
         let mut progress: Vec<String> = recent.iter().filter_map(progress_line).collect();
         let n = progress.len();
@@ -201,6 +208,10 @@ impl RunView {
             status: r.status,
             parent_run_id: r.parent_run_id,
             retry_of: r.retry_of,
+            scheduled_for: scheduled
+                .as_ref()
+                .and_then(|(_, t)| DateTime::from_timestamp_millis(*t)),
+            schedule_id: scheduled.map(|(s, _)| s),
             step: r.step,
             attempts: r.attempts,
             priority: r.priority,

@@ -359,6 +359,7 @@ async fn serve(
         app.spawn_relay(shutdown.clone())
     };
     let webhooks = crate::webhooks::spawn(app.clone(), shutdown.clone());
+    let scheduler = crate::schedules::spawn(app.clone(), shutdown.clone());
     let server = crate::api::Server::start(
         app.clone(),
         keys,
@@ -376,6 +377,7 @@ async fn serve(
     shutdown.cancel();
     let _ = server.join().await;
     let _ = webhooks.await;
+    let _ = scheduler.await;
     if let Some(w) = workers {
         let _ = w.await;
     }
@@ -400,10 +402,12 @@ async fn worker(settings: Settings) -> anyhow::Result<ExitCode> {
     let shutdown = CancellationToken::new();
     let workers = app.spawn_workers(shutdown.clone());
     let webhooks = crate::webhooks::spawn(app.clone(), shutdown.clone());
+    let scheduler = crate::schedules::spawn(app.clone(), shutdown.clone());
     signal.recv().await;
     tracing::info!("shutdown requested: finishing the current step boundary and releasing runs");
     shutdown.cancel();
     let _ = webhooks.await;
+    let _ = scheduler.await;
     let _ = workers.await;
     Ok(ExitCode::SUCCESS)
 }

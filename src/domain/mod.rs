@@ -10,6 +10,7 @@ pub mod message;
 pub mod overview;
 pub mod rate;
 pub mod run;
+pub mod schedule;
 pub mod webhook;
 
 use serde::{Deserialize, Serialize};

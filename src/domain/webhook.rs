@@ -107,29 +107,12 @@ pub enum DeliveryStatus {
     Dead,
 }
 
-impl DeliveryStatus {
-    /// The stored name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeliveryStatus::Pending => "pending",
-            DeliveryStatus::Delivered => "delivered",
-            DeliveryStatus::Failed => "failed",
-            DeliveryStatus::Dead => "dead",
-        }
-    }
-
-    /// From the stored name.
-    pub fn parse(s: &str) -> Option<DeliveryStatus> {
-        [
-            DeliveryStatus::Pending,
-            DeliveryStatus::Delivered,
-            DeliveryStatus::Failed,
-            DeliveryStatus::Dead,
-        ]
-        .into_iter()
-        .find(|d| d.as_str() == s)
-    }
-}
+stored_names!(DeliveryStatus {
+    Pending => "pending",
+    Delivered => "delivered",
+    Failed => "failed",
+    Dead => "dead",
+});
 
 /// One event for one subscription, with its attempts.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]

@@ -56,6 +56,7 @@ pub use crate::lifecycle::{IllegalTransition, RunStatus, Terminal, Transition};
 
 #[allow(unused_imports)]
 use crate::domain::event;
+pub use crate::domain::schedule::{CatchUp, Overlap, Schedule};
 pub use crate::domain::webhook::{
     Attempted, Delivery, DeliveryStatus, DueDelivery, NewDelivery, QueuedEvent, Webhook,
     WebhookPatch,
@@ -99,6 +100,8 @@ pub struct RunFilter {
     pub oldest_first: bool,
     /// The cursor: only runs past this one in the page order (ids are time-ordered).
     pub before: Option<RunId>,
+    /// Only runs this schedule started.
+    pub schedule_id: Option<String>,
 }
 
 /// An event to append to a run's outbox: the stored form of an [`Event`], and built only from
@@ -801,6 +804,49 @@ pub trait Inbox: Send + Sync + 'static {
     async fn deliver_messages(&self, lease: &Lease, step: u32) -> Result<Vec<NewMessage>>;
 }
 
+/// Schedules: each owner's, the due ones, and which run each fired tick started.
+#[async_trait]
+pub trait Schedules: Send + Sync + 'static {
+    /// Stores a new schedule.
+    async fn create_schedule(&self, s: &Schedule) -> Result<()>;
+
+    /// An owner's schedules, oldest first.
+    async fn list_schedules(&self, owner: &OwnerId) -> Result<Vec<Schedule>>;
+
+    /// One of an owner's schedules.
+    async fn get_schedule(&self, owner: &OwnerId, id: &str) -> Result<Option<Schedule>>;
+
+    /// Writes a changed schedule (every field but its id, owner and creation time); false when
+    /// it is gone.
+    async fn update_schedule(&self, s: &Schedule) -> Result<bool>;
+
+    /// Deletes a schedule (its runs stay); false when the owner has no such one.
+    async fn delete_schedule(&self, owner: &OwnerId, id: &str) -> Result<bool>;
+
+    /// Schedules not paused whose next tick is due at `now` (ms), the most overdue first.
+    async fn due_schedules(&self, now: i64, limit: u32) -> Result<Vec<Schedule>>;
+
+    /// Moves a schedule's next tick from `from` to `to`; false when another pass (or a change
+    /// by its owner) moved it first.
+    async fn advance_schedule(&self, id: &str, from: i64, to: i64) -> Result<bool>;
+
+    /// Records the run a tick started (once: a second firing of the tick records nothing).
+    async fn record_schedule_run(&self, schedule: &str, tick: i64, run: RunId) -> Result<()>;
+
+    /// A schedule's latest ticks with their runs and the runs' states, newest first.
+    async fn schedule_runs(
+        &self,
+        schedule: &str,
+        limit: u32,
+    ) -> Result<Vec<(i64, RunId, RunStatus)>>;
+
+    /// The schedule and tick that started `run`, if one did.
+    async fn run_schedule(&self, run: RunId) -> Result<Option<(String, i64)>>;
+
+    /// The run an owner started with an idempotency key, if any.
+    async fn run_by_key(&self, owner: &OwnerId, key: &str) -> Result<Option<RunId>>;
+}
+
 /// Webhooks: each owner's subscriptions, the events a trigger queued for them in the event's own
 /// transaction, and the deliveries made of those with their attempts (`crate::webhooks` sends
 /// them).
@@ -1057,9 +1103,9 @@ pub trait Harness: Send + Sync + 'static {
 /// The whole store, split by its users: the run log's parts ([`RunLog`]), the API's reads
 /// ([`Queries`]), the relay's [`Outbox`], [`Forks`], and [`Harness`] for tests and benchmarks. Both backends
 /// implement every part.
-pub trait Store: RunLog + Queries + Outbox + Harness + Forks + Webhooks {}
+pub trait Store: RunLog + Queries + Outbox + Harness + Forks + Webhooks + Schedules {}
 
-impl<T: RunLog + Queries + Outbox + Harness + Forks + Webhooks> Store for T {}
+impl<T: RunLog + Queries + Outbox + Harness + Forks + Webhooks + Schedules> Store for T {}
 
 /// Milliseconds since the Unix epoch: lease deadlines are stored as integers so every backend
 /// compares them the same way.

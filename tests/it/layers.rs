@@ -25,7 +25,7 @@ const LAYERS: &[&[&str]] = &[
     &["engine"],
     &["worker"],
     &["app"],
-    &["mcp_server"],
+    &["mcp_server", "schedules"],
     &["api"],
     &["webhooks"],
     &["bench"],

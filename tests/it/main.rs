@@ -19,6 +19,7 @@ mod pinning;
 mod policy;
 mod redis;
 mod runs;
+mod schedules;
 mod security;
 mod steer;
 mod store;

@@ -14,6 +14,7 @@ mod pins;
 mod queries;
 mod rate_budgets;
 mod runs;
+mod schedules;
 mod webhooks;
 
 use super::sql::{Affected, Args, Col, Conn, DbRow, SqlStore, corrupt};

@@ -118,6 +118,11 @@ where
         if let Some(p) = f.parent_run_id {
             q.push(" AND parent_run_id = ").push_bind(p.to_string());
         }
+        if let Some(sched) = &f.schedule_id {
+            q.push(" AND id IN (SELECT run_id FROM sa_schedule_runs WHERE schedule_id = ")
+                .push_bind(sched.clone())
+                .push(")");
+        }
         if let Some(text) = &f.text {
             // LIKE's wildcards in the text are matched literally.
             let pattern = format!(
