@@ -61,6 +61,9 @@ pub struct StartRun {
     /// Run this version of the agent instead of its current definition (a child of the same
     /// agent as its parent runs its parent's version).
     pub agent_version: Option<String>,
+    /// The new run's id, when the caller must know it before the run exists (a run's own
+    /// webhook is stored first, so no event of the run can pass before it); else a new one.
+    pub run_id: Option<RunId>,
 }
 
 /// Why a run could not be started. Each has a stable code for APIs and scripts.
@@ -188,7 +191,7 @@ pub async fn start_run(
     let created = store
         .create_run(NewRun {
             agent_version,
-            id: RunId::new(),
+            id: req.run_id.unwrap_or_default(),
             thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
             owner: req.owner.unwrap_or_else(OwnerId::local),
             agent: agent_name.into(),
@@ -288,6 +291,7 @@ pub async fn retry(
             priority: Some(original.priority),
             // A retry is a new run: it takes the agent's current definition.
             agent_version: None,
+            run_id: None,
         },
     )
     .await

@@ -82,9 +82,14 @@ pub fn spawn(app: Arc<App>, shutdown: CancellationToken) -> tokio::task::JoinHan
         let mut any = false;
         loop {
             if last_look.is_none_or(|t| t.elapsed() >= IDLE_CHECK) {
-                any = match d.store.all_webhooks().await {
-                    Ok(h) => !h.is_empty(),
-                    Err(_) => true,
+                // Work is a queued event (the trigger queues none without a subscription) or
+                // a delivery due (a retry, a redelivery, one a resume released).
+                any = match (
+                    d.store.queued_webhook_events(1).await,
+                    d.store.due_webhooks(i64::MAX).await,
+                ) {
+                    (Ok(q), Ok(due)) => !q.is_empty() || !due.is_empty(),
+                    _ => true,
                 };
                 last_look = Some(Instant::now());
             }
@@ -123,7 +128,18 @@ impl Dispatcher {
             .map(|h| (h.id.clone(), h))
             .collect();
         for (id, count) in due {
-            let Some(hook) = hooks.get(&id) else { continue };
+            // A run's own webhook is not among every owner's: read it by its id.
+            let fetched;
+            let hook = match hooks.get(&id) {
+                Some(h) => h,
+                None => match self.store.webhook_by_id(&id).await? {
+                    Some(h) => {
+                        fetched = h;
+                        &fetched
+                    }
+                    None => continue,
+                },
+            };
             let busy = self.busy(&id);
             let free = self.settings.in_flight.saturating_sub(busy).min(count);
             if free == 0 {
@@ -183,14 +199,14 @@ impl Dispatcher {
         if events.is_empty() {
             return Ok(());
         }
-        let hooks = self.store.all_webhooks().await?;
+        let mut hooks = self.store.all_webhooks().await?;
+        let mut runs: Vec<_> = events.iter().map(|e| e.run_id).collect();
+        runs.dedup();
+        hooks.extend(self.store.webhooks_of_runs(&runs).await?);
         let mut deliveries = vec![];
         let mut done = vec![];
         for e in events {
-            let wanting: Vec<&Webhook> = hooks
-                .iter()
-                .filter(|h| h.owner == e.owner && h.wants(&e.kind, &e.agent))
-                .collect();
+            let wanting: Vec<&Webhook> = hooks.iter().filter(|h| h.hears(&e)).collect();
             if !wanting.is_empty() {
                 let body = self.body(&e).await?;
                 for h in wanting {

@@ -130,9 +130,24 @@ macro_rules! start_body {
             #[serde(default)]
             #[schema(minimum = 1, maximum = 5)]
             priority: Option<u8>,
+            /// This run's own webhook: its events go to `url` (default events `run.succeeded`,
+            /// `run.failed`, `run.cancelled`), signed with a secret the answer carries once
+            /// (`webhook: {id, secret}`); see docs/webhooks.md.
+            #[serde(default)]
+            webhook: Option<RunWebhookBody>,
             $($extra)*
         }
     };
+}
+
+/// A run's own webhook on `POST /v1/runs`.
+#[derive(Deserialize, Debug, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunWebhookBody {
+    /// An http(s) URL (the same address guard as subscriptions).
+    url: String,
+    /// Event types, or `["*"]` (default: the run's end).
+    events: Option<Vec<String>>,
 }
 
 start_body!(
@@ -161,6 +176,7 @@ impl From<WaitStartBody> for StartBody {
             if_busy: w.if_busy,
             idempotency_key: w.idempotency_key,
             priority: w.priority,
+            webhook: w.webhook,
         }
     }
 }
@@ -226,7 +242,68 @@ pub async fn owned_run(state: &ApiState, owner: &Owner, id: RunId) -> Result<Run
     }
 }
 
-async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<Started, ApiError> {
+/// A run's own webhook, stored before its run starts (the run's id chosen here), so no event
+/// of the run can pass before it exists. Its secret goes in the start's answer only.
+async fn run_webhook(
+    state: &ApiState,
+    owner: &Owner,
+    body: RunWebhookBody,
+) -> Result<crate::domain::webhook::Webhook, ApiError> {
+    let events = body.events.unwrap_or_else(|| {
+        ["run.succeeded", "run.failed", "run.cancelled"]
+            .map(String::from)
+            .to_vec()
+    });
+    super::webhooks::check_events(&events)?;
+    super::webhooks::check_url(state, &body.url).await?;
+    let run = RunId::new();
+    let now = chrono::Utc::now();
+    let hook = crate::domain::webhook::Webhook {
+        id: crate::domain::webhook::new_webhook_id(),
+        owner: owner.0.clone(),
+        url: body.url,
+        events,
+        agents: None,
+        description: format!("run {run}"),
+        secret: crate::domain::webhook::new_secret(),
+        old_secret: None,
+        paused_reason: None,
+        run_id: Some(run),
+        created_at: now,
+        updated_at: now,
+    };
+    state.app.store.create_webhook(&hook).await?;
+    Ok(hook)
+}
+
+/// [`start_from_body`], with the run's own webhook when the body asks for one: `(id, secret)`
+/// when the start made a new run for it (a steer, or an idempotent repeat, makes none: the
+/// webhook is dropped).
+async fn start_from(
+    state: &ApiState,
+    owner: &Owner,
+    mut body: StartBody,
+) -> Result<(Started, Option<(String, String)>), ApiError> {
+    let Some(w) = body.webhook.take() else {
+        return Ok((start_from_body(state, owner, body, None).await?, None));
+    };
+    let hook = run_webhook(state, owner, w).await?;
+    let started = start_from_body(state, owner, body, hook.run_id).await;
+    match started {
+        Ok(s) if Some(s.run().id) == hook.run_id => Ok((s, Some((hook.id, hook.secret)))),
+        other => {
+            state.app.store.delete_webhook(&owner.0, &hook.id).await?;
+            Ok((other?, None))
+        }
+    }
+}
+
+async fn start_from_body(
+    state: &ApiState,
+    owner: &Owner,
+    body: StartBody,
+    run_id: Option<RunId>,
+) -> Result<Started, ApiError> {
     let thread_id = match body.thread_id.as_deref().map(ThreadId::chosen).transpose() {
         Ok(Some(t)) => Some(state.app.thread_for(&owner.0, &t).await?),
         Ok(None) => None,
@@ -285,6 +362,7 @@ async fn start_from(state: &ApiState, owner: &Owner, body: StartBody) -> Result<
         if_busy: IfBusy::Reject,
         idempotency_key: body.idempotency_key,
         priority: body.priority,
+        run_id,
         ..Default::default()
     };
     start_busy(state, owner, req, body.if_busy).await
@@ -351,7 +429,7 @@ pub async fn start(
     ApiJson(body): ApiJson<StartBody>,
 ) -> Result<Response, ApiError> {
     queue_room(&state, &owner).await?;
-    let started = start_from(&state, &owner, body).await?;
+    let (started, webhook) = start_from(&state, &owner, body).await?;
     let message_id = match &started {
         Started::Steered { message_id, .. } => Some(message_id.clone()),
         Started::Run { .. } => None,
@@ -361,6 +439,10 @@ pub async fn start(
     if let Some(id) = message_id {
         // `steer`: the thread's active run, and the message it was sent.
         v["steered"] = json!({"message_id": id});
+    }
+    if let Some((id, secret)) = webhook {
+        // Shown once, as a subscription's.
+        v["webhook"] = json!({"id": id, "secret": secret});
     }
     Ok((StatusCode::ACCEPTED, Json(v)).into_response())
 }
@@ -376,7 +458,14 @@ pub async fn start_and_wait(
     let timeout = wait_duration(body.timeout_s)?;
     let _held = state.quotas.take(&owner.0, super::quota::Kind::Wait)?;
     queue_room(&state, &owner).await?;
-    let started = start_from(&state, &owner, body.into()).await?;
+    if body.webhook.is_some() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            "`webhook` is for POST /v1/runs: a wait answers with the run itself",
+        ));
+    }
+    let (started, _) = start_from(&state, &owner, body.into()).await?;
     wait_view(&state, started.run().id, timeout).await
 }
 

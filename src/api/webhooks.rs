@@ -139,7 +139,7 @@ fn invalid(message: impl Into<String>) -> ApiError {
 }
 
 /// Checks a destination: scheme, host, and the address guard.
-async fn check_url(state: &ApiState, url: &str) -> Result<(), ApiError> {
+pub(super) async fn check_url(state: &ApiState, url: &str) -> Result<(), ApiError> {
     let parsed =
         reqwest::Url::parse(url).map_err(|e| invalid(format!("`url` is not a URL: {e}")))?;
     if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
@@ -162,7 +162,7 @@ async fn check_url(state: &ApiState, url: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn check_events(events: &[String]) -> Result<(), ApiError> {
+pub(super) fn check_events(events: &[String]) -> Result<(), ApiError> {
     if events.is_empty() {
         return Err(invalid("`events` names no event type; use [\"*\"] for all"));
     }
@@ -230,6 +230,7 @@ pub async fn create(
         secret: webhook::new_secret(),
         old_secret: None,
         paused_reason: None,
+        run_id: None,
         created_at: now,
         updated_at: now,
     };

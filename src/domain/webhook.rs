@@ -49,6 +49,9 @@ pub struct Webhook {
     pub old_secret: Option<(String, i64)>,
     /// Why deliveries to it stopped (`None`: they go).
     pub paused_reason: Option<String>,
+    /// The one run it hears, for a run's own webhook (`webhook` on `POST /v1/runs`); `None`:
+    /// every run of its owner.
+    pub run_id: Option<RunId>,
     /// Created.
     pub created_at: DateTime<Utc>,
     /// Last changed.
@@ -56,6 +59,15 @@ pub struct Webhook {
 }
 
 impl Webhook {
+    /// Whether `e` goes to it: the owner's runs (or its one run), the types, the agents.
+    pub fn hears(&self, e: &QueuedEvent) -> bool {
+        let whose = match self.run_id {
+            Some(run) => run == e.run_id,
+            None => self.owner == e.owner,
+        };
+        whose && self.wants(&e.kind, &e.agent)
+    }
+
     /// Whether an event of `kind` of a run of `agent` goes to it.
     pub fn wants(&self, kind: &str, agent: &str) -> bool {
         self.events.iter().any(|e| e == "*" || e == kind)

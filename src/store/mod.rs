@@ -855,11 +855,18 @@ pub trait Webhooks: Send + Sync + 'static {
     /// Stores a new subscription.
     async fn create_webhook(&self, hook: &Webhook) -> Result<()>;
 
-    /// An owner's subscriptions, oldest first.
+    /// An owner's subscriptions, oldest first (not its runs' own webhooks).
     async fn list_webhooks(&self, owner: &OwnerId) -> Result<Vec<Webhook>>;
 
-    /// Every subscription (the dispatcher matches events against them).
+    /// Every owner's subscriptions, not runs' own webhooks (the dispatcher matches events
+    /// against them).
     async fn all_webhooks(&self) -> Result<Vec<Webhook>>;
+
+    /// The own webhooks of these runs.
+    async fn webhooks_of_runs(&self, runs: &[RunId]) -> Result<Vec<Webhook>>;
+
+    /// Any subscription, by id.
+    async fn webhook_by_id(&self, id: &str) -> Result<Option<Webhook>>;
 
     /// One of an owner's subscriptions.
     async fn get_webhook(&self, owner: &OwnerId, id: &str) -> Result<Option<Webhook>>;

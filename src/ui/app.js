@@ -172,27 +172,7 @@ function sse(path, onEvent) {
 function go(href, replace) {
   if (replace) history.replaceState(null, '', href);
   else history.pushState(null, '', href);
-  async function webhooks() {
-  const v = await api('GET', '/v1/webhooks');
-  const recent = await Promise.all(v.webhooks.map((w) =>
-    api('GET', `/v1/webhooks/${encodeURIComponent(w.id)}/deliveries?limit=10`).catch(() => ({ deliveries: [] }))));
-  put(main, h('h1', {}, 'Webhooks'),
-    v.webhooks.length ? '' : h('p', { class: 'muted' }, 'No subscriptions. POST /v1/webhooks adds one (see docs/webhooks.md).'),
-    h('div', { class: 'scroll' }, h('table', { id: 'webhooks' },
-      h('tr', {}, h('th', {}, 'destination'), h('th', {}, 'events'), h('th', {}, 'state'), h('th', { class: 'hide-sm' }, 'latest deliveries')),
-      v.webhooks.map((w, i) => h('tr', { 'data-webhook': w.id },
-        h('td', {}, h('b', { class: 'mono' }, w.url), h('div', { class: 'muted' }, w.description || w.id)),
-        h('td', { class: 'mono' }, w.events.join(', '), w.agents ? h('div', { class: 'muted' }, 'agents: ' + w.agents.join(', ')) : ''),
-        h('td', {}, w.paused
-          ? h('span', { class: 'warn', 'data-paused': 'true' }, 'paused: ' + (w.paused_reason || ''))
-          : h('span', {}, 'active')),
-        h('td', { class: 'hide-sm' }, recent[i].deliveries.map((d) =>
-          h('div', { class: 'mono', title: d.last_error || d.last_body || '' },
-            badge(d.status), ` ${d.event_type} · ${d.attempts} attempt${d.attempts === 1 ? '' : 's'}`,
-            d.last_status ? ` · HTTP ${d.last_status}` : ''))))))));
-}
-
-render();
+  render();
 }
 document.addEventListener('click', (ev) => {
   const a = ev.target.closest('a');
@@ -222,6 +202,7 @@ async function render() {
     else if ((m = path.match(/^\/ui\/threads\/([A-Za-z0-9_.:-]{1,200})$/))) await thread(decodeURIComponent(m[1]), q);
     else if (path === '/ui/agents') await agents();
     else if (path === '/ui/webhooks') await webhooks();
+    else if (path === '/ui/schedules') await schedules();
     else put(main, h('h1', {}, 'Not found'), h('p', {}, link('/ui/', 'Back to the overview')));
   } catch (e) {
     put(main, h('h1', {}, e.status === 404 ? 'Not found' : 'Error'), h('p', { class: 'err', id: 'error' }, e.message));
@@ -587,6 +568,30 @@ async function agents() {
         h('td', { class: 'mono' }, a.effective_tools.length ? a.effective_tools.join(', ') : '(none)'),
         h('td', { class: 'hide-sm' }, `${a.max_steps} steps, ${a.timeout_s} s`),
         h('td', { class: 'hide-sm' }, a.subagents.join(', ')))))));
+}
+
+async function schedules() {
+  const v = await api('GET', '/v1/schedules');
+  const act = (s, what) => async () => {
+    await api('POST', `/v1/schedules/${encodeURIComponent(s.id)}/${what}`).catch((e) => toast(e.message));
+    render();
+  };
+  put(main, h('h1', {}, 'Schedules'),
+    v.schedules.length ? '' : h('p', { class: 'muted' }, 'No schedules. POST /v1/schedules or `subagents schedules add` creates one (see docs/schedules.md).'),
+    h('div', { class: 'scroll' }, h('table', { id: 'schedules' },
+      h('tr', {}, h('th', {}, 'schedule'), h('th', {}, 'agent'), h('th', {}, 'next'), h('th', { class: 'hide-sm' }, 'recent runs'), h('th', {}, '')),
+      v.schedules.map((s) => h('tr', { 'data-schedule': s.id },
+        h('td', {}, h('b', { class: 'mono' }, s.cron), ' ', h('span', { class: 'muted' }, s.timezone),
+          h('div', { class: 'muted' }, `${s.overlap} · catch-up ${s.catch_up}` + (s.thread_id ? ` · thread ${s.thread_id}` : ' · new thread each time')),
+          h('div', { class: 'muted' }, s.input.slice(0, 120))),
+        h('td', { class: 'mono' }, s.agent),
+        h('td', {}, s.paused ? h('span', { class: 'warn', 'data-paused': 'true' }, 'paused')
+          : h('div', {}, s.next_fire_times.slice(0, 3).map((t) => h('div', { class: 'mono' }, when(t))))),
+        h('td', { class: 'hide-sm' }, s.recent_runs.map((r) =>
+          h('div', {}, link('/ui/runs/' + r.run_id, short(r.run_id)), ' ', badge(r.status), ' ', h('span', { class: 'muted' }, when(r.scheduled_for))))),
+        h('td', {},
+          h('button', { class: 'link', onclick: act(s, s.paused ? 'resume' : 'pause') }, s.paused ? 'Resume' : 'Pause'), ' ',
+          h('button', { class: 'link', 'data-trigger': s.id, onclick: act(s, 'trigger') }, 'Run now')))))));
 }
 
 async function webhooks() {

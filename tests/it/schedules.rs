@@ -263,6 +263,22 @@ async fn overlap_skip_enqueue_and_cancel_previous_and_the_api() {
     assert_eq!(view["recent_runs"].as_array().unwrap().len(), 2, "{view}");
     assert_eq!(view["recent_runs"][0]["status"], "succeeded", "{view}");
 
+    // The dashboard's schedules page shows them and pauses one.
+    let b = crate::browser::Browser::start(1280, 900).await;
+    b.goto(&format!("{base}/ui/schedules")).await;
+    b.wait_for(&format!("[data-schedule='{skip}']"), 30).await;
+    let row = b.text(&format!("[data-schedule='{enqueue}']")).await;
+    assert!(
+        row.contains("enqueue") && row.contains("succeeded"),
+        "{row}"
+    );
+    b.click(&format!("[data-schedule='{skip}'] button")).await;
+    b.wait_for(&format!("[data-schedule='{skip}'] [data-paused]"), 30)
+        .await;
+    let (_, v) = call(&base, Method::GET, &format!("/v1/schedules/{skip}"), None).await;
+    assert_eq!(v["paused"], true, "{v}");
+    drop(b);
+
     // Pause, resume, delete.
     let (_, paused) = call(
         &base,

@@ -1747,6 +1747,7 @@ async fn webhook_events_are_queued_with_their_commit_and_delivered_once_each(s: 
         secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
         old_secret: None,
         paused_reason: None,
+        run_id: None,
         created_at: now,
         updated_at: now,
     };

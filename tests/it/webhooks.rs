@@ -141,15 +141,12 @@ async fn app(allow: bool) -> (TestApp, String) {
     (t, base)
 }
 
+async fn get_json(http: &reqwest::Client, url: String) -> Value {
+    http.get(url).send().await.unwrap().json().await.unwrap()
+}
+
 async fn deliveries(http: &reqwest::Client, base: &str, hook: &str) -> Vec<Value> {
-    let page: Value = http
-        .get(format!("{base}/v1/webhooks/{hook}/deliveries"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page: Value = get_json(http, format!("{base}/v1/webhooks/{hook}/deliveries")).await;
     page["deliveries"].as_array().unwrap().clone()
 }
 
@@ -171,14 +168,7 @@ async fn a_receiver_down_then_failing_then_back_gets_every_event_once_signed() {
     assert!(secret.starts_with("whsec_"), "{hook}");
     receiver.secret(secret);
     let id = hook["id"].as_str().unwrap().to_owned();
-    let listed: Value = http
-        .get(format!("{base}/v1/webhooks/{id}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed: Value = get_json(&http, format!("{base}/v1/webhooks/{id}")).await;
     assert!(
         listed.get("secret").is_none(),
         "the secret is shown once: {listed}"
@@ -371,26 +361,12 @@ async fn a_receiver_that_keeps_failing_is_paused_and_a_resume_sends_what_waited(
         "both deliveries die and the subscription pauses",
         60,
         async || {
-            let h: Value = http
-                .get(format!("{base}/v1/webhooks/{id}"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let h: Value = get_json(&http, format!("{base}/v1/webhooks/{id}")).await;
             h["paused"] == true
         },
     )
     .await;
-    let h: Value = http
-        .get(format!("{base}/v1/webhooks/{id}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let h: Value = get_json(&http, format!("{base}/v1/webhooks/{id}")).await;
     assert!(
         h["paused_reason"].as_str().unwrap().contains("HTTP 500"),
         "{h}"
@@ -455,6 +431,7 @@ async fn a_worker_killed_mid_attempt_leaves_the_delivery_to_the_next_one() {
         secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
         old_secret: None,
         paused_reason: None,
+        run_id: None,
         created_at: chrono::Utc::now(),
         updated_at: chrono::Utc::now(),
     };
@@ -516,4 +493,72 @@ async fn a_worker_killed_mid_attempt_leaves_the_delivery_to_the_next_one() {
     assert_eq!(log[0]["id"], d[0].id.as_str());
     assert_eq!(log[0]["verified"], true);
     assert_eq!(log[0]["run_id"], run.id.to_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_carries_its_own_webhook_signed_with_a_secret_shown_once() {
+    let (t, base) = app(true).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut receiver = Receiver::new(dir.path());
+    receiver.start().await;
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{base}/v1/runs"))
+        .json(&json!({"input": "SCENARIO steps=1", "webhook": {"url": receiver.url()}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let run: Value = r.json().await.unwrap();
+    let secret = run["webhook"]["secret"].as_str().unwrap();
+    receiver.secret(secret);
+    let hook = run["webhook"]["id"].as_str().unwrap().to_owned();
+    let id: subagents::ids::RunId = run["id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(t.wait(id).await.status, RunStatus::Succeeded);
+    until("the run's end reaches its webhook", 30, async || {
+        !receiver.log().is_empty()
+    })
+    .await;
+    let log = receiver.log();
+    assert_eq!(
+        log.len(),
+        1,
+        "the default events are the run's end: {log:?}"
+    );
+    assert_eq!(log[0]["type"], "run.succeeded");
+    assert_eq!(log[0]["verified"], true);
+    assert_eq!(log[0]["run_id"], id.to_string());
+    // Another run ends: nothing more for this webhook, which is not among the owner's.
+    let other = t.start("SCENARIO steps=1").await;
+    t.wait(other.id).await;
+    let listed: Value = get_json(&http, format!("{base}/v1/webhooks")).await;
+    assert_eq!(listed["webhooks"], json!([]), "{listed}");
+    let d = deliveries(&http, &base, &hook).await;
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0]["status"], "delivered");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(receiver.log().len(), 1);
+    // A private destination is refused before any run starts.
+    let r = http
+        .post(format!("{base}/v1/runs"))
+        .json(&json!({"input": "x", "webhook": {"url": "http://10.0.0.1/"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    let (t2, base2) = app(false).await;
+    let r = http
+        .post(format!("{base2}/v1/runs"))
+        .json(&json!({"input": "x", "webhook": {"url": receiver.url()}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422, "loopback without SUBAGENTS_WEBHOOK_ALLOW");
+    let none = t2
+        .app
+        .store
+        .list_runs(&subagents::ids::OwnerId::local(), &Default::default(), 10)
+        .await
+        .unwrap();
+    assert!(none.is_empty(), "no run started: {none:?}");
 }

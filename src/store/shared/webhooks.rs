@@ -10,7 +10,7 @@ use super::*;
 macro_rules! webhook_columns {
     () => {
         "id, owner, url, events, agents, description, secret, old_secret, old_secret_until, \
-         paused_reason, created_at, updated_at"
+         paused_reason, created_at, updated_at, run_id"
     };
 }
 
@@ -46,8 +46,8 @@ where
 {
     async fn create_webhook(&self, hook: &Webhook) -> Result<()> {
         sqlx::query(
-            "INSERT INTO sa_webhooks (id, owner, url, events, agents, description, secret, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8)",
+            "INSERT INTO sa_webhooks (id, owner, url, events, agents, description, secret, created_at, updated_at, run_id) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8, $9)",
         )
         .bind(hook.id.as_str())
         .bind(hook.owner.as_str())
@@ -57,6 +57,7 @@ where
         .bind(hook.description.as_str())
         .bind(hook.secret.as_str())
         .bind(hook.created_at)
+        .bind(hook.run_id.map(|r| r.to_string()))
         .execute(self.pool())
         .await?;
         Ok(())
@@ -66,7 +67,7 @@ where
         let rows = sqlx::query(concat!(
             "SELECT ",
             webhook_columns!(),
-            " FROM sa_webhooks WHERE owner = $1 ORDER BY created_at, id"
+            " FROM sa_webhooks WHERE owner = $1 AND run_id IS NULL ORDER BY created_at, id"
         ))
         .bind(owner.as_str())
         .fetch_all(self.reads())
@@ -75,10 +76,44 @@ where
     }
 
     async fn all_webhooks(&self) -> Result<Vec<Webhook>> {
-        let rows = sqlx::query(concat!("SELECT ", webhook_columns!(), " FROM sa_webhooks"))
-            .fetch_all(self.pool())
-            .await?;
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            webhook_columns!(),
+            " FROM sa_webhooks WHERE run_id IS NULL"
+        ))
+        .fetch_all(self.pool())
+        .await?;
         rows.iter().map(webhook_row::<S>).collect()
+    }
+
+    async fn webhooks_of_runs(&self, runs: &[RunId]) -> Result<Vec<Webhook>> {
+        if runs.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut q = sqlx::QueryBuilder::<S::Db>::new(concat!(
+            "SELECT ",
+            webhook_columns!(),
+            " FROM sa_webhooks WHERE run_id IN ("
+        ));
+        let mut list = q.separated(", ");
+        for r in runs {
+            list.push_bind(r.to_string());
+        }
+        list.push_unseparated(")");
+        let rows = q.build().fetch_all(self.pool()).await?;
+        rows.iter().map(webhook_row::<S>).collect()
+    }
+
+    async fn webhook_by_id(&self, id: &str) -> Result<Option<Webhook>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            webhook_columns!(),
+            " FROM sa_webhooks WHERE id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(webhook_row::<S>).transpose()
     }
 
     async fn get_webhook(&self, owner: &OwnerId, id: &str) -> Result<Option<Webhook>> {
@@ -454,6 +489,7 @@ where
         paused_reason: r.get(9),
         created_at: r.get(10),
         updated_at: r.get(11),
+        run_id: r.get::<Option<String>, _>(12).and_then(|s| s.parse().ok()),
     })
 }
 
