@@ -61,6 +61,8 @@ pub(super) struct Attempt<'a> {
     pub interrupt: Flag,
     /// The settings file's hooks and rules, as the run pinned them.
     pub settings: std::sync::Arc<crate::policy::Policy>,
+    /// Pins chosen at this fresh start, committed with the input.
+    pub unpinned: Vec<(String, String)>,
 }
 
 impl Attempt<'_> {
@@ -170,7 +172,10 @@ impl Engine {
                     ),
                 )
             })?;
-        let pinned = self.pinned(run, &agent).await?;
+        let ctx = self.load_context(run).await?;
+        let input_key = format!("{}:input", run.id);
+        let fresh = run.step == 0 && !ctx.history.iter().any(|m| m.key == input_key);
+        let pinned = self.pinned(run, &agent, fresh).await?;
         let tools = self.offered_tools(run, &agent, &pinned).await?;
         let model = pinned.model;
         let window = Window::resolve(
@@ -183,7 +188,7 @@ impl Engine {
             lease,
             run,
             workspace: crate::tools::owner_workspace(&self.settings.workspace, &run.owner),
-            ctx: self.load_context(run).await?,
+            ctx,
             agent,
             tools,
             model,
@@ -196,9 +201,9 @@ impl Engine {
             inbox: heard.inbox,
             interrupt: heard.interrupt,
             settings: pinned.settings,
+            unpinned: pinned.unwritten,
         };
-        let input_key = format!("{}:input", run.id);
-        if run.step == 0 && !a.ctx.history.iter().any(|m| m.key == input_key) {
+        if fresh {
             self.commit_input(&mut a, input_key).await?;
         }
         Ok(a)
@@ -246,6 +251,7 @@ impl Engine {
         let cp = Checkpoint {
             messages: vec![msg.clone()],
             events,
+            pins: std::mem::take(&mut a.unpinned),
             ..Default::default()
         };
         self.store.checkpoint(a.lease, cp).await?;

@@ -38,6 +38,8 @@ pub(super) struct Pinned {
     pub menus: BTreeMap<String, Arc<Vec<ToolSpec>>>,
     /// The servers the run wants but has no list of yet, and why they could not be asked.
     pub unreachable: BTreeMap<String, String>,
+    /// Pins chosen at a fresh start, to commit with the run's input.
+    pub unwritten: Vec<(String, String)>,
 }
 
 /// The MCP servers an agent wants, each with the one tool it names (`None`: all of them): all
@@ -61,18 +63,23 @@ pub fn menus() -> crate::pinning::Texts<Vec<ToolSpec>> {
 }
 
 impl Engine {
-    /// The run's pins: read back, or (at its first claim, and for what it had none of yet)
-    /// chosen now and written.
-    pub(super) async fn pinned(&self, run: &RunRecord, agent: &AgentDef) -> Flow<Pinned> {
+    /// The run's pins: read back, or chosen now for what it has none of yet. `fresh` (its
+    /// input is not committed yet: nothing ran, nothing was pinned) chooses them all and leaves
+    /// them in [`Pinned::unwritten`] to commit with the input, saving a write per run; else
+    /// what was missing (a server unreachable before, a run from before pins) is written here.
+    pub(super) async fn pinned(
+        &self,
+        run: &RunRecord,
+        agent: &AgentDef,
+        fresh: bool,
+    ) -> Flow<Pinned> {
         let store = self.store.as_ref();
-        // A run that never committed a step has nothing pinned but after a crash at its first
-        // claim; the write below finds those (the first values hold).
-        let mut held = if run.step == 0 {
+        let mut held = if fresh {
             BTreeMap::new()
         } else {
             store.run_pins(run.id).await?
         };
-        let mut fresh: Vec<(String, String)> = vec![];
+        let mut chosen: Vec<(String, String)> = vec![];
         let needs_parent = !held.contains_key(SETTINGS)
             || (!held.contains_key(MODEL) && is_inherit(agent.model.as_deref()));
         let parent = match run.parent_run_id {
@@ -84,14 +91,14 @@ impl Engine {
                 Some(v) => v.clone(),
                 None => self.settings.policy.settings.pin(store).await?,
             };
-            fresh.push((SETTINGS.into(), v));
+            chosen.push((SETTINGS.into(), v));
         }
         if !held.contains_key(MODEL) {
             let model = self
                 .model_for(run, agent, parent.get(MODEL).map(String::as_str))
                 .await?;
-            fresh.push((MODEL.into(), model));
-            fresh.push((PROVIDER.into(), OPENAI.into()));
+            chosen.push((MODEL.into(), model));
+            chosen.push((PROVIDER.into(), OPENAI.into()));
         }
         let hub = &self.settings.mcp;
         let mut unreachable = BTreeMap::new();
@@ -102,7 +109,7 @@ impl Engine {
         servers.dedup();
         for server in servers {
             let name = format!("{MCP}{server}");
-            if held.contains_key(&name) || fresh.iter().any(|(n, _)| *n == name) {
+            if held.contains_key(&name) || chosen.iter().any(|(n, _)| *n == name) {
                 continue;
             }
             match hub.specs(&server, None, &run.owner).await {
@@ -110,7 +117,7 @@ impl Engine {
                     let text = serde_json::to_string(&specs).unwrap_or_else(|_| "[]".into());
                     let version = crate::agents::content_version(&text);
                     self.menus.pin(store, &version, &text).await?;
-                    fresh.push((name, version));
+                    chosen.push((name, version));
                 }
                 Err(e) => {
                     tracing::warn!(server = %server, error = %e, "MCP server unavailable for this run");
@@ -118,10 +125,16 @@ impl Engine {
                 }
             }
         }
-        if !fresh.is_empty() {
-            held.extend(store.pin_run(run.id, fresh).await?);
+        let mut unwritten = vec![];
+        if fresh {
+            held.extend(chosen.iter().cloned());
+            unwritten = chosen;
+        } else if !chosen.is_empty() {
+            held.extend(store.pin_run(run.id, chosen).await?);
         }
-        self.interpret(run, held, unreachable).await
+        let mut p = self.interpret(run, held, unreachable).await?;
+        p.unwritten = unwritten;
+        Ok(p)
     }
 
     /// What the pinned values stand for.
@@ -170,6 +183,7 @@ impl Engine {
                 .unwrap_or_else(|| self.settings.default_model.clone()),
             menus,
             unreachable,
+            unwritten: vec![],
         })
     }
 }

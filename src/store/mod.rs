@@ -225,6 +225,9 @@ pub struct Checkpoint {
     /// Terminal transition, if this write ends the run. The parent's `child.finished` event and
     /// the wake-up of every run waiting on this one commit with it.
     pub finish: Option<Finish>,
+    /// Pins to write (`name`, `value`), each only if the run has none of that name: a run's
+    /// first claim commits them with its input (see [`Pins::pin_run`] for the rest).
+    pub pins: Vec<(String, String)>,
 }
 
 /// Which of a terminal commit's effects can apply, as the fence found out in the same

@@ -546,8 +546,13 @@ fn checkpoint_query<'q>(
            INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
            SELECT $13, f.event_seq - $1 + x.ord, x.type, x.data, $7, $22 \
            FROM f, unnest($19::text[], $20::text[]) WITH ORDINALITY AS x(type, data, ord) \
+         ), p AS ( \
+           INSERT INTO sa_run_pins (run_id, name, value) \
+           SELECT $13, x.name, x.value FROM f, unnest($23::text[], $24::text[]) AS x(name, value) \
+           ON CONFLICT (run_id, name) DO NOTHING \
          ) SELECT * FROM f"
     );
+    let (p_name, p_value): (Vec<String>, Vec<String>) = cp.pins.iter().cloned().unzip();
     bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
         .bind(m_step)
         .bind(m_role)
@@ -557,6 +562,8 @@ fn checkpoint_query<'q>(
         .bind(e_data)
         .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
         .bind(relayed)
+        .bind(p_name)
+        .bind(p_value)
 }
 
 impl group::Renewals for Commits {
@@ -738,6 +745,11 @@ impl group::Progress for Commits {
                 r.m_body
                     .push(serde_json::to_string(&m.message).expect("message serializes"));
             }
+            for (name, value) in &cp.pins {
+                r.p_run.push(run.clone());
+                r.p_name.push(name.clone());
+                r.p_value.push(value.clone());
+            }
             for (i, e) in cp.events.iter().enumerate() {
                 r.e_run.push(run.clone());
                 r.e_ord.push(i as i64 + 1);
@@ -766,6 +778,9 @@ impl group::Progress for Commits {
             .bind(r.e_type)
             .bind(r.e_data)
             .bind(self.relayed)
+            .bind(r.p_run)
+            .bind(r.p_name)
+            .bind(r.p_value)
             .fetch_all(&mut *conn)
             .await
             .map_err(StoreError::from);
@@ -818,6 +833,9 @@ impl Commits {
 /// The columns of a group commit, one array per column (bound as PostgreSQL arrays).
 #[derive(Default)]
 struct BatchColumns {
+    p_run: Vec<String>,
+    p_name: Vec<String>,
+    p_value: Vec<String>,
     epoch: Vec<i64>,
     events: Vec<i64>,
     step: Vec<Option<i64>>,
@@ -860,6 +878,12 @@ fn group_sql() -> &'static str {
            SELECT f.id, f.event_seq - f.n + x.ord, x.type, x.data, $9, $19 \
            FROM unnest($15::text[], $16::bigint[], $17::text[], $18::text[]) AS x(run_id, ord, type, data) \
            JOIN f ON f.id = x.run_id \
+         ), p AS ( \
+           INSERT INTO sa_run_pins (run_id, name, value) \
+           SELECT f.id, x.name, x.value \
+           FROM unnest($20::text[], $21::text[], $22::text[]) AS x(run_id, name, value) \
+           JOIN f ON f.id = x.run_id \
+           ON CONFLICT (run_id, name) DO NOTHING \
          ) SELECT id FROM f",
         crate::lifecycle::Transition::Heartbeat
     )

@@ -450,6 +450,8 @@ struct Appends<'a> {
     messages: Vec<(String, String, &'a NewMessage)>,
     /// Run, seq and event.
     events: Vec<(String, i64, &'a NewEvent)>,
+    /// Run, name and value of each pin.
+    pins: Vec<(String, &'a str, &'a str)>,
 }
 
 impl<'a> Appends<'a> {
@@ -465,6 +467,11 @@ impl<'a> Appends<'a> {
         );
         self.messages
             .extend(cp.messages.iter().map(|m| (thread.clone(), run.clone(), m)));
+        self.pins.extend(
+            cp.pins
+                .iter()
+                .map(|(n, v)| (run.clone(), n.as_str(), v.as_str())),
+        );
     }
 
     /// Writes the rows; `relayed` is what a new event's `relayed` is (the store's).
@@ -503,6 +510,16 @@ impl<'a> Appends<'a> {
                     .push_bind(now)
                     .push_bind(relayed);
             });
+            q.build().execute(&mut **tx).await?;
+        }
+        for chunk in self.pins.chunks(1000) {
+            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+                "INSERT INTO sa_run_pins (run_id, name, value) ",
+            );
+            q.push_values(chunk, |mut b, (run, name, value)| {
+                b.push_bind(run.as_str()).push_bind(*name).push_bind(*value);
+            });
+            q.push(" ON CONFLICT(run_id, name) DO NOTHING");
             q.build().execute(&mut **tx).await?;
         }
         Ok(())

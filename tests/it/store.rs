@@ -1697,6 +1697,27 @@ async fn a_run_pins_each_value_once_and_the_first_pin_holds(s: Backend) {
         s.run_pins(other.id).await.unwrap().is_empty(),
         "pins are per run"
     );
+    // A first claim's pins commit with its input checkpoint (fenced like it), once.
+    let (_, lease) = claimed_run(&s, Duration::from_secs(10)).await;
+    for model in ["first", "second"] {
+        s.checkpoint(
+            &lease,
+            Checkpoint {
+                pins: pin(&[("model", model), ("settings", "none")]),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        s.run_pins(lease.run_id)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect::<Vec<_>>(),
+        pin(&[("model", "first"), ("settings", "none")])
+    );
     assert_eq!(s.pinned_text("abcdefabcdef").await.unwrap(), None);
     s.record_pinned_text("abcdefabcdef", "{}").await.unwrap();
     s.record_pinned_text("abcdefabcdef", "{\"x\":1}")
