@@ -549,6 +549,26 @@ impl Settings {
         s
     }
 
+    /// Why runs here could not reach their model as configured, said before any run starts:
+    /// OpenAI's own endpoint without a key (every call would be refused, each run failing
+    /// after its retries). Another endpoint may need no key (a local server, a gateway).
+    pub fn model_key_problem(&self) -> Option<String> {
+        let no_key = self
+            .openai_api_key
+            .as_deref()
+            .is_none_or(|k| k.trim().is_empty());
+        let openai = reqwest::Url::parse(&self.openai_base_url)
+            .ok()
+            .and_then(|u| u.host_str().map(str::to_ascii_lowercase))
+            .is_some_and(|h| h.trim_end_matches('.') == "api.openai.com");
+        (no_key && openai).then(|| {
+            format!(
+                "no API key for the model endpoint {}: set OPENAI_API_KEY, or OPENAI_BASE_URL to another OpenAI-compatible endpoint (one on this machine needs no key); `subagents demo` runs without either",
+                self.openai_base_url
+            )
+        })
+    }
+
     /// Whether the model endpoint is on this machine (a loopback host): the mock, a local
     /// server, a test.
     pub fn local_model_endpoint(&self) -> bool {

@@ -246,6 +246,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let thread_id = thread.map(|t| t.parse::<ThreadId>()).transpose()?;
             let app = App::open(settings).await?;
+            if let Some(code) = refuse_without_model_key(&app.settings) {
+                return Ok(code);
+            }
             let req = StartRun {
                 agent: Some(agent),
                 input,
@@ -352,6 +355,12 @@ async fn serve(
         app = App::open(settings) => Arc::new(app?),
         _ = signal.recv() => return Ok(stopped_while_starting()),
     };
+    // Embedded workers call the model; an API-only server does not.
+    if app.settings.concurrency > 0
+        && let Some(code) = refuse_without_model_key(&app.settings)
+    {
+        return Ok(code);
+    }
     let shutdown = CancellationToken::new();
     let workers = if app.settings.concurrency > 0 {
         Some(app.spawn_workers(shutdown.clone()))
@@ -398,6 +407,9 @@ async fn worker(settings: Settings) -> anyhow::Result<ExitCode> {
         app.settings.concurrency,
         crate::app::redact(&app.settings.database_url)
     );
+    if let Some(code) = refuse_without_model_key(&app.settings) {
+        return Ok(code);
+    }
     let app = Arc::new(app);
     let shutdown = CancellationToken::new();
     let workers = app.spawn_workers(shutdown.clone());
@@ -845,4 +857,14 @@ impl ShutdownSignal {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
+}
+
+/// Exit 2 with why, when runs here could not reach their model (see
+/// [`Settings::model_key_problem`]): before any run starts, not after one failed its retries.
+fn refuse_without_model_key(settings: &Settings) -> Option<ExitCode> {
+    // A start error's code, as `run` prints a `StartError`'s (not a tool's error code).
+    const CODE: &str = "no_model_key";
+    let problem = settings.model_key_problem()?;
+    eprintln!("error[{CODE}]: {problem}");
+    Some(ExitCode::from(2))
 }
