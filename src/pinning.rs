@@ -312,7 +312,7 @@ impl Settings {
             path: path.to_owned(),
             current: RwLock::new(Arc::new(read_settings(path)?)),
             seen: Watch::new(file_fingerprint(path)),
-            texts: Texts::new("settings file", parse_settings),
+            texts: Texts::new("settings file", crate::policy::parse_settings),
         })
     }
 
@@ -326,7 +326,7 @@ impl Settings {
                 policy: Arc::new(policy),
             })),
             seen: Watch::new(Fingerprint::new()),
-            texts: Texts::new("settings file", parse_settings),
+            texts: Texts::new("settings file", crate::policy::parse_settings),
         }
     }
 
@@ -392,26 +392,17 @@ impl Default for Settings {
     }
 }
 
-fn parse_settings(text: &str) -> Result<Policy, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
-    crate::policy::parse_policy(&v)
-}
-
 /// The settings file's current version: its text parsed and hashed.
 fn read_settings(path: &Path) -> Result<SettingsVersion, String> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(SettingsVersion {
-                version: NO_SETTINGS.into(),
-                text: None,
-                policy: Arc::default(),
-            });
-        }
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+    let Some(text) = crate::policy::read_settings_text(path)? else {
+        return Ok(SettingsVersion {
+            version: NO_SETTINGS.into(),
+            text: None,
+            policy: Arc::default(),
+        });
     };
-    let policy = parse_settings(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let policy =
+        crate::policy::parse_settings(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(SettingsVersion {
         version: content_version(&text),
         text: Some(text),

@@ -325,14 +325,25 @@ pub fn parse_permissions(v: &Value) -> Result<Rules, String> {
 /// The operator's settings file (`SUBAGENTS_SETTINGS`, Claude Code's `settings.json` shape):
 /// `hooks`, `permissions`, and `approvalTimeout` (seconds). A missing file is no policy.
 pub fn load_settings(path: &Path) -> Result<Policy, String> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Policy::default()),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
-    };
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
-    parse_policy(&v).map_err(|e| format!("{}: {e}", path.display()))
+    match read_settings_text(path)? {
+        None => Ok(Policy::default()),
+        Some(text) => parse_settings(&text).map_err(|e| format!("{}: {e}", path.display())),
+    }
+}
+
+/// The settings file's text; `None` when there is no file.
+pub fn read_settings_text(path: &Path) -> Result<Option<String>, String> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// A settings file's text, parsed.
+pub fn parse_settings(text: &str) -> Result<Policy, String> {
+    let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    parse_policy(&v)
 }
 
 /// `hooks`, `permissions` and `approvalTimeout` out of one JSON object.

@@ -285,13 +285,7 @@ impl Dispatcher {
     /// start of its answer, or why there was none.
     async fn send(&self, hook: &Webhook, d: &DueDelivery) -> Result<(u16, String), String> {
         let url = reqwest::Url::parse(&hook.url).map_err(|e| format!("bad URL: {e}"))?;
-        let guard = crate::tools::WebFetch {
-            policy: crate::tools::FetchPolicy {
-                allow_hosts: self.settings.allow.clone(),
-                allow_setting: "SUBAGENTS_WEBHOOK_ALLOW",
-                ..Default::default()
-            },
-        };
+        let guard = crate::tools::WebFetch::webhook_guard(self.settings.allow.clone());
         let addr = guard.check(&url).await.map_err(|e| e.to_string())?;
         self.failpoints.hit("before_webhook_send").await;
         let host = url.host_str().unwrap_or_default().to_owned();

@@ -145,13 +145,7 @@ pub(super) async fn check_url(state: &ApiState, url: &str) -> Result<(), ApiErro
     if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
         return Err(invalid("`url` must be an http or https URL with a host"));
     }
-    let guard = crate::tools::WebFetch {
-        policy: crate::tools::FetchPolicy {
-            allow_hosts: state.app.settings.webhook_allow_hosts(),
-            allow_setting: "SUBAGENTS_WEBHOOK_ALLOW",
-            ..Default::default()
-        },
-    };
+    let guard = crate::tools::WebFetch::webhook_guard(state.app.settings.webhook_allow_hosts());
     guard.check(&parsed).await.map_err(|e| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,

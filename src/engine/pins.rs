@@ -102,12 +102,8 @@ impl Engine {
         }
         let hub = &self.settings.mcp;
         let mut unreachable = BTreeMap::new();
-        let mut servers: Vec<String> = mcp_wanted(agent, hub.visible(&agent.name))
-            .into_iter()
-            .map(|(s, _)| s)
-            .collect();
-        servers.dedup();
-        for server in servers {
+        // A server named for several tools is asked once: the check below skips it after.
+        for (server, _) in mcp_wanted(agent, hub.visible(&agent.name)) {
             let name = format!("{MCP}{server}");
             if held.contains_key(&name) || chosen.iter().any(|(n, _)| *n == name) {
                 continue;

@@ -130,6 +130,18 @@ pub struct WebFetch {
 }
 
 impl WebFetch {
+    /// The guard of webhook destinations: `web_fetch`'s rules with their own allow list
+    /// (`SUBAGENTS_WEBHOOK_ALLOW`).
+    pub fn webhook_guard(allow_hosts: Vec<String>) -> WebFetch {
+        WebFetch {
+            policy: FetchPolicy {
+                allow_hosts,
+                allow_setting: "SUBAGENTS_WEBHOOK_ALLOW",
+                ..Default::default()
+            },
+        }
+    }
+
     /// Resolves `url`'s host and returns the address to connect to, or why not. Webhook
     /// destinations go through the same guard (with their own allow list).
     pub async fn check(&self, url: &reqwest::Url) -> Result<SocketAddr, ToolError> {
