@@ -51,6 +51,9 @@ pub struct AgentDef {
     pub system_prompt: String,
     /// Most of its runs running at once, fleet-wide (`max_concurrency:`); more wait queued.
     pub max_concurrency: Option<u32>,
+    /// What its final answers must be (`output_schema:`, `output_retries:`): see
+    /// [`crate::output`].
+    pub output: Option<crate::output::OutputContract>,
     /// Where it came from (`None` for the built-in).
     pub source: Option<PathBuf>,
     /// A short hash of its file's content (`builtin-…` for the built-ins): what a run pins.
@@ -94,6 +97,7 @@ impl AgentDef {
             policy: Default::default(),
             mcp_servers: None,
             max_concurrency: None,
+            output: None,
             system_prompt: "You are a capable general-purpose agent working on one delegated task. Use the tools you are given when they help, keep going until the task is done, and finish with a concise final answer that contains everything the caller needs: they will see only that answer, not your intermediate steps.".into(),
             source: None,
             version: String::new(),
@@ -239,6 +243,8 @@ struct FrontMatter {
     #[serde(rename = "mcpServers")]
     mcp_servers: Option<serde_yaml_ng::Value>,
     approval_timeout: Option<TimeoutValue>,
+    output_schema: Option<serde_yaml_ng::Value>,
+    output_retries: Option<i64>,
     #[serde(flatten)]
     extra: BTreeMap<String, serde_yaml_ng::Value>,
 }
@@ -541,6 +547,41 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
             }
         },
     };
+    // A schema kept in its own file is part of the definition: editing it is a new version.
+    let mut version = content_version(text);
+    let output = match &fm.output_schema {
+        None if fm.output_retries.is_some() => {
+            return Err(err(
+                line_of("output_retries"),
+                "output_retries needs output_schema: (the JSON Schema the answers are checked against)".into(),
+            ));
+        }
+        None => None,
+        Some(v) => {
+            let (schema, file) =
+                output_schema(path, v).map_err(|m| err(line_of("output_schema"), m))?;
+            if let Some(file) = file {
+                version = content_version(&format!("{text}\0{file}"));
+            }
+            let retries = match fm.output_retries {
+                None => None,
+                Some(n) if (0..=crate::output::MAX_RETRIES as i64).contains(&n) => Some(n as u32),
+                Some(n) => {
+                    return Err(err(
+                        line_of("output_retries"),
+                        format!(
+                            "output_retries {n} is out of range 0..={}",
+                            crate::output::MAX_RETRIES
+                        ),
+                    ));
+                }
+            };
+            Some(
+                crate::output::OutputContract::new(schema, retries)
+                    .map_err(|m| err(line_of("output_schema"), m))?,
+            )
+        }
+    };
     let system_prompt = text[body_at..].trim().to_owned();
     let _ = close_line;
     Ok(AgentDef {
@@ -557,10 +598,42 @@ pub fn parse_agent(path: &Path, text: &str) -> Result<AgentDef, AgentFileError> 
         mcp_servers,
         system_prompt,
         max_concurrency,
+        output,
         source: Some(path.to_owned()),
-        version: content_version(text),
+        version,
         text: Some(text.into()),
     })
+}
+
+/// An agent's `output_schema:`: the schema written inline (YAML or JSON), or a path to a JSON
+/// file beside the agent file (relative, and inside the agent file's directory).
+/// Returns the schema, and the file's text when it came from one.
+fn output_schema(
+    agent_file: &Path,
+    v: &serde_yaml_ng::Value,
+) -> Result<(serde_json::Value, Option<String>), String> {
+    let serde_yaml_ng::Value::String(rel) = v else {
+        return serde_json::to_value(v)
+            .map(|s| (s, None))
+            .map_err(|e| format!("output_schema: {e}"));
+    };
+    let rel = Path::new(rel.trim());
+    if rel.is_absolute()
+        || rel
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(format!(
+            "output_schema path `{}` must be relative to the agent file and stay beside it (no `..`, no absolute path)",
+            rel.display()
+        ));
+    }
+    let full = agent_file.parent().unwrap_or(Path::new(".")).join(rel);
+    let text = std::fs::read_to_string(&full)
+        .map_err(|e| format!("output_schema file {}: {e}", full.display()))?;
+    let schema = serde_json::from_str(&text)
+        .map_err(|e| format!("output_schema file {} is not JSON: {e}", full.display()))?;
+    Ok((schema, Some(text)))
 }
 
 /// Every definition file under `dir`: each `*.md` in it and its subdirectories, hidden ones
@@ -838,6 +911,66 @@ mod tests {
         let e = parse_agent(&p(), "---\ndescription: d\ncompact_at: 99\n---\n").unwrap_err();
         assert!(e.message.contains("10% to 95%"), "{e}");
         assert!(parse_agent(&p(), "---\ndescription: d\ncompact_at: lots\n---\n").is_err());
+    }
+
+    #[test]
+    fn output_schemas_load_inline_or_from_a_file_beside_the_agent() {
+        let a = parse_agent(
+            &p(),
+            "---\ndescription: d\noutput_schema:\n  type: object\n  required: [n]\noutput_retries: 4\n---\n",
+        )
+        .unwrap();
+        let o = a.output.unwrap();
+        assert_eq!(
+            o.schema,
+            serde_json::json!({"type": "object", "required": ["n"]})
+        );
+        assert_eq!(o.retries, 4);
+        let a = parse_agent(
+            &p(),
+            "---\ndescription: d\noutput_schema: {\"type\": \"string\"}\n---\n",
+        )
+        .unwrap();
+        assert_eq!(a.output.unwrap().retries, crate::output::DEFAULT_RETRIES);
+
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("schemas")).unwrap();
+        std::fs::write(dir.path().join("schemas/n.json"), r#"{"type": "integer"}"#).unwrap();
+        let file = dir.path().join("counter.md");
+        let text = "---\ndescription: d\noutput_schema: schemas/n.json\n---\n";
+        let a = parse_agent(&file, text).unwrap();
+        assert_eq!(
+            a.output.unwrap().schema,
+            serde_json::json!({"type": "integer"})
+        );
+        let v1 = a.version;
+        // The schema's file is part of the definition: changing it is a new version.
+        std::fs::write(dir.path().join("schemas/n.json"), r#"{"type": "number"}"#).unwrap();
+        assert_ne!(parse_agent(&file, text).unwrap().version, v1);
+
+        for (schema, why) in [
+            ("../secret.json", "`..`"),
+            ("/etc/passwd", "absolute"),
+            ("schemas/missing.json", "missing"),
+        ] {
+            let text = format!("---\ndescription: d\noutput_schema: '{schema}'\n---\n");
+            let e = parse_agent(&file, &text).unwrap_err();
+            assert_eq!(e.line, 3, "{why}: {e}");
+        }
+        let e = parse_agent(
+            &p(),
+            "---\ndescription: d\noutput_schema: {type: bogus}\n---\n",
+        )
+        .unwrap_err();
+        assert!(e.message.contains("not a valid JSON Schema"), "{e}");
+        let e = parse_agent(&p(), "---\ndescription: d\noutput_retries: 1\n---\n").unwrap_err();
+        assert!(e.message.contains("needs output_schema"), "{e}");
+        let e = parse_agent(
+            &p(),
+            "---\ndescription: d\noutput_schema: {}\noutput_retries: 11\n---\n",
+        )
+        .unwrap_err();
+        assert!(e.message.contains("out of range"), "{e}");
     }
 
     #[test]

@@ -201,7 +201,8 @@ pub fn specs(agent: &AgentDef, agents: &AgentRegistry) -> Vec<ToolSpec> {
             "properties": {
                 "description": {"type": "string", "description": "The complete task for the subagent: it sees nothing else of your conversation."},
                 "subagent": {"type": "string", "enum": names},
-                "thread_id": {"type": "string", "description": "Continue an earlier subagent's thread (the thread_id a task or subagent_start gave you) instead of starting fresh."}
+                "thread_id": {"type": "string", "description": "Continue an earlier subagent's thread (the thread_id a task or subagent_start gave you) instead of starting fresh."},
+                "output_schema": {"type": "object", "description": "A JSON Schema the subagent's final answer must match, when you want data back: its result is then that JSON."}
             },
             "required": ["description", "subagent"]
         });
@@ -287,6 +288,15 @@ async fn child_text(settings: &DelegationSettings, child: &RunRecord, text: &str
     }
 }
 
+/// A child's result as its parent gets it: the JSON itself when the child had an output schema
+/// (and it fits the result limit), else its text as [`child_text`] gives it.
+async fn child_result(settings: &DelegationSettings, child: &RunRecord, text: &str) -> Value {
+    match crate::output::result_json(child.limits.output.as_ref(), Some(text)) {
+        Some(data) if text.len() <= settings.result_limit => data,
+        _ => json!(child_text(settings, child, text).await),
+    }
+}
+
 /// The child thread a call names: `<parent_thread>_sub_<agent>_<8 hex>`.
 pub fn child_thread(
     parent_thread: &ThreadId,
@@ -338,7 +348,7 @@ pub async fn snapshot(
     progress.drain(..n.saturating_sub(3));
     let mut v = json!({"run_id": r.id, "thread_id": r.thread_id, "agent": r.agent, "status": r.status, "progress": progress});
     if let Some(res) = &r.result {
-        v["result"] = json!(child_text(settings, r, res).await);
+        v["result"] = child_result(settings, r, res).await;
     }
     if let Some(e) = &r.error {
         v["error"] = json!(format!("[{}] {}", e.kind.as_str(), e.message));
@@ -526,6 +536,7 @@ impl Ctx<'_> {
                 .flatten(),
             max_total_tokens: self.parent.limits.max_total_tokens,
             max_total_steps: self.parent.limits.max_total_steps,
+            output_schema: args.get("output_schema").filter(|v| !v.is_null()).cloned(),
             tree: TreePosition {
                 root_run_id: Some(self.parent.tree.root_run_id.unwrap_or(self.parent.id)),
                 depth: self.parent.tree.depth + 1,
@@ -586,9 +597,8 @@ impl Ctx<'_> {
         let mut v = json!({"thread_id": short});
         match child.status {
             RunStatus::Succeeded => {
-                v["result"] = json!(
-                    child_text(self.settings, &child, child.result.as_deref().unwrap_or("")).await
-                )
+                let text = child.result.as_deref().unwrap_or("");
+                v["result"] = child_result(self.settings, &child, text).await;
             }
             _ => {
                 v["run_id"] = json!(child.id);

@@ -56,6 +56,12 @@ pub fn progress_line(e: &EventRecord) -> Option<String> {
             format!("  approval {} {}", a.approval_id, a.decision.as_str())
         }
         Event::ToolDenied(d) => format!("  {} denied: {}", d.tool, d.reason),
+        Event::OutputRejected(o) => format!(
+            "answer refused by the output schema ({} more {}): {}",
+            o.retries_left,
+            if o.retries_left == 1 { "try" } else { "tries" },
+            o.errors.first().map(String::as_str).unwrap_or("")
+        ),
         Event::HookBlocked(h) => format!("  {} blocked by a hook: {}", h.tool, h.reason),
         Event::ContextCompacted(c) => format!(
             "context compacted: {} -> {} tokens",

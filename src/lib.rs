@@ -116,6 +116,7 @@ pub mod mcp;
 pub mod mcp_server;
 pub mod model;
 pub mod notify;
+pub mod output;
 pub mod permissions;
 pub mod pinning;
 pub mod policy;

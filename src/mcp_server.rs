@@ -75,7 +75,8 @@ impl McpRuns {
                 obj(json!({"type": "object", "properties": {
                     "agent": {"type": "string", "enum": agents},
                     "input": {"type": "string", "description": "The complete task."},
-                    "thread_id": {"type": "string", "description": "Continue this thread instead of starting a new one."}},
+                    "thread_id": {"type": "string", "description": "Continue this thread instead of starting a new one."},
+                    "output_schema": {"type": "object", "description": "A JSON Schema the final answer must match; the answer then also comes as structuredContent."}},
                     "required": ["agent", "input"]})),
             ),
             Tool::new(
@@ -168,9 +169,21 @@ impl McpRuns {
     /// The answer of an ended run as a tool result.
     fn outcome(r: &RunRecord) -> CallToolResult {
         match r.status {
-            RunStatus::Succeeded => CallToolResult::success(vec![ContentBlock::text(
-                r.result.clone().unwrap_or_default(),
-            )]),
+            RunStatus::Succeeded => {
+                let mut res = CallToolResult::success(vec![ContentBlock::text(
+                    r.result.clone().unwrap_or_default(),
+                )]);
+                // A run with an output schema answers data too; MCP's structured content is
+                // an object, so another JSON value comes as `{"result": value}`.
+                res.structured_content =
+                    crate::output::result_json(r.limits.output.as_ref(), r.result.as_deref()).map(
+                        |v| match v {
+                            Value::Object(_) => v,
+                            other => json!({ "result": other }),
+                        },
+                    );
+                res
+            }
             _ => CallToolResult::error(vec![ContentBlock::text(match &r.error {
                 Some(e) => format!(
                     "run {} {}: [{}] {}",
@@ -215,6 +228,7 @@ impl McpRuns {
             input: input.to_owned(),
             thread_id,
             owner: Some(owner),
+            output_schema: args.get("output_schema").filter(|v| !v.is_null()).cloned(),
             ..Default::default()
         };
         // Committed before anything is returned: the run survives this process from here on.

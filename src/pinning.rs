@@ -200,7 +200,8 @@ impl Agents {
         let Some((name, text)) = store.agent_version(version).await? else {
             return Ok(None);
         };
-        match crate::agents::parse_agent(Path::new(&format!("{name}.md")), &text) {
+        // In the jobs directory, so an `output_schema:` path resolves beside it.
+        match crate::agents::parse_agent(&self.dir.join(format!("{name}.md")), &text) {
             Ok(def) => Ok(Some(self.kept.keep(version, Arc::new(def)))),
             Err(e) => {
                 tracing::warn!(agent, version, error = %e, "a pinned agent definition no longer parses; using the current one");

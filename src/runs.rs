@@ -64,6 +64,11 @@ pub struct StartRun {
     /// The new run's id, when the caller must know it before the run exists (a run's own
     /// webhook is stored first, so no event of the run can pass before it); else a new one.
     pub run_id: Option<RunId>,
+    /// The JSON Schema the final answer must match (overrides the agent's `output_schema:`).
+    pub output_schema: Option<Value>,
+    /// Invalid answers sent back to the model before the run fails (default: the agent's, then
+    /// 2).
+    pub output_retries: Option<u32>,
 }
 
 /// Why a run could not be started. Each has a stable code for APIs and scripts.
@@ -94,6 +99,9 @@ pub enum StartError {
     /// A limit override out of range.
     #[error("{0}")]
     BadLimit(String),
+    /// The output schema cannot be built, or its retries are out of range.
+    #[error("{0}")]
+    BadOutputSchema(String),
     /// A retry of a run that cannot be retried (still going, succeeded, or a child).
     #[error("{0}")]
     NotRetryable(String),
@@ -111,6 +119,7 @@ impl StartError {
             StartError::InputTooLarge { .. } => "input_too_large",
             StartError::NulCharacter => "nul_character",
             StartError::BadLimit(_) => "bad_limit",
+            StartError::BadOutputSchema(_) => "invalid_output_schema",
             StartError::NotRetryable(_) => "not_retryable",
             StartError::Store(StoreError::Busy { .. }) => "thread_busy",
             StartError::Store(StoreError::ThreadOwnedElsewhere(_)) => "thread_not_found",
@@ -187,6 +196,31 @@ pub async fn start_run(
             "priority {priority} is out of range 1..=5 (5 runs first)"
         )));
     }
+    let output = match (req.output_schema, &agent.output) {
+        (Some(schema), _) => Some(
+            crate::output::OutputContract::new(schema, req.output_retries)
+                .map_err(StartError::BadOutputSchema)?,
+        ),
+        (None, Some(from_agent)) => Some(crate::output::OutputContract {
+            retries: req.output_retries.unwrap_or(from_agent.retries),
+            ..from_agent.clone()
+        }),
+        (None, None) if req.output_retries.is_some() => {
+            return Err(StartError::BadOutputSchema(
+                "output_retries needs an output_schema (on the start or in the agent file)".into(),
+            ));
+        }
+        (None, None) => None,
+    };
+    if let Some(o) = &output
+        && o.retries > crate::output::MAX_RETRIES
+    {
+        return Err(StartError::BadOutputSchema(format!(
+            "output_retries {} is out of range 0..={}",
+            o.retries,
+            crate::output::MAX_RETRIES
+        )));
+    }
     let agent_version = Some(agents.pin(store, &agent).await?);
     let created = store
         .create_run(NewRun {
@@ -205,6 +239,7 @@ pub async fn start_run(
                 max_total_tokens: req.max_total_tokens,
                 max_total_steps: req.max_total_steps,
                 compact_at: req.compact_at,
+                output,
             },
             parent_run_id: req.parent_run_id,
             tree: req.tree,
@@ -292,6 +327,8 @@ pub async fn retry(
             // A retry is a new run: it takes the agent's current definition.
             agent_version: None,
             run_id: None,
+            output_schema: l.output.as_ref().map(|o| o.schema.clone()),
+            output_retries: l.output.as_ref().map(|o| o.retries),
         },
     )
     .await

@@ -135,6 +135,18 @@ macro_rules! start_body {
             /// (`webhook: {id, secret}`); see docs/webhooks.md.
             #[serde(default)]
             webhook: Option<RunWebhookBody>,
+            /// A JSON Schema the final answer must match (overrides the agent's
+            /// `output_schema:`). The answer is validated; an invalid one goes back to the model
+            /// with the errors, then the run fails with `kind=output`. The run view carries the
+            /// answer as `result_json`.
+            #[serde(default)]
+            #[schema(value_type = Option<Object>)]
+            output_schema: Option<Value>,
+            /// Invalid answers sent back before the run fails (0..=10; default: the agent's,
+            /// then 2).
+            #[serde(default)]
+            #[schema(minimum = 0, maximum = 10)]
+            output_retries: Option<u32>,
             $($extra)*
         }
     };
@@ -177,6 +189,8 @@ impl From<WaitStartBody> for StartBody {
             idempotency_key: w.idempotency_key,
             priority: w.priority,
             webhook: w.webhook,
+            output_schema: w.output_schema,
+            output_retries: w.output_retries,
         }
     }
 }
@@ -363,6 +377,8 @@ async fn start_from_body(
         idempotency_key: body.idempotency_key,
         priority: body.priority,
         run_id,
+        output_schema: body.output_schema,
+        output_retries: body.output_retries,
         ..Default::default()
     };
     start_busy(state, owner, req, body.if_busy).await

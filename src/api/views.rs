@@ -89,6 +89,11 @@ pub struct RunView {
     pub input_preview: String,
     /// Final text.
     pub result: Option<String>,
+    /// The final answer as JSON, when the run had an output schema (it was validated against
+    /// it before the run succeeded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub result_json: Option<Value>,
     /// Why it failed.
     pub error: Option<RunError>,
     /// True when a limit forced the final answer.
@@ -221,6 +226,7 @@ impl RunView {
             last_heartbeat_at: r.heartbeat_at,
             queue_position,
             input_preview: r.input.chars().take(500).collect(),
+            result_json: crate::output::result_json(r.limits.output.as_ref(), r.result.as_deref()),
             result: r.result,
             error: r.error,
             forced: r.forced,

@@ -50,6 +50,7 @@ pub async fn run(mut settings: Settings, args: ForkBenchArgs) -> anyhow::Result<
                 max_total_tokens: None,
                 max_total_steps: None,
                 compact_at: None,
+                output: None,
             },
             parent_run_id: None,
             tree: TreePosition::default(),

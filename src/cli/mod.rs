@@ -68,6 +68,10 @@ enum Command {
         /// Token budget; past it the model must answer without tools.
         #[arg(long)]
         max_tokens: Option<u64>,
+        /// A JSON Schema file the final answer must match (overrides the agent's
+        /// `output_schema:`); the answer is then printed as that JSON.
+        #[arg(long, value_name = "FILE")]
+        output_schema: Option<std::path::PathBuf>,
         /// No progress lines.
         #[arg(long, short)]
         quiet: bool,
@@ -234,9 +238,22 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             max_steps,
             timeout_secs,
             max_tokens,
+            output_schema,
             quiet,
             prompt,
         } => {
+            let output_schema = match output_schema {
+                None => None,
+                Some(path) => {
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|e| anyhow::anyhow!("--output-schema {}: {e}", path.display()))?;
+                    Some(
+                        serde_json::from_str::<serde_json::Value>(&text).map_err(|e| {
+                            anyhow::anyhow!("--output-schema {} is not JSON: {e}", path.display())
+                        })?,
+                    )
+                }
+            };
             let input = if prompt == ["-"] {
                 let mut s = String::new();
                 std::io::stdin().read_to_string(&mut s)?;
@@ -256,6 +273,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 max_steps,
                 timeout_secs,
                 max_total_tokens: max_tokens,
+                output_schema,
                 ..Default::default()
             };
             run_to_end(&app, req, quiet).await
@@ -671,7 +689,13 @@ async fn run_to_end(app: &App, req: StartRun, quiet: bool) -> anyhow::Result<Exi
 pub(crate) fn report(run: &RunRecord) -> ExitCode {
     match run.status {
         RunStatus::Succeeded => {
-            println!("{}", run.result.as_deref().unwrap_or(""));
+            match crate::output::result_json(run.limits.output.as_ref(), run.result.as_deref()) {
+                Some(v) => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string())
+                ),
+                None => println!("{}", run.result.as_deref().unwrap_or("")),
+            }
             let forced = if run.forced {
                 " (answer forced by a limit)"
             } else {

@@ -40,6 +40,10 @@ pub enum Event {
     /// The step's last result, or its final answer, is committed.
     #[serde(rename = "step.completed")]
     StepCompleted(StepCompleted),
+    /// The final answer broke the run's output schema and went back to the model with the
+    /// errors (in the commit of that answer and the message that sends it back).
+    #[serde(rename = "output.rejected")]
+    OutputRejected(OutputRejected),
     /// A compaction step begins, before its summary request.
     #[serde(rename = "context.compacting")]
     ContextCompacting(Compacting),
@@ -191,6 +195,18 @@ pub struct ToolCompleted {
 pub struct StepCompleted {
     /// The step.
     pub step: u32,
+}
+
+/// `output.rejected`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputRejected {
+    /// The step whose answer was refused.
+    pub step: u32,
+    /// What the schema found wrong (at most ten).
+    pub errors: Vec<String>,
+    /// Answers that may still be refused before the run fails with `kind=output`.
+    pub retries_left: u32,
 }
 
 /// The messages a compaction replaces.
@@ -456,6 +472,7 @@ impl Event {
             Event::ToolStarted(_) => "tool.started",
             Event::ToolCompleted(_) => "tool.completed",
             Event::StepCompleted(_) => "step.completed",
+            Event::OutputRejected(_) => "output.rejected",
             Event::ContextCompacting(_) => "context.compacting",
             Event::ContextCompacted(_) => "context.compacted",
             Event::ApprovalRequested(_) => "approval.requested",
@@ -484,6 +501,7 @@ impl Event {
             Event::ToolStarted(p) => serde_json::to_value(p),
             Event::ToolCompleted(p) => serde_json::to_value(p),
             Event::StepCompleted(p) => serde_json::to_value(p),
+            Event::OutputRejected(p) => serde_json::to_value(p),
             Event::ContextCompacting(p) => serde_json::to_value(p),
             Event::ContextCompacted(p) => serde_json::to_value(p),
             Event::ApprovalRequested(p) => serde_json::to_value(p),
@@ -571,6 +589,11 @@ impl Event {
                 ms: 1,
             }),
             Event::StepCompleted(StepCompleted { step: 1 }),
+            Event::OutputRejected(OutputRejected {
+                step: 1,
+                errors: vec!["at /a: wrong".into()],
+                retries_left: 1,
+            }),
             Event::ContextCompacting(Compacting {
                 step: 1,
                 reason: CompactionReason::Threshold,

@@ -43,6 +43,9 @@ pub enum ErrorKind {
     /// The context could not be brought inside the model's window (compaction failed three
     /// times in a row, or the system prompt and task alone do not fit).
     Context,
+    /// The final answer kept failing its output schema (`output_retries` answers were sent
+    /// back with the errors).
+    Output,
 }
 
 stored_names!(ErrorKind {
@@ -52,6 +55,7 @@ stored_names!(ErrorKind {
     Internal => "internal",
     Lost => "lost",
     Context => "context",
+    Output => "output",
 });
 
 /// A failed run's error.

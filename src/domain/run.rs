@@ -30,6 +30,10 @@ pub struct RunLimits {
     /// (otherwise the agent's `compact_at:`, then `SUBAGENTS_COMPACT_AT`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compact_at: Option<u8>,
+    /// What the final answer must be (a JSON Schema and how many invalid answers go back to
+    /// the model), when the agent or the caller asked for structured output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<crate::output::OutputContract>,
 }
 
 /// What the caller asks for when starting a run.

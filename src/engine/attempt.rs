@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span};
 
 use super::compaction::{Compacted, RunContext, Window};
-use super::decide::{self, ModelFailure, Pressure};
+use super::decide::{self, ModelFailure, Pressure, Verdict};
 use super::plan::{Next, plan, prior_calls, refusals, unique_call_ids};
 use super::steer::Flag;
 use super::{End, Engine, FORCE_MESSAGE, Flow, Release};
@@ -63,6 +63,8 @@ pub(super) struct Attempt<'a> {
     pub settings: std::sync::Arc<crate::policy::Policy>,
     /// Pins chosen at this fresh start, committed with the input.
     pub unpinned: Vec<(String, String)>,
+    /// The run's output schema, built once per claim.
+    pub output: Option<crate::output::Checker>,
 }
 
 impl Attempt<'_> {
@@ -101,6 +103,18 @@ impl Attempt<'_> {
             });
         }
         messages
+    }
+
+    /// What a final answer comes to under the run's output schema.
+    fn verdict(&self, answer: String) -> decide::Verdict {
+        let checked = self.output.as_ref().map(|c| c.check(&answer));
+        let sent_back = self
+            .own()
+            .iter()
+            .filter(|m| matches!(&m.message, Message::User { content } if crate::output::is_feedback(content)))
+            .count() as u32;
+        let retries = self.run.limits.output.as_ref().map_or(0, |o| o.retries);
+        decide::verdict(answer, checked, sent_back, retries)
     }
 
     fn hook_for_stop(&self) -> HookEvent {
@@ -172,6 +186,13 @@ impl Engine {
                     ),
                 )
             })?;
+        let output = match &run.limits.output {
+            Some(c) => Some(
+                crate::output::Checker::build(&c.schema)
+                    .map_err(|m| End::fail(ErrorKind::Output, m))?,
+            ),
+            None => None,
+        };
         let ctx = self.load_context(run).await?;
         let input_key = format!("{}:input", run.id);
         let fresh = run.step == 0 && !ctx.history.iter().any(|m| m.key == input_key);
@@ -202,6 +223,7 @@ impl Engine {
             interrupt: heard.interrupt,
             settings: pinned.settings,
             unpinned: pinned.unwritten,
+            output,
         };
         if fresh {
             self.commit_input(&mut a, input_key).await?;
@@ -465,8 +487,19 @@ impl Engine {
             ..Default::default()
         };
         if calls.is_empty() {
-            let result = resp.content.unwrap_or_default();
-            return self.commit_answer(a, step, forced, result, cp).await;
+            return match a.verdict(resp.content.unwrap_or_default()) {
+                Verdict::Accept(result) => self.commit_answer(a, step, forced, result, cp).await,
+                Verdict::SendBack { errors, left } => {
+                    self.send_back(a, step, cp, errors, left).await
+                }
+                Verdict::Refuse(e) => {
+                    // The answer stays in the thread; the run fails on it.
+                    cp.events
+                        .push(Event::StepCompleted(event::StepCompleted { step }).into());
+                    self.store.checkpoint(a.lease, cp).await?;
+                    Err(End::failed(e))
+                }
+            };
         }
         let refused = refusals(&prior_calls(&a.own(), step), &calls);
         for c in &calls {
@@ -527,6 +560,53 @@ impl Engine {
         Err(End::Committed)
     }
 
+    /// An answer its schema refused: it commits as an ordinary turn, with the message that
+    /// sends it back to the model with the errors, and the loop asks the model again. The
+    /// send-back is what counts the retries, so a replay counts the same.
+    async fn send_back(
+        &self,
+        a: &mut Attempt<'_>,
+        step: u32,
+        mut cp: Checkpoint,
+        errors: Vec<String>,
+        left: u32,
+    ) -> Flow {
+        tracing::info!(
+            step,
+            errors = errors.len(),
+            left,
+            "the answer does not match the output schema; sending it back"
+        );
+        metrics::counter!("subagents_output_rejected_total").increment(1);
+        if !cp.messages.is_empty() {
+            cp.events
+                .push(Event::StepCompleted(event::StepCompleted { step }).into());
+        }
+        let feedback = NewMessage {
+            step: step + 1,
+            key: format!("{}:{}:output_check", a.run.id, step + 1),
+            message: Message::User {
+                content: crate::output::feedback(&errors, left + 1),
+            },
+        };
+        cp.events.push(
+            Event::OutputRejected(event::OutputRejected {
+                step,
+                errors,
+                retries_left: left,
+            })
+            .into(),
+        );
+        cp.messages.push(feedback);
+        let committed = cp.messages.clone();
+        self.store.checkpoint(a.lease, cp).await?;
+        a.steps_done = a.steps_done.max(step);
+        for m in committed {
+            a.remember(m);
+        }
+        Ok(())
+    }
+
     /// An answer that met a waiting message: it commits as an ordinary turn, then the message
     /// follows it, and the loop asks the model again.
     async fn answer_steered(&self, a: &mut Attempt<'_>, step: u32, cp: Checkpoint) -> Flow {
@@ -548,6 +628,16 @@ impl Engine {
         if !forced && a.inbox.take() {
             return self.deliver(a, a.steps_done + 1).await;
         }
+        let result = match a.verdict(result) {
+            Verdict::Accept(result) => result,
+            Verdict::SendBack { errors, left } => {
+                let step = a.steps_done;
+                return self
+                    .send_back(a, step, Checkpoint::default(), errors, left)
+                    .await;
+            }
+            Verdict::Refuse(e) => return Err(End::failed(e)),
+        };
         let cp = Checkpoint {
             events: vec![
                 Event::RunSucceeded(event::RunSucceeded {

@@ -51,6 +51,7 @@ impl Engine {
             messages,
             tools: a.tools_now(forced).to_vec(),
             step_key: format!("{}:{}", a.run.id, step),
+            response_format: a.run.limits.output.as_ref().map(|o| o.response_format()),
         };
         let t0 = std::time::Instant::now();
         // Deltas follow the run's latest durable event (this step's `step.started`).

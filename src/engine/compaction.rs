@@ -577,6 +577,7 @@ impl Engine {
             ],
             tools: vec![],
             step_key: format!("{}:compact:{}-{}", run.id, ev.first_id, ev.last_id),
+            response_format: None,
         };
         let r = match self.model.complete(&req, &|_| {}).await {
             Ok(r) => r,

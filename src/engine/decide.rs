@@ -162,6 +162,53 @@ fn model_error_message(e: &ModelError) -> String {
     }
 }
 
+/// What a final answer comes to under the run's output schema.
+#[derive(Debug, PartialEq)]
+pub enum Verdict {
+    /// The run ends with this result (the validated JSON, compact).
+    Accept(String),
+    /// The answer goes back to the model with these errors; `left` more may go back after it.
+    SendBack {
+        /// What the schema found wrong.
+        errors: Vec<String>,
+        /// Send-backs still allowed after this one.
+        left: u32,
+    },
+    /// The run fails with `kind=output`.
+    Refuse(RunError),
+}
+
+/// Judges a final answer: `checked` is the schema's word on it (`None`: the run has no
+/// schema), `sent_back` how many answers of this run went back already, `retries` how many
+/// may.
+pub fn verdict(
+    answer: String,
+    checked: Option<Result<serde_json::Value, Vec<String>>>,
+    sent_back: u32,
+    retries: u32,
+) -> Verdict {
+    match checked {
+        None => Verdict::Accept(answer),
+        Some(Ok(v)) => Verdict::Accept(v.to_string()),
+        Some(Err(errors)) if sent_back < retries => Verdict::SendBack {
+            errors,
+            left: retries - sent_back - 1,
+        },
+        Some(Err(errors)) => Verdict::Refuse(RunError {
+            kind: ErrorKind::Output,
+            message: format!(
+                "the final answer does not match the output schema ({} sent back with the errors first): {}",
+                match retries {
+                    0 => "no answer was".to_owned(),
+                    1 => "1 answer was".to_owned(),
+                    n => format!("{n} answers were"),
+                },
+                errors.join("; ")
+            ),
+        }),
+    }
+}
+
 /// The failure of a run that passed its wall-time limit.
 pub fn timed_out(limits: &RunLimits) -> RunError {
     RunError {
@@ -194,6 +241,41 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_goes_back_while_retries_last_then_the_run_fails_with_kind_output() {
+        let bad = || Some(Err(vec!["at /a: wrong".to_owned()]));
+        assert_eq!(verdict("x".into(), None, 0, 0), Verdict::Accept("x".into()));
+        assert_eq!(
+            verdict(
+                " {\"a\": 1}".into(),
+                Some(Ok(serde_json::json!({"a": 1}))),
+                2,
+                2
+            ),
+            Verdict::Accept("{\"a\":1}".into())
+        );
+        assert_eq!(
+            verdict("x".into(), bad(), 0, 2),
+            Verdict::SendBack {
+                errors: vec!["at /a: wrong".into()],
+                left: 1
+            }
+        );
+        assert!(matches!(
+            verdict("x".into(), bad(), 1, 2),
+            Verdict::SendBack { left: 0, .. }
+        ));
+        let Verdict::Refuse(e) = verdict("x".into(), bad(), 2, 2) else {
+            panic!("refused")
+        };
+        assert_eq!(e.kind, ErrorKind::Output);
+        assert!(e.message.contains("2 answers were") && e.message.contains("at /a: wrong"));
+        assert!(matches!(
+            verdict("x".into(), bad(), 0, 0),
+            Verdict::Refuse(_)
+        ));
+    }
+
+    #[test]
     fn the_answer_is_forced_at_the_step_limit_or_the_trees() {
         let limits = RunLimits {
             max_steps: 3,
@@ -201,6 +283,7 @@ mod tests {
             max_total_tokens: None,
             max_total_steps: None,
             compact_at: None,
+            output: None,
         };
         assert!(!forced(2, &limits, false));
         assert!(forced(3, &limits, false));

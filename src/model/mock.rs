@@ -59,6 +59,13 @@ SUMMARIES
   such a summary after its latest user message continues the count, so a compacted scenario
   ends at the same step as an uncompacted one.
 
+STRUCTURED OUTPUT
+  A request with `response_format: {type: json_schema, ...}` gets a value of that schema where
+  it would get text (scripted turns are sent as written: they stand for models that ignore the
+  format). A malformed response_format is refused with 400, as OpenAI refuses it. A user
+  message starting [subagents:output_invalid] (an answer sent back for its schema) does not
+  restart the step count.
+
 SCRIPTS (--script FILE)
   A JSON object of named turn lists, for scripting any tool call (parents and children apart):
 
@@ -191,6 +198,9 @@ pub struct LogEntry {
     /// The names of the tools the request offered, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<String>,
+    /// Whether it asked for structured output (`response_format: json_schema`).
+    #[serde(default)]
+    pub structured: bool,
 }
 
 /// One scripted turn: text, tool calls, or both.
@@ -338,6 +348,90 @@ struct CompletionRequest {
     tools: Vec<ToolSpec>,
     #[serde(default)]
     stream: bool,
+    #[serde(default)]
+    response_format: Option<Value>,
+}
+
+/// The schema a `response_format` asks for, or why OpenAI would refuse it.
+fn asked_schema(format: Option<&Value>) -> Result<Option<&Value>, String> {
+    let Some(f) = format else { return Ok(None) };
+    match f["type"].as_str() {
+        Some("text") | Some("json_object") => Ok(None),
+        Some("json_schema") => {
+            let js = &f["json_schema"];
+            let name = js["name"].as_str().unwrap_or("");
+            let name_ok = (1..=64).contains(&name.len())
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+            if !name_ok {
+                return Err(
+                    "response_format.json_schema.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
+                        .into(),
+                );
+            }
+            match &js["schema"] {
+                v @ Value::Object(_) => Ok(Some(v)),
+                _ => Err("response_format.json_schema.schema must be an object".into()),
+            }
+        }
+        _ => Err("response_format.type must be one of text, json_object, json_schema".into()),
+    }
+}
+
+/// A value the schema accepts, as a provider honouring `response_format` would answer: the
+/// first of `const`/`enum`/`anyOf`/`oneOf`, objects with their required properties, one
+/// item in arrays that need one, numbers at their minimum.
+fn schema_example(schema: &Value) -> Value {
+    if let Some(c) = schema.get("const") {
+        return c.clone();
+    }
+    if let Some(first) = schema["enum"].as_array().and_then(|e| e.first()) {
+        return first.clone();
+    }
+    for k in ["anyOf", "oneOf"] {
+        if let Some(first) = schema[k].as_array().and_then(|e| e.first()) {
+            return schema_example(first);
+        }
+    }
+    let kind = match &schema["type"] {
+        Value::String(t) => t.as_str(),
+        Value::Array(ts) => ts
+            .iter()
+            .filter_map(Value::as_str)
+            .find(|t| *t != "null")
+            .unwrap_or("null"),
+        _ if schema.get("properties").is_some() => "object",
+        _ => "string",
+    };
+    match kind {
+        "object" => {
+            let props = schema["properties"].as_object();
+            let required: Vec<&str> = schema["required"]
+                .as_array()
+                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            let mut out = serde_json::Map::new();
+            for (k, v) in props.into_iter().flatten() {
+                if required.is_empty() || required.contains(&k.as_str()) {
+                    out.insert(k.clone(), schema_example(v));
+                }
+            }
+            Value::Object(out)
+        }
+        "array" => {
+            let n = schema["minItems"].as_u64().unwrap_or(1).max(1);
+            Value::Array((0..n).map(|_| schema_example(&schema["items"])).collect())
+        }
+        "integer" => json!(schema["minimum"].as_i64().unwrap_or(0)),
+        "number" => json!(schema["minimum"].as_f64().unwrap_or(0.0)),
+        "boolean" => json!(true),
+        "null" => Value::Null,
+        _ => {
+            let min = schema["minLength"].as_u64().unwrap_or(0) as usize;
+            json!(format!("{:m<min$}", "mock"))
+        }
+    }
 }
 
 fn context_length_error(window: u64, tokens: u64) -> Response {
@@ -352,7 +446,7 @@ fn context_length_error(window: u64, tokens: u64) -> Response {
 fn progress(messages: &[Message]) -> (usize, u32, usize) {
     let last_user = messages
         .iter()
-        .rposition(|m| matches!(m, Message::User { content } if !compact::is_summary(content)));
+        .rposition(|m| matches!(m, Message::User { content } if !compact::is_summary(content) && !crate::output::is_feedback(content)));
     let from = last_user.map(|i| i + 1).unwrap_or(0);
     let (mut steps, mut results) = (0u32, 0usize);
     for m in &messages[from..] {
@@ -527,6 +621,10 @@ async fn completions_inner(
         Ok(r) => r,
         Err(e) => return oai_error(StatusCode::BAD_REQUEST, &format!("bad request body: {e}")),
     };
+    let schema = match asked_schema(req.response_format.as_ref()) {
+        Ok(s) => s.cloned(),
+        Err(e) => return oai_error(StatusCode::BAD_REQUEST, &e),
+    };
     let (from, done_steps, tool_results) = progress(&req.messages);
     let after_user = &req.messages[from..];
     let prompt_tokens =
@@ -560,6 +658,7 @@ async fn completions_inner(
                 user_texts: vec![],
                 system: String::new(),
                 tools: vec![],
+                structured: false,
             });
             return oai_error(StatusCode::BAD_REQUEST, &e);
         }
@@ -600,6 +699,7 @@ async fn completions_inner(
                 user_texts: vec![],
                 system: String::new(),
                 tools: vec![],
+                structured: false,
             });
             let mut resp = oai_error(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -652,6 +752,7 @@ async fn completions_inner(
             })
             .unwrap_or_default(),
         tools: req.tools.iter().map(|t| t.function.name.clone()).collect(),
+        structured: schema.is_some(),
     };
     if let Some(window) = scenario
         .as_ref()
@@ -702,13 +803,20 @@ async fn completions_inner(
     } else {
         match scripted {
             Some(r) if !req.tools.is_empty() => r,
-            _ => decide(
+            _ => match decide(
                 scenario.as_ref(),
                 &req,
                 after_user,
                 done_steps,
                 tool_results,
-            ),
+            ) {
+                // A provider honouring `response_format` answers with JSON of the schema
+                // (scripts stand for models that do not).
+                Reply::Text(_) if schema.is_some() => {
+                    Reply::Text(schema_example(schema.as_ref().unwrap()).to_string())
+                }
+                r => r,
+            },
         }
     };
     state.record(log(200));

@@ -132,6 +132,9 @@ pub struct ChatRequest {
     pub tools: Vec<ToolSpec>,
     /// `{run_id}:{step}`: sent as a header so a server's logs can tie requests to steps.
     pub step_key: String,
+    /// The provider's structured-output request (OpenAI's `response_format`), when the run's
+    /// answer must match a schema.
+    pub response_format: Option<serde_json::Value>,
 }
 
 /// The model's complete answer to one request.

@@ -98,6 +98,9 @@ impl OpenAiClient {
         if !req.tools.is_empty() {
             body["tools"] = json!(req.tools);
         }
+        if let Some(f) = &req.response_format {
+            body["response_format"] = f.clone();
+        }
         let mut builder = self.http.post(self.url()).json(&body);
         if self.config.step_header {
             builder = builder.header("x-subagents-step", &req.step_key);

@@ -14,6 +14,7 @@ const LAYERS: &[&[&str]] = &[
         "client",
         "policy",
         "secrets",
+        "output",
     ],
     &["model", "notify", "agents", "procs"],
     &["domain"],

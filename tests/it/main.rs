@@ -15,6 +15,7 @@ mod layers;
 mod lifecycle;
 mod mcp;
 mod mcp_server;
+mod output;
 mod pinning;
 mod policy;
 mod redis;

@@ -219,6 +219,38 @@ async fn a_client_lists_tools_starts_a_run_hears_progress_and_gets_the_answer() 
     )
     .unwrap();
     assert_eq!(bad["isError"], true);
+    // A run with an output schema answers data as structuredContent (an object; another
+    // JSON value comes wrapped as {"result": …}).
+    let structured = serde_json::to_value(
+        client
+            .call_tool(call(
+                "run_agent",
+                json!({"agent": "general-purpose", "input": "Count.", "output_schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 4}}, "required": ["n"]}}),
+            ))
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        structured["structuredContent"],
+        json!({"n": 4}),
+        "{structured}"
+    );
+    let listed = serde_json::to_value(
+        client
+            .call_tool(call(
+                "run_agent",
+                json!({"agent": "general-purpose", "input": "List.", "output_schema": {"type": "array", "items": {"type": "boolean"}}}),
+            ))
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        listed["structuredContent"],
+        json!({"result": [true]}),
+        "{listed}"
+    );
     // The agents, as resources.
     let resources = client.list_all_resources().await.unwrap();
     let uris: Vec<String> = resources

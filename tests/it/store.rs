@@ -456,6 +456,7 @@ fn new_run(thread: &ThreadId) -> NewRun {
             max_total_tokens: None,
             max_total_steps: None,
             compact_at: None,
+            output: None,
         },
         parent_run_id: None,
         tree: TreePosition::default(),
