@@ -359,6 +359,7 @@ impl App {
             },
             queue: queue.clone(),
             deltas: redis.clone(),
+            live: Default::default(),
             budgets: crate::budget::Budgets::new(store.clone(), redis.clone()),
             menus: crate::engine::menus(),
         });

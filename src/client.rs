@@ -102,6 +102,10 @@ pub enum ClientCommand {
         /// Keep streaming (SSE) until the run ends.
         #[arg(long, short)]
         follow: bool,
+        /// With --follow: also the model's text and tool-argument fragments of the step in
+        /// flight, as `model.delta` lines (live only, never numbered).
+        #[arg(long, requires = "follow")]
+        deltas: bool,
     },
     /// Ask a run to stop.
     Cancel {
@@ -416,6 +420,7 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
             run_id,
             after,
             follow,
+            deltas,
         } => {
             if !follow {
                 let v = c
@@ -432,7 +437,10 @@ pub async fn run(args: ClientArgs, cmd: ClientCommand) -> Result<u8, ClientError
             let resp = c
                 .req(
                     reqwest::Method::GET,
-                    &format!("/v1/runs/{run_id}/events?after={after}"),
+                    &format!(
+                        "/v1/runs/{run_id}/events?after={after}{}",
+                        if deltas { "&include=deltas" } else { "" }
+                    ),
                 )
                 .header("accept", "text/event-stream")
                 .send()

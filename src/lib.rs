@@ -105,6 +105,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod delegation;
+pub mod deltas;
 pub mod domain;
 pub mod engine;
 pub mod events;

@@ -255,6 +255,64 @@ impl RedisEvents {
         DeltaStream { tx, task }
     }
 
+    /// `run`'s token deltas from now on, as published by any process (each a `model.delta`
+    /// event's data), until the stream is dropped. One connection of its own per reader: a
+    /// blocking read on the shared connection would hold up every other command.
+    pub async fn live_deltas(
+        &self,
+        run: RunId,
+    ) -> Result<impl futures::Stream<Item = serde_json::Value> + Send + use<>, RelayError> {
+        let mut conn = self.client.get_multiplexed_async_connection().await?;
+        let key = run_stream(run);
+        // Everything after the stream's newest entry now.
+        let top: redis::streams::StreamRangeReply = conn.xrevrange_count(&key, "+", "-", 1).await?;
+        let from = top
+            .ids
+            .first()
+            .map(|e| e.id.clone())
+            .unwrap_or_else(|| "0-0".into());
+        let state = (
+            conn,
+            key,
+            from,
+            std::collections::VecDeque::<serde_json::Value>::new(),
+        );
+        Ok(futures::stream::unfold(
+            state,
+            |(mut conn, key, mut from, mut buf)| async move {
+                loop {
+                    if let Some(v) = buf.pop_front() {
+                        return Some((v, (conn, key, from, buf)));
+                    }
+                    // Under the connection's 500 ms response timeout.
+                    let opts = redis::streams::StreamReadOptions::default()
+                        .block(250)
+                        .count(500);
+                    let reply: Result<Option<redis::streams::StreamReadReply>, _> =
+                        conn.xread_options(&[&key], &[&from], &opts).await;
+                    match reply {
+                        Ok(reply) => {
+                            for entry in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids)
+                            {
+                                from = entry.id.clone();
+                                if let Some(v) = entry
+                                    .get::<String>("delta")
+                                    .and_then(|d| serde_json::from_str(&d).ok())
+                                {
+                                    buf.push_back(v);
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "reading token deltas from Redis failed; retrying");
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
+                    }
+                }
+            },
+        ))
+    }
+
     /// A handle on the managed connection (cheap: it is shared).
     pub(crate) fn connection(&self) -> redis::aio::ConnectionManager {
         self.conn.clone()

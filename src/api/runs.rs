@@ -834,10 +834,14 @@ pub struct EventsQuery {
     /// 1..=1000, default 100 (JSON pages only).
     #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
+    /// `deltas` (SSE only): between the durable events, the step in flight's text and
+    /// tool-argument fragments as `model.delta` events (no id: never numbered, never replayed).
+    include: Option<String>,
 }
 
 /// `GET /v1/runs/{id}/events`: a JSON page, or with `Accept: text/event-stream` an SSE stream
-/// that resumes from `Last-Event-ID` and ends after the terminal event.
+/// that resumes from `Last-Event-ID` and ends after the terminal event; `include=deltas` adds
+/// the step in flight's fragments as unnumbered `model.delta` events.
 #[utoipa::path(get, path = "/v1/runs/{id}/events", tag = "runs", params(("id" = uuid::Uuid, Path, description = "run id"), EventsQuery),
     responses((status = 200, description = "a page, or with Accept: text/event-stream an SSE stream", body = EventsPage), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn events(
@@ -866,6 +870,22 @@ pub async fn events(
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|a| a.contains("text/event-stream"));
+    let deltas = match q.include.as_deref() {
+        None => false,
+        Some("deltas") if wants_sse => true,
+        Some("deltas") => {
+            return Err(ApiError::bad_request(
+                "invalid_query",
+                "include=deltas needs an SSE stream (Accept: text/event-stream)",
+            ));
+        }
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                "invalid_query",
+                format!("include={other} is not known; the one value is `deltas`"),
+            ));
+        }
+    };
     if !wants_sse {
         let after = q.after.unwrap_or(0);
         let events = state.app.events_after(id, after, limit).await?;
@@ -891,14 +911,64 @@ pub async fn events(
         ));
     }
     let held = state.quotas.take(&owner.0, super::quota::Kind::Stream)?;
+    // Listening starts before the first durable read, so no fragment after it is missed.
+    let live = if deltas {
+        Some(live_deltas(&state, id).await)
+    } else {
+        None
+    };
+    let durable = async_stream(state.clone(), id, cursor);
+    let merged: futures::stream::BoxStream<'static, Result<Event, Infallible>> = match live {
+        None => Box::pin(durable),
+        Some(live) => {
+            use futures::StreamExt;
+            // The deltas end with the durable stream (after the terminal event).
+            let ended = tokio_util::sync::CancellationToken::new();
+            let end = ended.clone();
+            let durable = durable.chain(futures::stream::poll_fn(move |_| {
+                end.cancel();
+                std::task::Poll::Ready(None)
+            }));
+            let live = live.take_until(ended.cancelled_owned()).map(|mut d| {
+                d["type"] = json!("model.delta");
+                Ok(Event::default().event("model.delta").data(d.to_string()))
+            });
+            Box::pin(futures::stream::select(durable, live))
+        }
+    };
     // The stream holds its place against the key's cap until it ends.
-    let stream = futures::StreamExt::map(async_stream(state.clone(), id, cursor), move |e| {
+    let stream = futures::StreamExt::map(merged, move |e| {
         let _ = &held;
         e
     });
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
+}
+
+/// `run`'s live model fragments: through Redis when the deployment has it (the worker may be
+/// another process), else from this process's workers.
+async fn live_deltas(state: &ApiState, run: RunId) -> futures::stream::BoxStream<'static, Value> {
+    if let Some(redis) = &state.app.redis {
+        match redis.live_deltas(run).await {
+            Ok(s) => return Box::pin(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read token deltas from Redis; the stream has durable events only");
+                return Box::pin(futures::stream::empty());
+            }
+        }
+    }
+    let rx = state.app.engine.live.subscribe(run);
+    Box::pin(futures::stream::unfold(rx, |mut rx| async move {
+        loop {
+            match rx.recv().await {
+                Ok(v) => return Some(((*v).clone(), rx)),
+                // A slow reader skips ahead: the durable events still carry the whole answer.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }))
 }
 
 /// The SSE stream: sleeps on the run's notification between batches; ends after the terminal

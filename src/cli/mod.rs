@@ -661,6 +661,9 @@ async fn run_to_end(app: &App, req: StartRun, quiet: bool) -> anyhow::Result<Exi
             return Ok(ExitCode::from(2));
         }
     };
+    // On a terminal the answer shows as it is written (data asked for prints once, whole).
+    let live = (std::io::stdout().is_terminal() && run.limits.output.is_none())
+        .then(|| Streamed::start(app, run.id));
     let shutdown = CancellationToken::new();
     let workers = app.spawn_workers(shutdown.clone());
     let progress = Progress::new(quiet);
@@ -682,14 +685,77 @@ async fn run_to_end(app: &App, req: StartRun, quiet: bool) -> anyhow::Result<Exi
         );
         return Ok(ExitCode::from(130));
     };
+    if let Some(live) = live
+        && live.showed(&end)
+    {
+        // The answer is on the screen already: end its line, and report the rest.
+        println!();
+        return Ok(report_with(&end, false));
+    }
     Ok(report(&end))
+}
+
+/// The model's text as it streams, printed to stdout (`subagents run` on a terminal).
+struct Streamed {
+    task: tokio::task::JoinHandle<()>,
+    /// The latest step's text so far.
+    last: Arc<std::sync::Mutex<String>>,
+}
+
+impl Streamed {
+    fn start(app: &App, run: RunId) -> Streamed {
+        use std::io::Write;
+        let mut rx = app.engine.live.subscribe(run);
+        let last = Arc::new(std::sync::Mutex::new(String::new()));
+        let shown = last.clone();
+        let task = tokio::spawn(async move {
+            let mut step = None;
+            loop {
+                let d = match rx.recv().await {
+                    Ok(d) => d,
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                };
+                let Some(text) = d["text"].as_str() else {
+                    continue;
+                };
+                let mut last = shown.lock().unwrap();
+                if step != d["step"].as_u64() {
+                    if !last.is_empty() {
+                        println!();
+                    }
+                    last.clear();
+                    step = d["step"].as_u64();
+                }
+                last.push_str(text);
+                print!("{text}");
+                let _ = std::io::stdout().flush();
+            }
+        });
+        Streamed { task, last }
+    }
+
+    /// Stops, and says whether the run's answer is what was printed.
+    fn showed(self, run: &RunRecord) -> bool {
+        self.task.abort();
+        let last = self.last.lock().unwrap();
+        run.status == RunStatus::Succeeded
+            && !last.is_empty()
+            && run.result.as_deref() == Some(&last)
+    }
 }
 
 /// Prints the outcome; returns the exit code.
 pub(crate) fn report(run: &RunRecord) -> ExitCode {
+    report_with(run, true)
+}
+
+/// [`report`], printing the answer or not (it may be on the screen already).
+fn report_with(run: &RunRecord, answer: bool) -> ExitCode {
     match run.status {
         RunStatus::Succeeded => {
             match crate::output::result_json(run.limits.output.as_ref(), run.result.as_deref()) {
+                _ if !answer => {}
                 Some(v) => println!(
                     "{}",
                     serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string())

@@ -62,9 +62,21 @@ impl Engine {
             }
             None => None,
         };
-        let on_delta = |t: &str| {
-            if let Some(d) = &deltas {
-                d.send(t);
+        // In this process only while someone listens (a client may come mid-call); the
+        // fragment's JSON is built once for both.
+        let on_delta = |d: crate::model::Delta<'_>| {
+            let live = self.live.listened(a.run.id).then_some(&self.live);
+            if deltas.is_none() && live.is_none() {
+                return;
+            }
+            let mut data = d.to_json();
+            data["step"] = serde_json::json!(step);
+            data["run_id"] = serde_json::json!(a.run.id);
+            if let Some(r) = &deltas {
+                r.send(&data.to_string());
+            }
+            if let Some(hub) = live {
+                hub.publish(a.run.id, data);
             }
         };
         let chat = chat_span(a, &req, step);

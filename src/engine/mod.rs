@@ -130,8 +130,10 @@ pub struct Engine {
     pub model: Arc<dyn ChatModel>,
     /// For starting children and releasing runs.
     pub queue: Queue,
-    /// Where token deltas go (Redis only), if configured.
+    /// Where token deltas go across processes (Redis), if configured.
     pub deltas: Option<crate::relay::RedisEvents>,
+    /// Where token deltas go in this process (SSE clients with `include=deltas`).
+    pub live: Arc<crate::deltas::DeltaHub>,
     /// The fleet's shared model budgets (per model and per owner).
     pub budgets: crate::budget::Budgets,
     /// Settings.

@@ -47,6 +47,7 @@ SCENARIO GRAMMAR
                   (default: the server's --window)
   pad=B           make each call's text about B bytes long (realistic tool outputs)
   pad_max=B2      vary that length between pad and pad_max, deterministically per call
+  chunk_ms=C      wait C ms between streamed chunks (an answer written slowly)
   read=PATH       call read_file on PATH (read=tool:NAME: call tool NAME first), then page
                   on wherever a result says
                   `read_file with path=`P` offset=N reads on`, and answer `READ DONE` with the
@@ -100,6 +101,7 @@ pub struct Scenario {
     pad: usize,
     pad_max: usize,
     read: Option<String>,
+    chunk_ms: u64,
 }
 
 impl Scenario {
@@ -121,6 +123,7 @@ impl Scenario {
             pad: 0,
             pad_max: 0,
             read: None,
+            chunk_ms: 0,
         };
         for pair in rest.split_whitespace() {
             let Some((k, v)) = pair.split_once('=') else {
@@ -144,6 +147,7 @@ impl Scenario {
                     "pad" => s.pad = num(v)?.min(1 << 20) as usize,
                     "pad_max" => s.pad_max = num(v)?.min(1 << 20) as usize,
                     "read" => s.read = Some(v.to_owned()),
+                    "chunk_ms" => s.chunk_ms = num(v)?.min(60_000),
                     "run" => {}
                     _ => {
                         return Err(format!(
@@ -841,7 +845,8 @@ async fn completions_inner(
         req.model.clone()
     };
     if req.stream {
-        stream_reply(model, reply, usage)
+        let gap = Duration::from_millis(scenario.as_ref().map_or(0, |s| s.chunk_ms));
+        stream_reply(model, reply, usage, gap)
     } else {
         plain_reply(model, reply, usage)
     }
@@ -1055,7 +1060,7 @@ fn plain_reply(model: String, reply: Reply, usage: Value) -> Response {
     .into_response()
 }
 
-fn stream_reply(model: String, reply: Reply, usage: Value) -> Response {
+fn stream_reply(model: String, reply: Reply, usage: Value, gap: Duration) -> Response {
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let created = chrono::Utc::now().timestamp();
     let chunk = |delta: Value, finish: Option<&str>| {
@@ -1099,7 +1104,14 @@ fn stream_reply(model: String, reply: Reply, usage: Value) -> Response {
         .map(|c| Ok(Event::default().data(c.to_string())))
         .collect();
     events.push(Ok(Event::default().data("[DONE]")));
-    Sse::new(futures::stream::iter(events)).into_response()
+    if gap.is_zero() {
+        return Sse::new(futures::stream::iter(events)).into_response();
+    }
+    let slow = futures::StreamExt::then(futures::stream::iter(events), move |e| async move {
+        tokio::time::sleep(gap).await;
+        e
+    });
+    Sse::new(slow).into_response()
 }
 
 #[cfg(test)]

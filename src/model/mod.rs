@@ -261,8 +261,41 @@ pub fn is_context_length_error(status: u16, body: &str) -> bool {
     .any(|p| b.contains(p))
 }
 
-/// Called with each text fragment as it streams in (ephemeral; never checkpointed).
-pub type DeltaSink<'a> = &'a (dyn Fn(&str) + Send + Sync);
+/// A fragment of the answer as it streams in: ephemeral, never checkpointed (the step's commit
+/// holds the whole answer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delta<'a> {
+    /// Text of the answer.
+    Text(&'a str),
+    /// A piece of a tool call's JSON arguments (`name` on the call's first fragment).
+    ToolArguments {
+        /// The call's place in the answer.
+        index: usize,
+        /// The tool's name, when this fragment names it.
+        name: Option<&'a str>,
+        /// The arguments' text in this fragment.
+        text: &'a str,
+    },
+}
+
+impl Delta<'_> {
+    /// The fragment as a `model.delta` event's data (without the run and step).
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            Delta::Text(t) => serde_json::json!({ "text": t }),
+            Delta::ToolArguments { index, name, text } => {
+                let mut call = serde_json::json!({"index": index, "arguments": text});
+                if let Some(n) = name {
+                    call["name"] = serde_json::json!(n);
+                }
+                serde_json::json!({ "tool_call": call })
+            }
+        }
+    }
+}
+
+/// Called with each fragment as it streams in.
+pub type DeltaSink<'a> = &'a (dyn Fn(Delta<'_>) + Send + Sync);
 
 /// A provider of chat completions. The engine depends on this, not on HTTP, so other providers
 /// and in-process fakes plug in.

@@ -377,7 +377,7 @@ impl Accumulator {
         for choice in chunk.choices {
             if let Some(text) = choice.delta.content {
                 if !text.is_empty() {
-                    on_delta(&text);
+                    on_delta(super::Delta::Text(&text));
                 }
                 self.saw_content = true;
                 self.content.push_str(&text);
@@ -388,12 +388,18 @@ impl Accumulator {
                     entry.0 = id;
                 }
                 if let Some(f) = tc.function {
+                    let args = f.arguments.unwrap_or_default();
+                    if f.name.is_some() || !args.is_empty() {
+                        on_delta(super::Delta::ToolArguments {
+                            index: tc.index,
+                            name: f.name.as_deref(),
+                            text: &args,
+                        });
+                    }
                     if let Some(n) = f.name {
                         entry.1.push_str(&n);
                     }
-                    if let Some(a) = f.arguments {
-                        entry.2.push_str(&a);
-                    }
+                    entry.2.push_str(&args);
                 }
             }
             if choice.finish_reason.is_some() {

@@ -501,7 +501,10 @@ async function run(id) {
     h('button', { id: 'say-send', class: 'primary', type: 'submit' }, 'Send'));
   const drawSay = () => { say.hidden = TERMINAL.includes(r.status); };
   drawHead(); drawApprovals(); drawSay(); await drawKids();
-  put(main, head, say, approvals, kids, h('h2', {}, 'Timeline'), timeline);
+  // The text of the step in flight, as the model writes it (cleared when the step commits).
+  const live = h('pre', { class: 'pre live', id: 'live-text', hidden: true });
+  let liveStep = null;
+  put(main, head, say, approvals, kids, live, h('h2', {}, 'Timeline'), timeline);
   let pending = null;
   const reread = () => {
     if (pending) return;
@@ -512,8 +515,16 @@ async function run(id) {
       drawHead(); drawApprovals(); drawSay(); await drawKids();
     }, 150);
   };
-  sse(`/v1/runs/${id}/events`, (type, e) => {
+  sse(`/v1/runs/${id}/events?include=deltas`, (type, e) => {
     if (!document.getElementById('timeline')) return false;
+    if (type === 'model.delta') {
+      if (e.text == null) return true;
+      if (liveStep !== e.step) { liveStep = e.step; live.textContent = ''; }
+      live.textContent += e.text;
+      live.hidden = false;
+      return true;
+    }
+    if (type === 'model.completed' || type === 'step.completed') { live.hidden = true; live.textContent = ''; liveStep = null; }
     timeline.append(eventRow(e));
     if (['model.completed', 'child.started', 'child.finished', 'approval.requested', 'approval.resolved', 'run.waiting', 'run.resumed', 'run.started'].includes(e.type) || TERMINAL.includes(e.type.slice(4))) reread();
     if (e.type === 'run.succeeded' || e.type === 'run.failed' || e.type === 'run.cancelled') {

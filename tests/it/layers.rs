@@ -16,7 +16,7 @@ const LAYERS: &[&[&str]] = &[
         "secrets",
         "output",
     ],
-    &["model", "notify", "agents", "procs"],
+    &["model", "notify", "deltas", "agents", "procs"],
     &["domain"],
     &["tools", "store", "mcp"],
     &["events", "hooks", "permissions", "pinning"],

@@ -7,6 +7,7 @@ mod cli;
 mod context;
 mod dashboard;
 mod delegation;
+mod deltas;
 mod docs;
 mod fleet;
 mod forks;

@@ -205,21 +205,41 @@ async fn token_deltas_follow_their_durable_event_in_the_run_stream() {
         .await
         .unwrap();
     let stream: redis::streams::StreamRangeReply = c.xrange_all(run_stream(r.id)).await.unwrap();
-    let deltas: Vec<(String, String)> = stream
+    let deltas: Vec<(String, serde_json::Value)> = stream
         .ids
         .iter()
         .filter(|e| !e.id.ends_with("-0"))
-        .map(|e| (e.id.clone(), e.get::<String>("delta").unwrap()))
+        .map(|e| {
+            let d = e.get::<String>("delta").unwrap();
+            (e.id.clone(), serde_json::from_str(&d).unwrap())
+        })
         .collect();
-    let text: String = deltas.iter().map(|(_, d)| d.as_str()).collect();
+    let text: String = deltas
+        .iter()
+        .filter(|(_, d)| d["step"] == 2)
+        .filter_map(|(_, d)| d["text"].as_str())
+        .collect();
     assert_eq!(
         text, "DONE after 2 steps",
         "the final answer streamed as deltas: {deltas:?}"
     );
-    // They sit right after the step's durable events, numbered N-1, N-2, …
-    let n = deltas[0].0.split('-').next().unwrap().to_owned();
-    for (k, (id, _)) in deltas.iter().enumerate() {
-        assert_eq!(id, &format!("{n}-{}", k + 1));
+    let args: String = deltas
+        .iter()
+        .filter(|(_, d)| d["step"] == 1)
+        .filter_map(|(_, d)| d["tool_call"]["arguments"].as_str())
+        .collect();
+    assert_eq!(args, r#"{"text":"step 1 call 1"}"#, "{deltas:?}");
+    // Each step's sit right after its durable events, numbered N-1, N-2, …
+    for step in [1, 2] {
+        let of: Vec<&String> = deltas
+            .iter()
+            .filter(|(_, d)| d["step"] == step)
+            .map(|(id, _)| id)
+            .collect();
+        let n = of[0].split('-').next().unwrap().to_owned();
+        for (k, id) in of.iter().enumerate() {
+            assert_eq!(*id, &format!("{n}-{}", k + 1));
+        }
     }
     // Durable readers never see them, and the outbox knows nothing of them.
     let outbox = t.app.store.events_after(r.id, 0, 1000).await.unwrap();
