@@ -182,18 +182,8 @@ async fn subagents_run_on_a_terminal_prints_the_answer_as_it_streams_and_once() 
         "{} run --quiet 'Go.\nSCENARIO steps=2 latency_ms=200 run=tty'",
         env!("CARGO_BIN_EXE_subagents")
     );
-    let out = std::process::Command::new("script")
+    let out = cli_command(&t, "script")
         .args(["-qec", &cmd, "/dev/null"])
-        .env(
-            "DATABASE_URL",
-            format!("sqlite://{}", t.dir.path().join("test.db").display()),
-        )
-        .env("SUBAGENTS_JOBS_DIR", t.dir.path().join("jobs"))
-        .env("SUBAGENTS_WORKSPACE", t.dir.path().join("workspace"))
-        .env("OPENAI_BASE_URL", t.mock.base_url())
-        .env("OPENAI_API_KEY", "x")
-        .env("SUBAGENTS_MODEL", "mock-model")
-        .env("RUST_LOG", "warn")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);

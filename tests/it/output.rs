@@ -305,26 +305,16 @@ async fn the_cli_prints_a_structured_answer_as_json() {
             .to_string(),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_subagents"))
+    let out = cli_command(&t, env!("CARGO_BIN_EXE_subagents"))
         .args(["run", "--quiet", "--output-schema"])
         .arg(&schema_file)
         .arg("Is it fine?")
-        .env(
-            "DATABASE_URL",
-            format!("sqlite://{}", t.dir.path().join("test.db").display()),
-        )
-        .env("SUBAGENTS_JOBS_DIR", t.dir.path().join("jobs"))
-        .env("SUBAGENTS_WORKSPACE", t.dir.path().join("workspace"))
-        .env("OPENAI_BASE_URL", t.mock.base_url())
-        .env("OPENAI_API_KEY", "x")
-        .env("SUBAGENTS_MODEL", "mock-model")
-        .env("RUST_LOG", "warn")
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let printed: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(printed, json!({"ok": true}));
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_subagents"))
+    let bad = cli_command(&t, env!("CARGO_BIN_EXE_subagents"))
         .args([
             "run",
             "--quiet",
@@ -332,12 +322,6 @@ async fn the_cli_prints_a_structured_answer_as_json() {
             "/nonexistent/schema.json",
             "x",
         ])
-        .env(
-            "DATABASE_URL",
-            format!("sqlite://{}", t.dir.path().join("test.db").display()),
-        )
-        .env("OPENAI_BASE_URL", t.mock.base_url())
-        .env("OPENAI_API_KEY", "x")
         .output()
         .unwrap();
     assert!(!bad.status.success());

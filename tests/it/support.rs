@@ -179,6 +179,23 @@ impl TestApp {
     }
 }
 
+/// `program` (the `subagents` binary, or a wrapper such as `script`) set up as a `subagents`
+/// process on this app's database, jobs, workspace and mock.
+pub fn cli_command(t: &TestApp, program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env(
+        "DATABASE_URL",
+        format!("sqlite://{}", t.dir.path().join("test.db").display()),
+    )
+    .env("SUBAGENTS_JOBS_DIR", t.dir.path().join("jobs"))
+    .env("SUBAGENTS_WORKSPACE", t.dir.path().join("workspace"))
+    .env("OPENAI_BASE_URL", t.mock.base_url())
+    .env("OPENAI_API_KEY", "x")
+    .env("SUBAGENTS_MODEL", "mock-model")
+    .env("RUST_LOG", "warn");
+    cmd
+}
+
 pub fn count_served(log: &[LogEntry]) -> HashMap<String, usize> {
     let mut m = HashMap::new();
     for e in log.iter().filter(|e| e.status == 200) {
