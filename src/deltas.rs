@@ -35,6 +35,20 @@ impl DeltaHub {
             .subscribe()
     }
 
+    /// `run`'s deltas from now on, as a stream (it never ends by itself: drop it). A slow
+    /// reader skips ahead: the durable events still carry the whole answer.
+    pub fn stream(&self, run: RunId) -> impl futures::Stream<Item = Arc<Value>> + Send + use<> {
+        futures::stream::unfold(self.subscribe(run), |mut rx| async move {
+            loop {
+                match rx.recv().await {
+                    Ok(v) => return Some((v, rx)),
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        })
+    }
+
     /// Whether anyone in this process listens to `run` (publishing is free otherwise).
     pub fn listened(&self, run: RunId) -> bool {
         self.runs

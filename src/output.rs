@@ -44,14 +44,23 @@ pub struct OutputContract {
 impl OutputContract {
     /// A contract for `schema`, checked to build, with `retries` (default [`DEFAULT_RETRIES`]).
     pub fn new(schema: Value, retries: Option<u32>) -> Result<OutputContract, String> {
-        let retries = retries.unwrap_or(DEFAULT_RETRIES);
+        Checker::build(&schema)?;
+        OutputContract {
+            schema,
+            retries: DEFAULT_RETRIES,
+        }
+        .with_retries(retries)
+    }
+
+    /// The same schema with `retries` instead, when given (0..=[`MAX_RETRIES`]).
+    pub fn with_retries(self, retries: Option<u32>) -> Result<OutputContract, String> {
+        let retries = retries.unwrap_or(self.retries);
         if retries > MAX_RETRIES {
             return Err(format!(
                 "output_retries {retries} is out of range 0..={MAX_RETRIES}"
             ));
         }
-        Checker::build(&schema)?;
-        Ok(OutputContract { schema, retries })
+        Ok(OutputContract { retries, ..self })
     }
 
     /// The `response_format` that asks an OpenAI-compatible provider for this schema. Not

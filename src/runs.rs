@@ -201,10 +201,12 @@ pub async fn start_run(
             crate::output::OutputContract::new(schema, req.output_retries)
                 .map_err(StartError::BadOutputSchema)?,
         ),
-        (None, Some(from_agent)) => Some(crate::output::OutputContract {
-            retries: req.output_retries.unwrap_or(from_agent.retries),
-            ..from_agent.clone()
-        }),
+        (None, Some(from_agent)) => Some(
+            from_agent
+                .clone()
+                .with_retries(req.output_retries)
+                .map_err(StartError::BadOutputSchema)?,
+        ),
         (None, None) if req.output_retries.is_some() => {
             return Err(StartError::BadOutputSchema(
                 "output_retries needs an output_schema (on the start or in the agent file)".into(),
@@ -212,15 +214,6 @@ pub async fn start_run(
         }
         (None, None) => None,
     };
-    if let Some(o) = &output
-        && o.retries > crate::output::MAX_RETRIES
-    {
-        return Err(StartError::BadOutputSchema(format!(
-            "output_retries {} is out of range 0..={}",
-            o.retries,
-            crate::output::MAX_RETRIES
-        )));
-    }
     let agent_version = Some(agents.pin(store, &agent).await?);
     let created = store
         .create_run(NewRun {

@@ -958,17 +958,10 @@ async fn live_deltas(state: &ApiState, run: RunId) -> futures::stream::BoxStream
             }
         }
     }
-    let rx = state.app.engine.live.subscribe(run);
-    Box::pin(futures::stream::unfold(rx, |mut rx| async move {
-        loop {
-            match rx.recv().await {
-                Ok(v) => return Some(((*v).clone(), rx)),
-                // A slow reader skips ahead: the durable events still carry the whole answer.
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
-            }
-        }
-    }))
+    Box::pin(futures::StreamExt::map(
+        state.app.engine.live.stream(run),
+        |v| (*v).clone(),
+    ))
 }
 
 /// The SSE stream: sleeps on the run's notification between batches; ends after the terminal

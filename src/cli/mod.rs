@@ -704,18 +704,14 @@ struct Streamed {
 
 impl Streamed {
     fn start(app: &App, run: RunId) -> Streamed {
+        use futures::StreamExt;
         use std::io::Write;
-        let mut rx = app.engine.live.subscribe(run);
+        let mut live = Box::pin(app.engine.live.stream(run));
         let last = Arc::new(std::sync::Mutex::new(String::new()));
         let shown = last.clone();
         let task = tokio::spawn(async move {
             let mut step = None;
-            loop {
-                let d = match rx.recv().await {
-                    Ok(d) => d,
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-                };
+            while let Some(d) = live.next().await {
                 let Some(text) = d["text"].as_str() else {
                     continue;
                 };
