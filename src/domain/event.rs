@@ -537,6 +537,7 @@ impl Event {
         let usage = Usage {
             prompt_tokens: 1,
             completion_tokens: 1,
+            ..Default::default()
         };
         let range = Range {
             first_message_id: 1,

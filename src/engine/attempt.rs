@@ -366,8 +366,7 @@ impl Engine {
         a.window.observe(raw, resp.usage.prompt_tokens);
         a.pressure.answered();
         self.settings.failpoints.hit("after_model_response").await;
-        a.usage.prompt_tokens += resp.usage.prompt_tokens;
-        a.usage.completion_tokens += resp.usage.completion_tokens;
+        a.usage.add(&resp.usage);
         self.commit_response(a, step, forced, resp, ms)
             .instrument(span)
             .await?;
@@ -476,6 +475,7 @@ impl Engine {
         let message = Message::Assistant {
             content: resp.content.clone(),
             tool_calls: calls.clone(),
+            thinking: resp.thinking.clone(),
         };
         let key = format!("{}:{}:assistant", a.run.id, step);
         let mut cp = Checkpoint {

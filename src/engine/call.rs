@@ -99,12 +99,18 @@ impl Engine {
             .increment(resp.usage.prompt_tokens);
         metrics::counter!("subagents_tokens_total", "kind" => "completion")
             .increment(resp.usage.completion_tokens);
+        metrics::counter!("subagents_tokens_total", "kind" => "cache_read")
+            .increment(resp.usage.cache_read_tokens);
+        metrics::counter!("subagents_tokens_total", "kind" => "cache_write")
+            .increment(resp.usage.cache_write_tokens);
         tracing::info!(
             ms,
             tool_calls = resp.tool_calls.len(),
             estimated_tokens = estimate,
             gen_ai.usage.input_tokens = resp.usage.prompt_tokens,
             gen_ai.usage.output_tokens = resp.usage.completion_tokens,
+            gen_ai.usage.cache_read.input_tokens = resp.usage.cache_read_tokens,
+            gen_ai.usage.cache_creation.input_tokens = resp.usage.cache_write_tokens,
             "model responded"
         );
         Ok(Ok((resp, ms)))
@@ -134,6 +140,8 @@ fn chat_span(a: &Attempt<'_>, req: &ChatRequest, step: u32) -> tracing::Span {
         gen_ai.request.model = %req.model,
         gen_ai.usage.input_tokens = tracing::field::Empty,
         gen_ai.usage.output_tokens = tracing::field::Empty,
+        gen_ai.usage.cache_read.input_tokens = tracing::field::Empty,
+        gen_ai.usage.cache_creation.input_tokens = tracing::field::Empty,
         gen_ai.response.finish_reasons = tracing::field::Empty,
         error.r#type = tracing::field::Empty,
         run_id = %a.run.id,
@@ -147,6 +155,14 @@ fn record(chat: &tracing::Span, resp: &Result<ChatResponse, ModelError>) {
         Ok(r) => {
             chat.record("gen_ai.usage.input_tokens", r.usage.prompt_tokens);
             chat.record("gen_ai.usage.output_tokens", r.usage.completion_tokens);
+            chat.record(
+                "gen_ai.usage.cache_read.input_tokens",
+                r.usage.cache_read_tokens,
+            );
+            chat.record(
+                "gen_ai.usage.cache_creation.input_tokens",
+                r.usage.cache_write_tokens,
+            );
             if let Some(f) = &r.finish_reason {
                 chat.record("gen_ai.response.finish_reasons", f.as_str());
             }

@@ -94,6 +94,7 @@ fn message_key(m: &Message) -> u64 {
         Message::Assistant {
             content,
             tool_calls,
+            ..
         } => {
             content.hash(&mut h);
             for c in tool_calls {
@@ -702,6 +703,7 @@ mod tests {
                     arguments: "{}".into(),
                 },
             }],
+            thinking: vec![],
         }
     }
 

@@ -50,6 +50,7 @@ pub fn plan(own: &[&StoredMessage], steps_done: u32) -> Next {
     let Message::Assistant {
         content,
         tool_calls,
+        ..
     } = &last.message
     else {
         unreachable!("filtered above")
@@ -226,6 +227,7 @@ mod tests {
         Message::Assistant {
             content: text.map(str::to_owned),
             tool_calls: calls,
+            thinking: vec![],
         }
     }
 

@@ -71,6 +71,7 @@ pub fn transcript(entries: &[Entry<'_>], counter: &Counter, per_message: usize) 
             Entry::Message(Message::Assistant {
                 content,
                 tool_calls,
+                ..
             }) => {
                 let mut body = content.clone().unwrap_or_default();
                 for c in tool_calls {
@@ -131,6 +132,7 @@ mod tests {
                     arguments: "{}".into(),
                 },
             }],
+            thinking: vec![],
         };
         let big = Message::Tool {
             tool_call_id: "c1".into(),

@@ -1160,6 +1160,7 @@ mod tests {
         let a = Message::Assistant {
             content: None,
             tool_calls: vec![],
+            thinking: vec![],
         };
         assert_eq!(progress(&[task, summary, a]), (1, 6, 5));
     }

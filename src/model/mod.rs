@@ -2,6 +2,7 @@
 //! provider-agnostic [`ChatModel`] trait the engine calls, the OpenAI-compatible streaming client,
 //! and the scripted mock server used by tests, demos and benchmarks.
 
+pub mod anthropic;
 pub mod compact;
 pub mod mock;
 pub mod openai;
@@ -36,6 +37,12 @@ pub enum Message {
         /// Calls the model asked for, in its order.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         tool_calls: Vec<ToolCall>,
+        /// The provider's reasoning blocks (Anthropic's `thinking` and `redacted_thinking`),
+        /// kept verbatim with their signatures: Anthropic requires them back unchanged after a
+        /// tool-use turn. Only the Anthropic client sends them; others drop them.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        #[schema(value_type = Vec<Object>)]
+        thinking: Vec<serde_json::Value>,
     },
     /// A tool's answer to one call.
     Tool {
@@ -106,18 +113,41 @@ pub struct FunctionSpec {
 }
 
 /// Token counts of one call, or summed over a run.
+///
+/// `prompt_tokens` is always the whole prompt, cached or not, so context accounting never depends
+/// on the provider; the cache figures say how much of it the provider's prompt cache served
+/// (`cache_read_tokens`, billed at the cached rate) and how much it stored for the next call
+/// (`cache_write_tokens`, Anthropic's `cache_creation_input_tokens`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
-    /// Tokens sent.
+    /// Tokens sent, cached ones included.
     pub prompt_tokens: u64,
     /// Tokens produced.
     pub completion_tokens: u64,
+    /// Prompt tokens read from the provider's cache.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cache_read_tokens: u64,
+    /// Prompt tokens written to the provider's cache.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cache_write_tokens: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Usage {
     /// Prompt plus completion.
     pub fn total(&self) -> u64 {
         self.prompt_tokens + self.completion_tokens
+    }
+
+    /// Adds another call's counts.
+    pub fn add(&mut self, other: &Usage) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.cache_read_tokens += other.cache_read_tokens;
+        self.cache_write_tokens += other.cache_write_tokens;
     }
 }
 
@@ -151,6 +181,8 @@ pub struct ChatResponse {
     /// The provider said this call used up its request or token budget
     /// (`x-ratelimit-remaining-*: 0`): how long until it resets.
     pub budget_resets_in: Option<std::time::Duration>,
+    /// Reasoning blocks to keep with the answer (see [`Message::Assistant`]'s `thinking`).
+    pub thinking: Vec<serde_json::Value>,
 }
 
 /// Replaces every NUL character in `text` with U+FFFD: PostgreSQL's text cannot hold one, and a
@@ -309,6 +341,105 @@ pub trait ChatModel: Send + Sync {
     ) -> Result<ChatResponse, ModelError>;
 }
 
+/// One failed attempt of a provider client: worth retrying (with an optional server-given delay)
+/// or final.
+pub(crate) enum Attempt {
+    /// `throttled`: the provider answered 429 (its rate limit).
+    Retry {
+        why: String,
+        after: Option<Duration>,
+        throttled: bool,
+    },
+    Fatal(ModelError),
+}
+
+impl Attempt {
+    /// A broken connection or stream: retried after the policy's backoff.
+    pub(crate) fn broken(why: impl Into<String>) -> Attempt {
+        Attempt::Retry {
+            why: why.into(),
+            after: None,
+            throttled: false,
+        }
+    }
+
+    /// Classifies a non-success answer the way every provider means it: 429 (throttled), 408,
+    /// 409 and 5xx (Anthropic's 529 `overloaded_error` among them) are retried, honouring
+    /// `Retry-After`; a too-long prompt is [`ModelError::ContextLength`]; any other 4xx is final.
+    pub(crate) async fn refused(resp: reqwest::Response) -> Attempt {
+        let status = resp.status();
+        let after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite())
+            .map(|s| Duration::from_secs_f64(s.clamp(0.0, 86_400.0)));
+        let text = resp.text().await.unwrap_or_default();
+        let body: String = text.chars().take(500).collect();
+        let code = status.as_u16();
+        if code == 429 || code == 408 || code == 409 || status.is_server_error() {
+            Attempt::Retry {
+                why: format!("HTTP {code}: {body}"),
+                after,
+                throttled: code == 429,
+            }
+        } else if is_context_length_error(code, &body) {
+            Attempt::Fatal(ModelError::ContextLength { status: code, body })
+        } else {
+            Attempt::Fatal(ModelError::Rejected { status: code, body })
+        }
+    }
+}
+
+/// Runs `attempt` until it succeeds, fails for good, or the policy's retries are spent; each try
+/// is bounded by `timeout` (connect, wait and stream together).
+pub(crate) async fn with_retries<F, Fut>(
+    policy: RetryPolicy,
+    timeout: Duration,
+    mut attempt: F,
+) -> Result<ChatResponse, ModelError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<ChatResponse, Attempt>>,
+{
+    let mut attempt_no = 0u32;
+    loop {
+        attempt_no += 1;
+        let outcome = match tokio::time::timeout(timeout, attempt()).await {
+            Ok(r) => r,
+            Err(_) => Err(Attempt::broken(format!(
+                "no complete response within {timeout:?}"
+            ))),
+        };
+        match outcome {
+            Ok(r) => return Ok(r),
+            Err(Attempt::Fatal(e)) => return Err(e),
+            Err(Attempt::Retry {
+                why,
+                after,
+                throttled,
+            }) => {
+                if attempt_no > policy.retries {
+                    if throttled {
+                        return Err(ModelError::RateLimited {
+                            retry_after: policy.delay(attempt_no, after),
+                            last: why,
+                        });
+                    }
+                    return Err(ModelError::Exhausted {
+                        attempts: attempt_no,
+                        last: why,
+                    });
+                }
+                let delay = policy.delay(attempt_no, after);
+                tracing::warn!(attempt = attempt_no, ?delay, error = %why, "model call failed; retrying");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
 /// How retries back off: exponential from `base`, capped at `max`, at most `retries` retries.
 #[derive(Clone, Copy, Debug)]
 pub struct RetryPolicy {
@@ -361,6 +492,7 @@ mod tests {
                     arguments: "{}".into(),
                 },
             }],
+            thinking: vec![],
         };
         let v = serde_json::to_value(&m).unwrap();
         assert_eq!(v["role"], "assistant");

@@ -12,8 +12,8 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{
-    ChatModel, ChatRequest, ChatResponse, DeltaSink, FunctionCall, ModelError, RetryPolicy,
-    ToolCall, Usage,
+    Attempt, ChatModel, ChatRequest, ChatResponse, DeltaSink, FunctionCall, ModelError,
+    RetryPolicy, ToolCall, Usage,
 };
 
 /// Where and how to reach the model.
@@ -56,17 +56,6 @@ pub struct OpenAiClient {
     config: OpenAiConfig,
 }
 
-/// One failed attempt: either worth retrying (with an optional server-given delay) or final.
-enum Attempt {
-    /// `throttled`: the provider answered 429 (its rate limit).
-    Retry {
-        why: String,
-        after: Option<Duration>,
-        throttled: bool,
-    },
-    Fatal(ModelError),
-}
-
 impl OpenAiClient {
     /// A client with its own connection pool.
     pub fn new(config: OpenAiConfig) -> Self {
@@ -91,7 +80,7 @@ impl OpenAiClient {
     ) -> Result<ChatResponse, Attempt> {
         let mut body = json!({
             "model": req.model,
-            "messages": req.messages,
+            "messages": wire_messages(&req.messages),
             "stream": true,
             "stream_options": {"include_usage": true},
         });
@@ -108,35 +97,12 @@ impl OpenAiClient {
         if !self.config.api_key.is_empty() {
             builder = builder.bearer_auth(&self.config.api_key);
         }
-        let resp = builder.send().await.map_err(|e| Attempt::Retry {
-            why: format!("connection: {e}"),
-            after: None,
-            throttled: false,
-        })?;
-        let status = resp.status();
-        if !status.is_success() {
-            let after = resp
-                .headers()
-                .get(reqwest::header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|s| s.trim().parse::<f64>().ok())
-                .map(|s| Duration::from_secs_f64(s.max(0.0)));
-            let text = resp.text().await.unwrap_or_default();
-            let body: String = text.chars().take(500).collect();
-            let code = status.as_u16();
-            return Err(
-                if code == 429 || code == 408 || code == 409 || status.is_server_error() {
-                    Attempt::Retry {
-                        why: format!("HTTP {code}: {body}"),
-                        after,
-                        throttled: code == 429,
-                    }
-                } else if super::is_context_length_error(code, &body) {
-                    Attempt::Fatal(ModelError::ContextLength { status: code, body })
-                } else {
-                    Attempt::Fatal(ModelError::Rejected { status: code, body })
-                },
-            );
+        let resp = builder
+            .send()
+            .await
+            .map_err(|e| Attempt::broken(format!("connection: {e}")))?;
+        if !resp.status().is_success() {
+            return Err(Attempt::refused(resp).await);
         }
         let budget_resets_in = budget_reset(resp.headers());
         let is_sse = resp
@@ -146,11 +112,10 @@ impl OpenAiClient {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
             // Some compatible servers ignore `stream`; accept a plain completion too.
-            let v: serde_json::Value = resp.json().await.map_err(|e| Attempt::Retry {
-                why: format!("reading body: {e}"),
-                after: None,
-                throttled: false,
-            })?;
+            let v: serde_json::Value = resp
+                .json()
+                .await
+                .map_err(|e| Attempt::broken(format!("reading body: {e}")))?;
             return parse_plain(&v)
                 .map(|r| ChatResponse {
                     budget_resets_in,
@@ -161,11 +126,7 @@ impl OpenAiClient {
         let mut acc = Accumulator::default();
         let mut events = resp.bytes_stream().eventsource();
         while let Some(ev) = events.next().await {
-            let ev = ev.map_err(|e| Attempt::Retry {
-                why: format!("stream broke: {e}"),
-                after: None,
-                throttled: false,
-            })?;
+            let ev = ev.map_err(|e| Attempt::broken(format!("stream broke: {e}")))?;
             if ev.data.trim() == "[DONE]" {
                 return Ok(ChatResponse {
                     budget_resets_in,
@@ -185,11 +146,9 @@ impl OpenAiClient {
                 ..acc.finish()
             })
         } else {
-            Err(Attempt::Retry {
-                why: "stream ended before the response was complete".into(),
-                after: None,
-                throttled: false,
-            })
+            Err(Attempt::broken(
+                "stream ended before the response was complete",
+            ))
         }
     }
 }
@@ -201,52 +160,10 @@ impl ChatModel for OpenAiClient {
         req: &ChatRequest,
         on_delta: DeltaSink<'_>,
     ) -> Result<ChatResponse, ModelError> {
-        let policy = self.config.retry;
-        let mut attempt_no = 0u32;
-        loop {
-            attempt_no += 1;
-            let outcome = match tokio::time::timeout(
-                self.config.request_timeout,
-                self.attempt(req, on_delta),
-            )
-            .await
-            {
-                Ok(r) => r,
-                Err(_) => Err(Attempt::Retry {
-                    why: format!(
-                        "no complete response within {:?}",
-                        self.config.request_timeout
-                    ),
-                    after: None,
-                    throttled: false,
-                }),
-            };
-            match outcome {
-                Ok(r) => return Ok(r),
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Retry {
-                    why,
-                    after,
-                    throttled,
-                }) => {
-                    if attempt_no > policy.retries {
-                        if throttled {
-                            return Err(ModelError::RateLimited {
-                                retry_after: policy.delay(attempt_no, after),
-                                last: why,
-                            });
-                        }
-                        return Err(ModelError::Exhausted {
-                            attempts: attempt_no,
-                            last: why,
-                        });
-                    }
-                    let delay = policy.delay(attempt_no, after);
-                    tracing::warn!(attempt = attempt_no, ?delay, error = %why, "model call failed; retrying");
-                    tokio::time::sleep(delay).await;
-                }
-            }
-        }
+        super::with_retries(self.config.retry, self.config.request_timeout, || {
+            self.attempt(req, on_delta)
+        })
+        .await
     }
 }
 
@@ -322,7 +239,38 @@ struct Chunk {
     #[serde(default)]
     choices: Vec<ChunkChoice>,
     #[serde(default)]
-    usage: Option<Usage>,
+    usage: Option<WireUsage>,
+}
+
+/// OpenAI's usage object: the cached part of the prompt is in `prompt_tokens_details`.
+#[derive(Deserialize, Default)]
+struct WireUsage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Deserialize, Default)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+impl From<WireUsage> for Usage {
+    fn from(u: WireUsage) -> Usage {
+        Usage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cache_read_tokens: u
+                .prompt_tokens_details
+                .and_then(|d| d.cached_tokens)
+                .unwrap_or(0),
+            cache_write_tokens: 0,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -372,7 +320,7 @@ struct Accumulator {
 impl Accumulator {
     fn add(&mut self, chunk: Chunk, on_delta: DeltaSink<'_>) {
         if let Some(u) = chunk.usage {
-            self.usage = u;
+            self.usage = u.into();
         }
         for choice in chunk.choices {
             if let Some(text) = choice.delta.content {
@@ -428,8 +376,23 @@ impl Accumulator {
             usage: self.usage,
             finish_reason: self.finish_reason,
             budget_resets_in: None,
+            thinking: vec![],
         }
     }
+}
+
+/// The messages as Chat Completions takes them: the reasoning blocks an Anthropic model left in
+/// the checkpoint are not part of this format (a run may change provider between steps).
+fn wire_messages(messages: &[super::Message]) -> serde_json::Value {
+    let mut v = json!(messages);
+    if let Some(list) = v.as_array_mut() {
+        for m in list {
+            if let Some(o) = m.as_object_mut() {
+                o.remove("thinking");
+            }
+        }
+    }
+    v
 }
 
 fn parse_plain(v: &serde_json::Value) -> Result<ChatResponse, ModelError> {
@@ -444,12 +407,15 @@ fn parse_plain(v: &serde_json::Value) -> Result<ChatResponse, ModelError> {
             .map_err(|e| ModelError::Malformed(format!("tool_calls: {e}")))?,
         _ => vec![],
     };
-    let usage = serde_json::from_value(v["usage"].clone()).unwrap_or_default();
+    let usage = serde_json::from_value::<WireUsage>(v["usage"].clone())
+        .unwrap_or_default()
+        .into();
     Ok(ChatResponse {
         content: msg["content"].as_str().map(str::to_owned),
         tool_calls,
         usage,
         finish_reason: v["choices"][0]["finish_reason"].as_str().map(str::to_owned),
         budget_resets_in: None,
+        thinking: vec![],
     })
 }

@@ -110,6 +110,7 @@ impl Counter {
                 Message::Assistant {
                     content,
                     tool_calls,
+                    ..
                 } => {
                     content.as_deref().map_or(0, |c| self.text(c))
                         + tool_calls
@@ -411,16 +412,16 @@ mod tests {
             ("gpt-4o-mini", vec![
                 Message::System { content: "Answer briefly.".into() },
                 Message::User { content: prose.repeat(5) },
-                Message::Assistant { content: Some(prose.repeat(8)), tool_calls: vec![] },
+                Message::Assistant { content: Some(prose.repeat(8)), tool_calls: vec![], thinking: vec![] },
                 Message::User { content: "And the code?".into() },
-                Message::Assistant { content: Some(code.repeat(6)), tool_calls: vec![] },
+                Message::Assistant { content: Some(code.repeat(6)), tool_calls: vec![], thinking: vec![] },
             ]),
             ("gpt-4-0613", vec![Message::System { content: code.repeat(10) }, Message::User { content: prose.repeat(12) }]),
             ("gpt-4.1", vec![
                 Message::User { content: prose.repeat(4) },
-                Message::Assistant { content: None, tool_calls: vec![call("grep", r#"{"pattern":"RETRIES","path":"src"}"#)] },
+                Message::Assistant { content: None, tool_calls: vec![call("grep", r#"{"pattern":"RETRIES","path":"src"}"#)], thinking: vec![] },
                 Message::Tool { tool_call_id: "call_abc123".into(), content: code.repeat(15) },
-                Message::Assistant { content: Some(prose.repeat(3)), tool_calls: vec![] },
+                Message::Assistant { content: Some(prose.repeat(3)), tool_calls: vec![], thinking: vec![] },
             ]),
             ("o3-mini", vec![Message::User { content: "é日本語 mixed text, with numbers 1234567 and URLs https://example.com/a?b=c ".repeat(30) }]),
         ];
@@ -479,6 +480,7 @@ mod tests {
                     arguments: r#"{"pattern":"fn main"}"#.into(),
                 },
             }],
+            thinking: vec![],
         };
         assert!(c.message(&call) > PER_MESSAGE + PER_TOOL_CALL);
         let spec = ToolSpec {

@@ -640,6 +640,7 @@ where
             usage: Usage {
                 prompt_tokens: r.get::<i64, _>("prompt_tokens") as u64,
                 completion_tokens: r.get::<i64, _>("completion_tokens") as u64,
+                ..Default::default()
             },
             attempts: r.get::<i64, _>("attempts") as u32,
             crashes: r.get::<i64, _>("crashes") as u32,

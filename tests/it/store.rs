@@ -3004,6 +3004,7 @@ async fn listing_and_tree_queries(s: Backend) {
     let usage = subagents::model::Usage {
         prompt_tokens: 10,
         completion_tokens: 5,
+        ..Default::default()
     };
     s.checkpoint(
         &lease,

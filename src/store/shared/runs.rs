@@ -188,6 +188,7 @@ where
             usage: Usage {
                 prompt_tokens: row.get::<i64, _>(0) as u64,
                 completion_tokens: row.get::<i64, _>(1) as u64,
+                ..Default::default()
             },
             steps: row.get::<i64, _>(2) as u64,
             cost_nanos: row.get::<i64, _>(3).max(0) as u64,
