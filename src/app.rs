@@ -115,24 +115,75 @@ pub enum OpenError {
 impl App {
     /// Opens everything with the production model client.
     pub async fn open(settings: Settings) -> Result<App, OpenError> {
-        let model = Self::model_client(&settings);
+        let model = Self::model_client(&settings).map_err(OpenError::Config)?;
         Self::open_with_model(settings, model).await
     }
 
-    /// The OpenAI-compatible client the settings describe.
-    pub fn model_client(settings: &Settings) -> Arc<dyn ChatModel> {
-        Arc::new(OpenAiClient::new(OpenAiConfig {
-            base_url: settings.openai_base_url.clone(),
-            api_key: settings.openai_api_key.clone().unwrap_or_default(),
-            retry: RetryPolicy {
-                retries: settings.model_retries,
-                ..RetryPolicy::default()
-            },
-            request_timeout: settings.model_timeout(),
-            step_header: settings
+    /// The model clients the settings describe: one per models-table entry (Anthropic's
+    /// Messages API or an OpenAI-compatible endpoint), and the OpenAI-compatible endpoint of
+    /// `OPENAI_BASE_URL` for every other model.
+    pub fn model_client(settings: &Settings) -> Result<Arc<dyn ChatModel>, String> {
+        use crate::model::anthropic::{AnthropicClient, AnthropicConfig};
+        use crate::model::providers::{Provider, Router};
+        let retry = RetryPolicy {
+            retries: settings.model_retries,
+            ..RetryPolicy::default()
+        };
+        let step_header = |base_url: &str| {
+            settings
                 .step_header
-                .unwrap_or_else(|| settings.local_model_endpoint()),
-        }))
+                .unwrap_or_else(|| crate::config::is_loopback_url(base_url))
+        };
+        let openai = |base_url: &str, api_key: Option<String>| -> Arc<dyn ChatModel> {
+            Arc::new(OpenAiClient::new(OpenAiConfig {
+                base_url: base_url.to_owned(),
+                api_key: api_key.unwrap_or_default(),
+                retry,
+                request_timeout: settings.model_timeout(),
+                step_header: step_header(base_url),
+            }))
+        };
+        let fallback = openai(&settings.openai_base_url, settings.openai_api_key.clone());
+        let routes = settings.model_routes()?;
+        let windows = routes.windows();
+        let clients = routes
+            .entries()
+            .iter()
+            .map(|e| {
+                let key = settings.key_from(e.key_env());
+                match e.provider {
+                    Provider::OpenAi => openai(
+                        e.base_url.as_deref().unwrap_or(&settings.openai_base_url),
+                        key,
+                    ),
+                    Provider::Anthropic => {
+                        let base_url = e
+                            .base_url
+                            .clone()
+                            .unwrap_or_else(|| settings.anthropic_base_url.clone());
+                        let max_output = e
+                            .max_output
+                            .or_else(|| {
+                                windows
+                                    .get(e.pattern.trim_end_matches('*'))
+                                    .map(|w| w.max_output)
+                            })
+                            .unwrap_or(8192);
+                        Arc::new(AnthropicClient::new(AnthropicConfig {
+                            step_header: step_header(&base_url),
+                            base_url,
+                            api_key: key.unwrap_or_default(),
+                            retry,
+                            request_timeout: settings.model_timeout(),
+                            max_tokens: max_output.clamp(1, u32::MAX as u64) as u32,
+                            thinking_budget: e.thinking_budget,
+                            caching: e.caching.unwrap_or(true),
+                        })) as Arc<dyn ChatModel>
+                    }
+                }
+            })
+            .collect();
+        Ok(Arc::new(Router::new(routes, clients, fallback)))
     }
 
     /// The MCP servers of `SUBAGENTS_MCP_CONFIG` plus those agent files declare (each visible
@@ -231,6 +282,7 @@ impl App {
         tools: ToolRegistry,
     ) -> Result<App, OpenError> {
         let url = settings.database_url.clone();
+        let routes = Arc::new(settings.model_routes().map_err(OpenError::Config)?);
         let db_err = |source| OpenError::Database {
             url: redact(&url),
             source,
@@ -301,19 +353,32 @@ impl App {
             model,
             settings: EngineSettings {
                 default_model: settings.default_model.clone(),
-                model_aliases: settings.model_alias_map().map_err(OpenError::Config)?,
+                model_aliases: {
+                    let mut aliases = settings.model_alias_map().map_err(OpenError::Config)?;
+                    for (alias, model) in routes.implied_aliases() {
+                        aliases.entry(alias).or_insert(model);
+                    }
+                    aliases
+                },
+                routes: routes.clone(),
                 workspace: settings.workspace.clone(),
                 lease_ttl: settings.lease_ttl(),
                 max_attempts: settings.max_attempts,
                 tool_timeout: settings.tool_timeout(),
                 context: crate::engine::ContextSettings {
                     table: crate::model::tokens::ModelTable::new(
-                        crate::model::tokens::ModelTable::parse_overrides(
-                            &settings.context_windows,
-                        )
-                        .map_err(|e| {
-                            OpenError::Config(format!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))
-                        })?,
+                        {
+                            let mut w = crate::model::tokens::ModelTable::parse_overrides(
+                                &settings.context_windows,
+                            )
+                            .map_err(|e| {
+                                OpenError::Config(format!("SUBAGENTS_CONTEXT_WINDOWS: {e}"))
+                            })?;
+                            for (name, window) in routes.windows() {
+                                w.entry(name).or_insert(window);
+                            }
+                            w
+                        },
                         settings.default_context_window.max(1024),
                     ),
                     compact_at: settings.compact_at,
@@ -345,7 +410,8 @@ impl App {
                 },
                 prices: Arc::new(
                     crate::model::prices::PriceTable::parse(&settings.prices)
-                        .map_err(|e| OpenError::Config(format!("SUBAGENTS_PRICES: {e}")))?,
+                        .map_err(|e| OpenError::Config(format!("SUBAGENTS_PRICES: {e}")))?
+                        .with_defaults(routes.prices()),
                 ),
                 delegation: crate::delegation::DelegationSettings {
                     max_depth: settings.max_depth,

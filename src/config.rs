@@ -53,6 +53,27 @@ pub struct Settings {
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true, global = true)]
     pub openai_api_key: Option<String>,
 
+    /// Anthropic API key (never printed). When set, `claude-*` models and the `sonnet`, `opus`
+    /// and `haiku` aliases go to Anthropic's Messages API, with prompt caching.
+    #[arg(long, env = "ANTHROPIC_API_KEY", hide_env_values = true, global = true)]
+    pub anthropic_api_key: Option<String>,
+
+    /// Anthropic's endpoint, up to and including `/v1`.
+    #[arg(
+        long,
+        env = "ANTHROPIC_BASE_URL",
+        default_value = "https://api.anthropic.com/v1",
+        global = true
+    )]
+    pub anthropic_base_url: String,
+
+    /// The models table: which provider (`openai` or `anthropic`) serves which model, with its
+    /// endpoint, key variable, context window, prices and thinking budget. A JSON list inline or
+    /// the path of a file holding one; see docs/operating.md. Models no entry matches go to
+    /// OPENAI_BASE_URL.
+    #[arg(long, env = "SUBAGENTS_MODELS", default_value = "", global = true)]
+    pub models: String,
+
     /// Model used when an agent definition names none.
     #[arg(
         long = "model",
@@ -515,6 +536,11 @@ impl std::fmt::Debug for Settings {
                 "openai_api_key",
                 &self.openai_api_key.as_ref().map(|_| "<redacted>"),
             )
+            .field(
+                "anthropic_api_key",
+                &self.anthropic_api_key.as_ref().map(|_| "<redacted>"),
+            )
+            .field("models", &self.models)
             .field("default_model", &self.default_model)
             .field("concurrency", &self.concurrency)
             .field("lease_ttl_secs", &self.lease_ttl_secs)
@@ -549,10 +575,57 @@ impl Settings {
         s
     }
 
+    /// The models table (`SUBAGENTS_MODELS`, plus Anthropic for `claude-*` when
+    /// `ANTHROPIC_API_KEY` is set), or what is wrong with it.
+    pub fn model_routes(&self) -> Result<crate::model::providers::ModelRoutes, String> {
+        crate::model::providers::ModelRoutes::load(&self.models, self.anthropic_key().is_some())
+            .map_err(|e| format!("SUBAGENTS_MODELS: {e}"))
+    }
+
+    fn anthropic_key(&self) -> Option<&str> {
+        self.anthropic_api_key
+            .as_deref()
+            .filter(|k| !k.trim().is_empty())
+    }
+
+    /// The key held in `var`: the settings' own for the two well-known variables (so flags
+    /// work too), the environment for any other a models-table entry names.
+    pub fn key_from(&self, var: &str) -> Option<String> {
+        let k = match var {
+            "OPENAI_API_KEY" => self.openai_api_key.clone(),
+            "ANTHROPIC_API_KEY" => self.anthropic_key().map(str::to_owned),
+            other => std::env::var(other).ok(),
+        };
+        k.filter(|k| !k.trim().is_empty())
+    }
+
     /// Why runs here could not reach their model as configured, said before any run starts:
-    /// OpenAI's own endpoint without a key (every call would be refused, each run failing
-    /// after its retries). Another endpoint may need no key (a local server, a gateway).
+    /// the default model's provider has no key (every call would be refused, each run failing
+    /// after its retries), or the models table is wrong. OpenAI-compatible endpoints other than
+    /// OpenAI's own may need no key (a local server, a gateway); nor does a loopback one.
     pub fn model_key_problem(&self) -> Option<String> {
+        let routes = match self.model_routes() {
+            Ok(r) => r,
+            Err(e) => return Some(e),
+        };
+        if let Some(entry) = routes.route(&self.default_model) {
+            let local = entry.base_url.as_deref().is_some_and(is_loopback_url);
+            if entry.provider == crate::model::providers::Provider::Anthropic
+                && !local
+                && self.key_from(entry.key_env()).is_none()
+            {
+                return Some(format!(
+                    "no API key for {} (served by Anthropic per the models table): set {}; `subagents demo` runs without one",
+                    self.default_model,
+                    entry.key_env()
+                ));
+            }
+            if entry.provider == crate::model::providers::Provider::Anthropic
+                || entry.base_url.is_some()
+            {
+                return None;
+            }
+        }
         let no_key = self
             .openai_api_key
             .as_deref()
@@ -563,8 +636,9 @@ impl Settings {
             .is_some_and(|h| h.trim_end_matches('.') == "api.openai.com");
         (no_key && openai).then(|| {
             format!(
-                "no API key for the model endpoint {}: set OPENAI_API_KEY, or OPENAI_BASE_URL to another OpenAI-compatible endpoint (one on this machine needs no key); `subagents demo` runs without either",
-                self.openai_base_url
+                "no API key for the model endpoint {} (model {}): set OPENAI_API_KEY, or OPENAI_BASE_URL to another OpenAI-compatible endpoint (one on this machine needs no key), or ANTHROPIC_API_KEY with a Claude model (SUBAGENTS_MODEL=claude-sonnet-4-5); `subagents demo` runs without either",
+                self.openai_base_url,
+                self.default_model
             )
         })
     }
@@ -572,18 +646,7 @@ impl Settings {
     /// Whether the model endpoint is on this machine (a loopback host): the mock, a local
     /// server, a test.
     pub fn local_model_endpoint(&self) -> bool {
-        reqwest::Url::parse(&self.openai_base_url)
-            .ok()
-            .and_then(|u| u.host_str().map(str::to_owned))
-            .is_some_and(|h| {
-                let h = h
-                    .trim_matches(['[', ']'])
-                    .trim_end_matches('.')
-                    .to_ascii_lowercase();
-                h == "localhost"
-                    || h.parse::<std::net::IpAddr>()
-                        .is_ok_and(|ip| ip.is_loopback())
-            })
+        is_loopback_url(&self.openai_base_url)
     }
 
     /// Lease length.
@@ -671,6 +734,22 @@ impl Settings {
     pub fn model_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.model_timeout_secs.max(0.001))
     }
+}
+
+/// Whether `url`'s host is this machine (`localhost` or a loopback address).
+pub fn is_loopback_url(url: &str) -> bool {
+    reqwest::Url::parse(url)
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_owned))
+        .is_some_and(|h| {
+            let h = h
+                .trim_matches(['[', ']'])
+                .trim_end_matches('.')
+                .to_ascii_lowercase();
+            h == "localhost"
+                || h.parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        })
 }
 
 #[cfg(test)]

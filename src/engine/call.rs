@@ -79,7 +79,8 @@ impl Engine {
                 hub.publish(a.run.id, data);
             }
         };
-        let chat = chat_span(a, &req, step);
+        let provider = self.settings.routes.provider(&req.model).as_str();
+        let chat = chat_span(a, &req, step, provider);
         let resp = self
             .model
             .complete(&req, &on_delta)
@@ -129,14 +130,14 @@ impl Engine {
     }
 }
 
-fn chat_span(a: &Attempt<'_>, req: &ChatRequest, step: u32) -> tracing::Span {
+fn chat_span(a: &Attempt<'_>, req: &ChatRequest, step: u32, provider: &str) -> tracing::Span {
     info_span!(
         "chat",
         otel.name = format!("chat {}", req.model),
         otel.kind = "client",
         otel.status_code = tracing::field::Empty,
         gen_ai.operation.name = "chat",
-        gen_ai.provider.name = "openai",
+        gen_ai.provider.name = provider,
         gen_ai.request.model = %req.model,
         gen_ai.usage.input_tokens = tracing::field::Empty,
         gen_ai.usage.output_tokens = tracing::field::Empty,

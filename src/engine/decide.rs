@@ -154,7 +154,9 @@ fn model_error_message(e: &ModelError) -> String {
     match e {
         ModelError::Rejected {
             status: 401 | 403, ..
-        } => format!("{e} (check OPENAI_API_KEY)"),
+        } => format!(
+            "{e} (check the model's API key: OPENAI_API_KEY, ANTHROPIC_API_KEY for Claude models, or the variable its SUBAGENTS_MODELS entry names)"
+        ),
         ModelError::Rejected { status: 404, .. } => {
             format!("{e} (check OPENAI_BASE_URL and the model name)")
         }
@@ -420,6 +422,6 @@ mod tests {
             panic!("a rejected key fails the run")
         };
         assert_eq!(e.kind, ErrorKind::Model);
-        assert!(e.message.contains("check OPENAI_API_KEY"));
+        assert!(e.message.contains("OPENAI_API_KEY") && e.message.contains("ANTHROPIC_API_KEY"));
     }
 }

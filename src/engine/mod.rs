@@ -63,6 +63,8 @@ pub struct EngineSettings {
     pub default_model: String,
     /// Model names in agent files mapped onto the endpoint's models (`sonnet=gpt-4.1`).
     pub model_aliases: std::collections::BTreeMap<String, String>,
+    /// Which provider serves which model (pinned on each run, named on traces).
+    pub routes: Arc<crate::model::providers::ModelRoutes>,
     /// Root of the owners' workspaces (each owner gets a directory beneath it).
     pub workspace: PathBuf,
     /// Lease length; renewed every third of it.

@@ -20,11 +20,8 @@ use crate::policy::Policy;
 const SETTINGS: &str = "settings";
 /// The pin of the model.
 const MODEL: &str = "model";
-/// The pin of the model's provider: the one endpoint this build speaks to (OpenAI's wire
-/// format); with a provider per model the name says which.
+/// The pin of the model's provider (`openai` or `anthropic`, from the models table).
 const PROVIDER: &str = "provider";
-/// The provider every model goes to today.
-const OPENAI: &str = "openai";
 /// The prefix of an MCP server's pin (its tool list's version).
 const MCP: &str = "mcp:";
 
@@ -97,8 +94,9 @@ impl Engine {
             let model = self
                 .model_for(run, agent, parent.get(MODEL).map(String::as_str))
                 .await?;
+            let provider = self.settings.routes.provider(&model).as_str();
             chosen.push((MODEL.into(), model));
-            chosen.push((PROVIDER.into(), OPENAI.into()));
+            chosen.push((PROVIDER.into(), provider.into()));
         }
         let hub = &self.settings.mcp;
         let mut unreachable = BTreeMap::new();

@@ -522,7 +522,9 @@ impl Assembly {
                     }
                     thinking.push(b)
                 }
-                Block::ToolUse { id, name, input, .. } => {
+                Block::ToolUse {
+                    id, name, input, ..
+                } => {
                     let arguments = if input.trim().is_empty() {
                         "{}".to_owned()
                     } else {
@@ -671,8 +673,14 @@ mod tests {
         let u = &m[2]["content"];
         assert_eq!(u[0]["type"], "tool_result");
         assert_eq!(u[0]["tool_use_id"], "t1");
-        assert!(u[1].get("content").is_none(), "an empty result has no content");
-        assert_eq!(u[2]["text"], "and then?", "tool results come first in the turn");
+        assert!(
+            u[1].get("content").is_none(),
+            "an empty result has no content"
+        );
+        assert_eq!(
+            u[2]["text"], "and then?",
+            "tool results come first in the turn"
+        );
     }
 
     #[test]
@@ -697,8 +705,14 @@ mod tests {
         assert_eq!(body["system"][0]["cache_control"]["type"], "ephemeral");
         assert!(body["tools"][0].get("cache_control").is_none());
         let m = body["messages"].as_array().unwrap();
-        assert!(m[0]["content"][0].get("cache_control").is_some(), "previous step's end");
-        assert!(m[2]["content"][2].get("cache_control").is_some(), "this step's end");
+        assert!(
+            m[0]["content"][0].get("cache_control").is_some(),
+            "previous step's end"
+        );
+        assert!(
+            m[2]["content"][2].get("cache_control").is_some(),
+            "this step's end"
+        );
         assert_eq!(body["max_tokens"], 4096);
         // Replay sends the same bytes.
         assert_eq!(request_body(&req, &config()).to_string(), text);
@@ -706,7 +720,11 @@ mod tests {
             caching: false,
             ..config()
         };
-        assert!(!request_body(&req, &off).to_string().contains("cache_control"));
+        assert!(
+            !request_body(&req, &off)
+                .to_string()
+                .contains("cache_control")
+        );
     }
 
     #[test]
@@ -782,7 +800,10 @@ mod tests {
             r.thinking,
             vec![json!({"type":"thinking","thinking":"let me see","signature":"SIG"})]
         );
-        assert_eq!((r.usage.prompt_tokens, r.usage.cache_read_tokens), (2003, 2000));
+        assert_eq!(
+            (r.usage.prompt_tokens, r.usage.cache_read_tokens),
+            (2003, 2000)
+        );
         assert_eq!(r.usage.completion_tokens, 42);
         let seen = seen.into_inner().unwrap();
         assert_eq!(seen[0], json!({"text": "Hi"}));
@@ -819,7 +840,10 @@ mod tests {
             "anthropic-ratelimit-input-tokens-reset",
             "2026-01-01T00:00:12Z".parse().unwrap(),
         );
-        h.insert("anthropic-ratelimit-requests-remaining", "9".parse().unwrap());
+        h.insert(
+            "anthropic-ratelimit-requests-remaining",
+            "9".parse().unwrap(),
+        );
         assert_eq!(budget_reset(&h, now), Some(Duration::from_secs(12)));
         h.insert(
             "anthropic-ratelimit-input-tokens-remaining",

@@ -7,6 +7,7 @@ pub mod compact;
 pub mod mock;
 pub mod openai;
 pub mod prices;
+pub mod providers;
 pub mod tokens;
 
 use std::time::Duration;

@@ -128,6 +128,14 @@ impl PriceTable {
         Ok(PriceTable { overrides })
     }
 
+    /// Adds prices (the models table's) where the operator's list has none for that name.
+    pub fn with_defaults(mut self, prices: Vec<(String, Price)>) -> PriceTable {
+        for (name, p) in prices {
+            self.overrides.entry(name).or_insert(p);
+        }
+        self
+    }
+
     /// The price of `model`, if known.
     pub fn price(&self, model: &str) -> Option<Price> {
         if let Some(p) = self.overrides.get(model) {
@@ -173,15 +181,9 @@ mod tests {
     #[test]
     fn longest_prefix_wins_and_overrides_come_first() {
         let t = PriceTable::parse("gpt-4.1=1:2, mine=0:0").unwrap();
-        assert_eq!(
-            t.price("gpt-4.1-2025-04-14"),
-            Some(Price::flat(1.0, 2.0))
-        );
+        assert_eq!(t.price("gpt-4.1-2025-04-14"), Some(Price::flat(1.0, 2.0)));
         // The built-in mini entry is longer than the override's prefix, but overrides come first.
-        assert_eq!(
-            t.price("gpt-4.1-mini"),
-            Some(Price::flat(1.0, 2.0))
-        );
+        assert_eq!(t.price("gpt-4.1-mini"), Some(Price::flat(1.0, 2.0)));
         assert_eq!(
             t.price("gpt-4o-mini-2024"),
             Some(Price {
@@ -200,10 +202,7 @@ mod tests {
                 cache_write: 2.5
             })
         );
-        assert_eq!(
-            t.price("mine"),
-            Some(Price::flat(0.0, 0.0))
-        );
+        assert_eq!(t.price("mine"), Some(Price::flat(0.0, 0.0)));
         assert_eq!(t.price("unknown-model"), None);
         let u = Usage {
             prompt_tokens: 1_000_000,

@@ -93,7 +93,7 @@ pub async fn spawn_app_with(opts: Options) -> TestApp {
     .unwrap();
     let mut settings = test_settings(dir.path(), &mock);
     (opts.tweak)(&mut settings);
-    let mut model = App::model_client(&settings);
+    let mut model = App::model_client(&settings).expect("the models table parses");
     if let Some(wrap) = opts.wrap_model {
         model = wrap(model);
     }
