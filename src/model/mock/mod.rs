@@ -23,6 +23,8 @@ use serde_json::{Value, json};
 
 use super::{Message, ToolSpec, compact};
 
+mod anthropic;
+
 /// The scenario grammar, shown by `subagents mock-llm --help`.
 pub const SCENARIO_HELP: &str = "\
 SCENARIO GRAMMAR
@@ -202,9 +204,20 @@ pub struct LogEntry {
     /// The names of the tools the request offered, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<String>,
-    /// Whether it asked for structured output (`response_format: json_schema`).
+    /// Whether it asked for structured output (`response_format: json_schema`, or Anthropic's
+    /// forced result tool).
     #[serde(default)]
     pub structured: bool,
+    /// The wire format it came in: `openai` (`/v1/chat/completions`) or `anthropic`
+    /// (`/v1/messages`).
+    #[serde(default)]
+    pub api: String,
+    /// Prompt tokens the mock's prompt cache served (Anthropic requests with breakpoints).
+    #[serde(default)]
+    pub cache_read_tokens: u64,
+    /// Prompt tokens the request wrote to the mock's prompt cache.
+    #[serde(default)]
+    pub cache_write_tokens: u64,
 }
 
 /// One scripted turn: text, tool calls, or both.
@@ -255,6 +268,8 @@ pub struct MockState {
     counters: Mutex<HashMap<String, u64>>,
     log: Mutex<Vec<LogEntry>>,
     accepted: Mutex<std::collections::VecDeque<std::time::Instant>>,
+    /// The prompt cache of the Messages API: prefix hashes and when each was last used.
+    prompt_cache: Mutex<HashMap<u64, std::time::Instant>>,
 }
 
 impl MockState {
@@ -266,6 +281,20 @@ impl MockState {
     /// Every request answered so far.
     pub fn log(&self) -> Vec<LogEntry> {
         self.log.lock().unwrap().clone()
+    }
+
+    /// With a rate limit: the limit, what is left of it now, and when the oldest request in the
+    /// window leaves it.
+    fn budget(&self) -> Option<(usize, usize, Duration)> {
+        let (max, per) = self.options.rate_limit?;
+        let now = std::time::Instant::now();
+        let q = self.accepted.lock().unwrap();
+        let live: Vec<_> = q.iter().filter(|t| now.duration_since(**t) < per).collect();
+        let reset = live
+            .first()
+            .map(|t| per.saturating_sub(now.duration_since(**t)))
+            .unwrap_or_default();
+        Some((max, max.saturating_sub(live.len()), reset))
     }
 
     fn record(&self, e: LogEntry) {
@@ -329,6 +358,7 @@ pub fn router(state: Arc<MockState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(completions))
         .route("/chat/completions", post(completions))
+        .route("/v1/messages", post(anthropic::messages))
         .route("/v1/models", get(|| async { Json(json!({"object":"list","data":[{"id":"mock-model","object":"model","owned_by":"subagents"}]})) }))
         .route("/healthz", get(|| async { "ok" }))
         .route("/_mock/stats", get(stats))
@@ -569,6 +599,7 @@ fn oai_error(status: StatusCode, message: &str) -> Response {
 }
 
 /// What the mock decided to say.
+#[derive(Clone, Debug, PartialEq)]
 enum Reply {
     Text(String),
     Calls(Vec<(String, String, String)>),
@@ -579,21 +610,15 @@ async fn completions(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let mut resp = completions_inner(state.clone(), headers, body).await;
+    let req: CompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return oai_error(StatusCode::BAD_REQUEST, &format!("bad request body: {e}")),
+    };
+    let mut resp = answer(state.clone(), &headers, req, Dialect::OpenAi).await;
     // A rate-limited mock reports its budget on every answer, as OpenAI does.
-    if let Some((max, per)) = state.options.rate_limit
+    if let Some((max, remaining, reset)) = state.budget()
         && resp.status().is_success()
     {
-        let now = std::time::Instant::now();
-        let (remaining, reset) = {
-            let q = state.accepted.lock().unwrap();
-            let live: Vec<_> = q.iter().filter(|t| now.duration_since(**t) < per).collect();
-            let reset = live
-                .first()
-                .map(|t| per.saturating_sub(now.duration_since(**t)))
-                .unwrap_or_default();
-            (max.saturating_sub(live.len()), reset)
-        };
         let h = resp.headers_mut();
         h.insert(
             "x-ratelimit-limit-requests",
@@ -611,28 +636,78 @@ async fn completions(
     resp
 }
 
-async fn completions_inner(
+/// The wire format a request came in, and what only that format carries.
+enum Dialect {
+    /// Chat Completions.
+    OpenAi,
+    /// The Messages API.
+    Anthropic(anthropic::Extras),
+}
+
+impl Dialect {
+    fn name(&self) -> &'static str {
+        match self {
+            Dialect::OpenAi => "openai",
+            Dialect::Anthropic(_) => "anthropic",
+        }
+    }
+
+    fn error(&self, status: StatusCode, message: &str) -> Response {
+        match self {
+            Dialect::OpenAi => oai_error(status, message),
+            Dialect::Anthropic(_) => anthropic::error(status, message),
+        }
+    }
+
+    fn too_long(&self, window: u64, tokens: u64) -> Response {
+        match self {
+            Dialect::OpenAi => context_length_error(window, tokens),
+            Dialect::Anthropic(_) => anthropic::error(
+                StatusCode::BAD_REQUEST,
+                &format!("prompt is too long: {tokens} tokens > {window} maximum"),
+            ),
+        }
+    }
+
+    fn cache(&self) -> Option<&anthropic::CacheUse> {
+        match self {
+            Dialect::OpenAi => None,
+            Dialect::Anthropic(x) => Some(&x.cache),
+        }
+    }
+
+    fn result_tool(&self) -> Option<&(String, Value)> {
+        match self {
+            Dialect::OpenAi => None,
+            Dialect::Anthropic(x) => x.result_tool.as_ref(),
+        }
+    }
+}
+
+/// Decides and renders the answer to one request, whichever wire format it came in.
+async fn answer(
     state: Arc<MockState>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
+    headers: &HeaderMap,
+    req: CompletionRequest,
+    dialect: Dialect,
 ) -> Response {
     let step_key = headers
         .get("x-subagents-step")
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    let req: CompletionRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => return oai_error(StatusCode::BAD_REQUEST, &format!("bad request body: {e}")),
-    };
     let schema = match asked_schema(req.response_format.as_ref()) {
         Ok(s) => s.cloned(),
-        Err(e) => return oai_error(StatusCode::BAD_REQUEST, &e),
+        Err(e) => return dialect.error(StatusCode::BAD_REQUEST, &e),
     };
     let (from, done_steps, tool_results) = progress(&req.messages);
     let after_user = &req.messages[from..];
-    let prompt_tokens =
-        super::tokens::Counter::for_model(&req.model).request(&req.messages, &req.tools) as u64;
+    let prompt_tokens = match dialect.cache() {
+        Some(c) => c.total,
+        None => {
+            super::tokens::Counter::for_model(&req.model).request(&req.messages, &req.tools) as u64
+        }
+    };
     let is_summary = req.messages.iter().any(
         |m| matches!(m, Message::System { content } if content.contains(compact::REQUEST_MARKER)),
     );
@@ -663,8 +738,11 @@ async fn completions_inner(
                 system: String::new(),
                 tools: vec![],
                 structured: false,
+                api: dialect.name().into(),
+                cache_read_tokens: 0,
+                cache_write_tokens: 0,
             });
-            return oai_error(StatusCode::BAD_REQUEST, &e);
+            return dialect.error(StatusCode::BAD_REQUEST, &e);
         }
         Some(Ok(s)) => Some(s),
         None => None,
@@ -704,8 +782,11 @@ async fn completions_inner(
                 system: String::new(),
                 tools: vec![],
                 structured: false,
+                api: dialect.name().into(),
+                cache_read_tokens: 0,
+                cache_write_tokens: 0,
             });
-            let mut resp = oai_error(
+            let mut resp = dialect.error(
                 StatusCode::TOO_MANY_REQUESTS,
                 &format!(
                     "Rate limit reached: {max} requests per {}s",
@@ -756,7 +837,10 @@ async fn completions_inner(
             })
             .unwrap_or_default(),
         tools: req.tools.iter().map(|t| t.function.name.clone()).collect(),
-        structured: schema.is_some(),
+        structured: schema.is_some() || dialect.result_tool().is_some(),
+        api: dialect.name().into(),
+        cache_read_tokens: dialect.cache().map_or(0, |c| c.read),
+        cache_write_tokens: dialect.cache().map_or(0, |c| c.write),
     };
     if let Some(window) = scenario
         .as_ref()
@@ -765,7 +849,7 @@ async fn completions_inner(
         && prompt_tokens > window
     {
         state.record(log(400));
-        return context_length_error(window, prompt_tokens);
+        return dialect.too_long(window, prompt_tokens);
     }
     if let Some(s) = &scenario
         && s.fail_every > 0
@@ -780,7 +864,7 @@ async fn completions_inner(
             state.record(log(s.fail_status));
             let status =
                 StatusCode::from_u16(s.fail_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut resp = oai_error(
+            let mut resp = dialect.error(
                 status,
                 &format!(
                     "scripted failure (request {n} of scenario, fail_every={})",
@@ -823,6 +907,10 @@ async fn completions_inner(
             },
         }
     };
+    let reply = match (&dialect, reply) {
+        (Dialect::Anthropic(x), r) => x.shape(r, done_steps),
+        (Dialect::OpenAi, r) => r,
+    };
     state.record(log(200));
     let prompt_chars: usize = req
         .messages
@@ -844,11 +932,17 @@ async fn completions_inner(
     } else {
         req.model.clone()
     };
-    if req.stream {
-        let gap = Duration::from_millis(scenario.as_ref().map_or(0, |s| s.chunk_ms));
-        stream_reply(model, reply, usage, gap)
-    } else {
-        plain_reply(model, reply, usage)
+    let gap = Duration::from_millis(scenario.as_ref().map_or(0, |s| s.chunk_ms));
+    match &dialect {
+        Dialect::Anthropic(x) => x.reply(
+            model,
+            reply,
+            completion_chars as u64 / 4 + 1,
+            req.stream,
+            gap,
+        ),
+        Dialect::OpenAi if req.stream => stream_reply(model, reply, usage, gap),
+        Dialect::OpenAi => plain_reply(model, reply, usage),
     }
 }
 
