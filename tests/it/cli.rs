@@ -524,38 +524,51 @@ async fn the_serve_binary_runs_a_run_and_stops_cleanly_on_sigterm() {
     assert!(status.success(), "serve exited with {status}");
 }
 
-/// With OpenAI's endpoint and no key, `run`, `worker` and `serve` say so before any run starts
-/// (exit 2), instead of a run failing `kind=model` after its retries.
+/// With OpenAI's endpoint and no key, or a Claude model whose provider's key is unset, `run`,
+/// `worker` and `serve` say so before any run starts (exit 2), naming the variable to set,
+/// instead of a run failing `kind=model` after its retries.
 #[test]
 fn no_key_for_the_model_is_said_before_any_run_starts() {
     let dir = tempfile::tempdir().unwrap();
-    for args in [
-        &["run", "Say hello."][..],
-        &["worker"][..],
-        &["serve", "--host", "127.0.0.1", "--port", "0"][..],
-    ] {
-        let t0 = std::time::Instant::now();
-        let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
-            .args(args)
-            .current_dir(dir.path())
-            .env(
-                "DATABASE_URL",
-                format!("sqlite://{}", dir.path().join("k.db").display()),
-            )
-            .env_remove("OPENAI_API_KEY")
-            .env_remove("OPENAI_BASE_URL")
-            .env_remove("REDIS_URL")
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap();
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(
-            err.contains("error[no_model_key]")
-                && err.contains("OPENAI_API_KEY")
-                && err.contains("subagents demo"),
-            "{args:?}: {err}"
-        );
-        assert!(t0.elapsed() < Duration::from_secs(30), "{args:?}: at once");
+    let claude: &[(&str, &str)] = &[
+        ("SUBAGENTS_MODEL", "claude-sonnet-4-5"),
+        (
+            "SUBAGENTS_MODELS",
+            r#"[{"match": "claude-*", "provider": "anthropic", "api_key_env": "MY_CLAUDE_KEY"}]"#,
+        ),
+    ];
+    for (env, names) in [(&[][..], "OPENAI_API_KEY"), (claude, "MY_CLAUDE_KEY")] {
+        for args in [
+            &["run", "Say hello."][..],
+            &["worker"][..],
+            &["serve", "--host", "127.0.0.1", "--port", "0"][..],
+        ] {
+            let t0 = std::time::Instant::now();
+            let out = Command::new(env!("CARGO_BIN_EXE_subagents"))
+                .args(args)
+                .current_dir(dir.path())
+                .env(
+                    "DATABASE_URL",
+                    format!("sqlite://{}", dir.path().join("k.db").display()),
+                )
+                .env_remove("OPENAI_API_KEY")
+                .env_remove("OPENAI_BASE_URL")
+                .env_remove("ANTHROPIC_API_KEY")
+                .env_remove("MY_CLAUDE_KEY")
+                .env_remove("REDIS_URL")
+                .env("RUST_LOG", "warn")
+                .envs(env.iter().copied())
+                .output()
+                .unwrap();
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(
+                err.contains("error[no_model_key]")
+                    && err.contains(names)
+                    && err.contains("subagents demo"),
+                "{args:?}: {err}"
+            );
+            assert!(t0.elapsed() < Duration::from_secs(30), "{args:?}: at once");
+        }
     }
 }

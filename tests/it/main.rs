@@ -1,6 +1,7 @@
 //! The integration suite: one binary, real SQLite files, the mock model over real HTTP, and
 //! worker processes killed with SIGKILL.
 
+mod anthropic;
 mod api;
 mod browser;
 mod cli;

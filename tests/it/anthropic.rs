@@ -1,0 +1,263 @@
+//! Claude models through Anthropic's Messages API, natively: the mock's `/v1/messages` is the
+//! API, the queue and the store are real. Prompt caching is checked by the figures the mock's
+//! own cache reports, a killed worker's resumed step by what the mock served.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use subagents::app::{App, StartRun};
+use subagents::config::Settings;
+use subagents::model::mock::{LogEntry, MockOptions, MockServer};
+use subagents::store::RunStatus;
+
+use crate::support::*;
+
+/// Claude models go to the test's mock as Anthropic: the key is set and the endpoint is the
+/// mock's.
+fn claude(s: &mut Settings) {
+    s.anthropic_api_key = Some("test-key".into());
+    s.anthropic_base_url = s.openai_base_url.clone();
+    s.default_model = "claude-sonnet-4-5".into();
+}
+
+/// A task long enough for the prompt cache (the mock caches prefixes of 1024 tokens and more).
+fn long_task(scenario: &str) -> String {
+    format!(
+        "{}\nSCENARIO {scenario}",
+        "Background for the task, read it all. ".repeat(150)
+    )
+}
+
+fn requests(log: &[LogEntry], marker: &str) -> Vec<LogEntry> {
+    log.iter()
+        .filter(|e| e.scenario.contains(marker) && e.status == 200)
+        .cloned()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_run_with_tools_reads_the_previous_step_from_the_cache() {
+    let t = spawn_app_with(Options {
+        tweak: Box::new(claude),
+        ..Default::default()
+    })
+    .await;
+    let r = t.run(&long_task("steps=4 tool=echo run=cached")).await;
+    assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
+    assert_eq!(r.result.as_deref(), Some("DONE after 4 steps"));
+    let log = requests(&t.mock.state.log(), "run=cached");
+    assert_eq!(log.len(), 4, "{log:#?}");
+    assert!(
+        log.iter()
+            .all(|e| e.api == "anthropic" && e.model == "claude-sonnet-4-5")
+    );
+    assert_eq!(
+        log[0].cache_read_tokens, 0,
+        "nothing cached before the first step"
+    );
+    assert_eq!(
+        log[0].cache_write_tokens, log[0].prompt_tokens,
+        "the first step writes its whole prefix"
+    );
+    for pair in log.windows(2) {
+        assert_eq!(
+            pair[1].cache_read_tokens, pair[0].prompt_tokens,
+            "each step reads the whole previous request from the cache: {pair:#?}"
+        );
+        assert!(pair[1].cache_write_tokens > 0);
+        assert!(pair[1].cache_write_tokens < pair[1].cache_read_tokens / 4);
+    }
+    // The usage the run committed carries the cache figures the provider reported.
+    let events = t.events(r.id).await;
+    let reads: Vec<u64> = events
+        .iter()
+        .filter(|e| e.kind == "model.completed")
+        .map(|e| e.data["usage"]["cache_read_tokens"].as_u64().unwrap_or(0))
+        .collect();
+    assert_eq!(reads.len(), 4);
+    assert_eq!(reads[0], 0);
+    assert!(reads[1..].iter().all(|n| *n > 0), "{reads:?}");
+    let pinned = t.app.store.run_pins(r.id).await.unwrap();
+    assert_eq!(
+        pinned.get("provider").map(String::as_str),
+        Some("anthropic")
+    );
+
+    // The same run with caching off costs more: every step pays for its whole prompt.
+    let off = spawn_app_with(Options {
+        tweak: Box::new(|s| {
+            claude(s);
+            s.models =
+                r#"[{"match": "claude-*", "provider": "anthropic", "caching": false}]"#.into();
+        }),
+        ..Default::default()
+    })
+    .await;
+    let uncached = off.run(&long_task("steps=4 tool=echo run=cached")).await;
+    assert_eq!(uncached.status, RunStatus::Succeeded);
+    let log_off = requests(&off.mock.state.log(), "run=cached");
+    assert!(
+        log_off
+            .iter()
+            .all(|e| e.cache_read_tokens == 0 && e.cache_write_tokens == 0)
+    );
+    let (with, without) = (r.cost_nanos, uncached.cost_nanos);
+    println!(
+        "4-step claude-sonnet-4-5 run: ${:.6} with prompt caching, ${:.6} without ({:.0}% saved)",
+        with as f64 / 1e9,
+        without as f64 / 1e9,
+        100.0 * (1.0 - with as f64 / without as f64)
+    );
+    assert!(with > 0 && with * 10 < without * 6, "{with} vs {without}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_answer_to_a_schema_comes_through_the_result_tool() {
+    let t = spawn_app_with(Options {
+        tweak: Box::new(claude),
+        ..Default::default()
+    })
+    .await;
+    let schema = json!({
+        "type": "object",
+        "properties": {"title": {"type": "string", "minLength": 3}, "n": {"type": "integer", "minimum": 2}},
+        "required": ["title", "n"]
+    });
+    let run = t
+        .app
+        .start_run(StartRun {
+            input: "Summarise as data.".into(),
+            output_schema: Some(schema.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let r = t.wait(run.id).await;
+    assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
+    let data: Value = serde_json::from_str(r.result.as_deref().unwrap()).unwrap();
+    assert!(jsonschema::is_valid(&schema, &data), "{data}");
+    assert_eq!(data["n"], 2);
+    let log = t.mock.state.log();
+    assert!(
+        log.iter().any(|e| e.api == "anthropic"
+            && e.structured
+            && e.tools.iter().any(|n| n == "final_result")),
+        "{log:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overloaded_and_rate_limited_answers_are_retried() {
+    let t = spawn_app_with(Options {
+        tweak: Box::new(claude),
+        ..Default::default()
+    })
+    .await;
+    for status in [529, 429] {
+        let r = t
+            .run(&format!(
+                "Go.\nSCENARIO steps=3 tool=echo fail_every=2 fail_status={status} retry_after=0 run=f{status}"
+            ))
+            .await;
+        assert_eq!(r.status, RunStatus::Succeeded, "{status}: {r:?}");
+        let log = t.mock.state.log();
+        let refused = log
+            .iter()
+            .filter(|e| e.scenario.contains(&format!("run=f{status}")) && e.status == status)
+            .count();
+        assert!(refused >= 1, "{status} was never sent");
+    }
+}
+
+/// A worker killed while a Claude step streams: the new worker sends the same request again,
+/// which the cache serves whole, and no committed step is asked twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_run_killed_mid_stream_resumes_from_its_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
+    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions::default())
+        .await
+        .unwrap();
+    let mut settings = test_settings(dir.path(), &mock);
+    claude(&mut settings);
+    let app = App::open(settings).await.unwrap();
+    let run = app
+        .start_run(StartRun {
+            input: long_task("steps=6 tool=echo chunk_ms=30 run=killed"),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let env = [
+        ("ANTHROPIC_API_KEY", "x".to_owned()),
+        ("ANTHROPIC_BASE_URL", mock.base_url()),
+        ("SUBAGENTS_MODEL", "claude-sonnet-4-5".to_owned()),
+    ];
+    let mut first = spawn_worker(dir.path(), &mock, &env);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = app.store.get_run(run.id).await.unwrap().unwrap();
+        if r.step >= 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "worker made no progress: {r:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Into the next step's stream.
+    let streaming = Instant::now() + Duration::from_secs(30);
+    while !mock
+        .state
+        .log()
+        .iter()
+        .any(|e| e.step_key == format!("{}:3", run.id))
+    {
+        assert!(Instant::now() < streaming, "step 3 was never asked");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let committed = app.store.get_run(run.id).await.unwrap().unwrap().step;
+
+    let mut second = spawn_worker(dir.path(), &mock, &env);
+    let done = app
+        .wait(run.id, Duration::from_secs(90))
+        .await
+        .unwrap()
+        .unwrap();
+    second.kill().unwrap();
+    second.wait().unwrap();
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.result.as_deref(), Some("DONE after 6 steps"));
+    let log = mock.state.log();
+    let served = count_served(&log);
+    for step in 1..=6u32 {
+        let key = format!("{}:{step}", run.id);
+        let n = served.get(&key).copied().unwrap_or(0);
+        if step == committed + 1 {
+            assert!(
+                (1..=2).contains(&n),
+                "in-flight step {step} served {n} times"
+            );
+            if n == 2 {
+                let again: Vec<&LogEntry> = log
+                    .iter()
+                    .filter(|e| e.step_key == key && e.status == 200)
+                    .collect();
+                assert_eq!(
+                    again[1].cache_read_tokens, again[1].prompt_tokens,
+                    "the replayed request is the same bytes: the cache serves all of it"
+                );
+            }
+        } else {
+            assert_eq!(
+                n, 1,
+                "step {step} served {n} times (committed: {committed})"
+            );
+        }
+    }
+    assert!(log.iter().all(|e| e.api == "anthropic"));
+    assert_gap_free(
+        &app.store.events_after(run.id, 0, 10_000).await.unwrap(),
+        RunStatus::Succeeded,
+    );
+}
