@@ -22,6 +22,11 @@ pub struct UsageView {
     pub completion_tokens: u64,
     /// Both.
     pub total_tokens: u64,
+    /// Prompt tokens the provider's prompt cache served (part of `prompt_tokens`, billed at the
+    /// cached rate).
+    pub cache_read_tokens: u64,
+    /// Prompt tokens written to the provider's prompt cache (Anthropic bills them at 1.25×).
+    pub cache_write_tokens: u64,
     /// Model calls.
     pub steps: u32,
     /// What the model calls cost in US dollars, from the price table at the time of each call
@@ -186,6 +191,8 @@ impl RunView {
             prompt_tokens: tree.usage.prompt_tokens,
             completion_tokens: tree.usage.completion_tokens,
             total_tokens: tree.usage.total(),
+            cache_read_tokens: tree.usage.cache_read_tokens,
+            cache_write_tokens: tree.usage.cache_write_tokens,
             steps: tree.steps as u32,
             cost_usd: crate::model::prices::dollars(tree.cost_nanos),
         };
@@ -200,6 +207,8 @@ impl RunView {
             prompt_tokens: r.usage.prompt_tokens,
             completion_tokens: r.usage.completion_tokens,
             total_tokens: r.usage.total(),
+            cache_read_tokens: r.usage.cache_read_tokens,
+            cache_write_tokens: r.usage.cache_write_tokens,
             steps: r.step,
             cost_usd: crate::model::prices::dollars(r.cost_nanos),
         };

@@ -59,6 +59,7 @@ macro_rules! run_columns {
         "id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, root_run_id, depth, detached, \
     wake_at, claimed_from, step, forced, \
     result, error_kind, error_message, prompt_tokens, completion_tokens, attempts, crashes, lease_epoch, cancel_requested, \
-    job_id, event_seq, created_at, started_at, finished_at, heartbeat_at, cost_nanos, retry_of, priority, inbox, agent_version"
+    job_id, event_seq, created_at, started_at, finished_at, heartbeat_at, cost_nanos, retry_of, priority, inbox, agent_version, \
+    cache_read_tokens, cache_write_tokens"
     };
 }

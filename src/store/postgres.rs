@@ -531,6 +531,7 @@ fn checkpoint_query<'q>(
         "WITH f AS ( \
            UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
            prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, cost_nanos = cost_nanos + $21, \
+           cache_read_tokens = cache_read_tokens + $25, cache_write_tokens = cache_write_tokens + $26, \
            lease_expires_at = CASE WHEN $5::text IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
            status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
            error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
@@ -564,6 +565,8 @@ fn checkpoint_query<'q>(
         .bind(relayed)
         .bind(p_name)
         .bind(p_value)
+        .bind(cp.usage.cache_read_tokens as i64)
+        .bind(cp.usage.cache_write_tokens as i64)
 }
 
 impl group::Renewals for Commits {
@@ -735,6 +738,8 @@ impl group::Progress for Commits {
             r.prompt.push(cp.usage.prompt_tokens as i64);
             r.completion.push(cp.usage.completion_tokens as i64);
             r.cost.push(cp.cost_nanos.min(i64::MAX as u64) as i64);
+            r.cache_read.push(cp.usage.cache_read_tokens as i64);
+            r.cache_write.push(cp.usage.cache_write_tokens as i64);
             r.lease_until
                 .push(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64);
             for m in &cp.messages {
@@ -781,6 +786,8 @@ impl group::Progress for Commits {
             .bind(r.p_run)
             .bind(r.p_name)
             .bind(r.p_value)
+            .bind(r.cache_read)
+            .bind(r.cache_write)
             .fetch_all(&mut *conn)
             .await
             .map_err(StoreError::from);
@@ -842,6 +849,8 @@ struct BatchColumns {
     prompt: Vec<i64>,
     completion: Vec<i64>,
     cost: Vec<i64>,
+    cache_read: Vec<i64>,
+    cache_write: Vec<i64>,
     lease_until: Vec<i64>,
     m_run: Vec<String>,
     m_step: Vec<i64>,
@@ -859,11 +868,12 @@ struct BatchColumns {
 fn group_sql() -> &'static str {
     sql!(
         "WITH i AS ( \
-           SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[]) \
-             AS i(id, epoch, n, step, pt, ct, cost, lease_until) \
+           SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $23::bigint[], $24::bigint[]) \
+             AS i(id, epoch, n, step, pt, ct, cost, lease_until, cr, cw) \
          ), f AS ( \
            UPDATE sa_runs r SET event_seq = r.event_seq + i.n, step = COALESCE(i.step, r.step), \
              prompt_tokens = r.prompt_tokens + i.pt, completion_tokens = r.completion_tokens + i.ct, cost_nanos = r.cost_nanos + i.cost, \
+             cache_read_tokens = r.cache_read_tokens + i.cr, cache_write_tokens = r.cache_write_tokens + i.cw, \
              lease_expires_at = i.lease_until, heartbeat_at = $9, updated_at = $9 \
            FROM i WHERE r.id = i.id AND r.lease_epoch = i.epoch AND r.status IN ({}) \
            RETURNING r.id, r.event_seq, r.thread_id, i.n \

@@ -640,7 +640,8 @@ where
             usage: Usage {
                 prompt_tokens: r.get::<i64, _>("prompt_tokens") as u64,
                 completion_tokens: r.get::<i64, _>("completion_tokens") as u64,
-                ..Default::default()
+                cache_read_tokens: r.get::<i64, _>("cache_read_tokens") as u64,
+                cache_write_tokens: r.get::<i64, _>("cache_write_tokens") as u64,
             },
             attempts: r.get::<i64, _>("attempts") as u32,
             crashes: r.get::<i64, _>("crashes") as u32,

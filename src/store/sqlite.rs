@@ -427,6 +427,7 @@ async fn fence(
     let row = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
          prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, cost_nanos = cost_nanos + $15, \
+         cache_read_tokens = cache_read_tokens + $16, cache_write_tokens = cache_write_tokens + $17, \
          lease_expires_at = CASE WHEN $5 IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
          status = COALESCE($5, status), result = COALESCE($8, result), forced = COALESCE($9, forced), \
          error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
@@ -435,6 +436,8 @@ async fn fence(
          WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){unsteered} RETURNING event_seq, thread_id, parent_run_id{reach_columns}"
     ))), cp, ff, lease, now)
     .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+    .bind(cp.usage.cache_read_tokens as i64)
+    .bind(cp.usage.cache_write_tokens as i64)
     .fetch_optional(&mut **tx)
     .await?;
     Ok(row)
@@ -621,12 +624,13 @@ impl group::Progress for Commits {
         let mut tx = self.pool.begin().await?;
         let mut fenced: std::collections::HashMap<String, (i64, String)> =
             std::collections::HashMap::with_capacity(items.len());
-        // 8 bound values per run; SQLite allows 32,766 per statement.
+        // 10 bound values per run; SQLite allows 32,766 per statement.
         for chunk in items.chunks(1000) {
             let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
                 "UPDATE sa_runs SET event_seq = event_seq + t.column3, step = COALESCE(t.column4, step), \
                  prompt_tokens = prompt_tokens + t.column5, completion_tokens = completion_tokens + t.column6, \
-                 cost_nanos = cost_nanos + t.column7, lease_expires_at = t.column8, heartbeat_at = ",
+                 cost_nanos = cost_nanos + t.column7, lease_expires_at = t.column8, \
+                 cache_read_tokens = cache_read_tokens + t.column9, cache_write_tokens = cache_write_tokens + t.column10, heartbeat_at = ",
             );
             q.push_bind(now)
                 .push(", updated_at = ")
@@ -640,7 +644,9 @@ impl group::Progress for Commits {
                     .push_bind(cp.usage.prompt_tokens as i64)
                     .push_bind(cp.usage.completion_tokens as i64)
                     .push_bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
-                    .push_bind(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64);
+                    .push_bind(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64)
+                    .push_bind(cp.usage.cache_read_tokens as i64)
+                    .push_bind(cp.usage.cache_write_tokens as i64);
             });
             q.push(") AS t WHERE sa_runs.id = t.column1 AND sa_runs.lease_epoch = t.column2 AND sa_runs.status IN (")
                 .push(crate::lifecycle::sql_sources(Transition::Heartbeat))

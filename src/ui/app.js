@@ -395,7 +395,7 @@ function eventRow(e) {
     case 'run.started': return li('', 'started', `attempt ${d.attempt} on ${d.worker || '?'}`, d.crashes ? ` · after ${d.crashes} crash(es)` : '');
     case 'run.resumed': return li('', 'resumed', d.reason || '');
     case 'step.started': return li('step', 'step ' + d.step, d.forced ? 'final answer forced (a limit was reached)' : '');
-    case 'model.completed': return li('', 'model', `${d.model || ''} · ${num(d.usage && d.usage.prompt_tokens)} in / ${num(d.usage && d.usage.completion_tokens)} out`,
+    case 'model.completed': return li('', 'model', `${d.model || ''} · ${num(d.usage && d.usage.prompt_tokens)} in${d.usage && d.usage.cache_read_tokens ? ` (${num(d.usage.cache_read_tokens)} cached)` : ''} / ${num(d.usage && d.usage.completion_tokens)} out`,
       d.ms != null ? ` · ${d.ms} ms` : '', d.cost_usd != null ? ` · ${usd(d.cost_usd)}` : '', d.tool_calls && d.tool_calls.length ? ' → ' + d.tool_calls.join(', ') : ' → answer');
     case 'tool.started': return li('', 'tool ▶', h('code', {}, d.tool), d.arguments ? h('pre', { class: 'pre' }, d.arguments) : '');
     case 'tool.completed': return li('', d.ok ? 'tool ✓' : 'tool ✗', h('code', {}, d.tool), d.ms != null ? ` · ${d.ms} ms` : '', d.offloaded ? ' · offloaded to a file' : '', d.refused ? ' · refused (loop)' : '', h('pre', { class: 'pre' }, d.preview || ''));
@@ -436,6 +436,8 @@ async function run(id) {
   const drawHead = () => {
     const terminal = TERMINAL.includes(r.status);
     const u = r.usage, t = r.usage_tree;
+    // What the provider's prompt cache served: part of the prompt, billed at the cached rate.
+    const cached = (x) => (x.cache_read_tokens ? ` (${num(x.cache_read_tokens)} from cache)` : '');
     put(head, 
       h('h1', {}, 'Run ', h('span', { class: 'mono' }, short(r.id)), ' ', badge(r.status)),
       h('div', { class: 'actions' },
@@ -460,8 +462,8 @@ async function run(id) {
         h('dt', {}, 'started'), h('dd', {}, when(r.started_at), r.started_at ? h('span', { class: 'muted' }, ' (queued ' + dur(r.created_at, r.started_at) + ')') : ''),
         h('dt', {}, 'finished'), h('dd', {}, when(r.finished_at), r.started_at ? h('span', { class: 'muted' }, ' (took ' + dur(r.started_at, r.finished_at) + ')') : ''),
         r.queue_position != null ? [h('dt', {}, 'queue position'), h('dd', {}, r.queue_position)] : null,
-        h('dt', {}, 'usage'), h('dd', { id: 'usage' }, `${num(u.steps)} steps · ${num(u.total_tokens)} tokens · ${usd(u.cost_usd)}`),
-        h('dt', {}, 'with children'), h('dd', { id: 'usage-tree' }, `${num(t.steps)} steps · ${num(t.total_tokens)} tokens · ${usd(t.cost_usd)}`),
+        h('dt', {}, 'usage'), h('dd', { id: 'usage' }, `${num(u.steps)} steps · ${num(u.total_tokens)} tokens${cached(u)} · ${usd(u.cost_usd)}`),
+        h('dt', {}, 'with children'), h('dd', { id: 'usage-tree' }, `${num(t.steps)} steps · ${num(t.total_tokens)} tokens${cached(t)} · ${usd(t.cost_usd)}`),
         h('dt', {}, 'input'), h('dd', {}, h('pre', { class: 'pre' }, r.input_preview || '')),
         r.result != null ? [h('dt', {}, 'result'), h('dd', {}, h('pre', { class: 'pre', id: 'result' }, r.result))] : null,
         r.error ? [h('dt', {}, 'error'), h('dd', { class: 'err', id: 'run-error' }, `${r.error.kind}: ${r.error.message}`)] : null));

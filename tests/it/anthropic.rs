@@ -77,6 +77,15 @@ async fn a_claude_run_with_tools_reads_the_previous_step_from_the_cache() {
     assert_eq!(reads.len(), 4);
     assert_eq!(reads[0], 0);
     assert!(reads[1..].iter().all(|n| *n > 0), "{reads:?}");
+    assert_eq!(
+        r.usage.cache_read_tokens,
+        reads.iter().sum::<u64>(),
+        "the run's usage sums its steps' cache reads"
+    );
+    assert_eq!(
+        r.usage.cache_write_tokens,
+        log.iter().map(|e| e.cache_write_tokens).sum::<u64>()
+    );
     let pinned = t.app.store.run_pins(r.id).await.unwrap();
     assert_eq!(
         pinned.get("provider").map(String::as_str),

@@ -1211,12 +1211,19 @@ async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
         panic!()
     };
     let step = || vec![step_started(0), step_completed(0)];
+    let usage = subagents::model::Usage {
+        prompt_tokens: 100,
+        completion_tokens: 1,
+        cache_read_tokens: 70,
+        cache_write_tokens: 20,
+    };
     // Two progress checkpoints at once go through a group commit; then the child ends alone.
     let (a, b) = tokio::join!(
         quiet.checkpoint(
             &lp,
             Checkpoint {
                 events: step(),
+                usage,
                 ..Default::default()
             }
         ),
@@ -1224,12 +1231,20 @@ async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
             &lc,
             Checkpoint {
                 events: step(),
+                usage,
                 ..Default::default()
             }
         )
     );
     a.unwrap();
     b.unwrap();
+    for id in [parent.id, child.id] {
+        let row = quiet.get_run(id).await.unwrap().unwrap();
+        assert_eq!(
+            row.usage, usage,
+            "a group commit sums the cache figures too"
+        );
+    }
     let end = vec![sample("run.succeeded")];
     quiet
         .checkpoint(
@@ -3004,7 +3019,8 @@ async fn listing_and_tree_queries(s: Backend) {
     let usage = subagents::model::Usage {
         prompt_tokens: 10,
         completion_tokens: 5,
-        ..Default::default()
+        cache_read_tokens: 6,
+        cache_write_tokens: 2,
     };
     s.checkpoint(
         &lease,
@@ -3018,6 +3034,9 @@ async fn listing_and_tree_queries(s: Backend) {
     .unwrap();
     let (tree, steps) = s.tree_usage(root.id).await.unwrap();
     assert_eq!((tree.total(), steps), (15, 2));
+    assert_eq!((tree.cache_read_tokens, tree.cache_write_tokens), (6, 2));
+    let row = s.get_run(child.id).await.unwrap().unwrap();
+    assert_eq!(row.usage, usage, "the run's row sums the cache figures too");
     assert_eq!(
         s.children(root.id)
             .await

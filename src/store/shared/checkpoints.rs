@@ -131,12 +131,15 @@ where
         let (usage, cost) = spent;
         if usage.total() > 0 || cost > 0 {
             sqlx::query(
-                "UPDATE sa_runs SET prompt_tokens = prompt_tokens + $1, completion_tokens = completion_tokens + $2, cost_nanos = cost_nanos + $3 WHERE id = $4",
+                "UPDATE sa_runs SET prompt_tokens = prompt_tokens + $1, completion_tokens = completion_tokens + $2, cost_nanos = cost_nanos + $3, \
+                 cache_read_tokens = cache_read_tokens + $5, cache_write_tokens = cache_write_tokens + $6 WHERE id = $4",
             )
             .bind(usage.prompt_tokens as i64)
             .bind(usage.completion_tokens as i64)
             .bind(cost.min(i64::MAX as u64) as i64)
             .bind(lease.run_id.to_string())
+            .bind(usage.cache_read_tokens as i64)
+            .bind(usage.cache_write_tokens as i64)
             .execute(&mut *tx)
             .await?;
         }

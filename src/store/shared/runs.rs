@@ -178,7 +178,8 @@ where
             "WITH RECURSIVE tree(id) AS (SELECT CAST($1 AS TEXT) UNION ALL \
                SELECT r.id FROM sa_runs r JOIN tree t ON r.parent_run_id = t.id) \
              SELECT CAST(COALESCE(SUM(prompt_tokens), 0) AS BIGINT), CAST(COALESCE(SUM(completion_tokens), 0) AS BIGINT), \
-               CAST(COALESCE(SUM(step), 0) AS BIGINT), CAST(COALESCE(SUM(cost_nanos), 0) AS BIGINT) \
+               CAST(COALESCE(SUM(step), 0) AS BIGINT), CAST(COALESCE(SUM(cost_nanos), 0) AS BIGINT), \
+               CAST(COALESCE(SUM(cache_read_tokens), 0) AS BIGINT), CAST(COALESCE(SUM(cache_write_tokens), 0) AS BIGINT) \
              FROM sa_runs WHERE id IN (SELECT id FROM tree)",
         )
         .bind(run.to_string())
@@ -188,7 +189,8 @@ where
             usage: Usage {
                 prompt_tokens: row.get::<i64, _>(0) as u64,
                 completion_tokens: row.get::<i64, _>(1) as u64,
-                ..Default::default()
+                cache_read_tokens: row.get::<i64, _>(4) as u64,
+                cache_write_tokens: row.get::<i64, _>(5) as u64,
             },
             steps: row.get::<i64, _>(2) as u64,
             cost_nanos: row.get::<i64, _>(3).max(0) as u64,
