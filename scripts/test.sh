@@ -4,7 +4,8 @@
 #   the tests create a fresh database each through SUBAGENTS_TEST_POSTGRES);
 # - redis-server on PATH (the Redis tests start their own servers on free ports);
 # - Debian's Chromium and ChromeDriver (the dashboard's browser test);
-# - the MCP reference servers and the official TypeScript SDK from the npm registry, pinned.
+# - the MCP reference servers and the official TypeScript SDK from the npm registry, pinned;
+# - the anthropic and openai Python clients from PyPI, pinned, in a virtualenv under target/.
 # Then `cargo test` with any arguments given: `scripts/test.sh --test it security::` runs one
 # module. Installing needs root (as on CI); on a machine that already has it all, nothing is
 # installed.
@@ -73,6 +74,21 @@ if [ ! -f "$SUBAGENTS_TEST_MCP_DIR/node_modules/@modelcontextprotocol/server-eve
     npm install --no-audit --no-fund --prefix "$SUBAGENTS_TEST_MCP_DIR" \
         @modelcontextprotocol/server-everything@2026.8.31 @modelcontextprotocol/server-filesystem@2026.8.31 \
         @modelcontextprotocol/sdk@1.32.2 standardwebhooks@1.3.0 >/dev/null
+fi
+
+# The providers' official Python clients (pinned, as in tests/it/provider_clients.rs) drive the
+# mock model, so its OpenAI and Anthropic wire formats are checked by the real parsers.
+need python3 python3
+python3 -c 'import ensurepip' 2>/dev/null || {
+    echo "installing python3-venv"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv) >/dev/null
+}
+export SUBAGENTS_TEST_PYCLIENTS="${SUBAGENTS_TEST_PYCLIENTS:-$PWD/target/pyclients}"
+if ! "$SUBAGENTS_TEST_PYCLIENTS/bin/python" -c 'import anthropic, openai' 2>/dev/null; then
+    echo "installing the anthropic and openai Python clients into $SUBAGENTS_TEST_PYCLIENTS"
+    python3 -m venv "$SUBAGENTS_TEST_PYCLIENTS"
+    "$SUBAGENTS_TEST_PYCLIENTS/bin/pip" install --quiet --disable-pip-version-check \
+        anthropic==0.75.0 openai==2.8.1
 fi
 
 # A failing test's own message is what CI shows at the end of its output: no backtrace after it

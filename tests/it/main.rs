@@ -20,6 +20,7 @@ mod mcp_server;
 mod output;
 mod pinning;
 mod policy;
+mod provider_clients;
 mod redis;
 mod runs;
 mod schedules;
