@@ -144,7 +144,7 @@ impl App {
             }))
         };
         let fallback = openai(&settings.openai_base_url, settings.openai_api_key.clone());
-        let routes = settings.model_routes()?;
+        let routes = crate::model::providers::routes_for(settings)?;
         let windows = routes.windows();
         let clients = routes
             .entries()
@@ -282,7 +282,8 @@ impl App {
         tools: ToolRegistry,
     ) -> Result<App, OpenError> {
         let url = settings.database_url.clone();
-        let routes = Arc::new(settings.model_routes().map_err(OpenError::Config)?);
+        let routes =
+            Arc::new(crate::model::providers::routes_for(&settings).map_err(OpenError::Config)?);
         let db_err = |source| OpenError::Database {
             url: redact(&url),
             source,

@@ -575,14 +575,8 @@ impl Settings {
         s
     }
 
-    /// The models table (`SUBAGENTS_MODELS`, plus Anthropic for `claude-*` when
-    /// `ANTHROPIC_API_KEY` is set), or what is wrong with it.
-    pub fn model_routes(&self) -> Result<crate::model::providers::ModelRoutes, String> {
-        crate::model::providers::ModelRoutes::load(&self.models, self.anthropic_key().is_some())
-            .map_err(|e| format!("SUBAGENTS_MODELS: {e}"))
-    }
-
-    fn anthropic_key(&self) -> Option<&str> {
+    /// `ANTHROPIC_API_KEY`, when set to something.
+    pub fn anthropic_key(&self) -> Option<&str> {
         self.anthropic_api_key
             .as_deref()
             .filter(|k| !k.trim().is_empty())
@@ -597,50 +591,6 @@ impl Settings {
             other => std::env::var(other).ok(),
         };
         k.filter(|k| !k.trim().is_empty())
-    }
-
-    /// Why runs here could not reach their model as configured, said before any run starts:
-    /// the default model's provider has no key (every call would be refused, each run failing
-    /// after its retries), or the models table is wrong. OpenAI-compatible endpoints other than
-    /// OpenAI's own may need no key (a local server, a gateway); nor does a loopback one.
-    pub fn model_key_problem(&self) -> Option<String> {
-        let routes = match self.model_routes() {
-            Ok(r) => r,
-            Err(e) => return Some(e),
-        };
-        if let Some(entry) = routes.route(&self.default_model) {
-            let local = entry.base_url.as_deref().is_some_and(is_loopback_url);
-            if entry.provider == crate::model::providers::Provider::Anthropic
-                && !local
-                && self.key_from(entry.key_env()).is_none()
-            {
-                return Some(format!(
-                    "no API key for {} (served by Anthropic per the models table): set {}; `subagents demo` runs without one",
-                    self.default_model,
-                    entry.key_env()
-                ));
-            }
-            if entry.provider == crate::model::providers::Provider::Anthropic
-                || entry.base_url.is_some()
-            {
-                return None;
-            }
-        }
-        let no_key = self
-            .openai_api_key
-            .as_deref()
-            .is_none_or(|k| k.trim().is_empty());
-        let openai = reqwest::Url::parse(&self.openai_base_url)
-            .ok()
-            .and_then(|u| u.host_str().map(str::to_ascii_lowercase))
-            .is_some_and(|h| h.trim_end_matches('.') == "api.openai.com");
-        (no_key && openai).then(|| {
-            format!(
-                "no API key for the model endpoint {} (model {}): set OPENAI_API_KEY, or OPENAI_BASE_URL to another OpenAI-compatible endpoint (one on this machine needs no key), or ANTHROPIC_API_KEY with a Claude model (SUBAGENTS_MODEL=claude-sonnet-4-5); `subagents demo` runs without either",
-                self.openai_base_url,
-                self.default_model
-            )
-        })
     }
 
     /// Whether the model endpoint is on this machine (a loopback host): the mock, a local

@@ -946,11 +946,12 @@ impl ShutdownSignal {
 }
 
 /// Exit 2 with why, when runs here could not reach their model (see
-/// [`Settings::model_key_problem`]): before any run starts, not after one failed its retries.
+/// [`crate::model::providers::key_problem`]): before any run starts, not after one failed its
+/// retries.
 fn refuse_without_model_key(settings: &Settings) -> Option<ExitCode> {
     // A start error's code, as `run` prints a `StartError`'s (not a tool's error code).
     const CODE: &str = "no_model_key";
-    let problem = settings.model_key_problem()?;
+    let problem = crate::model::providers::key_problem(settings)?;
     eprintln!("error[{CODE}]: {problem}");
     Some(ExitCode::from(2))
 }

@@ -15,6 +15,7 @@ use serde::Deserialize;
 use super::prices::Price;
 use super::tokens::Window;
 use super::{ChatModel, ChatRequest, ChatResponse, DeltaSink, ModelError};
+use crate::config::Settings;
 
 /// A wire format a model is reached through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -277,6 +278,58 @@ impl ModelRoutes {
             })
             .collect()
     }
+}
+
+/// The models table the settings describe (`SUBAGENTS_MODELS`, plus Anthropic for `claude-*`
+/// when `ANTHROPIC_API_KEY` is set), or what is wrong with it.
+pub fn routes_for(settings: &Settings) -> Result<ModelRoutes, String> {
+    ModelRoutes::load(&settings.models, settings.anthropic_key().is_some())
+        .map_err(|e| format!("SUBAGENTS_MODELS: {e}"))
+}
+
+/// Why runs here could not reach their model as configured, said before any run starts:
+/// the default model's provider has no key (every call would be refused, each run failing
+/// after its retries), or the models table is wrong. OpenAI-compatible endpoints other than
+/// OpenAI's own may need no key (a local server, a gateway); nor does a loopback one.
+pub fn key_problem(settings: &Settings) -> Option<String> {
+    let routes = match routes_for(settings) {
+        Ok(r) => r,
+        Err(e) => return Some(e),
+    };
+    if let Some(entry) = routes.route(&settings.default_model) {
+        let local = entry
+            .base_url
+            .as_deref()
+            .is_some_and(crate::config::is_loopback_url);
+        if entry.provider == Provider::Anthropic
+            && !local
+            && settings.key_from(entry.key_env()).is_none()
+        {
+            return Some(format!(
+                "no API key for {} (served by Anthropic per the models table): set {}; `subagents demo` runs without one",
+                settings.default_model,
+                entry.key_env()
+            ));
+        }
+        if entry.provider == Provider::Anthropic || entry.base_url.is_some() {
+            return None;
+        }
+    }
+    let no_key = settings
+        .openai_api_key
+        .as_deref()
+        .is_none_or(|k| k.trim().is_empty());
+    let openai = reqwest::Url::parse(&settings.openai_base_url)
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_ascii_lowercase))
+        .is_some_and(|h| h.trim_end_matches('.') == "api.openai.com");
+    (no_key && openai).then(|| {
+        format!(
+            "no API key for the model endpoint {} (model {}): set OPENAI_API_KEY, or OPENAI_BASE_URL to another OpenAI-compatible endpoint (one on this machine needs no key), or ANTHROPIC_API_KEY with a Claude model (SUBAGENTS_MODEL=claude-sonnet-4-5); `subagents demo` runs without either",
+            settings.openai_base_url,
+            settings.default_model
+        )
+    })
 }
 
 /// A [`ChatModel`] that sends each request to the client of its model's entry, and the rest to

@@ -1,6 +1,6 @@
-//! `subagents mock-llm`: a deterministic OpenAI-compatible Chat Completions server, streaming and
-//! not, for tests, demos and load tests. It speaks the real wire format, so the client under test
-//! is the production client.
+//! `subagents mock-llm`: a deterministic model server speaking OpenAI's Chat Completions and
+//! Anthropic's Messages API, streaming and not, for tests, demos and load tests. It speaks the
+//! real wire formats, so the clients under test are the production clients.
 //!
 //! Behaviour comes from a scenario line in the conversation's latest user message that contains
 //! one (see [`SCENARIO_HELP`]). Without a scenario it answers at once with a short text.
@@ -24,6 +24,7 @@ use serde_json::{Value, json};
 use super::{Message, ToolSpec, compact};
 
 mod anthropic;
+mod openai;
 
 /// The scenario grammar, shown by `subagents mock-llm --help`.
 pub const SCENARIO_HELP: &str = "\
@@ -68,6 +69,19 @@ STRUCTURED OUTPUT
   format). A malformed response_format is refused with 400, as OpenAI refuses it. A user
   message starting [subagents:output_invalid] (an answer sent back for its schema) does not
   restart the step count.
+
+WIRE FORMATS
+  POST /v1/chat/completions is OpenAI's Chat Completions; POST /v1/messages is Anthropic's
+  Messages API (x-api-key and anthropic-version headers required). Both are strict as the real
+  APIs are: unknown parameters, a missing model, tool calls without their results and results
+  without their call are refused with 400. A Chat Completions stream ends with usage only when
+  stream_options.include_usage asks for it. The Messages API side counts its own tokens (a token
+  per four bytes of each block's JSON), keeps a prompt cache that follows the cache_control
+  breakpoints it is sent (prefixes of 1024 tokens or more, five minutes), answers with a signed
+  thinking block when thinking is enabled and checks the signature when it comes back, and
+  answers a schema through a tool named final_result (always through a forced tool_choice).
+  fail_status=529 sends Anthropic's overloaded_error; --rpm adds the
+  anthropic-ratelimit-requests-* headers there and x-ratelimit-* on Chat Completions.
 
 SCRIPTS (--script FILE)
   A JSON object of named turn lists, for scripting any tool call (parents and children apart):
@@ -353,7 +367,8 @@ impl Drop for MockServer {
     }
 }
 
-/// The mock's routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /healthz`.
+/// The mock's routes: `POST /v1/chat/completions`, `POST /v1/messages`, `GET /v1/models`,
+/// `GET /healthz`.
 pub fn router(state: Arc<MockState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(completions))
@@ -373,16 +388,12 @@ async fn stats(State(state): State<Arc<MockState>>) -> Json<Value> {
     Json(json!({"requests": log.len(), "ok": ok, "refused_429": refused}))
 }
 
-#[derive(Deserialize)]
+/// A request in the decision logic's terms, read from either wire format.
 struct CompletionRequest {
-    #[serde(default)]
     model: String,
     messages: Vec<Message>,
-    #[serde(default)]
     tools: Vec<ToolSpec>,
-    #[serde(default)]
     stream: bool,
-    #[serde(default)]
     response_format: Option<Value>,
 }
 
@@ -610,11 +621,14 @@ async fn completions(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let req: CompletionRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => return oai_error(StatusCode::BAD_REQUEST, &format!("bad request body: {e}")),
+    let parsed = match openai::parse(&body) {
+        Ok(p) => p,
+        Err(e) => return oai_error(StatusCode::BAD_REQUEST, &e),
     };
-    let mut resp = answer(state.clone(), &headers, req, Dialect::OpenAi).await;
+    let dialect = Dialect::OpenAi {
+        include_usage: parsed.include_usage,
+    };
+    let mut resp = answer(state.clone(), &headers, parsed.request, dialect).await;
     // A rate-limited mock reports its budget on every answer, as OpenAI does.
     if let Some((max, remaining, reset)) = state.budget()
         && resp.status().is_success()
@@ -638,8 +652,9 @@ async fn completions(
 
 /// The wire format a request came in, and what only that format carries.
 enum Dialect {
-    /// Chat Completions.
-    OpenAi,
+    /// Chat Completions; a stream ends with usage only when the request asked for it
+    /// (`stream_options.include_usage`), as OpenAI's does.
+    OpenAi { include_usage: bool },
     /// The Messages API.
     Anthropic(anthropic::Extras),
 }
@@ -647,21 +662,21 @@ enum Dialect {
 impl Dialect {
     fn name(&self) -> &'static str {
         match self {
-            Dialect::OpenAi => "openai",
+            Dialect::OpenAi { .. } => "openai",
             Dialect::Anthropic(_) => "anthropic",
         }
     }
 
     fn error(&self, status: StatusCode, message: &str) -> Response {
         match self {
-            Dialect::OpenAi => oai_error(status, message),
+            Dialect::OpenAi { .. } => oai_error(status, message),
             Dialect::Anthropic(_) => anthropic::error(status, message),
         }
     }
 
     fn too_long(&self, window: u64, tokens: u64) -> Response {
         match self {
-            Dialect::OpenAi => context_length_error(window, tokens),
+            Dialect::OpenAi { .. } => context_length_error(window, tokens),
             Dialect::Anthropic(_) => anthropic::error(
                 StatusCode::BAD_REQUEST,
                 &format!("prompt is too long: {tokens} tokens > {window} maximum"),
@@ -671,14 +686,14 @@ impl Dialect {
 
     fn cache(&self) -> Option<&anthropic::CacheUse> {
         match self {
-            Dialect::OpenAi => None,
+            Dialect::OpenAi { .. } => None,
             Dialect::Anthropic(x) => Some(&x.cache),
         }
     }
 
     fn result_tool(&self) -> Option<&(String, Value)> {
         match self {
-            Dialect::OpenAi => None,
+            Dialect::OpenAi { .. } => None,
             Dialect::Anthropic(x) => x.result_tool.as_ref(),
         }
     }
@@ -909,7 +924,7 @@ async fn answer(
     };
     let reply = match (&dialect, reply) {
         (Dialect::Anthropic(x), r) => x.shape(r, done_steps),
-        (Dialect::OpenAi, r) => r,
+        (Dialect::OpenAi { .. }, r) => r,
     };
     state.record(log(200));
     let prompt_chars: usize = req
@@ -941,8 +956,10 @@ async fn answer(
             req.stream,
             gap,
         ),
-        Dialect::OpenAi if req.stream => stream_reply(model, reply, usage, gap),
-        Dialect::OpenAi => plain_reply(model, reply, usage),
+        Dialect::OpenAi { include_usage } if req.stream => {
+            stream_reply(model, reply, include_usage.then_some(usage), gap)
+        }
+        Dialect::OpenAi { .. } => plain_reply(model, reply, usage),
     }
 }
 
@@ -1154,7 +1171,7 @@ fn plain_reply(model: String, reply: Reply, usage: Value) -> Response {
     .into_response()
 }
 
-fn stream_reply(model: String, reply: Reply, usage: Value, gap: Duration) -> Response {
+fn stream_reply(model: String, reply: Reply, usage: Option<Value>, gap: Duration) -> Response {
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let created = chrono::Utc::now().timestamp();
     let chunk = |delta: Value, finish: Option<&str>| {
@@ -1192,7 +1209,9 @@ fn stream_reply(model: String, reply: Reply, usage: Value, gap: Duration) -> Res
             chunks.push(chunk(json!({}), Some("tool_calls")));
         }
     }
-    chunks.push(json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage}));
+    if let Some(usage) = usage {
+        chunks.push(json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage}));
+    }
     let mut events: Vec<Result<Event, std::convert::Infallible>> = chunks
         .into_iter()
         .map(|c| Ok(Event::default().data(c.to_string())))
