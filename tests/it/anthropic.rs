@@ -270,3 +270,45 @@ async fn a_claude_run_killed_mid_stream_resumes_from_its_checkpoint() {
         RunStatus::Succeeded,
     );
 }
+
+/// With extended thinking on, each answer starts with a signed thinking block; the checkpoint
+/// keeps it and the next step sends it back first in its turn, signature intact (the mock
+/// refuses a tool-use turn without it, as the API does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thinking_blocks_are_kept_and_sent_back_with_their_signatures() {
+    let t = spawn_app_with(Options {
+        tweak: Box::new(|s| {
+            claude(s);
+            s.models = r#"[{"match": "claude-*", "provider": "anthropic", "thinking_budget": 2048, "max_output": 8192}]"#.into();
+        }),
+        ..Default::default()
+    })
+    .await;
+    let r = t
+        .run("Think.\nSCENARIO steps=3 tool=echo run=thinking")
+        .await;
+    assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
+    assert_eq!(r.result.as_deref(), Some("DONE after 3 steps"));
+    let msgs = t
+        .app
+        .store
+        .thread_messages(&r.thread_id, 1000)
+        .await
+        .unwrap();
+    let kept: Vec<&Value> = msgs
+        .iter()
+        .filter_map(|m| match &m.message {
+            subagents::model::Message::Assistant { thinking, .. } => thinking.first(),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(kept.len(), 3, "every answer kept its thinking: {msgs:#?}");
+    assert!(kept.iter().all(|b| {
+        b["type"] == "thinking"
+            && b["signature"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("mocksig_"))
+    }));
+    let served = requests(&t.mock.state.log(), "run=thinking");
+    assert_eq!(served.len(), 3, "no step was refused and retried");
+}
