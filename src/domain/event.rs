@@ -267,6 +267,11 @@ pub struct Compacted {
     pub tokens_after: u64,
     /// What it replaced.
     pub range: Range,
+    /// Of `tokens_after`, the estimate of the prefix left unchanged (tools, system prompt,
+    /// task): what a provider's prompt cache can still serve. A compaction breaks the cached
+    /// prefix from the first replaced message on; the next step writes the rest anew.
+    #[serde(default)]
+    pub cache_prefix_tokens: u64,
     /// The summary request's tokens.
     pub usage: Usage,
     /// Its price, when the model has one.
@@ -607,6 +612,7 @@ impl Event {
                 tokens_before: 2,
                 tokens_after: 1,
                 range,
+                cache_prefix_tokens: 1,
                 usage,
                 cost_usd: Some(0.1),
             }),

@@ -470,15 +470,25 @@ impl Engine {
         };
         // The context as it will be rebuilt, to report the tokens after.
         let after = rebuilt(run, ctx, &ev, &body);
-        let (_, tokens_after) =
-            window.estimate(&after.messages(&a.agent.system_prompt, run.id), tools);
+        let after_messages = after.messages(&a.agent.system_prompt, run.id);
+        let (_, tokens_after) = window.estimate(&after_messages, tools);
         body.tokens_after = tokens_after as i64;
+        // What a provider's prompt cache can still serve: the new context's prefix that is
+        // unchanged (tools, system prompt, task); everything from the summary on is new.
+        let before = ctx.messages(&a.agent.system_prompt, run.id);
+        let same = before
+            .iter()
+            .zip(&after_messages)
+            .take_while(|(x, y)| x == y)
+            .count();
+        let (_, cache_prefix_tokens) = window.estimate(&after_messages[..same], tools);
         let compacted = Event::ContextCompacted(event::Compacted {
             step,
             reason,
             tokens_before: tokens_before as u64,
             tokens_after: tokens_after as u64,
             range,
+            cache_prefix_tokens: cache_prefix_tokens as u64,
             usage: spent.0,
             cost_usd: (spent.1 > 0).then(|| crate::model::prices::dollars(spent.1)),
         });

@@ -151,6 +151,13 @@ async fn a_120_step_run_in_an_8000_token_window_compacts_and_finishes_right() {
             && first["tokens_after"].as_u64().unwrap() < 6800,
         "{first}"
     );
+    // The prompt cache keeps what precedes the summary (tools, system prompt, task): more than
+    // nothing, less than the new context.
+    let kept = first["cache_prefix_tokens"].as_u64().unwrap();
+    assert!(
+        kept > 0 && kept < first["tokens_after"].as_u64().unwrap(),
+        "{first}"
+    );
     assert_eq!(
         first["range"]["first_message_id"],
         compactions[0].first_message_id
