@@ -271,7 +271,7 @@ impl Committer {
 }
 
 /// p50/p90/p99 (and the count) of a list of milliseconds.
-fn summary(mut ms: Vec<f64>) -> Value {
+pub(super) fn summary(mut ms: Vec<f64>) -> Value {
     ms.sort_by(f64::total_cmp);
     json!({
         "n": ms.len(),
@@ -282,7 +282,7 @@ fn summary(mut ms: Vec<f64>) -> Value {
 }
 
 /// Drops and creates the database `sa_latency` on the server `admin` points at; returns its URL.
-async fn fresh_database(admin: &str) -> anyhow::Result<String> {
+pub(super) async fn fresh_database(admin: &str) -> anyhow::Result<String> {
     use sqlx::{ConnectOptions, Executor};
     let name = "sa_latency";
     let mut c = crate::store::postgres::connect_options(admin)?
@@ -302,9 +302,10 @@ async fn fresh_database(admin: &str) -> anyhow::Result<String> {
 }
 
 /// A `subagents` child process, killed when dropped.
-struct Proc {
+pub(super) struct Proc {
     child: tokio::process::Child,
-    base: String,
+    /// `serve`'s base URL (empty for a worker).
+    pub(super) base: String,
 }
 
 impl Proc {
@@ -315,7 +316,6 @@ impl Proc {
     ) -> anyhow::Result<tokio::process::Command> {
         let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
         cmd.current_dir(dir)
-            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("OPENAI_BASE_URL", mock.base_url())
             .env("OPENAI_API_KEY", "x")
             .env("SUBAGENTS_MODEL", "mock-model")
@@ -323,12 +323,13 @@ impl Proc {
             .env("SUBAGENTS_CONCURRENCY", "8")
             .env("RUST_LOG", "warn")
             .env_remove("SUBAGENTS_API_KEYS")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .kill_on_drop(true);
         Ok(cmd)
     }
 
     /// `serve` on a free loopback port, with `workers` embedded workers; returns once it listens.
-    async fn serve(
+    pub(super) async fn serve(
         dir: &std::path::Path,
         mock: &MockServer,
         env: &[(String, String)],
@@ -355,7 +356,7 @@ impl Proc {
     }
 
     /// One `worker` process (the warm-up runs wait for it to be ready).
-    async fn worker(
+    pub(super) async fn worker(
         dir: &std::path::Path,
         mock: &MockServer,
         env: &[(String, String)],

@@ -2,6 +2,7 @@
 //! checkpoints) that prints one JSON line. Figures go in the README; nothing here asserts a
 //! speed.
 
+pub mod deltas;
 pub mod fork;
 pub mod latency;
 

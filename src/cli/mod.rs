@@ -157,6 +157,10 @@ enum Command {
     /// floor the machine sets for the same work (the loopback model calls and durable commits,
     /// timed alone); prints one JSON line.
     BenchLatency(crate::bench::latency::LatencyBenchArgs),
+    /// Time from the model's first token to a client's first `model.delta` on
+    /// `GET /v1/runs/{id}/events?include=deltas`, with many streams open at once, on SQLite (one
+    /// process) and on PostgreSQL with Redis (API and worker apart); prints one JSON line each.
+    BenchDeltas(crate::bench::deltas::DeltaBenchArgs),
     /// Time forking a long thread (shared, not copied) and the context read of a run on the
     /// fork against one on the original; prints one JSON line.
     BenchFork(crate::bench::fork::ForkBenchArgs),
@@ -322,6 +326,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::BenchFork(args) => Ok(if crate::bench::fork::run(settings, args).await? {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }),
+        Command::BenchDeltas(args) => Ok(if crate::bench::deltas::run(args).await? {
             ExitCode::SUCCESS
         } else {
             ExitCode::FAILURE

@@ -386,6 +386,29 @@ fn a_worker_stopped_while_starting_exits_cleanly() {
     );
 }
 
+/// `bench-deltas` as the README runs it, small: every stream sees its first token, and the
+/// delay is a real measurement (positive, far below the mock's chunk interval).
+#[test]
+fn bench_deltas_times_the_first_token_of_every_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = subagents(
+        dir.path(),
+        None,
+        &["bench-deltas", "--streams", "5", "--setup", "sqlite"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(
+        (v["missed"].as_u64(), v["streams"].as_u64()),
+        (Some(0), Some(5)),
+        "{v}"
+    );
+    let d = &v["first_delta_ms"];
+    assert_eq!(d["n"], 5);
+    let p50 = d["p50"].as_f64().unwrap();
+    assert!(p50 > 0.0 && p50 <= d["p99"].as_f64().unwrap(), "{v}");
+}
+
 /// `bench` as its users run it (README, Benchmarks): one JSON line with the figures, every run
 /// succeeded and counted, and the database's own commit rate beside it (`--calibrate`).
 #[test]

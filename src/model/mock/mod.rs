@@ -51,6 +51,8 @@ SCENARIO GRAMMAR
   pad=B           make each call's text about B bytes long (realistic tool outputs)
   pad_max=B2      vary that length between pad and pad_max, deterministically per call
   chunk_ms=C      wait C ms between streamed chunks (an answer written slowly)
+  stamp=1         begin a text answer with the microseconds since the Unix epoch at which its
+                  first chunk is sent (for measuring how late a client sees it)
   read=PATH       call read_file on PATH (read=tool:NAME: call tool NAME first), then page
                   on wherever a result says
                   `read_file with path=`P` offset=N reads on`, and answer `READ DONE` with the
@@ -118,6 +120,7 @@ pub struct Scenario {
     pad_max: usize,
     read: Option<String>,
     chunk_ms: u64,
+    stamp: bool,
 }
 
 impl Scenario {
@@ -140,6 +143,7 @@ impl Scenario {
             pad_max: 0,
             read: None,
             chunk_ms: 0,
+            stamp: false,
         };
         for pair in rest.split_whitespace() {
             let Some((k, v)) = pair.split_once('=') else {
@@ -164,6 +168,7 @@ impl Scenario {
                     "pad_max" => s.pad_max = num(v)?.min(1 << 20) as usize,
                     "read" => s.read = Some(v.to_owned()),
                     "chunk_ms" => s.chunk_ms = num(v)?.min(60_000),
+                    "stamp" => s.stamp = num(v)? != 0,
                     "run" => {}
                     _ => {
                         return Err(format!(
@@ -609,6 +614,21 @@ fn oai_error(status: StatusCode, message: &str) -> Response {
         .into_response()
 }
 
+/// Replaced, as a chunk is sent, by the microseconds since the Unix epoch (`stamp=1`).
+const NOW_US: &str = "{{now_us}}";
+
+/// A chunk's data with the send time filled in.
+fn stamped(data: String) -> String {
+    if !data.contains(NOW_US) {
+        return data;
+    }
+    let us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros();
+    data.replace(NOW_US, &us.to_string())
+}
+
 /// What the mock decided to say.
 #[derive(Clone, Debug, PartialEq)]
 enum Reply {
@@ -922,6 +942,12 @@ async fn answer(
             },
         }
     };
+    let reply = match reply {
+        Reply::Text(t) if scenario.as_ref().is_some_and(|s| s.stamp) => {
+            Reply::Text(format!("{NOW_US} {t}"))
+        }
+        r => r,
+    };
     let reply = match (&dialect, reply) {
         (Dialect::Anthropic(x), r) => x.shape(r, done_steps),
         (Dialect::OpenAi { .. }, r) => r,
@@ -1160,15 +1186,19 @@ fn plain_reply(model: String, reply: Reply, usage: Value) -> Response {
             "tool_calls",
         ),
     };
-    Json(json!({
+    let body = json!({
         "id": format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
         "object": "chat.completion",
         "created": chrono::Utc::now().timestamp(),
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": usage,
-    }))
-    .into_response()
+    });
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        stamped(body.to_string()),
+    )
+        .into_response()
 }
 
 fn stream_reply(model: String, reply: Reply, usage: Option<Value>, gap: Duration) -> Response {
@@ -1212,17 +1242,13 @@ fn stream_reply(model: String, reply: Reply, usage: Option<Value>, gap: Duration
     if let Some(usage) = usage {
         chunks.push(json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage}));
     }
-    let mut events: Vec<Result<Event, std::convert::Infallible>> = chunks
-        .into_iter()
-        .map(|c| Ok(Event::default().data(c.to_string())))
-        .collect();
-    events.push(Ok(Event::default().data("[DONE]")));
-    if gap.is_zero() {
-        return Sse::new(futures::stream::iter(events)).into_response();
-    }
-    let slow = futures::StreamExt::then(futures::stream::iter(events), move |e| async move {
-        tokio::time::sleep(gap).await;
-        e
+    let mut data: Vec<String> = chunks.into_iter().map(|c| c.to_string()).collect();
+    data.push("[DONE]".into());
+    let slow = futures::StreamExt::then(futures::stream::iter(data), move |d| async move {
+        if !gap.is_zero() {
+            tokio::time::sleep(gap).await;
+        }
+        Ok::<_, std::convert::Infallible>(Event::default().data(stamped(d)))
     });
     Sse::new(slow).into_response()
 }
