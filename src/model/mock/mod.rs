@@ -647,6 +647,7 @@ async fn completions(
     };
     let dialect = Dialect::OpenAi {
         include_usage: parsed.include_usage,
+        prompt_tokens: parsed.prompt_tokens,
     };
     let mut resp = answer(state.clone(), &headers, parsed.request, dialect).await;
     // A rate-limited mock reports its budget on every answer, as OpenAI does.
@@ -674,7 +675,10 @@ async fn completions(
 enum Dialect {
     /// Chat Completions; a stream ends with usage only when the request asked for it
     /// (`stream_options.include_usage`), as OpenAI's does.
-    OpenAi { include_usage: bool },
+    OpenAi {
+        include_usage: bool,
+        prompt_tokens: u64,
+    },
     /// The Messages API.
     Anthropic(anthropic::Extras),
 }
@@ -737,11 +741,9 @@ async fn answer(
     };
     let (from, done_steps, tool_results) = progress(&req.messages);
     let after_user = &req.messages[from..];
-    let prompt_tokens = match dialect.cache() {
-        Some(c) => c.total,
-        None => {
-            super::tokens::Counter::for_model(&req.model).request(&req.messages, &req.tools) as u64
-        }
+    let prompt_tokens = match &dialect {
+        Dialect::Anthropic(x) => x.cache.total,
+        Dialect::OpenAi { prompt_tokens, .. } => *prompt_tokens,
     };
     let is_summary = req.messages.iter().any(
         |m| matches!(m, Message::System { content } if content.contains(compact::REQUEST_MARKER)),
@@ -982,7 +984,7 @@ async fn answer(
             req.stream,
             gap,
         ),
-        Dialect::OpenAi { include_usage } if req.stream => {
+        Dialect::OpenAi { include_usage, .. } if req.stream => {
             stream_reply(model, reply, include_usage.then_some(usage), gap)
         }
         Dialect::OpenAi { .. } => plain_reply(model, reply, usage),

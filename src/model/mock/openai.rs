@@ -2,6 +2,11 @@
 //! description of the wire format, not the product's types. Unknown parameters, a missing
 //! `model`, unknown message fields, tool calls without their results (or results without their
 //! call) are refused with OpenAI's 400 `invalid_request_error`.
+//!
+//! The prompt's tokens are counted here too, from the wire JSON with the model's tiktoken
+//! encoding and OpenAI's published per-message recipe (3 tokens a message and 3 to prime the
+//! reply; 3 a tool call; 12 for the tool list and 8 a tool), not with the product's counter:
+//! what the product sends is what is counted.
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -80,10 +85,62 @@ struct StreamOptions {
     include_obfuscation: Option<bool>,
 }
 
-/// A request that passed every check, and whether a stream should end with usage.
+/// A request that passed every check, whether a stream should end with usage, and its
+/// prompt's tokens as the mock counts them.
 pub(super) struct Parsed {
     pub request: CompletionRequest,
     pub include_usage: bool,
+    pub prompt_tokens: u64,
+}
+
+/// The tiktoken encoding OpenAI uses for `model`: `cl100k_base` for GPT-4 and GPT-3.5, else
+/// `o200k_base` (GPT-4o, 4.1, 5, the o-series, and whatever the mock is asked to be).
+fn encoding(model: &str) -> &'static tiktoken_rs::CoreBPE {
+    let m = model.rsplit('/').next().unwrap_or(model);
+    let old = (m.starts_with("gpt-4") && !m.starts_with("gpt-4o") && !m.starts_with("gpt-4.1"))
+        || m.starts_with("gpt-3.5");
+    if old {
+        tiktoken_rs::cl100k_base_singleton()
+    } else {
+        tiktoken_rs::o200k_base_singleton()
+    }
+}
+
+/// Tokens of a message as it came on the wire.
+fn message_tokens(bpe: &tiktoken_rs::CoreBPE, o: &Map<String, Value>, text: &str) -> usize {
+    let count = |s: &str| bpe.encode_with_special_tokens(s).len();
+    let role = o.get("role").and_then(Value::as_str).unwrap_or("");
+    let mut n = 3 + count(role) + count(text);
+    for c in o
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let f = &c["function"];
+        n += 3
+            + count(f["name"].as_str().unwrap_or(""))
+            + count(f["arguments"].as_str().unwrap_or(""))
+            + count(c["id"].as_str().unwrap_or(""));
+    }
+    n
+}
+
+/// Tokens of the tool list as it came on the wire.
+fn tools_tokens(bpe: &tiktoken_rs::CoreBPE, tools: &[Value]) -> usize {
+    if tools.is_empty() {
+        return 0;
+    }
+    let count = |s: &str| bpe.encode_with_special_tokens(s).len();
+    12 + tools
+        .iter()
+        .map(|t| {
+            let f = &t["function"];
+            8 + count(f["name"].as_str().unwrap_or(""))
+                + count(f["description"].as_str().unwrap_or(""))
+                + f.get("parameters").map_or(2, |p| count(&p.to_string()))
+        })
+        .sum::<usize>()
 }
 
 fn only(o: &Map<String, Value>, allowed: &[&str], at: &str) -> Result<(), String> {
@@ -183,6 +240,8 @@ pub(super) fn parse(body: &[u8]) -> Result<Parsed, String> {
             },
         });
     }
+    let bpe = encoding(&w.model);
+    let mut tokens = 3 + tools_tokens(bpe, w.tools.as_deref().unwrap_or(&[]));
     let mut messages = vec![];
     // The calls of the latest assistant turn still waiting for their results.
     let mut pending: Vec<String> = vec![];
@@ -294,6 +353,8 @@ pub(super) fn parse(body: &[u8]) -> Result<Parsed, String> {
                 ));
             }
         }
+        let text = content(o.get("content"), &at, true)?.unwrap_or_default();
+        tokens += message_tokens(bpe, o, &text);
     }
     if !pending.is_empty() {
         return Err(format!(
@@ -308,6 +369,7 @@ pub(super) fn parse(body: &[u8]) -> Result<Parsed, String> {
         );
     }
     Ok(Parsed {
+        prompt_tokens: tokens as u64,
         include_usage: w
             .stream_options
             .and_then(|s| s.include_usage)
