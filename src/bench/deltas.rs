@@ -14,7 +14,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use super::latency::{Proc, Setups, fresh_database, summary};
+use super::latency::{Deployments, Proc, Setups, fresh_database, summary};
 use crate::model::mock::{MockOptions, MockServer};
 
 /// `subagents bench-deltas` parameters.
@@ -26,15 +26,9 @@ pub struct DeltaBenchArgs {
     /// Milliseconds between the mock's chunks (an answer written over a second or so).
     #[arg(long, default_value_t = 20)]
     pub chunk_ms: u64,
-    /// Which deployments to measure.
-    #[arg(long, value_enum, default_value = "both")]
-    pub setup: Setups,
-    /// A PostgreSQL server: the database `sa_latency` on it is dropped and created for the run.
-    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
-    pub postgres: String,
-    /// Redis for the PostgreSQL setup (database 13 unless the URL names one).
-    #[arg(long, default_value = "redis://127.0.0.1:6379/13")]
-    pub redis: String,
+    /// Which deployments, on which services.
+    #[command(flatten)]
+    pub deploy: Deployments,
 }
 
 /// Runs the benchmark; returns whether every stream saw its first token.
@@ -51,7 +45,7 @@ pub async fn run(args: DeltaBenchArgs) -> anyhow::Result<bool> {
     std::fs::create_dir_all(&dir)?;
     let workers = args.streams.to_string();
     let mut ok = true;
-    if args.setup != Setups::Postgres {
+    if args.deploy.setup != Setups::Postgres {
         let env = vec![
             (
                 "DATABASE_URL".to_owned(),
@@ -64,15 +58,11 @@ pub async fn run(args: DeltaBenchArgs) -> anyhow::Result<bool> {
         ok &= fine;
         println!("{figures}");
     }
-    if args.setup != Setups::Sqlite {
-        let dsn = fresh_database(&args.postgres).await?;
-        let mut redis = args.redis.clone();
-        if reqwest::Url::parse(&redis).is_ok_and(|u| u.path().trim_matches('/').is_empty()) {
-            redis = format!("{}/13", redis.trim_end_matches('/'));
-        }
+    if args.deploy.setup != Setups::Sqlite {
+        let dsn = fresh_database(&args.deploy.postgres).await?;
         let env = vec![
             ("DATABASE_URL".to_owned(), dsn),
-            ("REDIS_URL".to_owned(), redis),
+            ("REDIS_URL".to_owned(), args.deploy.redis.clone()),
             ("SUBAGENTS_CONCURRENCY".to_owned(), workers),
         ];
         let serve = Proc::serve(&dir, &mock, &env, 0).await?;

@@ -43,13 +43,21 @@ pub struct LatencyBenchArgs {
     /// 0 skips it.
     #[arg(long, default_value_t = 8)]
     pub callers: u64,
+    /// Which deployments, on which services.
+    #[command(flatten)]
+    pub deploy: Deployments,
+}
+
+/// Which deployments a benchmark measures, and the services of the fleet one.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Deployments {
     /// Which deployments to measure.
     #[arg(long, value_enum, default_value = "both")]
     pub setup: Setups,
     /// A PostgreSQL server: the database `sa_latency` on it is dropped and created for the run.
     #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/postgres")]
     pub postgres: String,
-    /// Redis for the PostgreSQL setup (database 13 unless the URL names one).
+    /// Redis for the PostgreSQL setup.
     #[arg(long, default_value = "redis://127.0.0.1:6379/13")]
     pub redis: String,
 }
@@ -68,7 +76,7 @@ pub async fn run(args: LatencyBenchArgs) -> anyhow::Result<bool> {
     std::fs::create_dir_all(&dir)?;
     let mut out = serde_json::Map::new();
     let mut ok = true;
-    if args.setup != Setups::Postgres {
+    if args.deploy.setup != Setups::Postgres {
         let dsn = format!("sqlite://{}", dir.join("latency.db").display());
         let env = vec![("DATABASE_URL".to_owned(), dsn.clone())];
         let serve = Proc::serve(&dir, &mock, &env, 8).await?;
@@ -77,11 +85,11 @@ pub async fn run(args: LatencyBenchArgs) -> anyhow::Result<bool> {
         out.insert("sqlite".into(), figures);
         drop(serve);
     }
-    if args.setup != Setups::Sqlite {
-        let dsn = fresh_database(&args.postgres).await?;
+    if args.deploy.setup != Setups::Sqlite {
+        let dsn = fresh_database(&args.deploy.postgres).await?;
         let env = vec![
             ("DATABASE_URL".to_owned(), dsn.clone()),
-            ("REDIS_URL".to_owned(), args.redis.clone()),
+            ("REDIS_URL".to_owned(), args.deploy.redis.clone()),
         ];
         let serve = Proc::serve(&dir, &mock, &env, 0).await?;
         let worker = Proc::worker(&dir, &mock, &env).await?;

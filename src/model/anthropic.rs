@@ -52,14 +52,7 @@ impl std::fmt::Debug for AnthropicConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AnthropicConfig")
             .field("base_url", &self.base_url)
-            .field(
-                "api_key",
-                &if self.api_key.is_empty() {
-                    "<unset>"
-                } else {
-                    "<redacted>"
-                },
-            )
+            .field("api_key", &super::redacted(&self.api_key))
             .field("max_tokens", &self.max_tokens)
             .field("thinking_budget", &self.thinking_budget)
             .field("caching", &self.caching)

@@ -342,6 +342,15 @@ pub trait ChatModel: Send + Sync {
     ) -> Result<ChatResponse, ModelError>;
 }
 
+/// How a key shows in `Debug` output: never itself.
+pub(crate) fn redacted(key: &str) -> &'static str {
+    if key.is_empty() {
+        "<unset>"
+    } else {
+        "<redacted>"
+    }
+}
+
 /// One failed attempt of a provider client: worth retrying (with an optional server-given delay)
 /// or final.
 pub(crate) enum Attempt {

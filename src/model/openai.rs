@@ -36,14 +36,7 @@ impl std::fmt::Debug for OpenAiConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpenAiConfig")
             .field("base_url", &self.base_url)
-            .field(
-                "api_key",
-                &if self.api_key.is_empty() {
-                    "<unset>"
-                } else {
-                    "<redacted>"
-                },
-            )
+            .field("api_key", &super::redacted(&self.api_key))
             .field("retry", &self.retry)
             .finish()
     }

@@ -312,3 +312,44 @@ async fn thinking_blocks_are_kept_and_sent_back_with_their_signatures() {
     let served = requests(&t.mock.state.log(), "run=thinking");
     assert_eq!(served.len(), 3, "no step was refused and retried");
 }
+
+/// A Claude Code agent file naming `model: sonnet` runs on Claude through Anthropic when its key
+/// is set, with no alias configured; without the key the same file runs on the default model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_code_agent_file_reaches_claude_through_its_alias() {
+    let agent = (
+        "reviewer".to_owned(),
+        "---\nname: reviewer\ndescription: Reviews code\ntools: Read, Grep\nmodel: sonnet\n---\nYou review code.\n"
+            .to_owned(),
+    );
+    for (with_key, expected) in [(true, "claude-sonnet-4-5"), (false, "mock-model")] {
+        let t = spawn_app_with(Options {
+            tweak: Box::new(move |s| {
+                if with_key {
+                    claude(s);
+                    s.default_model = "mock-model".into();
+                } else {
+                    s.anthropic_api_key = None;
+                }
+            }),
+            jobs: vec![agent.clone()],
+            ..Default::default()
+        })
+        .await;
+        let run = t
+            .app
+            .start_run(StartRun {
+                agent: Some("reviewer".into()),
+                input: "Review it.".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let r = t.wait(run.id).await;
+        assert_eq!(r.status, RunStatus::Succeeded, "{r:?}");
+        let log = t.mock.state.log();
+        assert_eq!(log.len(), 1, "{log:#?}");
+        assert_eq!(log[0].model, expected);
+        assert_eq!(log[0].api, if with_key { "anthropic" } else { "openai" });
+    }
+}

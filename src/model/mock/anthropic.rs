@@ -425,6 +425,24 @@ struct Prefix {
 }
 
 impl Prefix {
+    /// A message's block: its breakpoint counted, and the turn's role marked on its first
+    /// block so a turn boundary is part of the prefix.
+    fn block(
+        &mut self,
+        o: &Map<String, Value>,
+        block: &Value,
+        at: &str,
+        first_of: Option<&str>,
+    ) -> Result<(), String> {
+        cache_control(o, at, self)?;
+        let mut seg = block.clone();
+        if let Some(role) = first_of {
+            seg["_role"] = json!(role);
+        }
+        self.push(&seg);
+        Ok(())
+    }
+
     fn push(&mut self, block: &Value) {
         let mut plain = block.clone();
         let breakpoint = plain
@@ -754,12 +772,7 @@ fn parse(body: &[u8]) -> Result<Parsed, String> {
                         ));
                     }
                 }
-                cache_control(bo, &at, &mut prefix)?;
-                let mut seg = b.clone();
-                if j == 0 {
-                    seg["_role"] = json!("user");
-                }
-                prefix.push(&seg);
+                prefix.block(bo, b, &at, (j == 0).then_some("user"))?;
             }
             if let Some(missing) = pending.iter().find(|p| !answered.contains(p)) {
                 return Err(format!(
@@ -828,12 +841,7 @@ fn parse(body: &[u8]) -> Result<Parsed, String> {
                         ));
                     }
                 }
-                cache_control(bo, &at, &mut prefix)?;
-                let mut seg = b.clone();
-                if j == 0 {
-                    seg["_role"] = json!("assistant");
-                }
-                prefix.push(&seg);
+                prefix.block(bo, b, &at, (j == 0).then_some("assistant"))?;
             }
             if thinking && Some(i) == last_assistant && !calls.is_empty() {
                 let first = blocks

@@ -723,6 +723,40 @@ impl Dialect {
     }
 }
 
+/// The log entry of a request refused before it was read further (a bad scenario, the rate
+/// limit).
+#[allow(clippy::too_many_arguments)]
+fn refused(
+    req: &CompletionRequest,
+    dialect: &Dialect,
+    step_key: String,
+    scenario: String,
+    done_steps: u32,
+    status: u16,
+    prompt_tokens: u64,
+    summary: bool,
+) -> LogEntry {
+    LogEntry {
+        step_key,
+        scenario,
+        step: done_steps + 1,
+        status,
+        messages: req.messages.len(),
+        offered_tools: !req.tools.is_empty(),
+        prompt_chars: 0,
+        model: req.model.clone(),
+        prompt_tokens,
+        summary,
+        user_texts: vec![],
+        system: String::new(),
+        tools: vec![],
+        structured: false,
+        api: dialect.name().into(),
+        cache_read_tokens: 0,
+        cache_write_tokens: 0,
+    }
+}
+
 /// Decides and renders the answer to one request, whichever wire format it came in.
 async fn answer(
     state: Arc<MockState>,
@@ -759,26 +793,16 @@ async fn answer(
         .next();
     let scenario = match scenario {
         Some(Err(e)) => {
-            let (messages, offered_tools) = (req.messages.len(), !req.tools.is_empty());
-            state.record(LogEntry {
+            state.record(refused(
+                &req,
+                &dialect,
                 step_key,
-                scenario: String::new(),
-                step: done_steps + 1,
-                status: 400,
-                messages,
-                offered_tools,
-                prompt_chars: 0,
-                model: req.model.clone(),
+                String::new(),
+                done_steps,
+                400,
                 prompt_tokens,
-                summary: is_summary,
-                user_texts: vec![],
-                system: String::new(),
-                tools: vec![],
-                structured: false,
-                api: dialect.name().into(),
-                cache_read_tokens: 0,
-                cache_write_tokens: 0,
-            });
+                is_summary,
+            ));
             return dialect.error(StatusCode::BAD_REQUEST, &e);
         }
         Some(Ok(s)) => Some(s),
@@ -804,25 +828,17 @@ async fn answer(
             }
         };
         if let Some(after) = retry {
-            state.record(LogEntry {
-                step_key: step_key.clone(),
-                scenario: scenario.as_ref().map(|s| s.key.clone()).unwrap_or_default(),
-                step: done_steps + 1,
-                status: 429,
-                messages: req.messages.len(),
-                offered_tools: !req.tools.is_empty(),
-                prompt_chars: 0,
-                model: req.model.clone(),
+            let key = scenario.as_ref().map(|s| s.key.clone()).unwrap_or_default();
+            state.record(refused(
+                &req,
+                &dialect,
+                step_key.clone(),
+                key,
+                done_steps,
+                429,
                 prompt_tokens,
-                summary: is_summary,
-                user_texts: vec![],
-                system: String::new(),
-                tools: vec![],
-                structured: false,
-                api: dialect.name().into(),
-                cache_read_tokens: 0,
-                cache_write_tokens: 0,
-            });
+                is_summary,
+            ));
             let mut resp = dialect.error(
                 StatusCode::TOO_MANY_REQUESTS,
                 &format!(
