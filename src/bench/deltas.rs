@@ -8,14 +8,12 @@
 //! PostgreSQL with Redis, `serve --workers 0` and one `worker` (deltas go through Redis
 //! Streams). Prints one JSON line per setup.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{Value, json};
 
 use super::latency::{Deployments, Proc, Setups, fresh_database, summary};
-use crate::model::mock::{MockOptions, MockServer};
 
 /// `subagents bench-deltas` parameters.
 #[derive(clap::Args, Clone, Debug)]
@@ -33,16 +31,7 @@ pub struct DeltaBenchArgs {
 
 /// Runs the benchmark; returns whether every stream saw its first token.
 pub async fn run(args: DeltaBenchArgs) -> anyhow::Result<bool> {
-    let mock = MockServer::start(
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-        MockOptions::default(),
-    )
-    .await?;
-    let dir = std::env::temp_dir().join(format!(
-        "subagents-bench-deltas-{}",
-        uuid::Uuid::now_v7().simple()
-    ));
-    std::fs::create_dir_all(&dir)?;
+    let (mock, dir) = super::mock_and_dir("deltas").await?;
     let workers = args.streams.to_string();
     let mut ok = true;
     if args.deploy.setup != Setups::Postgres {

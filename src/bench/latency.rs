@@ -11,13 +11,12 @@
 //! prints one JSON line: p50/p90/p99 of every figure, and the ratio of each round trip to its
 //! floor.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 use super::{percentile, round};
-use crate::model::mock::{MockOptions, MockServer};
+use crate::model::mock::MockServer;
 
 /// Which deployments `bench-latency` measures.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,16 +63,7 @@ pub struct Deployments {
 
 /// Runs the benchmark; returns whether every run succeeded.
 pub async fn run(args: LatencyBenchArgs) -> anyhow::Result<bool> {
-    let mock = MockServer::start(
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-        MockOptions::default(),
-    )
-    .await?;
-    let dir = std::env::temp_dir().join(format!(
-        "subagents-bench-latency-{}",
-        uuid::Uuid::now_v7().simple()
-    ));
-    std::fs::create_dir_all(&dir)?;
+    let (mock, dir) = super::mock_and_dir("latency").await?;
     let mut out = serde_json::Map::new();
     let mut ok = true;
     if args.deploy.setup != Setups::Postgres {

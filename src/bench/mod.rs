@@ -461,6 +461,21 @@ async fn commit_ceiling(dsn: &str, concurrency: usize, during: Duration) -> anyh
     Ok(count.load(std::sync::atomic::Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64())
 }
 
+/// A default mock model on a free loopback port, and a fresh directory for a benchmark's files.
+async fn mock_and_dir(bench: &str) -> anyhow::Result<(MockServer, std::path::PathBuf)> {
+    let mock = MockServer::start(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        MockOptions::default(),
+    )
+    .await?;
+    let dir = std::env::temp_dir().join(format!(
+        "subagents-bench-{bench}-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok((mock, dir))
+}
+
 fn round(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
@@ -506,16 +521,7 @@ fn rss_kb(pid: u32, field: &str) -> u64 {
 pub async fn run_api(args: ApiBenchArgs) -> anyhow::Result<bool> {
     use futures::StreamExt;
     use tokio::io::AsyncBufReadExt;
-    let mock = MockServer::start(
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-        MockOptions::default(),
-    )
-    .await?;
-    let dir = std::env::temp_dir().join(format!(
-        "subagents-bench-api-{}",
-        uuid::Uuid::now_v7().simple()
-    ));
-    std::fs::create_dir_all(&dir)?;
+    let (mock, dir) = mock_and_dir("api").await?;
     let mut child = tokio::process::Command::new(std::env::current_exe()?)
         .args([
             "serve",

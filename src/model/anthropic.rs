@@ -70,11 +70,10 @@ pub struct AnthropicClient {
 impl AnthropicClient {
     /// A client with its own connection pool.
     pub fn new(config: AnthropicConfig) -> Self {
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .build()
-            .expect("reqwest client with static settings");
-        Self { http, config }
+        Self {
+            http: super::http_client(),
+            config,
+        }
     }
 
     async fn attempt(

@@ -342,6 +342,14 @@ pub trait ChatModel: Send + Sync {
     ) -> Result<ChatResponse, ModelError>;
 }
 
+/// A provider client's own connection pool.
+pub(crate) fn http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .build()
+        .expect("reqwest client with static settings")
+}
+
 /// How a key shows in `Debug` output: never itself.
 pub(crate) fn redacted(key: &str) -> &'static str {
     if key.is_empty() {

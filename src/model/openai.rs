@@ -52,11 +52,10 @@ pub struct OpenAiClient {
 impl OpenAiClient {
     /// A client with its own connection pool.
     pub fn new(config: OpenAiConfig) -> Self {
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .build()
-            .expect("reqwest client with static settings");
-        Self { http, config }
+        Self {
+            http: super::http_client(),
+            config,
+        }
     }
 
     fn url(&self) -> String {
