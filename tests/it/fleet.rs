@@ -31,6 +31,7 @@ fn worker_with(
         )
         .env("OPENAI_BASE_URL", mock.base_url())
         .env("OPENAI_API_KEY", "x")
+        .env("ANTHROPIC_BASE_URL", mock.base_url())
         .env("SUBAGENTS_MODEL", "mock-model")
         .env("SUBAGENTS_LEASE_TTL", "2")
         .env("SUBAGENTS_CONCURRENCY", concurrency.to_string())
@@ -1011,17 +1012,40 @@ async fn an_owners_budget_held_in_redis_holds_the_fleet_to_it() {
 /// succeeds, and the provider refuses few requests (only those already on their way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_providers_rate_limit_headers_hold_the_fleet_back() {
+    provider_headers_hold_the_fleet_back(&[]).await;
+}
+
+/// The same with a Claude model through Anthropic's Messages API: its
+/// `anthropic-ratelimit-requests-remaining: 0` with the RFC 3339 reset, and its 429
+/// `rate_limit_error`, hold the fleet back the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropics_rate_limit_headers_hold_the_fleet_back() {
+    let f = provider_headers_hold_the_fleet_back(&[
+        ("ANTHROPIC_API_KEY", "x".to_owned()),
+        ("SUBAGENTS_MODEL", "claude-sonnet-4-5".to_owned()),
+    ])
+    .await;
+    let log = f.mock.state.log();
+    assert!(
+        log.iter()
+            .all(|e| e.api == "anthropic" && e.model == "claude-sonnet-4-5"),
+        "every call went to /v1/messages"
+    );
+}
+
+async fn provider_headers_hold_the_fleet_back(provider: &[(&str, String)]) -> Fleet {
     let options = MockOptions {
         latency: Duration::from_millis(20),
         rate_limit: Some((6, Duration::from_secs(2))),
         ..Default::default()
     };
-    let extra = [
+    let mut extra = vec![
         // The workers are told no limit at all; the provider allows 6 in any 2 s and says so
         // in its headers.
         ("SUBAGENTS_MODEL_RETRIES", "0".to_owned()),
         ("SUBAGENTS_REAP_MS", "100".to_owned()),
     ];
+    extra.extend(provider.iter().cloned());
     let f = fleet_alone(options, 3, 4, &extra).await;
     let t0 = Instant::now();
     let runs = start_runs(&f, 12, 3, "headers").await;
@@ -1058,6 +1082,7 @@ async fn the_providers_rate_limit_headers_hold_the_fleet_back() {
         refused <= 30,
         "{refused} refused: the headers did not hold the fleet back"
     );
+    f
 }
 
 async fn start_owned(f: &Fleet, owner: &str, n: usize, steps: u32, tag: &str) -> Vec<RunRecord> {

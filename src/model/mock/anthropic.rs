@@ -294,7 +294,9 @@ pub(super) async fn messages(
         state.cache_store(&store);
     }
     if let Some((max, remaining, reset)) = state.budget() {
+        // Whole seconds, as the API sends them, rounded up so the budget is back by then.
         let at = chrono::Utc::now() + chrono::Duration::from_std(reset).unwrap_or_default();
+        let at = chrono::DateTime::from_timestamp(at.timestamp() + 1, 0).unwrap_or(at);
         let h = resp.headers_mut();
         h.insert(
             "anthropic-ratelimit-requests-limit",
