@@ -150,7 +150,7 @@ impl App {
             .entries()
             .iter()
             .map(|e| {
-                let key = settings.key_from(e.key_env());
+                let key = crate::model::providers::key(settings, e.key_env());
                 match e.provider {
                     Provider::OpenAi => openai(
                         e.base_url.as_deref().unwrap_or(&settings.openai_base_url),

@@ -582,17 +582,6 @@ impl Settings {
             .filter(|k| !k.trim().is_empty())
     }
 
-    /// The key held in `var`: the settings' own for the two well-known variables (so flags
-    /// work too), the environment for any other a models-table entry names.
-    pub fn key_from(&self, var: &str) -> Option<String> {
-        let k = match var {
-            "OPENAI_API_KEY" => self.openai_api_key.clone(),
-            "ANTHROPIC_API_KEY" => self.anthropic_key().map(str::to_owned),
-            other => std::env::var(other).ok(),
-        };
-        k.filter(|k| !k.trim().is_empty())
-    }
-
     /// Whether the model endpoint is on this machine (a loopback host): the mock, a local
     /// server, a test.
     pub fn local_model_endpoint(&self) -> bool {

@@ -280,6 +280,18 @@ impl ModelRoutes {
     }
 }
 
+/// The key held in `var`: the settings' own for the two well-known variables (so flags work
+/// too), the process's starting environment for any other a models-table entry names (read
+/// through [`crate::secrets::var`]: the live environment no longer holds secrets by then).
+pub fn key(settings: &Settings, var: &str) -> Option<String> {
+    let k = match var {
+        "OPENAI_API_KEY" => settings.openai_api_key.clone(),
+        "ANTHROPIC_API_KEY" => settings.anthropic_key().map(str::to_owned),
+        other => crate::secrets::var(other),
+    };
+    k.filter(|k| !k.trim().is_empty())
+}
+
 /// The models table the settings describe (`SUBAGENTS_MODELS`, plus Anthropic for `claude-*`
 /// when `ANTHROPIC_API_KEY` is set), or what is wrong with it.
 pub fn routes_for(settings: &Settings) -> Result<ModelRoutes, String> {
@@ -303,7 +315,7 @@ pub fn key_problem(settings: &Settings) -> Option<String> {
             .is_some_and(crate::config::is_loopback_url);
         if entry.provider == Provider::Anthropic
             && !local
-            && settings.key_from(entry.key_env()).is_none()
+            && key(settings, entry.key_env()).is_none()
         {
             return Some(format!(
                 "no API key for {} (served by Anthropic per the models table): set {}; `subagents demo` runs without one",

@@ -353,3 +353,49 @@ async fn a_claude_code_agent_file_reaches_claude_through_its_alias() {
         assert_eq!(log[0].api, if with_key { "anthropic" } else { "openai" });
     }
 }
+
+/// A models-table entry's `api_key_env` holds the key in a real process, whose environment no
+/// longer shows secrets once it has started: `subagents run` on a Claude model reaches the mock's
+/// `/v1/messages` with that key (the mock refuses a request without one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_entrys_own_key_variable_is_used_by_a_real_process() {
+    let t = spawn_app_with(Options {
+        workers: false,
+        ..Default::default()
+    })
+    .await;
+    let table = json!([{
+        "match": "claude-*", "provider": "anthropic",
+        "base_url": t.mock.base_url(), "api_key_env": "MY_CLAUDE_KEY"
+    }]);
+    let out = tokio::task::spawn_blocking({
+        let mut cmd = cli_command(&t, env!("CARGO_BIN_EXE_subagents"));
+        cmd.args([
+            "run",
+            "--quiet",
+            "Go.\nSCENARIO steps=2 tool=echo run=own-key",
+        ])
+        .env("SUBAGENTS_MODEL", "claude-haiku-4-5")
+        .env("SUBAGENTS_MODELS", table.to_string())
+        .env("MY_CLAUDE_KEY", "sk-ant-test")
+        .env_remove("ANTHROPIC_API_KEY");
+        move || cmd.output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "DONE after 2 steps"
+    );
+    let log = requests(&t.mock.state.log(), "run=own-key");
+    assert_eq!(log.len(), 2);
+    assert!(
+        log.iter()
+            .all(|e| e.api == "anthropic" && e.model == "claude-haiku-4-5")
+    );
+}
