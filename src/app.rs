@@ -318,10 +318,26 @@ impl App {
         for e in &agent_errors {
             tracing::warn!("agent definition skipped: {e}");
         }
+        let mut aliases = settings.model_alias_map().map_err(OpenError::Config)?;
+        for (alias, model) in routes.implied_aliases() {
+            aliases.entry(alias).or_insert(model);
+        }
         // What an agent names but cannot have is said once at start, not hidden in a debug log.
         for a in agents.all() {
             for (name, why) in tools.resolve(a).unavailable {
                 tracing::warn!(agent = %a.name, tool = %name, "agent lists a tool it will not get: {why}");
+            }
+            if let Some(named) = a.model.as_deref().filter(|m| *m != "inherit") {
+                let (model, _) = crate::agents::resolve_model(
+                    Some(named),
+                    None,
+                    &settings.default_model,
+                    &aliases,
+                );
+                if let Some(var) = crate::model::providers::missing_key(&settings, &routes, &model)
+                {
+                    tracing::warn!(agent = %a.name, %model, "the agent's model is served by Anthropic but {var} is not set: its runs will fail kind=model until it is");
+                }
             }
         }
         let policy =
@@ -354,13 +370,7 @@ impl App {
             model,
             settings: EngineSettings {
                 default_model: settings.default_model.clone(),
-                model_aliases: {
-                    let mut aliases = settings.model_alias_map().map_err(OpenError::Config)?;
-                    for (alias, model) in routes.implied_aliases() {
-                        aliases.entry(alias).or_insert(model);
-                    }
-                    aliases
-                },
+                model_aliases: aliases,
                 routes: routes.clone(),
                 workspace: settings.workspace.clone(),
                 lease_ttl: settings.lease_ttl(),

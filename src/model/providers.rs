@@ -308,24 +308,16 @@ pub fn key_problem(settings: &Settings) -> Option<String> {
         Ok(r) => r,
         Err(e) => return Some(e),
     };
-    if let Some(entry) = routes.route(&settings.default_model) {
-        let local = entry
-            .base_url
-            .as_deref()
-            .is_some_and(crate::config::is_loopback_url);
-        if entry.provider == Provider::Anthropic
-            && !local
-            && key(settings, entry.key_env()).is_none()
-        {
-            return Some(format!(
-                "no API key for {} (served by Anthropic per the models table): set {}; `subagents demo` runs without one",
-                settings.default_model,
-                entry.key_env()
-            ));
-        }
-        if entry.provider == Provider::Anthropic || entry.base_url.is_some() {
-            return None;
-        }
+    if let Some(var) = missing_key(settings, &routes, &settings.default_model) {
+        return Some(format!(
+            "no API key for {} (served by Anthropic per the models table): set {var}; `subagents demo` runs without one",
+            settings.default_model,
+        ));
+    }
+    if let Some(entry) = routes.route(&settings.default_model)
+        && (entry.provider == Provider::Anthropic || entry.base_url.is_some())
+    {
+        return None;
     }
     let no_key = settings
         .openai_api_key
@@ -342,6 +334,23 @@ pub fn key_problem(settings: &Settings) -> Option<String> {
             settings.default_model
         )
     })
+}
+
+/// The variable holding the key `model`'s provider needs, when it is unset: Anthropic's API
+/// always wants one (unless the entry points at this machine). An OpenAI-compatible entry may
+/// need none (a gateway, a local server).
+pub fn missing_key<'a>(
+    settings: &Settings,
+    routes: &'a ModelRoutes,
+    model: &str,
+) -> Option<&'a str> {
+    let entry = routes.route(model)?;
+    let local = entry
+        .base_url
+        .as_deref()
+        .is_some_and(crate::config::is_loopback_url);
+    (entry.provider == Provider::Anthropic && !local && key(settings, entry.key_env()).is_none())
+        .then(|| entry.key_env())
 }
 
 /// A [`ChatModel`] that sends each request to the client of its model's entry, and the rest to

@@ -399,3 +399,38 @@ async fn a_table_entrys_own_key_variable_is_used_by_a_real_process() {
             .all(|e| e.api == "anthropic" && e.model == "claude-haiku-4-5")
     );
 }
+
+/// An agent whose model's provider has no key is named at start, in the log, while the default
+/// model (which has one) still runs: the agent's runs would fail `kind=model`, and the operator
+/// hears it before the first one does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_on_a_provider_without_its_key_is_named_at_start() {
+    let t = spawn_app_with(Options {
+        workers: false,
+        jobs: vec![(
+            "claude-reviewer".into(),
+            "---\nname: claude-reviewer\ndescription: Reviews\nmodel: claude-opus-4-5\n---\nYou review.\n"
+                .into(),
+        )],
+        ..Default::default()
+    })
+    .await;
+    let out = tokio::task::spawn_blocking({
+        let mut cmd = cli_command(&t, env!("CARGO_BIN_EXE_subagents"));
+        cmd.args(["run", "--quiet", "Hello."])
+            .env(
+                "SUBAGENTS_MODELS",
+                r#"[{"match": "claude-*", "provider": "anthropic"}]"#,
+            )
+            .env_remove("ANTHROPIC_API_KEY");
+        move || cmd.output().unwrap()
+    })
+    .await
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("claude-reviewer") && err.contains("ANTHROPIC_API_KEY is not set"),
+        "{err}"
+    );
+}
