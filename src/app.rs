@@ -13,8 +13,8 @@ use crate::config::Settings;
 use crate::domain::RunRecord;
 use crate::engine::{Engine, EngineSettings};
 use crate::ids::{ApprovalId, OwnerId, RunId, ThreadId};
-use crate::model::openai::{OpenAiClient, OpenAiConfig};
-use crate::model::{ChatModel, RetryPolicy};
+use crate::model::openai::OpenAiClient;
+use crate::model::{ChatModel, Endpoint, RetryPolicy};
 use crate::queue::Queue;
 use crate::store::{Created, SqliteStore, Store, StoreError};
 use crate::tools::ToolRegistry;
@@ -129,57 +129,42 @@ impl App {
             retries: settings.model_retries,
             ..RetryPolicy::default()
         };
-        let step_header = |base_url: &str| {
-            settings
+        let endpoint = |base_url: &str, api_key: Option<String>| Endpoint {
+            base_url: base_url.to_owned(),
+            api_key: api_key.unwrap_or_default(),
+            retry,
+            request_timeout: settings.model_timeout(),
+            step_header: settings
                 .step_header
-                .unwrap_or_else(|| crate::config::is_loopback_url(base_url))
+                .unwrap_or_else(|| crate::config::is_loopback_url(base_url)),
         };
-        let openai = |base_url: &str, api_key: Option<String>| -> Arc<dyn ChatModel> {
-            Arc::new(OpenAiClient::new(OpenAiConfig {
-                base_url: base_url.to_owned(),
-                api_key: api_key.unwrap_or_default(),
-                retry,
-                request_timeout: settings.model_timeout(),
-                step_header: step_header(base_url),
-            }))
-        };
-        let fallback = openai(&settings.openai_base_url, settings.openai_api_key.clone());
+        let fallback: Arc<dyn ChatModel> = Arc::new(OpenAiClient::new(endpoint(
+            &settings.openai_base_url,
+            settings.openai_api_key.clone(),
+        )));
         let routes = crate::model::providers::routes_for(settings)?;
-        let windows = routes.windows();
         let clients = routes
             .entries()
             .iter()
-            .map(|e| {
+            .map(|e| -> Arc<dyn ChatModel> {
                 let key = crate::model::providers::key(settings, e.key_env());
                 match e.provider {
-                    Provider::OpenAi => openai(
+                    Provider::OpenAi => Arc::new(OpenAiClient::new(endpoint(
                         e.base_url.as_deref().unwrap_or(&settings.openai_base_url),
                         key,
-                    ),
-                    Provider::Anthropic => {
-                        let base_url = e
-                            .base_url
-                            .clone()
-                            .unwrap_or_else(|| settings.anthropic_base_url.clone());
-                        let max_output = e
-                            .max_output
-                            .or_else(|| {
-                                windows
-                                    .get(e.pattern.trim_end_matches('*'))
-                                    .map(|w| w.max_output)
-                            })
-                            .unwrap_or(8192);
-                        Arc::new(AnthropicClient::new(AnthropicConfig {
-                            step_header: step_header(&base_url),
-                            base_url,
-                            api_key: key.unwrap_or_default(),
-                            retry,
-                            request_timeout: settings.model_timeout(),
-                            max_tokens: max_output.clamp(1, u32::MAX as u64) as u32,
-                            thinking_budget: e.thinking_budget,
-                            caching: e.caching.unwrap_or(true),
-                        })) as Arc<dyn ChatModel>
-                    }
+                    ))),
+                    Provider::Anthropic => Arc::new(AnthropicClient::new(AnthropicConfig {
+                        endpoint: endpoint(
+                            e.base_url
+                                .as_deref()
+                                .unwrap_or(&settings.anthropic_base_url),
+                            key,
+                        ),
+                        max_tokens: e.output_limit().unwrap_or(8192).clamp(1, u32::MAX as u64)
+                            as u32,
+                        thinking_budget: e.thinking_budget,
+                        caching: e.caching.unwrap_or(true),
+                    })),
                 }
             })
             .collect();

@@ -15,8 +15,8 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 
 use super::{
-    Attempt, ChatModel, ChatRequest, ChatResponse, DeltaSink, FunctionCall, Message, ModelError,
-    RetryPolicy, ToolCall, Usage,
+    Attempt, ChatModel, ChatRequest, ChatResponse, DeltaSink, Endpoint, FunctionCall, Message,
+    ModelError, ToolCall, Usage,
 };
 
 /// The API version this client speaks (sent as `anthropic-version`).
@@ -26,38 +26,17 @@ pub const API_VERSION: &str = "2023-06-01";
 /// schema becomes a tool's input schema and its input is the answer.
 pub const RESULT_TOOL: &str = "final_result";
 
-/// Where and how to reach Anthropic.
-#[derive(Clone)]
+/// Where and how to reach Anthropic, and what every request asks for.
+#[derive(Clone, Debug)]
 pub struct AnthropicConfig {
-    /// Base URL up to and including `/v1`.
-    pub base_url: String,
-    /// The `x-api-key`.
-    pub api_key: String,
-    /// Retry policy for transient failures (429, 529, 5xx, broken streams).
-    pub retry: RetryPolicy,
-    /// Limit on one whole attempt (connect, wait, stream).
-    pub request_timeout: Duration,
-    /// Send `x-subagents-step: RUN:STEP` with each request.
-    pub step_header: bool,
+    /// The API's URL and key, retries and timeout.
+    pub endpoint: Endpoint,
     /// `max_tokens` of every request (the API requires one).
     pub max_tokens: u32,
     /// Extended thinking's token budget; `None` leaves thinking off.
     pub thinking_budget: Option<u32>,
     /// Mark prompt-cache breakpoints (on by default; off only to measure what caching saves).
     pub caching: bool,
-}
-
-impl std::fmt::Debug for AnthropicConfig {
-    // The key is a secret: never printed.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AnthropicConfig")
-            .field("base_url", &self.base_url)
-            .field("api_key", &super::redacted(&self.api_key))
-            .field("max_tokens", &self.max_tokens)
-            .field("thinking_budget", &self.thinking_budget)
-            .field("caching", &self.caching)
-            .finish()
-    }
 }
 
 /// A streaming Messages API client.
@@ -82,16 +61,19 @@ impl AnthropicClient {
         body: &Value,
         on_delta: DeltaSink<'_>,
     ) -> Result<ChatResponse, Attempt> {
-        let url = format!("{}/messages", self.config.base_url.trim_end_matches('/'));
+        let url = format!(
+            "{}/messages",
+            self.config.endpoint.base_url.trim_end_matches('/')
+        );
         let mut builder = self
             .http
             .post(url)
             .header("anthropic-version", API_VERSION)
             .json(body);
-        if !self.config.api_key.is_empty() {
-            builder = builder.header("x-api-key", &self.config.api_key);
+        if !self.config.endpoint.api_key.is_empty() {
+            builder = builder.header("x-api-key", &self.config.endpoint.api_key);
         }
-        if self.config.step_header {
+        if self.config.endpoint.step_header {
             builder = builder.header("x-subagents-step", &req.step_key);
         }
         let resp = builder
@@ -146,9 +128,11 @@ impl ChatModel for AnthropicClient {
         on_delta: DeltaSink<'_>,
     ) -> Result<ChatResponse, ModelError> {
         let body = request_body(req, &self.config);
-        super::with_retries(self.config.retry, self.config.request_timeout, || {
-            self.attempt(req, &body, on_delta)
-        })
+        super::with_retries(
+            self.config.endpoint.retry,
+            self.config.endpoint.request_timeout,
+            || self.attempt(req, &body, on_delta),
+        )
         .await
     }
 }
@@ -350,7 +334,13 @@ enum Block {
         name: String,
         input: String,
     },
-    Thinking(Value),
+    /// A reasoning block as it started (its type, and `data` for a redacted one), with the
+    /// thinking text and signature its deltas append.
+    Thinking {
+        start: Value,
+        thinking: String,
+        signature: String,
+    },
     Other,
 }
 
@@ -403,11 +393,11 @@ impl Assembly {
                         }
                         input.push_str(piece);
                     }
-                    (Some(Block::Thinking(b)), Some("thinking_delta")) => {
-                        append(b, "thinking", d["thinking"].as_str().unwrap_or(""));
+                    (Some(Block::Thinking { thinking, .. }), Some("thinking_delta")) => {
+                        thinking.push_str(d["thinking"].as_str().unwrap_or(""));
                     }
-                    (Some(Block::Thinking(b)), Some("signature_delta")) => {
-                        append(b, "signature", d["signature"].as_str().unwrap_or(""));
+                    (Some(Block::Thinking { signature, .. }), Some("signature_delta")) => {
+                        signature.push_str(d["signature"].as_str().unwrap_or(""));
                     }
                     (None, _) => {
                         return Err(Attempt::Fatal(ModelError::Malformed(format!(
@@ -465,7 +455,11 @@ impl Assembly {
                     input,
                 }
             }
-            "thinking" | "redacted_thinking" => Block::Thinking(b.clone()),
+            "thinking" | "redacted_thinking" => Block::Thinking {
+                start: b.clone(),
+                thinking: b["thinking"].as_str().unwrap_or("").to_owned(),
+                signature: b["signature"].as_str().unwrap_or("").to_owned(),
+            },
             _ => Block::Other,
         }
     }
@@ -508,11 +502,19 @@ impl Assembly {
         for block in self.blocks.into_values() {
             match block {
                 Block::Text(t) => text.get_or_insert_with(String::new).push_str(&t),
-                Block::Thinking(mut b) => {
-                    if let Some(o) = b.as_object_mut() {
+                Block::Thinking {
+                    mut start,
+                    thinking: reasoning,
+                    signature,
+                } => {
+                    if let Some(o) = start.as_object_mut() {
                         o.remove("cache_control");
+                        if o.get("type").and_then(Value::as_str) == Some("thinking") {
+                            o.insert("thinking".into(), json!(reasoning));
+                            o.insert("signature".into(), json!(signature));
+                        }
                     }
-                    thinking.push(b)
+                    thinking.push(start)
                 }
                 Block::ToolUse {
                     id, name, input, ..
@@ -552,11 +554,6 @@ impl Assembly {
             thinking,
         }
     }
-}
-
-fn append(block: &mut Value, key: &str, piece: &str) {
-    let now = block[key].as_str().unwrap_or("").to_owned();
-    block[key] = json!(now + piece);
 }
 
 /// Anthropic's stop reasons in the engine's (OpenAI's) words.
@@ -602,11 +599,13 @@ mod tests {
 
     fn config() -> AnthropicConfig {
         AnthropicConfig {
-            base_url: "http://x/v1".into(),
-            api_key: String::new(),
-            retry: RetryPolicy::default(),
-            request_timeout: Duration::from_secs(5),
-            step_header: false,
+            endpoint: Endpoint {
+                base_url: "http://x/v1".into(),
+                api_key: String::new(),
+                retry: crate::model::RetryPolicy::default(),
+                request_timeout: Duration::from_secs(5),
+                step_header: false,
+            },
             max_tokens: 4096,
             thinking_budget: None,
             caching: true,

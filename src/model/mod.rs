@@ -350,12 +350,39 @@ pub(crate) fn http_client() -> reqwest::Client {
         .expect("reqwest client with static settings")
 }
 
-/// How a key shows in `Debug` output: never itself.
-pub(crate) fn redacted(key: &str) -> &'static str {
-    if key.is_empty() {
-        "<unset>"
-    } else {
-        "<redacted>"
+/// Where and how a provider client reaches its API.
+#[derive(Clone)]
+pub struct Endpoint {
+    /// Base URL up to and including `/v1`.
+    pub base_url: String,
+    /// The key (a bearer token for OpenAI, `x-api-key` for Anthropic); may be empty for local
+    /// servers.
+    pub api_key: String,
+    /// Retry policy for transient failures.
+    pub retry: RetryPolicy,
+    /// Limit on one whole attempt (connect, wait, stream).
+    pub request_timeout: Duration,
+    /// Send `x-subagents-step: RUN:STEP` with each request (see `SUBAGENTS_STEP_HEADER`).
+    pub step_header: bool,
+}
+
+impl std::fmt::Debug for Endpoint {
+    // The key is a secret: never printed.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("base_url", &self.base_url)
+            .field(
+                "api_key",
+                &if self.api_key.is_empty() {
+                    "<unset>"
+                } else {
+                    "<redacted>"
+                },
+            )
+            .field("retry", &self.retry)
+            .field("request_timeout", &self.request_timeout)
+            .field("step_header", &self.step_header)
+            .finish()
     }
 }
 

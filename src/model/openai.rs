@@ -12,46 +12,20 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{
-    Attempt, ChatModel, ChatRequest, ChatResponse, DeltaSink, FunctionCall, ModelError,
-    RetryPolicy, ToolCall, Usage,
+    Attempt, ChatModel, ChatRequest, ChatResponse, DeltaSink, Endpoint, FunctionCall, ModelError,
+    ToolCall, Usage,
 };
-
-/// Where and how to reach the model.
-#[derive(Clone)]
-pub struct OpenAiConfig {
-    /// Base URL up to and including `/v1`.
-    pub base_url: String,
-    /// Bearer key; may be empty for local servers.
-    pub api_key: String,
-    /// Retry policy for transient failures.
-    pub retry: RetryPolicy,
-    /// Limit on one whole attempt (connect, wait, stream).
-    pub request_timeout: Duration,
-    /// Send `x-subagents-step: RUN:STEP` with each request (see `SUBAGENTS_STEP_HEADER`).
-    pub step_header: bool,
-}
-
-impl std::fmt::Debug for OpenAiConfig {
-    // The key is a secret: never printed.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OpenAiConfig")
-            .field("base_url", &self.base_url)
-            .field("api_key", &super::redacted(&self.api_key))
-            .field("retry", &self.retry)
-            .finish()
-    }
-}
 
 /// A streaming Chat Completions client.
 #[derive(Clone, Debug)]
 pub struct OpenAiClient {
     http: reqwest::Client,
-    config: OpenAiConfig,
+    config: Endpoint,
 }
 
 impl OpenAiClient {
     /// A client with its own connection pool.
-    pub fn new(config: OpenAiConfig) -> Self {
+    pub fn new(config: Endpoint) -> Self {
         Self {
             http: super::http_client(),
             config,

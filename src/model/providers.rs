@@ -102,6 +102,13 @@ impl Entry {
         }
     }
 
+    /// Tokens the model may answer with: `max_output`, else an eighth of the context window
+    /// (what the window table assumes).
+    pub fn output_limit(&self) -> Option<u64> {
+        self.max_output
+            .or_else(|| self.context_window.map(|c| (c / 8).clamp(256, 16_384)))
+    }
+
     /// The key's variable.
     pub fn key_env(&self) -> &str {
         self.api_key_env
@@ -267,12 +274,11 @@ impl ModelRoutes {
         self.entries
             .iter()
             .filter_map(|e| {
-                let context = e.context_window?;
                 Some((
                     e.table_name().to_owned(),
                     Window {
-                        context,
-                        max_output: e.max_output.unwrap_or((context / 8).clamp(256, 16_384)),
+                        context: e.context_window?,
+                        max_output: e.output_limit()?,
                     },
                 ))
             })

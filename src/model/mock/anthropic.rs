@@ -690,177 +690,17 @@ fn parse(body: &[u8]) -> Result<Parsed, String> {
         };
         let explicit_blocks = matches!(o.get("content"), Some(Value::Array(_)));
         if role == "user" {
-            let mut answered: Vec<String> = vec![];
-            let mut texts: Vec<String> = vec![];
-            for (j, b) in blocks.iter().enumerate() {
-                let at = format!("{at}.content.{j}");
-                let bo = obj(b, &at)?;
-                match bo.get("type").and_then(Value::as_str) {
-                    Some("text") => {
-                        only(bo, &["type", "text", "cache_control", "citations"], &at)?;
-                        let t = text_of(bo, "text", &at)?;
-                        if t.is_empty() {
-                            return Err(format!("{at}: text content blocks must be non-empty"));
-                        }
-                        texts.push(t.to_owned());
-                    }
-                    Some("image") | Some("document") => {
-                        only(
-                            bo,
-                            &[
-                                "type",
-                                "source",
-                                "cache_control",
-                                "title",
-                                "context",
-                                "citations",
-                            ],
-                            &at,
-                        )?;
-                    }
-                    Some("tool_result") => {
-                        only(
-                            bo,
-                            &[
-                                "type",
-                                "tool_use_id",
-                                "content",
-                                "is_error",
-                                "cache_control",
-                            ],
-                            &at,
-                        )?;
-                        let id = text_of(bo, "tool_use_id", &at)?;
-                        if !pending.iter().any(|p| p == id) {
-                            return Err(format!(
-                                "{at}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
-                            ));
-                        }
-                        let content = match bo.get("content") {
-                            None => String::new(),
-                            Some(Value::String(s)) => s.clone(),
-                            Some(Value::Array(parts)) => {
-                                let mut s = String::new();
-                                for (k, p) in parts.iter().enumerate() {
-                                    let pat = format!("{at}.content.{k}");
-                                    let po = obj(p, &pat)?;
-                                    if po.get("type").and_then(Value::as_str) == Some("text") {
-                                        only(
-                                            po,
-                                            &["type", "text", "cache_control", "citations"],
-                                            &pat,
-                                        )?;
-                                        s.push_str(text_of(po, "text", &pat)?);
-                                    }
-                                }
-                                s
-                            }
-                            Some(_) => {
-                                return Err(format!(
-                                    "{at}.content: Input should be a string or a list of blocks"
-                                ));
-                            }
-                        };
-                        answered.push(id.to_owned());
-                        messages.push(Message::Tool {
-                            tool_call_id: id.to_owned(),
-                            content,
-                        });
-                    }
-                    other => {
-                        return Err(format!(
-                            "{at}.type: `{}` is not a user content block (text, image, document, tool_result)",
-                            other.unwrap_or("")
-                        ));
-                    }
-                }
-                prefix.block(bo, b, &at, (j == 0).then_some("user"))?;
-            }
-            if let Some(missing) = pending.iter().find(|p| !answered.contains(p)) {
-                return Err(format!(
-                    "messages.{}: `tool_use` ids were found without `tool_result` blocks immediately after: {missing}. Each `tool_use` block must have a corresponding `tool_result` block in the next message.",
-                    i - 1
-                ));
-            }
-            pending.clear();
-            if !texts.is_empty() {
-                messages.push(Message::User {
-                    content: texts.join("\n"),
-                });
-            }
+            user_turn(i, &blocks, &mut pending, &mut prefix, &mut messages)?;
         } else {
             if !pending.is_empty() {
-                return Err(format!(
-                    "messages.{}: `tool_use` ids were found without `tool_result` blocks immediately after: {}. Each `tool_use` block must have a corresponding `tool_result` block in the next message.",
-                    i - 1,
-                    pending.join(", ")
-                ));
+                return Err(unanswered(i - 1, &pending.join(", ")));
             }
-            let mut text: Option<String> = None;
-            let mut calls: Vec<ToolCall> = vec![];
-            for (j, b) in blocks.iter().enumerate() {
-                let at = format!("{at}.content.{j}");
-                let bo = obj(b, &at)?;
-                match bo.get("type").and_then(Value::as_str) {
-                    Some("text") => {
-                        only(bo, &["type", "text", "cache_control", "citations"], &at)?;
-                        let t = text_of(bo, "text", &at)?;
-                        if t.is_empty() && explicit_blocks {
-                            return Err(format!("{at}: text content blocks must be non-empty"));
-                        }
-                        text.get_or_insert_with(String::new).push_str(t);
-                    }
-                    Some("tool_use") => {
-                        only(bo, &["type", "id", "name", "input", "cache_control"], &at)?;
-                        let id = text_of(bo, "id", &at)?;
-                        let name = text_of(bo, "name", &at)?;
-                        let input = bo
-                            .get("input")
-                            .filter(|v| v.is_object())
-                            .ok_or_else(|| format!("{at}.input: Input should be an object"))?;
-                        pending.push(id.to_owned());
-                        calls.push(ToolCall {
-                            id: id.to_owned(),
-                            kind: "function".into(),
-                            function: FunctionCall {
-                                name: name.to_owned(),
-                                arguments: input.to_string(),
-                            },
-                        });
-                    }
-                    Some("thinking") => {
-                        only(bo, &["type", "thinking", "signature"], &at)?;
-                        let t = text_of(bo, "thinking", &at)?;
-                        if text_of(bo, "signature", &at)? != sign(t) {
-                            return Err(format!("{at}: Invalid `signature` in `thinking` block"));
-                        }
-                    }
-                    Some("redacted_thinking") => only(bo, &["type", "data"], &at)?,
-                    other => {
-                        return Err(format!(
-                            "{at}.type: `{}` is not an assistant content block (text, tool_use, thinking, redacted_thinking)",
-                            other.unwrap_or("")
-                        ));
-                    }
-                }
-                prefix.block(bo, b, &at, (j == 0).then_some("assistant"))?;
+            let must_think = thinking && Some(i) == last_assistant;
+            let turn = assistant_turn(&at, &blocks, explicit_blocks, must_think, &mut prefix)?;
+            if let Message::Assistant { tool_calls, .. } = &turn {
+                pending.extend(tool_calls.iter().map(|c| c.id.clone()));
             }
-            if thinking && Some(i) == last_assistant && !calls.is_empty() {
-                let first = blocks
-                    .first()
-                    .and_then(|b| b["type"].as_str())
-                    .unwrap_or("");
-                if first != "thinking" && first != "redacted_thinking" {
-                    return Err(format!(
-                        "{at}.content.0.type: Expected `thinking` or `redacted_thinking`, but found `{first}`. When `thinking` is enabled, a final `assistant` message must start with a thinking block (preceeding the lastmost set of `tool_use` and `tool_result` blocks)."
-                    ));
-                }
-            }
-            messages.push(Message::Assistant {
-                content: text,
-                tool_calls: calls,
-                thinking: vec![],
-            });
+            messages.push(turn);
         }
     }
     if prefix.marks > 4 {
@@ -881,6 +721,194 @@ fn parse(body: &[u8]) -> Result<Parsed, String> {
         thinking,
         forced,
         result_tool,
+    })
+}
+
+/// The API's refusal of tool uses whose results are not in the next turn.
+fn unanswered(turn: usize, ids: &str) -> String {
+    format!(
+        "messages.{turn}: `tool_use` ids were found without `tool_result` blocks immediately after: {ids}. Each `tool_use` block must have a corresponding `tool_result` block in the next message."
+    )
+}
+
+/// A text block's text; an empty one is refused unless `may_be_empty`.
+fn text_block<'a>(
+    o: &'a Map<String, Value>,
+    at: &str,
+    may_be_empty: bool,
+) -> Result<&'a str, String> {
+    only(o, &["type", "text", "cache_control", "citations"], at)?;
+    let t = text_of(o, "text", at)?;
+    if t.is_empty() && !may_be_empty {
+        return Err(format!("{at}: text content blocks must be non-empty"));
+    }
+    Ok(t)
+}
+
+/// A `tool_result`'s content as text: a string, or its text blocks joined.
+fn tool_result_text(o: &Map<String, Value>, at: &str) -> Result<String, String> {
+    match o.get("content") {
+        None => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut s = String::new();
+            for (k, p) in parts.iter().enumerate() {
+                let pat = format!("{at}.content.{k}");
+                let po = obj(p, &pat)?;
+                if po.get("type").and_then(Value::as_str) == Some("text") {
+                    s.push_str(text_block(po, &pat, true)?);
+                }
+            }
+            Ok(s)
+        }
+        Some(_) => Err(format!(
+            "{at}.content: Input should be a string or a list of blocks"
+        )),
+    }
+}
+
+/// A user turn: its tool results must answer every call of the turn before (`pending`, emptied
+/// here), and nothing else; its text becomes one user message after the results.
+fn user_turn(
+    i: usize,
+    blocks: &[Value],
+    pending: &mut Vec<String>,
+    prefix: &mut Prefix,
+    messages: &mut Vec<Message>,
+) -> Result<(), String> {
+    let at = format!("messages.{i}");
+    let mut answered: Vec<String> = vec![];
+    let mut texts: Vec<String> = vec![];
+    for (j, b) in blocks.iter().enumerate() {
+        let at = format!("{at}.content.{j}");
+        let bo = obj(b, &at)?;
+        match bo.get("type").and_then(Value::as_str) {
+            Some("text") => texts.push(text_block(bo, &at, false)?.to_owned()),
+            Some("image") | Some("document") => only(
+                bo,
+                &[
+                    "type",
+                    "source",
+                    "cache_control",
+                    "title",
+                    "context",
+                    "citations",
+                ],
+                &at,
+            )?,
+            Some("tool_result") => {
+                only(
+                    bo,
+                    &[
+                        "type",
+                        "tool_use_id",
+                        "content",
+                        "is_error",
+                        "cache_control",
+                    ],
+                    &at,
+                )?;
+                let id = text_of(bo, "tool_use_id", &at)?;
+                if !pending.iter().any(|p| p == id) {
+                    return Err(format!(
+                        "{at}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
+                    ));
+                }
+                answered.push(id.to_owned());
+                messages.push(Message::Tool {
+                    tool_call_id: id.to_owned(),
+                    content: tool_result_text(bo, &at)?,
+                });
+            }
+            other => {
+                return Err(format!(
+                    "{at}.type: `{}` is not a user content block (text, image, document, tool_result)",
+                    other.unwrap_or("")
+                ));
+            }
+        }
+        prefix.block(bo, b, &at, (j == 0).then_some("user"))?;
+    }
+    if let Some(missing) = pending.iter().find(|p| !answered.contains(p)) {
+        return Err(unanswered(i.saturating_sub(1), missing));
+    }
+    pending.clear();
+    if !texts.is_empty() {
+        messages.push(Message::User {
+            content: texts.join("\n"),
+        });
+    }
+    Ok(())
+}
+
+/// An assistant turn: its text, its tool uses, and its thinking blocks, whose signatures must be
+/// the mock's. With thinking on, the last assistant turn that uses tools (`must_think`) must
+/// start with a thinking block, as the API requires.
+fn assistant_turn(
+    at: &str,
+    blocks: &[Value],
+    explicit_blocks: bool,
+    must_think: bool,
+    prefix: &mut Prefix,
+) -> Result<Message, String> {
+    let mut text: Option<String> = None;
+    let mut calls: Vec<ToolCall> = vec![];
+    for (j, b) in blocks.iter().enumerate() {
+        let at = format!("{at}.content.{j}");
+        let bo = obj(b, &at)?;
+        match bo.get("type").and_then(Value::as_str) {
+            Some("text") => text.get_or_insert_with(String::new).push_str(text_block(
+                bo,
+                &at,
+                !explicit_blocks,
+            )?),
+            Some("tool_use") => {
+                only(bo, &["type", "id", "name", "input", "cache_control"], &at)?;
+                let input = bo
+                    .get("input")
+                    .filter(|v| v.is_object())
+                    .ok_or_else(|| format!("{at}.input: Input should be an object"))?;
+                calls.push(ToolCall {
+                    id: text_of(bo, "id", &at)?.to_owned(),
+                    kind: "function".into(),
+                    function: FunctionCall {
+                        name: text_of(bo, "name", &at)?.to_owned(),
+                        arguments: input.to_string(),
+                    },
+                });
+            }
+            Some("thinking") => {
+                only(bo, &["type", "thinking", "signature"], &at)?;
+                let t = text_of(bo, "thinking", &at)?;
+                if text_of(bo, "signature", &at)? != sign(t) {
+                    return Err(format!("{at}: Invalid `signature` in `thinking` block"));
+                }
+            }
+            Some("redacted_thinking") => only(bo, &["type", "data"], &at)?,
+            other => {
+                return Err(format!(
+                    "{at}.type: `{}` is not an assistant content block (text, tool_use, thinking, redacted_thinking)",
+                    other.unwrap_or("")
+                ));
+            }
+        }
+        prefix.block(bo, b, &at, (j == 0).then_some("assistant"))?;
+    }
+    if must_think && !calls.is_empty() {
+        let first = blocks
+            .first()
+            .and_then(|b| b["type"].as_str())
+            .unwrap_or("");
+        if first != "thinking" && first != "redacted_thinking" {
+            return Err(format!(
+                "{at}.content.0.type: Expected `thinking` or `redacted_thinking`, but found `{first}`. When `thinking` is enabled, a final `assistant` message must start with a thinking block (preceeding the lastmost set of `tool_use` and `tool_result` blocks)."
+            ));
+        }
+    }
+    Ok(Message::Assistant {
+        content: text,
+        tool_calls: calls,
+        thinking: vec![],
     })
 }
 
