@@ -521,6 +521,8 @@ impl App {
     /// read that answers them: `read` runs once per commit for all the waiters sharing `reads`
     /// (the API builds a finished run's whole answer in it, so a thousand waits are answered
     /// after one round of reads rather than two), until `done` says its value ends the wait.
+    /// Commits announced as a step's progress ([`crate::notify::Notifier::progress`]) are not
+    /// read: `done` must wait for the run's end (or its absence), which no such commit makes.
     pub async fn wait_with<V, F, Fut>(
         &self,
         run: RunId,
@@ -545,15 +547,23 @@ impl App {
         let until = tokio::time::sleep_until(deadline);
         tokio::pin!(until);
         loop {
-            // The generation is taken after the watch registered: a commit announced later
-            // wakes us again.
+            // The generations are taken after the watch registered and before the read: a
+            // commit announced later wakes us again.
+            let seen = watch.decisive();
             let (v, started) = reads.read(run, watch.fresh(not_before), &read).await?;
             if done(&v) || tokio::time::Instant::now() >= deadline {
                 return Ok((v, started));
             }
-            not_before = tokio::select! {
-                nb = watch.next() => nb,
-                _ = until.as_mut() => Some(std::time::Instant::now()),
+            not_before = loop {
+                let nb = tokio::select! {
+                    nb = watch.next() => nb,
+                    _ = until.as_mut() => break Some(std::time::Instant::now()),
+                };
+                // A step's checkpoint cannot have ended the run: no read for it (a short run
+                // commits a few of them, each of which had every waiter read the run again).
+                if nb.is_some() || watch.decisive() != seen {
+                    break nb;
+                }
             };
         }
     }

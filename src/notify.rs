@@ -25,19 +25,24 @@ const ANY: RunId = RunId(uuid::Uuid::nil());
 /// when its signal is dropped (nobody waiting) and made again later.
 static GENERATIONS: AtomicU64 = AtomicU64::new(1);
 
-/// One run's wake-up: a [`Notify`] (it derefs to one) and the generation of the last change
-/// announced through it.
+/// One run's wake-up: a [`Notify`] (it derefs to one), the generation of the last change
+/// announced through it, and that of the last change that may have ended the run.
 #[derive(Debug)]
 pub struct Signal {
     notify: Arc<Notify>,
     generation: AtomicU64,
+    /// Moves on with every change except a step's progress (a checkpoint that cannot end the
+    /// run): a wait for the run's end reads again only when this moved.
+    decisive: AtomicU64,
 }
 
 impl Signal {
     fn new() -> Self {
+        let now = GENERATIONS.load(Ordering::SeqCst);
         Signal {
             notify: Arc::new(Notify::new()),
-            generation: AtomicU64::new(GENERATIONS.load(Ordering::SeqCst)),
+            generation: AtomicU64::new(now),
+            decisive: AtomicU64::new(now),
         }
     }
 
@@ -53,11 +58,19 @@ impl Signal {
         self.generation.load(Ordering::SeqCst)
     }
 
-    fn fire(&self) {
-        self.generation.store(
-            GENERATIONS.fetch_add(1, Ordering::SeqCst) + 1,
-            Ordering::SeqCst,
-        );
+    /// The generation of the last change that may have ended the run. A wait for the end that
+    /// took it before a read need not read again until it moves: every change between was a
+    /// step's progress.
+    pub fn decisive(&self) -> u64 {
+        self.decisive.load(Ordering::SeqCst)
+    }
+
+    fn fire(&self, decisive: bool) {
+        let g = GENERATIONS.fetch_add(1, Ordering::SeqCst) + 1;
+        if decisive {
+            self.decisive.store(g, Ordering::SeqCst);
+        }
+        self.generation.store(g, Ordering::SeqCst);
         self.notify.notify_waiters();
     }
 }
@@ -106,6 +119,16 @@ impl Notifier {
 
     /// Wakes everyone waiting on the run, and everyone waiting on any run.
     pub fn notify(&self, run: RunId) {
+        self.fire(run, true)
+    }
+
+    /// [`Notifier::notify`] for a commit that cannot have ended the run (a step's checkpoint):
+    /// streams read it, waits for the run's end sleep on.
+    pub fn progress(&self, run: RunId) {
+        self.fire(run, false)
+    }
+
+    fn fire(&self, run: RunId, decisive: bool) {
         let (n, all) = {
             let map = self.runs.lock().unwrap();
             (
@@ -114,10 +137,10 @@ impl Notifier {
             )
         };
         if let Some(n) = n {
-            n.fire();
+            n.fire(decisive);
         }
         if let Some(all) = all {
-            all.fire();
+            all.fire(true);
         }
     }
 
@@ -177,6 +200,11 @@ impl Watch {
             generation: self.signal.generation(),
             not_before,
         }
+    }
+
+    /// The watched signal's [`Signal::decisive`] generation now.
+    pub fn decisive(&self) -> u64 {
+        self.signal.decisive()
     }
 
     /// Sleeps until a commit here or the re-check; returns the `not_before` for the next read

@@ -12,9 +12,11 @@
 //! caller's cursor without a gap, and read the outbox otherwise, so a trimmed or lost range
 //! never hides a durable event.
 //!
-//! After relaying a run's events the relay publishes `change:<run>` on `subagents:wake`; every
-//! process subscribes and wakes its local waiters, so a waiter hears of a run that ended in
-//! another process in milliseconds. Cancel requests travel the same way (`cancel:<run>`).
+//! After relaying a run's events the relay publishes `change:<run>` on `subagents:wake`
+//! (`step:<run>` when none of them ends the run); every process subscribes and wakes its local
+//! waiters, so a waiter hears of a run that ended in another process in milliseconds, and a
+//! wait for a run's end does not read the run again for each of its steps. Cancel requests
+//! travel the same way (`cancel:<run>`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::events::is_terminal;
 use crate::ids::RunId;
-use crate::store::{EventRecord, Store, StoreError};
+use crate::store::{EventRecord, Store, StoreError, Wake};
 
 /// Prefix of every key.
 pub const PREFIX: &str = "subagents";
@@ -103,6 +105,20 @@ pub enum RelayError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// The wake-ups a relay pass publishes: one per run (per stretch of its events in the batch),
+/// saying whether any of them ends the run (a waiter for its end reads again only then).
+fn wake_ups(batch: &[EventRecord]) -> Vec<(RunId, bool)> {
+    let mut out: Vec<(RunId, bool)> = vec![];
+    for e in batch {
+        let ends = is_terminal(&e.kind);
+        match out.last_mut() {
+            Some((run, any)) if *run == e.run_id => *any |= ends,
+            _ => out.push((e.run_id, ends)),
+        }
+    }
+    out
 }
 
 /// The stream key of a run.
@@ -193,13 +209,9 @@ impl RedisEvents {
         // Then the wake-ups, in the same pipeline: a process waiting on one of these runs reads
         // it from the database, where it is already committed, so it need not wait for the
         // outbox to be marked. (A run whose event was refused is woken for nothing: harmless.)
-        let mut woken = None;
-        for e in &batch {
-            if woken != Some(e.run_id) {
-                pipe.publish(WAKE_CHANNEL, format!("change:{}", e.run_id))
-                    .ignore();
-                woken = Some(e.run_id);
-            }
+        for (run, ends) in wake_ups(&batch) {
+            let kind = if ends { "change" } else { "step" };
+            pipe.publish(WAKE_CHANNEL, format!("{kind}:{run}")).ignore();
         }
         let mut c = self.conn.clone();
         let answers: Vec<i64> = pipe.query_async(&mut c).await?;
@@ -450,7 +462,11 @@ impl RedisEvents {
                                         let text: String = m.get_payload().unwrap_or_default();
                                         if let Some((kind, id)) = text.split_once(':')
                                             && let Ok(run) = id.parse::<RunId>() {
-                                                store.wake_local(run, kind == "cancel");
+                                                store.wake_local(run, match kind {
+                                                    "cancel" => Wake::Cancel,
+                                                    "step" => Wake::Progress,
+                                                    _ => Wake::Change,
+                                                });
                                             }
                                     }
                                 }
@@ -470,5 +486,30 @@ impl RedisEvents {
         tokio::spawn(async move {
             tokio::join!(relay, subscriber);
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pass_wakes_each_run_once_and_says_whether_it_ended() {
+        let (a, b) = (RunId::default(), RunId::default());
+        let e = |run: RunId, seq: u64, kind: &str| EventRecord {
+            seq,
+            kind: kind.into(),
+            run_id: run,
+            created_at: chrono::Utc::now(),
+            data: serde_json::json!({}),
+        };
+        let batch = [
+            e(a, 1, "step.started"),
+            e(a, 2, "model.completed"),
+            e(b, 7, "tool.completed"),
+            e(b, 8, "run.succeeded"),
+        ];
+        assert_eq!(wake_ups(&batch), vec![(a, false), (b, true)]);
+        assert_eq!(wake_ups(&[]), vec![]);
     }
 }

@@ -47,7 +47,8 @@ pub(crate) trait Progress: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<()>> + Send {
         self.commit_one(lease, cp)
     }
-    /// Tells this process's waiters that `run` changed.
+    /// Tells this process's waiters that a step of `run` committed (progress: a group holds no
+    /// terminal checkpoint).
     fn announce(&self, run: RunId);
     /// The backend as one committer task uses it. A committer commits one transaction at a
     /// time, so what this returns may keep state no other task touches: PostgreSQL's keeps a

@@ -1086,7 +1086,18 @@ pub trait Outbox: Send + Sync + 'static {
     async fn mark_relayed(&self, ranges: &[(RunId, u64, u64)]) -> Result<()>;
 
     /// Wakes this process's waiters for a change made elsewhere (heard over Redis).
-    fn wake_local(&self, run: RunId, cancel: bool);
+    fn wake_local(&self, run: RunId, wake: Wake);
+}
+
+/// What another process said changed about a run (see [`Outbox::wake_local`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wake {
+    /// A step's progress: nothing that can end the run.
+    Progress,
+    /// Anything else, its end included.
+    Change,
+    /// A cancel was asked for: the worker holding the run stops it.
+    Cancel,
 }
 
 /// What tests and benchmarks do to a store and the server never does: wake a parked run by

@@ -429,7 +429,8 @@ impl SqlStore for PgStore {
         };
         // The claimed row comes back whole: no second read.
         let run = Self::run_from_row(&row)?;
-        self.common.notifier.notify(id);
+        // A claim starts the run: nothing a wait for its end needs to read.
+        self.common.notifier.progress(id);
         Ok(Claim::Acquired(
             Lease {
                 run_id: id,
@@ -695,7 +696,7 @@ impl group::Progress for Commits {
                     // unless the statement had committed before the cut.
                     tracing::debug!(run_id = %lease.run_id, "a committer's connection was gone; committing on a fresh one");
                     if self.landed(&lease, &cp).await? {
-                        self.notifier.notify(lease.run_id);
+                        self.notifier.progress(lease.run_id);
                         return Ok(());
                     }
                     let mut conn = self.pool.acquire().await?;
@@ -710,6 +711,8 @@ impl group::Progress for Commits {
                 if row?.is_none() {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 }
+                self.notifier.progress(lease.run_id);
+                return Ok(());
             }
         }
         self.notifier.notify(lease.run_id);
@@ -798,7 +801,7 @@ impl group::Progress for Commits {
     }
 
     fn announce(&self, run: RunId) {
-        self.notifier.notify(run);
+        self.notifier.progress(run);
     }
 
     fn for_committer(&self) -> Self {

@@ -343,7 +343,8 @@ impl SqlStore for SqliteStore {
         )
         .await?;
         tx.commit().await?;
-        self.common.notifier.notify(id);
+        // A claim starts the run: nothing a wait for its end needs to read.
+        self.common.notifier.progress(id);
         Ok(Claim::Acquired(
             Lease {
                 run_id: id,
@@ -592,7 +593,10 @@ impl group::Progress for Commits {
             .await?;
         }
         tx.commit().await?;
-        self.notifier.notify(lease.run_id);
+        match status {
+            Some(_) => self.notifier.notify(lease.run_id),
+            None => self.notifier.progress(lease.run_id),
+        }
         Ok(())
     }
 
@@ -670,6 +674,6 @@ impl group::Progress for Commits {
     }
 
     fn announce(&self, run: RunId) {
-        self.notifier.notify(run);
+        self.notifier.progress(run);
     }
 }

@@ -740,3 +740,41 @@ async fn a_higher_priority_run_goes_first_within_its_owner() {
     stop.cancel();
     w.await.unwrap();
 }
+
+/// A wait for a run's end reads the run when something may have ended it, not at every step:
+/// a short run commits a few checkpoints per step, and each used to have every waiter read the
+/// run again (on SQLite, a third of a short run's statements).
+#[tokio::test]
+async fn a_wait_reads_the_run_at_its_end_not_at_each_step() {
+    let t = spawn_app().await;
+    let run = t.start("SCENARIO steps=20 tool=echo").await;
+    let reads = subagents::notify::SharedReads::default();
+    let count = std::sync::atomic::AtomicUsize::new(0);
+    let t0 = std::time::Instant::now();
+    let (r, _) = t
+        .app
+        .wait_with(
+            run.id,
+            Duration::from_secs(60),
+            &reads,
+            || async {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                t.app.store.get_run(run.id).await
+            },
+            |r| r.as_ref().is_none_or(|r| r.status.is_terminal()),
+        )
+        .await
+        .unwrap();
+    let elapsed = t0.elapsed();
+    let r = r.unwrap();
+    assert_eq!(r.status, RunStatus::Succeeded);
+    assert_eq!(r.step, 20);
+    // The first read, the claim, the end, and the timed re-checks for other processes' writers
+    // (every 250 ms: as many as the run took). Forty progress commits would be forty reads.
+    let rechecks = (elapsed.as_millis() / 250) as usize + 1;
+    let n = count.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        n <= 3 + rechecks,
+        "{n} reads for a 20-step run that took {elapsed:?}"
+    );
+}

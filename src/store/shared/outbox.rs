@@ -42,10 +42,14 @@ where
         self.mark_relayed_ranges(ranges).await
     }
 
-    fn wake_local(&self, run: RunId, cancel: bool) {
-        self.notifier().notify(run);
-        if cancel {
-            self.cancels().notify(run);
+    fn wake_local(&self, run: RunId, wake: Wake) {
+        match wake {
+            Wake::Progress => self.notifier().progress(run),
+            Wake::Change => self.notifier().notify(run),
+            Wake::Cancel => {
+                self.notifier().notify(run);
+                self.cancels().notify(run);
+            }
         }
     }
 }
