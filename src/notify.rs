@@ -128,6 +128,17 @@ impl Notifier {
         self.fire(run, false)
     }
 
+    /// Wakes the run's waiters for a change another process made and announced (over Redis or
+    /// PostgreSQL's NOTIFY); `decisive` as for [`Notifier::notify`] against
+    /// [`Notifier::progress`]. Those waiting on any run are not woken: they relay this
+    /// process's own commits, and another process's were relayed by that process.
+    pub fn heard(&self, run: RunId, decisive: bool) {
+        let n = self.runs.lock().unwrap().get(&run).and_then(Weak::upgrade);
+        if let Some(n) = n {
+            n.fire(decisive);
+        }
+    }
+
     fn fire(&self, run: RunId, decisive: bool) {
         let (n, all) = {
             let map = self.runs.lock().unwrap();
@@ -409,6 +420,31 @@ mod tests {
         let t0 = tokio::time::Instant::now();
         assert!(watch.next().await.is_some(), "a timed re-check");
         assert!(t0.elapsed() >= every);
+    }
+
+    #[test]
+    fn progress_and_changes_heard_from_elsewhere_move_only_what_they_should() {
+        let n = Notifier::default();
+        let run = RunId(uuid::Uuid::now_v7());
+        let (sig, any) = (n.subscribe(run), n.subscribe_all());
+        let (g, d, a) = (sig.generation(), sig.decisive(), any.generation());
+        // A step's checkpoint: streams (and the relay) hear it, a wait for the end need not.
+        n.progress(run);
+        assert!(sig.generation() > g);
+        assert_eq!(sig.decisive(), d);
+        assert!(any.generation() > a);
+        // Another process's change: this process's waiters hear it, its relay does not (it
+        // relays this process's commits; that process relayed its own).
+        let a = any.generation();
+        n.heard(run, false);
+        assert_eq!(sig.decisive(), d);
+        n.heard(run, true);
+        assert!(sig.decisive() > d);
+        assert_eq!(any.generation(), a);
+        // Any other commit here is decisive.
+        let d = sig.decisive();
+        n.notify(run);
+        assert!(sig.decisive() > d);
     }
 
     #[test]

@@ -33,6 +33,9 @@ use crate::store::{EventRecord, Store, StoreError, Wake};
 pub const PREFIX: &str = "subagents";
 const WAKE_CHANNEL: &str = "subagents:wake";
 
+/// Outbox rows one relay pass reads at most.
+const RELAY_BATCH: u32 = 500;
+
 const PUBLISH: &str = r#"
 local last = 0
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
@@ -186,16 +189,17 @@ impl RedisEvents {
         );
     }
 
-    /// Moves unrelayed outbox rows to Redis, in order; returns how many were marked relayed.
+    /// Moves unrelayed outbox rows to Redis, in order; returns how many were read and how
+    /// many of them were marked relayed.
     ///
     /// One pass is three round trips whatever its size: the batch read from the outbox, one
     /// Redis pipeline (the script loaded first, so a restarted Redis needs no retry, then each
     /// event's publication, run by run in order, then a wake-up per run), and one statement
     /// marking what went through.
-    pub async fn relay_once(&self, store: &dyn Store) -> Result<usize, RelayError> {
-        let batch = store.unrelayed(500).await?;
+    pub async fn relay_once(&self, store: &dyn Store) -> Result<(usize, usize), RelayError> {
+        let batch = store.unrelayed(RELAY_BATCH).await?;
         if batch.is_empty() {
-            return Ok(0);
+            return Ok((0, 0));
         }
         let mut pipe = redis::pipe();
         pipe.load_script(&self.script).ignore();
@@ -236,7 +240,7 @@ impl RedisEvents {
             }
         }
         store.mark_relayed(&ranges).await?;
-        Ok(relayed)
+        Ok((batch.len(), relayed))
     }
 
     /// A sink for one model call's token deltas: entries `N-1`, `N-2`, … of the run's stream,
@@ -426,8 +430,12 @@ impl RedisEvents {
                     let changed = any.notified();
                     tokio::pin!(changed);
                     changed.as_mut().enable();
+                    // A full batch may have left more behind: at once again. Otherwise what was
+                    // committed since this pass began has woken `changed`: a second read now
+                    // would find nothing (it did, once per pass: a third of a short run's
+                    // statements on PostgreSQL were the relay's).
                     match me.relay_once(store.as_ref()).await {
-                        Ok(n) if n > 0 => {
+                        Ok((read, relayed)) if read == RELAY_BATCH as usize && relayed > 0 => {
                             backoff = Duration::from_millis(100);
                             continue;
                         }

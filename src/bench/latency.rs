@@ -5,11 +5,13 @@
 //! process and its embedded workers; PostgreSQL with Redis, `serve --workers 0` and one `worker`.
 //! For runs of 1 and 3 steps (the model answers at once: a loopback mock with no latency) it
 //! times the round trip one caller at a time and with `--callers` at once. The floor is the work
-//! such a run cannot avoid, timed alone on the same machine and database: one loopback call to
-//! the mock per step, and `2 × steps + 2` single-row durable commits on a kept connection (the
-//! run's start, its claim, one per model answer, one per tool batch, and the queue's ack). It
-//! prints one JSON line: p50/p90/p99 of every figure, and the ratio of each round trip to its
-//! floor.
+//! such a run cannot avoid, timed alone on the same machine and database: the run's own model
+//! calls (its requests, captured from one run and sent again to the mock, streamed and read to
+//! the end: the mock's share of a step depends on what it is sent, a prompt with tool schemas
+//! to count, not on who sends it), and `2 × steps + 2` single-row durable commits on a kept
+//! connection (the run's start, its claim, one per model answer, one per tool batch, and the
+//! queue's ack). It prints one JSON line: p50/p90/p99 of every figure, and the ratio of each
+//! round trip to its floor.
 
 use std::time::{Duration, Instant};
 
@@ -141,7 +143,16 @@ async fn measure(
                 }
             }
         }
-        let floor = floor(&http, mock, dsn, steps, args.warmup, args.runs).await?;
+        // The run's own requests, for the floor.
+        mock.state.capture();
+        ok &= round_trip(&http, base, steps).await.is_some();
+        let requests = mock.state.take_captured();
+        anyhow::ensure!(
+            requests.len() == steps as usize,
+            "a {steps}-step run sent {} model requests",
+            requests.len()
+        );
+        let floor = floor(&http, mock, dsn, &requests, args.warmup, args.runs).await?;
         let seq = summary(seq);
         let floor = summary(floor);
         let ratio = |a: &Value, ka: &str, b: &Value, kb: &str| {
@@ -184,29 +195,35 @@ async fn round_trip(http: &reqwest::Client, base: &str, steps: u32) -> Option<f6
     Some(ms)
 }
 
-/// The floor of a run of `steps` steps, `runs` times (after `warmup` untimed): `steps` loopback
-/// chat calls to the mock (streamed and read to the end, as the engine does), then
-/// `2 × steps + 2` single-row commits on a kept connection to the same database.
+/// The floor of a run whose model requests were `requests`, `runs` times (after `warmup`
+/// untimed): each request sent to the mock over loopback (streamed and read to the end, as the
+/// engine does), then `2 × steps + 2` single-row commits on a kept connection to the same
+/// database.
 async fn floor(
     http: &reqwest::Client,
     mock: &MockServer,
     dsn: &str,
-    steps: u32,
+    requests: &[axum::body::Bytes],
     warmup: u64,
     runs: u64,
 ) -> anyhow::Result<Vec<f64>> {
     let url = format!("{}/chat/completions", mock.base_url());
-    let body = json!({
-        "model": "mock-model", "stream": true, "stream_options": {"include_usage": true},
-        "messages": [{"role": "user", "content": "floor"}],
-    });
-    let commits = 2 * steps + 2;
+    let commits = 2 * requests.len() + 2;
     let mut db = Committer::open(dsn).await?;
     let mut out = vec![];
     for i in 0..warmup + runs {
         let t0 = Instant::now();
-        for _ in 0..steps {
-            let r = http.post(&url).json(&body).send().await?;
+        for body in requests {
+            let r = http
+                .post(&url)
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(body.clone())
+                .send()
+                .await?;
+            anyhow::ensure!(
+                r.status().is_success(),
+                "the mock refused a replayed request"
+            );
             r.bytes().await?;
         }
         for _ in 0..commits {

@@ -98,7 +98,7 @@ pub(crate) fn listen(pool: PgPool, notifier: Weak<Notifier>) -> tokio::sync::one
                             return;
                         };
                         for run in n.payload().split(',').filter_map(|id| id.parse().ok()) {
-                            notifier.notify(run);
+                            notifier.heard(run, true);
                         }
                     }
                     // The connection dropped and sqlx reconnected: what was sent meanwhile is

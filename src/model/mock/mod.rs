@@ -289,12 +289,26 @@ pub struct MockState {
     accepted: Mutex<std::collections::VecDeque<std::time::Instant>>,
     /// The prompt cache of the Messages API: prefix hashes and when each was last used.
     prompt_cache: Mutex<HashMap<u64, std::time::Instant>>,
+    /// Chat Completions request bodies, kept while a capture is on ([`MockState::capture`]).
+    captured: Mutex<Option<Vec<axum::body::Bytes>>>,
 }
 
 impl MockState {
     /// Replaces the script (tests that need ids known only after start-up).
     pub fn set_script(&self, script: Script) {
         *self.script.lock().unwrap() = Some(Arc::new(script));
+    }
+
+    /// Keeps the bodies of the Chat Completions requests from now on, until
+    /// [`MockState::take_captured`]: `bench-latency` replays a run's own requests to time the
+    /// model calls alone.
+    pub fn capture(&self) {
+        *self.captured.lock().unwrap() = Some(vec![]);
+    }
+
+    /// The bodies kept since [`MockState::capture`], in the order they came; stops keeping.
+    pub fn take_captured(&self) -> Vec<axum::body::Bytes> {
+        self.captured.lock().unwrap().take().unwrap_or_default()
     }
 
     /// Every request answered so far.
@@ -641,6 +655,9 @@ async fn completions(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Some(kept) = state.captured.lock().unwrap().as_mut() {
+        kept.push(body.clone());
+    }
     let parsed = match openai::parse(&body) {
         Ok(p) => p,
         Err(e) => return oai_error(StatusCode::BAD_REQUEST, &e),

@@ -43,13 +43,9 @@ where
     }
 
     fn wake_local(&self, run: RunId, wake: Wake) {
-        match wake {
-            Wake::Progress => self.notifier().progress(run),
-            Wake::Change => self.notifier().notify(run),
-            Wake::Cancel => {
-                self.notifier().notify(run);
-                self.cancels().notify(run);
-            }
+        self.notifier().heard(run, wake != Wake::Progress);
+        if wake == Wake::Cancel {
+            self.cancels().notify(run);
         }
     }
 }
