@@ -511,7 +511,7 @@ impl App {
         timeout: Duration,
     ) -> Result<(Option<Arc<RunRecord>>, std::time::Instant), StoreError> {
         let read = || async { Ok::<_, StoreError>(self.store.get_run(run).await?.map(Arc::new)) };
-        self.wait_with(run, timeout, &self.run_reads, read, |r| {
+        self.wait_with(run, timeout, &self.run_reads, read, None, |r| {
             r.as_ref().is_none_or(|r| r.status.is_terminal())
         })
         .await
@@ -523,12 +523,18 @@ impl App {
     /// after one round of reads rather than two), until `done` says its value ends the wait.
     /// Commits announced as a step's progress ([`crate::notify::Notifier::progress`]) are not
     /// read: `done` must wait for the run's end (or its absence), which no such commit makes.
+    ///
+    /// `created`: the caller has just created the run, and this is the run's
+    /// [`crate::notify::Signal::decisive`] generation from before it did (its signal held since):
+    /// unless something decisive happened since, the first read is skipped too (it would find
+    /// the run queued).
     pub async fn wait_with<V, F, Fut>(
         &self,
         run: RunId,
         timeout: Duration,
         reads: &crate::notify::SharedReads<RunId, V>,
         read: F,
+        created: Option<u64>,
         done: impl Fn(&V) -> bool,
     ) -> Result<(V, std::time::Instant), StoreError>
     where
@@ -546,13 +552,16 @@ impl App {
         let mut not_before = Some(std::time::Instant::now());
         let until = tokio::time::sleep_until(deadline);
         tokio::pin!(until);
+        let mut unread = created.filter(|g| *g == watch.decisive());
         loop {
             // The generations are taken after the watch registered and before the read: a
             // commit announced later wakes us again.
             let seen = watch.decisive();
-            let (v, started) = reads.read(run, watch.fresh(not_before), &read).await?;
-            if done(&v) || tokio::time::Instant::now() >= deadline {
-                return Ok((v, started));
+            if unread.take().is_none() {
+                let (v, started) = reads.read(run, watch.fresh(not_before), &read).await?;
+                if done(&v) || tokio::time::Instant::now() >= deadline {
+                    return Ok((v, started));
+                }
             }
             not_before = loop {
                 let nb = tokio::select! {

@@ -157,8 +157,10 @@ impl Queue {
 /// the moment the last one ended met the fetch that the end itself started, and one run in
 /// thirty waited for the next period (250 ms on PostgreSQL). So a notification is followed by
 /// more wake-ups, [`FOLLOW_UPS`] apart: the first fetch after the one in flight reads after
-/// the commit. They cost an empty fetch each when the job was found at once, and only while
-/// the worker has a free slot (apalis polls no backend for a full worker).
+/// the commit. They stop once the worker was handed a job after the notification
+/// ([`Wakeups::settled_by`]): apalis fetches again after every job it yields while a slot is
+/// free, so a fetch has then started after the notification, and the follow-ups would only be
+/// empty fetches (on PostgreSQL four statements each, with a short run's own about a hundred).
 pub struct Wakeups {
     period: Duration,
     timer: std::pin::Pin<Box<tokio::time::Sleep>>,
@@ -166,6 +168,8 @@ pub struct Wakeups {
     follow_up: std::pin::Pin<Box<tokio::time::Sleep>>,
     /// The follow-ups still owed for the last notification (index into [`FOLLOW_UPS`]).
     owed: usize,
+    /// Jobs the worker was handed, ever, and how many when the last notification came.
+    handed: Option<(std::sync::Arc<std::sync::atomic::AtomicU64>, u64)>,
 }
 
 /// When the wake-ups that follow a notification come, after it and after each other: past a
@@ -187,7 +191,15 @@ impl Wakeups {
             notifications: None,
             follow_up: Box::pin(tokio::time::sleep(Duration::ZERO)),
             owed: FOLLOW_UPS.len(),
+            handed: None,
         }
+    }
+
+    /// Drops the follow-ups owed for a notification once `handed` (the jobs the worker was
+    /// handed, counted by its handler) moves past its value when the notification came.
+    pub fn settled_by(mut self, handed: std::sync::Arc<std::sync::atomic::AtomicU64>) -> Self {
+        self.handed = Some((handed, 0));
+        self
     }
 
     /// Also whenever `stream` yields (its items are only a signal); several streams add up.
@@ -229,6 +241,13 @@ impl apalis_core::backend::ext::poll_strategy::PollStrategy for Wakeups {
             self.owed = 0;
             let at = tokio::time::Instant::now() + FOLLOW_UPS[0];
             self.follow_up.as_mut().reset(at);
+            if let Some((count, at_notice)) = &mut self.handed {
+                *at_notice = count.load(std::sync::atomic::Ordering::SeqCst);
+            }
+        } else if let Some((count, at_notice)) = &self.handed
+            && count.load(std::sync::atomic::Ordering::SeqCst) > *at_notice
+        {
+            self.owed = FOLLOW_UPS.len();
         }
         while self.owed < FOLLOW_UPS.len() && self.follow_up.as_mut().poll(cx).is_ready() {
             woke = true;
@@ -331,6 +350,40 @@ mod tests {
             1,
             "apalis's interval no longer wakes (if it does, apalis fixed it)"
         );
+    }
+
+    /// A notification is followed by more wake-ups (a fetch in flight when it came may have
+    /// read the table before the job committed), until the worker was handed a job after it.
+    #[tokio::test]
+    async fn follow_ups_stop_once_a_job_was_handed_after_the_notification() {
+        use apalis_core::backend::ext::poll_strategy::{PollSnapshot, PollStrategy};
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+        let poll = |s: &mut super::Wakeups| {
+            let waker = std::task::Waker::noop();
+            let mut cx = std::task::Context::from_waker(waker);
+            s.poll_drive(&mut cx, &PollSnapshot::default()).is_ready()
+        };
+        let follow_up = super::FOLLOW_UPS[0] * 3;
+        for handed_a_job in [false, true] {
+            let (tx, rx) = futures::channel::mpsc::unbounded::<()>();
+            let handed = Arc::new(AtomicU64::new(7));
+            let mut w = super::Wakeups::every(std::time::Duration::from_secs(600))
+                .and_on(rx)
+                .settled_by(handed.clone());
+            poll(&mut w);
+            tx.unbounded_send(()).unwrap();
+            assert!(poll(&mut w), "the notification wakes the worker");
+            if handed_a_job {
+                handed.fetch_add(1, SeqCst);
+            }
+            tokio::time::sleep(follow_up).await;
+            assert_eq!(
+                poll(&mut w),
+                !handed_a_job,
+                "a follow-up comes only while no job was handed since the notification"
+            );
+        }
     }
 
     #[test]

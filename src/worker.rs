@@ -204,7 +204,11 @@ pub async fn run_workers(
             Storage::Sqlite(s) => run_worker!(
                 SqliteStorage::<RunJob>::new(s.pool())
                     .with_config(Queue::sqlite_config(queue.heartbeat, settings.concurrency))
-                    .poll_with_strategy(Wakeups::every(settings.poll_interval).and_on(local))
+                    .poll_with_strategy(
+                        Wakeups::every(settings.poll_interval)
+                            .and_on(local)
+                            .settled_by(handed.clone())
+                    )
             ),
             // PostgreSQL also wakes idle workers with LISTEN/NOTIFY for jobs queued in other
             // processes; a slow interval catches a notification that was missed (seen: a job
@@ -216,7 +220,8 @@ pub async fn run_workers(
                             s.pool().clone(),
                             QUEUE_NAME.to_owned(),
                         ))
-                        .and_on(local);
+                        .and_on(local)
+                        .settled_by(handed.clone());
                 run_worker!(
                     PostgresStorage::<RunJob>::new(s.pool())
                         .with_config(Queue::pg_config(queue.heartbeat, settings.concurrency))

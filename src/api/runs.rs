@@ -481,8 +481,16 @@ pub async fn start_and_wait(
             "`webhook` is for POST /v1/runs: a wait answers with the run itself",
         ));
     }
-    let (started, _) = start_from(&state, &owner, body.into()).await?;
-    wait_view(&state, started.run().id, timeout).await
+    // The new run's signal is held from before it exists: its waiter then skips the read that
+    // would find it queued, and hears everything after the start.
+    let id = RunId::default();
+    let signal = state.app.store.subscribe(id);
+    let before = signal.decisive();
+    let started = start_from_body(&state, &owner, body.into(), Some(id)).await?;
+    let created = (started.run().id == id).then_some(before);
+    let r = wait_view(&state, started.run().id, timeout, created).await;
+    drop(signal);
+    r
 }
 
 /// Refuses a start (429 `queue_full`) when the owner already has its cap of queued runs.
@@ -526,18 +534,19 @@ impl RunSnapshot {
             return Ok(RunSnapshot::default());
         };
         let events_after = r.event_seq.saturating_sub(SNAPSHOT_EVENTS);
-        let body = async {
-            match r.status.is_terminal() {
-                true => view_body(store, r.clone(), false).await.map(Some),
-                false => Ok(None),
+        let events = state
+            .app
+            .events_after(id, events_after, SNAPSHOT_EVENTS as u32)
+            .await?;
+        // A finished run's answer, built from the events just read when they reach its last.
+        let body = match r.status.is_terminal() {
+            true => {
+                let whole = events.last().is_some_and(|e| e.seq == r.event_seq);
+                let latest = whole.then_some(events.as_slice());
+                Some(view_body(store, r.clone(), false, latest).await?)
             }
+            false => None,
         };
-        let (events, body) = futures::try_join!(
-            state
-                .app
-                .events_after(id, events_after, SNAPSHOT_EVENTS as u32),
-            body
-        )?;
         let events = Arc::new(
             events
                 .into_iter()
@@ -572,22 +581,33 @@ async fn view_body(
     store: &dyn crate::store::Store,
     r: RunRecord,
     timed_out: bool,
+    latest: Option<&[crate::store::EventRecord]>,
 ) -> crate::store::Result<axum::body::Bytes> {
-    let mut view = RunView::build(store, r).await?;
+    let mut view = RunView::build_from(store, r, latest).await?;
     view.wait_timed_out = Some(timed_out);
     Ok(axum::body::Bytes::from(
         serde_json::to_vec(&view).expect("a view serializes"),
     ))
 }
 
-async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Response, ApiError> {
+async fn wait_view(
+    state: &ApiState,
+    id: RunId,
+    timeout: Duration,
+    created: Option<u64>,
+) -> Result<Response, ApiError> {
     let store = state.app.store.as_ref();
     let read = || RunSnapshot::read(state, id);
     let (RunSnapshot { run: r, body, .. }, started) = state
         .app
-        .wait_with(id, timeout, &state.waits, read, |s: &RunSnapshot| {
-            s.run.is_none() || s.body.is_some()
-        })
+        .wait_with(
+            id,
+            timeout,
+            &state.waits,
+            read,
+            created,
+            |s: &RunSnapshot| s.run.is_none() || s.body.is_some(),
+        )
         .await?;
     let r = r.ok_or_else(|| ApiError::not_found("run"))?;
     let body = match body {
@@ -600,7 +620,7 @@ async fn wait_view(state: &ApiState, id: RunId, timeout: Duration) -> Result<Res
             };
             state
                 .views
-                .read(id, fresh, || view_body(store, (*r).clone(), true))
+                .read(id, fresh, || view_body(store, (*r).clone(), true, None))
                 .await?
                 .0
         }
@@ -631,7 +651,7 @@ pub async fn wait(
     let timeout = wait_duration(q.timeout_s)?;
     owned_run(&state, &owner, id).await?;
     let _held = state.quotas.take(&owner.0, super::quota::Kind::Wait)?;
-    wait_view(&state, id, timeout).await
+    wait_view(&state, id, timeout, None).await
 }
 
 /// `GET /v1/runs/{id}`

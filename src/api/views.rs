@@ -130,6 +130,29 @@ pub struct RunView {
 impl RunView {
     /// Builds the view, reading the few extra facts it shows (progress, queue position).
     pub async fn build(store: &dyn Store, r: RunRecord) -> crate::store::Result<RunView> {
+        Self::build_from(store, r, None).await
+    }
+
+    /// [`RunView::build`], given the run's latest events when the caller has just read them
+    /// (a wait's snapshot does): one read fewer.
+    pub async fn build_from(
+        store: &dyn Store,
+        r: RunRecord,
+        latest: Option<&[crate::store::EventRecord]>,
+    ) -> crate::store::Result<RunView> {
+        let recent = async {
+            match latest {
+                Some(events) => {
+                    let from = r.event_seq.saturating_sub(12);
+                    Ok(events.iter().filter(|e| e.seq > from).cloned().collect())
+                }
+                None => {
+                    store
+                        .events_after(r.id, r.event_seq.saturating_sub(12), 12)
+                        .await
+                }
+            }
+        };
         // The reads are independent: made at once, they cost one wait, not one each (a run's
         // end answers a thousand waits with the view built once; every extra round trip of
         // that build puts all of them behind whatever else the process has to do).
@@ -175,7 +198,7 @@ impl RunView {
             }
         };
         let (recent, queue_position, (children, tree), plan, approvals, pins, scheduled) = futures::try_join!(
-            store.events_after(r.id, r.event_seq.saturating_sub(12), 12),
+            recent,
             queue_position,
             tree,
             // The plan as the agent last wrote it (a run that never planned costs one indexed read).

@@ -485,9 +485,21 @@ impl<'a> Appends<'a> {
         now: DateTime<Utc>,
         relayed: i64,
     ) -> Result<()> {
-        // SQLite allows 32,766 bound values per statement: 7 per message, 6 per event.
+        // SQLite allows 32,766 bound values per statement: 7 per message, 6 per event. The
+        // statements go as one query (sqlx binds each statement's `?`s in turn): one round
+        // trip to the connection's thread rather than one per table.
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("");
+        let mut statements = 0;
+        let mut next = |q: &mut sqlx::QueryBuilder<sqlx::Sqlite>, sql: &str| {
+            if statements > 0 {
+                q.push("; ");
+            }
+            statements += 1;
+            q.push(sql);
+        };
         for chunk in self.messages.chunks(1000) {
-            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            next(
+                &mut q,
                 "INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) ",
             );
             q.push_values(chunk, |mut b, (thread, run, m)| {
@@ -500,10 +512,10 @@ impl<'a> Appends<'a> {
                     .push_bind(now);
             });
             q.push(" ON CONFLICT(key) DO NOTHING");
-            q.build().execute(&mut **tx).await?;
         }
         for chunk in self.events.chunks(1000) {
-            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            next(
+                &mut q,
                 "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ",
             );
             q.push_values(chunk, |mut b, (run, seq, e)| {
@@ -514,16 +526,15 @@ impl<'a> Appends<'a> {
                     .push_bind(now)
                     .push_bind(relayed);
             });
-            q.build().execute(&mut **tx).await?;
         }
         for chunk in self.pins.chunks(1000) {
-            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-                "INSERT INTO sa_run_pins (run_id, name, value) ",
-            );
+            next(&mut q, "INSERT INTO sa_run_pins (run_id, name, value) ");
             q.push_values(chunk, |mut b, (run, name, value)| {
                 b.push_bind(run.as_str()).push_bind(*name).push_bind(*value);
             });
             q.push(" ON CONFLICT(run_id, name) DO NOTHING");
+        }
+        if statements > 0 {
             q.build().execute(&mut **tx).await?;
         }
         Ok(())

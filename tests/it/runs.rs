@@ -761,6 +761,7 @@ async fn a_wait_reads_the_run_at_its_end_not_at_each_step() {
                 count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 t.app.store.get_run(run.id).await
             },
+            None,
             |r| r.as_ref().is_none_or(|r| r.status.is_terminal()),
         )
         .await
@@ -777,4 +778,41 @@ async fn a_wait_reads_the_run_at_its_end_not_at_each_step() {
         n <= 3 + rechecks,
         "{n} reads for a 20-step run that took {elapsed:?}"
     );
+}
+
+/// A wait told the run was just created skips the read that would find it queued, but not one
+/// that something decisive has happened since: a run that ended before its waiter began is
+/// answered at once, not at the timeout.
+#[tokio::test]
+async fn a_wait_for_a_run_just_created_still_sees_an_end_that_came_first() {
+    let t = spawn_app().await;
+    let id = subagents::ids::RunId::default();
+    let signal = t.app.store.subscribe(id);
+    let before = signal.decisive();
+    t.app
+        .start_run(StartRun {
+            input: "Quick.".into(),
+            run_id: Some(id),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(t.wait(id).await.status, RunStatus::Succeeded);
+    let reads = subagents::notify::SharedReads::default();
+    let t0 = Instant::now();
+    let (r, _) = t
+        .app
+        .wait_with(
+            id,
+            Duration::from_secs(30),
+            &reads,
+            || t.app.store.get_run(id),
+            Some(before),
+            |r| r.as_ref().is_none_or(|r| r.status.is_terminal()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.unwrap().status, RunStatus::Succeeded);
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    drop(signal);
 }
