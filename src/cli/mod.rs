@@ -154,8 +154,8 @@ enum Command {
     BenchDashboard(crate::bench::DashboardBenchArgs),
     /// Time a short run's round trip (`POST /v1/runs/wait`, 1 and 3 steps, one caller and
     /// several) on SQLite and on PostgreSQL with Redis, in processes of their own, next to the
-    /// floor the machine sets for the same work (the loopback model calls and durable commits,
-    /// timed alone); prints one JSON line.
+    /// floor the machine sets for the same work (the run's own model requests sent again and as
+    /// many durable commits, timed alone); prints one JSON line.
     BenchLatency(crate::bench::latency::LatencyBenchArgs),
     /// Time from the model's first token to a client's first `model.delta` on
     /// `GET /v1/runs/{id}/events?include=deltas`, with many streams open at once, on SQLite (one
