@@ -172,9 +172,13 @@ pub(crate) fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(format!("{what}: {v}"))
 }
 
+/// The outbox's rows not yet relayed, each run's in seq order (bind: the limit).
+pub(crate) const UNRELAYED: &str =
+    "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1";
+
 /// A backend the shared statements run on: its pools and notifiers, the statements that differ
 /// ([`Statements`]), how its park orders its reads, and its own start, claim, checkpoint and
-/// outbox marking. Both [`SqliteStore`] and [`PgStore`] are one; the store traits are
+/// outbox reads and marks. Both [`SqliteStore`] and [`PgStore`] are one; the store traits are
 /// implemented for every one (`shared/`). The provided methods are the helpers those share.
 #[async_trait]
 pub(crate) trait SqlStore: Send + Sync + Sized + 'static
@@ -224,6 +228,8 @@ where
     async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
     /// Marks the outbox's `(run, first seq, last seq)` ranges relayed.
     async fn mark_relayed_ranges(&self, ranges: &[(RunId, u64, u64)]) -> Result<()>;
+    /// The backend's own [`crate::store::Outbox::unrelayed`] ([`UNRELAYED`]).
+    async fn unrelayed_events(&self, limit: u32) -> Result<Vec<EventRecord>>;
     /// apalis's worker registry (heartbeats every few seconds), newest first.
     async fn workers(&self) -> Result<Vec<(String, DateTime<Utc>)>>;
 

@@ -362,6 +362,14 @@ impl SqlStore for SqliteStore {
     }
 
     /// One statement per run, in one transaction (SQLite statements cost no round trip).
+    async fn unrelayed_events(&self, limit: u32) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query(super::sql::UNRELAYED)
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(Self::event_from_row).collect()
+    }
+
     async fn mark_relayed_ranges(&self, ranges: &[(RunId, u64, u64)]) -> Result<()> {
         let mut tx = self.pool.begin().await?;
         for (run, first, last) in ranges {

@@ -26,13 +26,7 @@ where
     Option<DateTime<Utc>>: Col<S::Db>,
 {
     async fn unrelayed(&self, limit: u32) -> Result<Vec<EventRecord>> {
-        let rows = sqlx::query(
-            "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1",
-        )
-        .bind(limit as i64)
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter().map(S::event_from_row).collect()
+        self.unrelayed_events(limit).await
     }
 
     async fn mark_relayed(&self, ranges: &[(RunId, u64, u64)]) -> Result<()> {
