@@ -312,3 +312,43 @@ async fn a_redis_outage_moves_the_budgets_to_the_database() {
         t0.elapsed()
     );
 }
+
+/// The relay keeps its PostgreSQL connection between passes; a server restart cuts it. After
+/// the restart the relay goes on, on a new connection: every event of runs that lived through
+/// the outage reaches Redis, in order, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_goes_on_after_a_postgresql_restart() {
+    let redis = RedisServer::start();
+    let pg = PrivatePostgres::start();
+    let (url, redis_url) = (pg.url(), redis.url());
+    let t = spawn_app_with(Options {
+        latency: Duration::from_millis(100),
+        tweak: Box::new(move |s| {
+            s.database_url = url;
+            s.redis_url = Some(redis_url);
+            // Longer than the outage: renewals retry through it instead of giving the lease up.
+            s.lease_ttl_secs = 10.0;
+        }),
+        ..Default::default()
+    })
+    .await;
+    let mut runs = vec![];
+    for i in 0..3 {
+        runs.push(t.start(&format!("SCENARIO steps=8 tool=echo run=rr{i}")).await);
+    }
+    // The relay has used (and kept) its connection before the restart.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while t.app.store.events_after(runs[0].id, 0, 100).await.unwrap().len() < 4 {
+        assert!(Instant::now() < deadline, "the runs did not get going");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drained(&t).await;
+    pg.down();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    pg.up();
+    for r in &runs {
+        assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
+    }
+    drained(&t).await;
+    assert_streams_match_outbox(&t, &redis, &runs).await;
+}
