@@ -196,7 +196,10 @@ impl PgStore {
         &self,
         statement: impl for<'c> Fn(
             &'c mut sqlx::PgConnection,
-        ) -> futures::future::BoxFuture<'c, std::result::Result<T, sqlx::Error>>,
+        ) -> futures::future::BoxFuture<
+            'c,
+            std::result::Result<T, sqlx::Error>,
+        >,
     ) -> Result<T> {
         let relay = Commits {
             held: Some(self.relay_conn.clone()),

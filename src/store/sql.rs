@@ -173,8 +173,7 @@ pub(crate) fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
 }
 
 /// The outbox's rows not yet relayed, each run's in seq order (bind: the limit).
-pub(crate) const UNRELAYED: &str =
-    "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1";
+pub(crate) const UNRELAYED: &str = "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1";
 
 /// A backend the shared statements run on: its pools and notifiers, the statements that differ
 /// ([`Statements`]), how its park orders its reads, and its own start, claim, checkpoint and

@@ -334,11 +334,22 @@ async fn the_relay_goes_on_after_a_postgresql_restart() {
     .await;
     let mut runs = vec![];
     for i in 0..3 {
-        runs.push(t.start(&format!("SCENARIO steps=8 tool=echo run=rr{i}")).await);
+        runs.push(
+            t.start(&format!("SCENARIO steps=8 tool=echo run=rr{i}"))
+                .await,
+        );
     }
     // The relay has used (and kept) its connection before the restart.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while t.app.store.events_after(runs[0].id, 0, 100).await.unwrap().len() < 4 {
+    while t
+        .app
+        .store
+        .events_after(runs[0].id, 0, 100)
+        .await
+        .unwrap()
+        .len()
+        < 4
+    {
         assert!(Instant::now() < deadline, "the runs did not get going");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
