@@ -162,14 +162,11 @@ impl RunView {
                 _ => Ok(None),
             }
         };
+        // Its pins, schedule, plan and children in one read; the tree's totals only when it
+        // has children.
         let tree = async {
-            let children: Vec<RunId> = store
-                .children(r.id)
-                .await?
-                .into_iter()
-                .map(|c| c.id)
-                .collect();
-            let tree = if children.is_empty() {
+            let extras = store.view_extras(r.id, "todo_write").await?;
+            let tree = if extras.children.is_empty() {
                 crate::domain::TreeTotals {
                     usage: r.usage,
                     steps: u64::from(r.step),
@@ -178,7 +175,7 @@ impl RunView {
             } else {
                 store.tree_totals(r.id).await?
             };
-            Ok((children, tree))
+            Ok((extras, tree))
         };
         // Only a parked run can be waiting for a person.
         let approvals = async {
@@ -197,16 +194,15 @@ impl RunView {
                 _ => Ok(vec![]),
             }
         };
-        let (recent, queue_position, (children, tree), plan, approvals, pins, scheduled) = futures::try_join!(
-            recent,
-            queue_position,
-            tree,
-            // The plan as the agent last wrote it (a run that never planned costs one indexed read).
-            store.last_call_arguments(r.id, "todo_write"),
-            approvals,
-            store.run_pins(r.id),
-            store.run_schedule(r.id),
-        )?;
+        let (recent, queue_position, (extras, tree), approvals) =
+            futures::try_join!(recent, queue_position, tree, approvals)?;
+        let crate::store::ViewExtras {
+            pins,
+            schedule: scheduled,
+            // The plan as the agent last wrote it.
+            last_call: plan,
+            children,
+        } = extras;
         let mut progress: Vec<String> = recent.iter().filter_map(progress_line).collect();
         let n = progress.len();
         progress.drain(..n.saturating_sub(3));

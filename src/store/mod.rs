@@ -1062,6 +1062,11 @@ pub trait Queries: Send + Sync + 'static {
     /// view reads the agent's plan (`todo_write`) this way.
     async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>>;
 
+    /// What a run's view shows beside the run, in one read: its pins, the schedule tick that
+    /// started it, the arguments of its latest call to `tool` (the plan), and its children's
+    /// ids. Each of these was a read of its own: four round trips for every answer.
+    async fn view_extras(&self, run: RunId, tool: &str) -> Result<ViewExtras>;
+
     /// How many runs `owner` has queued (all priorities), from the queue-depth counters: one
     /// read, whatever the backlog.
     async fn queued_count(&self, owner: &OwnerId) -> Result<u64>;
@@ -1087,6 +1092,19 @@ pub trait Outbox: Send + Sync + 'static {
 
     /// Wakes this process's waiters for a change made elsewhere (heard over Redis).
     fn wake_local(&self, run: RunId, wake: Wake);
+}
+
+/// [`Queries::view_extras`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ViewExtras {
+    /// [`Pins::run_pins`].
+    pub pins: std::collections::BTreeMap<String, String>,
+    /// The schedule and the tick (ms) that started the run ([`Schedules::run_schedule`]).
+    pub schedule: Option<(String, i64)>,
+    /// [`Queries::last_call_arguments`].
+    pub last_call: Option<String>,
+    /// The children's ids, oldest first.
+    pub children: Vec<RunId>,
 }
 
 /// What another process said changed about a run (see [`Outbox::wake_local`]).

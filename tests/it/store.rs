@@ -190,6 +190,7 @@ macro_rules! conformance {
 }
 
 conformance!(
+    a_runs_view_extras_come_in_one_read,
     approvals_park_wake_and_answer_once,
     compactions_are_fenced_idempotent_and_where_contexts_start,
     a_stale_epoch_cannot_write,
@@ -1674,6 +1675,66 @@ async fn an_agent_version_is_pinned_with_the_run_and_kept_once(s: Backend) {
 /// A run's pins: each name takes its first value for good (a second pin of it, as from a claim
 /// racing the first, gets the first value back); names pinned later join them; a pinned
 /// text is kept once.
+/// What a run's view shows beside the run (pins, plan, children, schedule) comes in one read,
+/// the same as the reads it replaced.
+async fn a_runs_view_extras_come_in_one_read(s: Backend) {
+    let (_, lease) = claimed_run(&s, Duration::from_secs(10)).await;
+    let run = lease.run_id;
+    assert_eq!(
+        s.view_extras(run, "todo_write").await.unwrap(),
+        ViewExtras::default()
+    );
+    let plan = r#"{"todos":[{"content":"x","status":"pending"}]}"#;
+    let call = |name: &str, arguments: &str| subagents::model::ToolCall {
+        id: format!("c-{name}"),
+        kind: "function".into(),
+        function: subagents::model::FunctionCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        },
+    };
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            pins: vec![("model".into(), "m1".into())],
+            messages: vec![NewMessage {
+                step: 1,
+                key: format!("{run}:a1"),
+                message: Message::Assistant {
+                    content: None,
+                    tool_calls: vec![call("todo_write", plan), call("echo", "{}")],
+                    thinking: vec![],
+                },
+            }],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut children = vec![];
+    for _ in 0..2 {
+        let mut child = new_run(&ThreadId::generate());
+        child.parent_run_id = Some(run);
+        children.push(s.create_run(child).await.unwrap().run.id);
+    }
+    let x = s.view_extras(run, "todo_write").await.unwrap();
+    assert_eq!(x.pins, s.run_pins(run).await.unwrap());
+    assert_eq!(x.pins["model"], "m1");
+    assert_eq!(x.last_call.as_deref(), Some(plan));
+    assert_eq!(
+        x.last_call,
+        s.last_call_arguments(run, "todo_write").await.unwrap()
+    );
+    let mut want = children.clone();
+    want.sort_by_key(|id| id.to_string());
+    assert_eq!(x.children, want);
+    assert_eq!(x.schedule, None);
+    assert_eq!(
+        s.view_extras(run, "web_search").await.unwrap().last_call,
+        None
+    );
+}
+
 async fn a_run_pins_each_value_once_and_the_first_pin_holds(s: Backend) {
     let run = s
         .create_run(new_run(&ThreadId::generate()))

@@ -6,6 +6,25 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Row, Type};
 
 use super::*;
 
+/// A LIKE pattern for a stored assistant message that calls `tool`.
+fn call_pattern(tool: &str) -> String {
+    format!("%\"name\":\"{tool}\"%")
+}
+
+/// The arguments of the last call to `tool` in a stored assistant message's body.
+fn call_arguments(body: &str, tool: &str) -> Result<Option<String>> {
+    let message: crate::model::Message =
+        serde_json::from_str(body).map_err(|e| corrupt("message body", e))?;
+    Ok(match message {
+        crate::model::Message::Assistant { tool_calls, .. } => tool_calls
+            .into_iter()
+            .rev()
+            .find(|c| c.function.name == tool)
+            .map(|c| c.function.arguments),
+        _ => None,
+    })
+}
+
 #[async_trait]
 impl<S> Queries for S
 where
@@ -241,28 +260,53 @@ where
     async fn last_call_arguments(&self, run: RunId, tool: &str) -> Result<Option<String>> {
         // The run's assistant messages, newest first; the index on (run_id, id) keeps it
         // to this run's rows.
-        let pattern = format!("%\"name\":\"{tool}\"%");
         let rows = sqlx::query(
             "SELECT body FROM sa_messages WHERE run_id = $1 AND role = 'assistant' AND body LIKE $2 ORDER BY id DESC LIMIT 1",
         )
         .bind(run.to_string())
-        .bind(pattern)
+        .bind(call_pattern(tool))
         .fetch_all(self.reads())
         .await?;
-        let Some(row) = rows.first() else {
-            return Ok(None);
-        };
-        let body: String = row.get(0);
-        let message: crate::model::Message =
-            serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?;
-        Ok(match message {
-            crate::model::Message::Assistant { tool_calls, .. } => tool_calls
-                .into_iter()
-                .rev()
-                .find(|c| c.function.name == tool)
-                .map(|c| c.function.arguments),
-            _ => None,
-        })
+        match rows.first() {
+            Some(row) => call_arguments(&row.get::<String, _>(0), tool),
+            None => Ok(None),
+        }
+    }
+
+    async fn view_extras(&self, run: RunId, tool: &str) -> Result<ViewExtras> {
+        // One row per pin (part 0), the schedule tick (1), the latest message calling `tool`
+        // (2), and one per child (3); two text columns each.
+        let rows = sqlx::query(
+            "SELECT 0 AS part, name AS a, value AS b FROM sa_run_pins WHERE run_id = $1 \
+             UNION ALL SELECT 1, schedule_id, CAST(tick AS TEXT) FROM sa_schedule_runs WHERE run_id = $1 \
+             UNION ALL SELECT 2, body, NULL FROM (SELECT body FROM sa_messages WHERE run_id = $1 \
+               AND role = 'assistant' AND body LIKE $2 ORDER BY id DESC LIMIT 1) m \
+             UNION ALL SELECT 3, id, NULL FROM sa_runs WHERE parent_run_id = $1 \
+             ORDER BY 1, 2",
+        )
+        .bind(run.to_string())
+        .bind(call_pattern(tool))
+        .fetch_all(self.reads())
+        .await?;
+        let mut extras = ViewExtras::default();
+        for r in &rows {
+            let a: String = r.get(1);
+            let b: Option<String> = r.get(2);
+            match r.get::<i32, _>(0) {
+                0 => {
+                    extras.pins.insert(a, b.unwrap_or_default());
+                }
+                1 => {
+                    let tick = b.as_deref().unwrap_or("").parse::<i64>();
+                    extras.schedule = Some((a, tick.map_err(|e| corrupt("schedule tick", e))?));
+                }
+                2 => extras.last_call = call_arguments(&a, tool)?,
+                _ => extras
+                    .children
+                    .push(a.parse().map_err(|e| corrupt("run id", e))?),
+            }
+        }
+        Ok(extras)
     }
 
     async fn queued_count(&self, owner: &OwnerId) -> Result<u64> {
