@@ -119,13 +119,13 @@ impl Notifier {
 
     /// Wakes everyone waiting on the run, and everyone waiting on any run.
     pub fn notify(&self, run: RunId) {
-        self.fire(run, true)
+        self.fire(run, true, true)
     }
 
     /// [`Notifier::notify`] for a commit that cannot have ended the run (a step's checkpoint):
     /// streams read it, waits for the run's end sleep on.
     pub fn progress(&self, run: RunId) {
-        self.fire(run, false)
+        self.fire(run, false, true)
     }
 
     /// Wakes the run's waiters for a change another process made and announced (over Redis or
@@ -133,18 +133,17 @@ impl Notifier {
     /// [`Notifier::progress`]. Those waiting on any run are not woken: they relay this
     /// process's own commits, and another process's were relayed by that process.
     pub fn heard(&self, run: RunId, decisive: bool) {
-        let n = self.runs.lock().unwrap().get(&run).and_then(Weak::upgrade);
-        if let Some(n) = n {
-            n.fire(decisive);
-        }
+        self.fire(run, decisive, false)
     }
 
-    fn fire(&self, run: RunId, decisive: bool) {
+    /// Wakes the run's waiters, and with `local` (a commit of this process) those waiting on
+    /// any run.
+    fn fire(&self, run: RunId, decisive: bool, local: bool) {
         let (n, all) = {
             let map = self.runs.lock().unwrap();
             (
                 map.get(&run).and_then(Weak::upgrade),
-                map.get(&ANY).and_then(Weak::upgrade),
+                map.get(&ANY).filter(|_| local).and_then(Weak::upgrade),
             )
         };
         if let Some(n) = n {
