@@ -50,6 +50,9 @@ pub struct App {
     run_reads: crate::notify::SharedReads<RunId, Option<Arc<RunRecord>>>,
     /// Event pages shared by the streams one commit wakes, by run and cursor.
     event_reads: crate::notify::SharedReads<(RunId, u64, u32), Arc<Vec<StreamedEvent>>>,
+    /// This process's queue workers (once [`App::spawn_workers`] runs them), which the runs
+    /// started here are handed to directly when one has a free slot.
+    local: Arc<crate::worker::Local>,
 }
 
 /// An event as streams send it: the record, and its JSON, serialized once for every stream
@@ -435,6 +438,7 @@ impl App {
             redis,
             run_reads: Default::default(),
             event_reads: Default::default(),
+            local: Default::default(),
         })
     }
 
@@ -445,14 +449,24 @@ impl App {
     }
 
     /// [`App::start_run`], also telling whether an idempotency key matched an earlier start.
+    ///
+    /// When one of this process's workers has a free slot and the run is next in line, the run
+    /// is handed to that worker as it is written ([`crate::worker::Local`]), not left for a
+    /// fetch.
     pub async fn start(&self, req: StartRun) -> Result<Created, StartError> {
-        start_run(
+        let slot = self.local.reserve();
+        let created = crate::runs::start_run_held(
             self.store.as_ref(),
             &self.agents,
             self.settings.max_input_bytes,
             req,
+            slot.as_ref().map(|s| s.worker().to_owned()),
         )
-        .await
+        .await?;
+        if let Some(slot) = slot.filter(|_| created.held) {
+            slot.run(created.run.id, created.run.job_id.clone());
+        }
+        Ok(created)
     }
 
     /// The concurrency limits this process configures, by the key prefix it owns: the
@@ -719,7 +733,13 @@ impl App {
             drain_grace: self.settings.drain_grace(),
         };
         let relay = self.spawn_relay(shutdown.clone());
-        let workers = run_workers(self.engine.clone(), self.queue.clone(), settings, shutdown);
+        let workers = run_workers(
+            self.engine.clone(),
+            self.queue.clone(),
+            settings,
+            self.local.clone(),
+            shutdown,
+        );
         let limits = self.concurrency_limits();
         let store = self.store.clone();
         tokio::spawn(async move {

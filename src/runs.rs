@@ -137,6 +137,18 @@ pub async fn start_run(
     max_input_bytes: usize,
     req: StartRun,
 ) -> Result<Created, StartError> {
+    start_run_held(store, agents, max_input_bytes, req, None).await
+}
+
+/// [`start_run`], offering the run's job to `held_by`, a queue worker of this process with a
+/// free slot ([`crate::worker::Local`]); [`Created::held`] says whether it took it.
+pub async fn start_run_held(
+    store: &dyn RunLog,
+    agents: &Agents,
+    max_input_bytes: usize,
+    req: StartRun,
+    held_by: Option<String>,
+) -> Result<Created, StartError> {
     let agent_name = req.agent.unwrap_or_else(|| GENERAL_PURPOSE.to_owned());
     let current = agents.current();
     let inherited = match &req.agent_version {
@@ -218,6 +230,7 @@ pub async fn start_run(
     let created = store
         .create_run(NewRun {
             agent_version,
+            held_by,
             id: req.run_id.unwrap_or_default(),
             thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
             owner: req.owner.unwrap_or_else(OwnerId::local),

@@ -22,7 +22,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::engine::{Engine, Executed};
+use crate::ids::RunId;
 use crate::queue::{QUEUE_NAME, Queue, RunJob, Storage, Wakeups};
+use crate::store::{JobEnd, RunStatus, StoreError};
 
 /// What a worker needs to execute jobs.
 pub struct WorkerContext {
@@ -40,6 +42,9 @@ pub struct WorkerContext {
     /// Jobs this process's workers were handed, ever: a worker with free slots whose count
     /// stands still is starved, and only then looks for runs other workers hold.
     pub handed: Arc<std::sync::atomic::AtomicU64>,
+    /// The process's `concurrency` slots, shared by the runs apalis hands this worker and the
+    /// runs a start hands it in-process ([`Local`]).
+    pub slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// How long a run held back by a concurrency limit waits before it is looked at again: until
@@ -57,44 +62,11 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
     // task sees the shutdown and starts nothing.
     let tracker = ctx.in_flight.clone();
     let ctx_shutdown = ctx.shutdown.clone();
-    let task = tracker.spawn(
-        async move {
-            let store = ctx.engine.store.as_ref();
-            // A draining worker starts nothing new: apalis may still hand it a job it fetched
-            // (even the job of a run this worker just released), and claiming it would take
-            // the run back from the queue. The run gets a fresh job instead, for a worker that
-            // is not stopping.
-            if ctx.shutdown.is_cancelled() {
-                tracing::info!(%run_id, "draining: not starting this run; handing it back to the queue");
-                if store.get_run(run_id).await?.is_some_and(|r| r.status == crate::store::RunStatus::Queued) {
-                    crate::runs::push(store, &ctx.queue, run_id).await?;
-                }
-                return Ok(Executed::Skipped);
-            }
-            let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
-            match &executed {
-                Executed::Finished(ended) => {
-                    ctx.engine.settings.failpoints.hit("after_terminal_commit").await;
-                    if let Err(e) = crate::runs::after_end(store, &ctx.queue, ended).await {
-                        tracing::warn!(%run_id, error = %e, "could not start the thread's next run or wake its waiters; the reaper will");
-                    }
-                }
-                Executed::Parked { due: true, .. } => crate::runs::push(store, &ctx.queue, run_id).await?,
-                // A timed park (a rate limit, a wait's timeout, the run's deadline): a job due
-                // then, so it wakes on time; whatever wakes it earlier pushes its own, and the
-                // late one finds nothing to claim.
-                Executed::Parked { due: false, wake_at: Some(at) } => {
-                    let delay = Duration::from_millis(at.saturating_sub(crate::store::now_ms()).max(0) as u64);
-                    crate::runs::push_after(store, &ctx.queue, run_id, delay).await?
-                }
-                // Held back by a concurrency limit: looked at again shortly, by rank as ever.
-                Executed::Deferred => crate::runs::push_after(store, &ctx.queue, run_id, LIMIT_RETRY).await?,
-                // A released run's job was pushed with the release.
-                Executed::Released | Executed::Parked { due: false, wake_at: None } | Executed::Skipped | Executed::LeaseLost => {}
-            }
-            Ok::<_, crate::store::StoreError>(executed)
-        }
-    );
+    let task = tracker.spawn(async move {
+        // A slot of the process's concurrency, which runs handed over in-process share.
+        let _slot = ctx.slots.clone().acquire_owned().await;
+        serve(&ctx, run_id).await
+    });
     // On shutdown apalis stops polling its backend (possibly between a statement of one of its
     // own SQLite transactions and the commit, the write lock held) and waits for the handlers
     // before it finishes that transaction. A handler that waited here for its run to drain would
@@ -108,6 +80,145 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
             Err(join) => Err(Box::new(join)),
         },
         _ = ctx_shutdown.cancelled() => Ok(()),
+    }
+}
+
+/// A job's run, however the job reached this worker: executed, then what its outcome asks of
+/// the queue (the thread's next run, a parked run's wake-up job, a deferred run's retry).
+async fn serve(ctx: &WorkerContext, run_id: RunId) -> Result<Executed, StoreError> {
+    let store = ctx.engine.store.as_ref();
+    // A draining worker starts nothing new: apalis may still hand it a job it fetched (even
+    // the job of a run this worker just released), and claiming it would take the run back
+    // from the queue. The run gets a fresh job instead, for a worker that is not stopping.
+    if ctx.shutdown.is_cancelled() {
+        tracing::info!(%run_id, "draining: not starting this run; handing it back to the queue");
+        if store
+            .get_run(run_id)
+            .await?
+            .is_some_and(|r| r.status == RunStatus::Queued)
+        {
+            crate::runs::push(store, &ctx.queue, run_id).await?;
+        }
+        return Ok(Executed::Skipped);
+    }
+    let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
+    match &executed {
+        Executed::Finished(ended) => {
+            ctx.engine
+                .settings
+                .failpoints
+                .hit("after_terminal_commit")
+                .await;
+            if let Err(e) = crate::runs::after_end(store, &ctx.queue, ended).await {
+                tracing::warn!(%run_id, error = %e, "could not start the thread's next run or wake its waiters; the reaper will");
+            }
+        }
+        Executed::Parked { due: true, .. } => crate::runs::push(store, &ctx.queue, run_id).await?,
+        // A timed park (a rate limit, a wait's timeout, the run's deadline): a job due then,
+        // so it wakes on time; whatever wakes it earlier pushes its own, and the late one
+        // finds nothing to claim.
+        Executed::Parked {
+            due: false,
+            wake_at: Some(at),
+        } => {
+            let delay =
+                Duration::from_millis(at.saturating_sub(crate::store::now_ms()).max(0) as u64);
+            crate::runs::push_after(store, &ctx.queue, run_id, delay).await?
+        }
+        // Held back by a concurrency limit: looked at again shortly, by rank as ever.
+        Executed::Deferred => {
+            crate::runs::push_after(store, &ctx.queue, run_id, LIMIT_RETRY).await?
+        }
+        // A released run's job was pushed with the release.
+        Executed::Released
+        | Executed::Parked {
+            due: false,
+            wake_at: None,
+        }
+        | Executed::Skipped
+        | Executed::LeaseLost => {}
+    }
+    Ok(executed)
+}
+
+/// This process's queue workers as its own starts see them, so a run started here is handed
+/// to a worker here at once: no notification, no fetch (on SQLite a write transaction of its
+/// own), no task hand-offs between them. The start writes the run's job already locked to the
+/// worker, as apalis's fetch would leave it, and the worker settles it as apalis's ack would
+/// ([`crate::store::Claims::settle_held_job`]). Only a run next in line is handed over (no
+/// other job waiting to be fetched, none of its owner's runs ahead): everything else keeps the
+/// queue's order.
+///
+/// Runs handed over this way and runs apalis fetched share the process's `concurrency` slots,
+/// so the two paths together never run more at once than configured. A crash loses nothing:
+/// the job is locked to a worker whose heartbeat stops, and apalis's orphan recovery gives it
+/// back to the queue like any job a dead worker fetched.
+#[derive(Default)]
+pub struct Local {
+    current: std::sync::Mutex<Option<Arc<WorkerContext>>>,
+}
+
+/// A free slot of one of this process's queue workers, taken for a run about to start.
+/// Dropping it unused frees the slot.
+pub struct Reserved {
+    ctx: Arc<WorkerContext>,
+    slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Local {
+    /// A free slot of the worker running now, unless there is none, no worker runs in this
+    /// process, or it is shutting down.
+    pub fn reserve(&self) -> Option<Reserved> {
+        let ctx = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()?;
+        if ctx.shutdown.is_cancelled() {
+            return None;
+        }
+        let slot = ctx.slots.clone().try_acquire_owned().ok()?;
+        Some(Reserved { ctx, slot })
+    }
+
+    fn set(&self, ctx: Option<Arc<WorkerContext>>) {
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = ctx;
+    }
+}
+
+impl Reserved {
+    /// The queue worker the run's job is to be locked to ([`crate::domain::NewRun::held_by`]).
+    pub fn worker(&self) -> &str {
+        &self.ctx.name
+    }
+
+    /// Executes the run whose job the start locked to [`Reserved::worker`], in the slot, and
+    /// settles the job: done, or back on the queue when the handling failed (as apalis retries
+    /// a job whose handler failed).
+    pub fn run(self, run_id: RunId, job_id: String) {
+        let Reserved { ctx, slot } = self;
+        tracing::debug!(%run_id, worker = %ctx.name, "run handed to this process's worker as it started");
+        let tracker = ctx.in_flight.clone();
+        tracker.spawn(async move {
+            let served = serve(&ctx, run_id).await;
+            drop(slot);
+            let end = match served {
+                Ok(_) => JobEnd::Done,
+                Err(e) => {
+                    tracing::warn!(%run_id, error = %e, "run failed in its worker; its job goes back on the queue");
+                    JobEnd::Retry
+                }
+            };
+            let store = ctx.engine.store.as_ref();
+            match store.settle_held_job(&job_id, &ctx.name, end).await {
+                Ok(()) if end == JobEnd::Retry => store.job_queued(),
+                Ok(()) => {}
+                Err(e) => tracing::warn!(
+                    %run_id, error = %e,
+                    "could not settle the run's job; the queue gives it back once this worker's heartbeat lapses"
+                ),
+            }
+        });
     }
 }
 
@@ -132,6 +243,7 @@ pub async fn run_workers(
     engine: Arc<Engine>,
     queue: Queue,
     settings: WorkerSettings,
+    starts: Arc<Local>,
     shutdown: CancellationToken,
 ) {
     // The tokenizers load once per process (tens of ms, more in debug builds): before the first
@@ -148,6 +260,7 @@ pub async fn run_workers(
     // The queue worker running now, for the look at what other workers hold.
     let current = Arc::new(std::sync::Mutex::new(String::new()));
     let handed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let slots = Arc::new(tokio::sync::Semaphore::new(settings.concurrency.max(1)));
     let relief = tokio::spawn(relieve(
         engine.clone(),
         queue.clone(),
@@ -177,7 +290,9 @@ pub async fn run_workers(
             queue: queue.clone(),
             in_flight: in_flight.clone(),
             handed: handed.clone(),
+            slots: slots.clone(),
         });
+        starts.set(Some(ctx.clone()));
         tracing::info!(worker = %name, concurrency = settings.concurrency, "worker started");
         let stop = shutdown.clone();
         let until = async move {
@@ -229,6 +344,9 @@ pub async fn run_workers(
                 )
             }
         };
+        // Starts stop handing runs to a worker that stopped (its name is no longer registered
+        // either way once its heartbeat lapses).
+        starts.set(None);
         if shutdown.is_cancelled() {
             break;
         }

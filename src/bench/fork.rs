@@ -61,6 +61,7 @@ pub async fn run(mut settings: Settings, args: ForkBenchArgs) -> anyhow::Result<
             priority: 3,
             place: QueuePlace::Back,
             agent_version: None,
+            held_by: None,
         })
         .await?;
     let Claim::Acquired(lease, _) = store

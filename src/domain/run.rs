@@ -72,6 +72,11 @@ pub struct NewRun {
     pub place: QueuePlace,
     /// The agent definition version it runs ([`crate::pinning`]).
     pub agent_version: Option<String>,
+    /// A queue worker of this process with a free slot, to be handed the run's job as it is
+    /// written (locked to it, as apalis's fetch would) rather than left for a fetch: see
+    /// [`crate::worker::Local`]. The store hands it over only when the run is next in line:
+    /// none of its owner's runs queued ahead and no other job waiting to be fetched.
+    pub held_by: Option<String>,
 }
 
 /// A run's place in its delegation tree.

@@ -77,6 +77,18 @@ pub struct Created {
     /// Its owner's queued runs ahead of it as it was created, by [`NewRun::place`] (what
     /// [`Claims::queue_rank`] answers, read in the same round trip); 0 for an existing run.
     pub ahead: u32,
+    /// Whether the run's job was written locked to [`NewRun::held_by`]: that worker starts
+    /// it now, and nobody else fetches it.
+    pub held: bool,
+}
+
+/// How a job handed to a worker of this process ended ([`Claims::settle_held_job`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobEnd {
+    /// Handled: the run went as far as this worker could take it (whatever its outcome).
+    Done,
+    /// The handling failed (the database, most often): any worker fetches it again.
+    Retry,
 }
 
 /// Filters for listing runs; absent fields do not filter.
@@ -612,6 +624,12 @@ pub trait Claims: Send + Sync + 'static {
 
     /// Records the queue job now responsible for the run.
     async fn set_job(&self, run: RunId, job_id: &str) -> Result<()>;
+
+    /// Ends a job that a start handed to `worker` of this process ([`Created::held`]), as
+    /// apalis acks the jobs it fetched: `Done`, or back on the queue for any worker when the
+    /// handling failed. Nothing when the job is no longer locked to `worker` (apalis's orphan
+    /// recovery gave it back after the worker's heartbeat lapsed).
+    async fn settle_held_job(&self, job_id: &str, worker: &str, end: JobEnd) -> Result<()>;
 
     /// Tells this process's workers that a job they can start now was queued, so they fetch at
     /// once rather than at their next poll (a start does it itself).

@@ -216,6 +216,29 @@ impl PgStore {
         r
     }
 
+    /// Locks a new run's job to `worker` of this process, as apalis's fetch would (`Queued`,
+    /// `lock_by`), when no other job waits to be fetched: the run's start then hands it to that
+    /// worker in-process. After the start's own statement rather than inside it, so the start
+    /// function stays one for every caller; a fetch that got there first simply wins (the
+    /// fence is the job's `Pending`). The NOTIFY of the job's insert woke the other processes'
+    /// workers: their fetch finds nothing, as it would when another worker was quicker.
+    async fn hand_over(&self, job_id: &str, worker: &str) -> Result<bool> {
+        let taken = sqlx::query(
+            "UPDATE apalis.jobs SET status = 'Queued', lock_by = $2, lock_at = now() \
+             WHERE id = $1 AND status = 'Pending' AND lock_by IS NULL \
+               AND EXISTS (SELECT 1 FROM apalis.workers w WHERE w.id = $2) \
+               AND NOT EXISTS (SELECT 1 FROM apalis.jobs o WHERE o.job_type = $3 AND o.id <> $1 \
+                 AND o.lock_by IS NULL AND o.run_at <= now() \
+                 AND (o.status = 'Pending' OR (o.status = 'Failed' AND o.attempts < o.max_attempts)))",
+        )
+        .bind(job_id)
+        .bind(worker)
+        .bind(QUEUE_NAME)
+        .execute(&self.pool)
+        .await?;
+        Ok(taken.rows_affected() == 1)
+    }
+
     /// Connects and migrates both our schema and apalis's.
     pub async fn connect(url: &str) -> Result<PgStore> {
         // One direct connection first: a wrong URL or a server that is down fails here at once
@@ -298,8 +321,9 @@ impl SqlStore for PgStore {
     const PARK_READS_FIRST: bool = true;
 
     fn statements() -> &'static Statements {
-        static S: std::sync::LazyLock<Statements> =
-            std::sync::LazyLock::new(|| Statements::new("apalis.jobs", " FOR SHARE", "owner"));
+        static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
+            Statements::new("apalis.jobs", " FOR SHARE", "owner", "now()")
+        });
         &S
     }
 
@@ -374,17 +398,25 @@ impl SqlStore for PgStore {
         let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
         match (outcome.as_str(), rid) {
             ("created", Some(_)) => {
-                self.common.notifier.job_queued();
+                let held = match &new.held_by {
+                    Some(worker) if ahead == 0 => self.hand_over(&new.job_id, worker).await?,
+                    _ => false,
+                };
+                if !held {
+                    self.common.notifier.job_queued();
+                }
                 Ok(Created {
                     run: Self::run_from_row(&row)?,
                     existing: false,
                     ahead,
+                    held,
                 })
             }
             ("existing", Some(_)) => Ok(Created {
                 run: Self::run_from_row(&row)?,
                 existing: true,
                 ahead: 0,
+                held: false,
             }),
             ("busy", Some(active_run)) => Err(StoreError::Busy {
                 thread_id: new.thread_id,

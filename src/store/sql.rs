@@ -65,6 +65,8 @@ pub(crate) struct Statements {
     pub(crate) fetched_not_started: String,
     /// [`Claims::held_elsewhere`].
     pub(crate) held_elsewhere: String,
+    /// [`Claims::settle_held_job`].
+    pub(crate) settle_held_job: String,
     /// [`Claims::orphans`].
     pub(crate) orphans: String,
     /// The overview's events (see [`Queries::overview`]).
@@ -81,8 +83,22 @@ impl Statements {
     /// The statements for a backend whose apalis job table is `jobs`, whose park reads with the
     /// lock clause `share`, and whose overview names the owner column as `owner_unindexed` to
     /// keep its planner off the owner index.
-    pub(crate) fn new(jobs: &str, share: &str, owner_unindexed: &str) -> Statements {
+    ///
+    /// `now` is the job table's clock (`done_at` is seconds on SQLite, a timestamp on
+    /// PostgreSQL).
+    pub(crate) fn new(jobs: &str, share: &str, owner_unindexed: &str, now: &str) -> Statements {
         Statements {
+            // What apalis's ack writes (`queries/task/ack.sql`) for a job its handler finished,
+            // or, for one whose handler failed, the job back on the queue for any worker.
+            settle_held_job: format!(
+                "UPDATE {jobs} SET attempts = attempts + 1, \
+                   status = CASE WHEN $3 THEN 'Done' ELSE 'Pending' END, \
+                   last_result = CASE WHEN $3 THEN '{{\"Ok\":null}}' ELSE last_result END, \
+                   done_at = CASE WHEN $3 THEN {now} ELSE NULL END, \
+                   lock_at = CASE WHEN $3 THEN lock_at ELSE NULL END, \
+                   lock_by = CASE WHEN $3 THEN lock_by ELSE NULL END \
+                 WHERE id = $1 AND lock_by = $2"
+            ),
             next_queued: format!(
                 "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 AND status = 'queued' ORDER BY id LIMIT 1) r \
                  WHERE NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending')"
@@ -101,7 +117,7 @@ impl Statements {
                    AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id) \
                  ORDER BY r.enqueued_at LIMIT $3"
             ),
-            // apalis's job table is read, never written. A queued run needs a new job when its
+            // apalis's job table is only read here. A queued run needs a new job when its
             // own is not `Pending` (free for any worker to fetch) after the grace period: gone,
             // finished, or fetched (`Queued`, `Running`) by a worker that has not started it —
             // the batch of a dead or full worker. A duplicate job is harmless.

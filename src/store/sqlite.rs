@@ -142,8 +142,9 @@ impl SqlStore for SqliteStore {
     const PARK_READS_FIRST: bool = false;
 
     fn statements() -> &'static Statements {
-        static S: std::sync::LazyLock<Statements> =
-            std::sync::LazyLock::new(|| Statements::new("Jobs", "", "+owner"));
+        static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
+            Statements::new("Jobs", "", "+owner", "strftime('%s', 'now')")
+        });
         &S
     }
 
@@ -204,6 +205,7 @@ impl SqlStore for SqliteStore {
                     run,
                     existing: true,
                     ahead: 0,
+                    held: false,
                 });
             }
         }
@@ -267,10 +269,18 @@ impl SqlStore for SqliteStore {
             .ok_or_else(|| corrupt("run vanished", new.id))?;
         // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
         // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
-        // a run without its job.
-        sqlx::query(
-            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
-             VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
+        // a run without its job. Handed to `held_by` (written as its fetch would leave it:
+        // `Queued`, locked to that registered worker) only when the run is next in line.
+        let held: bool = sqlx::query_scalar(
+            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority, lock_by, lock_at) \
+             SELECT $1, $2, $3, CASE WHEN h.worker IS NULL THEN 'Pending' ELSE 'Queued' END, 0, $4, $5, $6, h.worker, \
+               CASE WHEN h.worker IS NULL THEN NULL ELSE $5 END \
+             FROM (SELECT CASE WHEN $8 = 0 AND EXISTS (SELECT 1 FROM Workers w WHERE w.id = $7) \
+               AND NOT EXISTS (SELECT 1 FROM Jobs o WHERE o.job_type = $3 AND o.lock_by IS NULL \
+                 AND (o.status = 'Pending' OR (o.status = 'Failed' AND o.attempts < o.max_attempts)) \
+                 AND (o.run_at IS NULL OR o.run_at <= $5)) \
+               THEN $7 END AS worker) h \
+             RETURNING lock_by IS NOT NULL",
         )
         .bind(job_body(new.id))
         .bind(&new.job_id)
@@ -278,14 +288,19 @@ impl SqlStore for SqliteStore {
         .bind(JOB_MAX_ATTEMPTS as i64)
         .bind(now.timestamp())
         .bind(job_priority(ahead, new.priority) as i64)
-        .execute(&mut *tx)
+        .bind(new.held_by.as_deref())
+        .bind(ahead as i64)
+        .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        self.common.notifier.job_queued();
+        if !held {
+            self.common.notifier.job_queued();
+        }
         Ok(Created {
             run,
             existing: false,
             ahead,
+            held,
         })
     }
 

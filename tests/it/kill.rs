@@ -69,14 +69,35 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
         .unwrap();
 
     let mut second = worker(dir.path(), &mock, &journal);
+    finished_once(
+        &app,
+        &mock,
+        &journal,
+        &run,
+        committed_steps,
+        &committed_msgs,
+    )
+    .await;
+    second.kill().unwrap();
+    second.wait().unwrap();
+}
+
+/// The run the killed process was running finishes in the new one: every message committed
+/// before the kill kept, and nothing committed (a model response, a tool call with its result)
+/// done again; only the step in flight at the kill may run twice.
+async fn finished_once(
+    app: &App,
+    mock: &MockServer,
+    journal: &std::path::Path,
+    run: &subagents::store::RunRecord,
+    committed_steps: u32,
+    committed_msgs: &[subagents::store::StoredMessage],
+) {
     let done = app
         .wait(run.id, Duration::from_secs(60))
         .await
         .unwrap()
         .unwrap();
-    second.kill().unwrap();
-    second.wait().unwrap();
-
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_eq!(done.result.as_deref(), Some("DONE after 10 steps"));
     assert_eq!(done.step, 10);
@@ -91,7 +112,7 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
         .thread_messages(&run.thread_id, 100_000)
         .await
         .unwrap();
-    assert_eq!(&msgs[..committed_msgs.len()], &committed_msgs[..]);
+    assert_eq!(&msgs[..committed_msgs.len()], committed_msgs);
     assert_eq!(
         msgs.iter()
             .filter(|m| matches!(m.message, Message::Assistant { .. }))
@@ -138,7 +159,7 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
         })
         .collect();
     let mut runs: HashMap<String, usize> = HashMap::new();
-    for line in std::fs::read_to_string(&journal).unwrap().lines() {
+    for line in std::fs::read_to_string(journal).unwrap().lines() {
         *runs
             .entry(line.split('\t').next().unwrap().to_owned())
             .or_default() += 1;
@@ -155,6 +176,132 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
         &app.store.events_after(run.id, 0, 10_000).await.unwrap(),
         RunStatus::Succeeded,
     );
+}
+
+/// A run that `serve` handed to its own embedded worker as it started it (no fetch: the job
+/// written locked to that worker) survives the process's SIGKILL like any other: its job is
+/// locked to a worker whose heartbeat stopped, and a new process finishes the run with nothing
+/// committed done again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_serve_loses_nothing_of_a_run_it_handed_its_own_worker() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
+    let journal = dir.path().join("journal.tsv");
+    let mock = MockServer::start(
+        ([127, 0, 0, 1], 0).into(),
+        MockOptions {
+            latency: Duration::from_millis(250),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let settings = test_settings(dir.path(), &mock);
+    let app = App::open(settings).await.unwrap();
+    let mut serve = Reaped(
+        std::process::Command::new(env!("CARGO_BIN_EXE_subagents"))
+            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+            .current_dir(dir.path())
+            .env("DATABASE_URL", &app.settings.database_url)
+            .env("SUBAGENTS_JOBS_DIR", dir.path().join("jobs"))
+            .env("SUBAGENTS_WORKSPACE", dir.path().join("workspace"))
+            .env("SUBAGENTS_TOOL_JOURNAL", journal.display().to_string())
+            .env("OPENAI_BASE_URL", mock.base_url())
+            .env("OPENAI_API_KEY", "x")
+            .env("SUBAGENTS_MODEL", "mock-model")
+            .env("SUBAGENTS_LEASE_TTL", "1.5")
+            .env("SUBAGENTS_POLL_MS", "20")
+            .env("RUST_LOG", "warn,subagents::worker=debug")
+            .env_remove("REDIS_URL")
+            .env_remove("SUBAGENTS_API_KEYS")
+            .env_remove("SUBAGENTS_KEYS_FILE")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = serve.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("serve: {line}");
+            let _ = tx.send(line);
+        }
+    });
+    let base = tokio::task::block_in_place(|| {
+        loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("serve says where it listens");
+            if let Some(i) = line.find("listening on ") {
+                break line[i + "listening on ".len()..]
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .to_owned();
+            }
+        }
+    });
+    // Its worker registered (apalis does it as the worker starts): starts are handed to it.
+    let db = sqlx::SqlitePool::connect(&app.settings.database_url)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM Workers")
+        .fetch_one(&db)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < deadline, "serve's worker never registered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started: serde_json::Value = reqwest::Client::new()
+        .post(format!("{base}/v1/runs"))
+        .json(&serde_json::json!({"input": "Long task.\nSCENARIO steps=10 tool=echo"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id: subagents::ids::RunId = serde_json::from_value(started["id"].clone()).unwrap();
+    let run = app.store.get_run(id).await.unwrap().unwrap();
+    let handed = tokio::task::block_in_place(|| {
+        let until = Instant::now() + Duration::from_secs(30);
+        while let Ok(line) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            if line.contains("handed to this process's worker") && line.contains(&id.to_string()) {
+                return true;
+            }
+        }
+        false
+    });
+    assert!(
+        handed,
+        "serve handed the run to its own worker, not through a fetch"
+    );
+    loop {
+        let r = app.store.get_run(run.id).await.unwrap().unwrap();
+        if r.step >= 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "serve made no progress: {r:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    serve.kill().unwrap(); // SIGKILL
+    serve.wait().unwrap();
+    let at_kill = app.store.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!(at_kill.status, RunStatus::Running, "lease pending expiry");
+    let committed_msgs = app
+        .store
+        .thread_messages(&run.thread_id, 100_000)
+        .await
+        .unwrap();
+    let mut second = worker(dir.path(), &mock, &journal);
+    finished_once(&app, &mock, &journal, &run, at_kill.step, &committed_msgs).await;
+    second.kill().unwrap();
+    second.wait().unwrap();
 }
 
 /// A real PostgreSQL restart, not terminated backends: the server stops (new connections are

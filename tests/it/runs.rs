@@ -816,3 +816,119 @@ async fn a_wait_for_a_run_just_created_still_sees_an_end_that_came_first() {
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     drop(signal);
 }
+
+/// A run started in a process whose worker has a free slot is handed to that worker as it is
+/// written ([`subagents::worker::Local`]): its job is locked to the worker and acked by it, as
+/// apalis's fetch and ack would. The runs handed over this way and the runs the worker fetches
+/// share the process's concurrency: never more run at once than configured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_beside_a_free_worker_is_handed_to_it_within_the_concurrency() {
+    let t = spawn_app_with(Options {
+        latency: Duration::from_millis(60),
+        tweak: Box::new(|s| s.concurrency = 1),
+        ..Default::default()
+    })
+    .await;
+    let start = |steps: u32| StartRun {
+        input: format!("SCENARIO steps={steps}"),
+        ..Default::default()
+    };
+    // Once the worker is registered and its slot is free, a start is handed to it. (Until
+    // then, starts go through the queue as ever.)
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let held = loop {
+        let c = t.app.start(start(6)).await.unwrap();
+        if c.held {
+            break c;
+        }
+        t.wait(c.run.id).await;
+        assert!(
+            Instant::now() < deadline,
+            "no start was handed to the idle worker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Two more while it runs: the slot is taken, so they wait on the queue for it.
+    let queued = [
+        t.app.start(start(2)).await.unwrap(),
+        t.app.start(start(2)).await.unwrap(),
+    ];
+    assert!(
+        queued.iter().all(|c| !c.held),
+        "no slot free: not handed over"
+    );
+    let all = [held.run.id, queued[0].run.id, queued[1].run.id];
+    let running = subagents::store::RunFilter {
+        status: vec![RunStatus::Running],
+        ..Default::default()
+    };
+    let mut most = 0;
+    loop {
+        // One read: the runs running at one instant.
+        let now = t
+            .app
+            .store
+            .list_runs(&subagents::ids::OwnerId::local(), &running, 100)
+            .await
+            .unwrap();
+        most = most.max(now.len());
+        let mut done = 0;
+        for id in all {
+            if t.app
+                .store
+                .get_run(id)
+                .await
+                .unwrap()
+                .unwrap()
+                .status
+                .is_terminal()
+            {
+                done += 1;
+            }
+        }
+        if done == all.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(30),
+            "runs did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        most, 1,
+        "concurrency 1: one run at a time, however it reached the worker"
+    );
+    for id in all {
+        assert_eq!(t.wait(id).await.status, RunStatus::Succeeded);
+    }
+    // The handed-over job is acked by the worker it was locked to, as apalis acks a job.
+    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url)
+        .await
+        .unwrap();
+    let worker_prefix = format!("subagents-{}-", std::process::id());
+    loop {
+        let (status, attempts, lock_by): (String, i64, Option<String>) =
+            sqlx::query_as("SELECT status, attempts, lock_by FROM Jobs WHERE id = ?")
+                .bind(&held.run.job_id)
+                .fetch_one(&db)
+                .await
+                .unwrap();
+        assert!(
+            lock_by
+                .as_deref()
+                .is_some_and(|w| w.starts_with(&worker_prefix)),
+            "locked to this process's worker: {lock_by:?}"
+        );
+        if status == "Done" {
+            assert_eq!(attempts, 1);
+            break;
+        }
+        assert_eq!(status, "Queued", "held, never Pending for another worker");
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(40),
+            "the held job was never acked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

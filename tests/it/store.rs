@@ -209,6 +209,7 @@ conformance!(
     the_database_enforces_one_active_run_per_thread,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     a_start_writes_the_runs_job_with_its_place_in_the_queue,
+    a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line,
     idempotency_keys_return_the_first_run,
     runs_whose_workers_keep_dying_fail_as_lost,
     parking_and_releases_do_not_spend_the_crash_budget,
@@ -468,6 +469,7 @@ fn new_run(thread: &ThreadId) -> NewRun {
         priority: 3,
         place: QueuePlace::Back,
         agent_version: Some("0123456789ab".into()),
+        held_by: None,
     }
 }
 
@@ -2206,6 +2208,98 @@ async fn a_start_writes_the_runs_job_with_its_place_in_the_queue(s: Backend) {
     assert!(
         s.job(&again_job).await.is_none(),
         "a repeated start writes no second job"
+    );
+}
+
+/// The in-process hand-off ([`NewRun::held_by`]): a start locks its job to a worker of its
+/// process, as apalis's fetch would, only when that worker is registered and the run is next
+/// in line (no other job waiting to be fetched, none of its owner's runs ahead); the worker
+/// settles it as apalis's ack would, and only while the job is still locked to it.
+async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s: Backend) {
+    let jobs = match s.jobs {
+        Jobs::Sqlite(_) => "Jobs",
+        Jobs::Postgres(_) => "apalis.jobs",
+    };
+    let workers = match s.jobs {
+        Jobs::Sqlite(_) => "Workers",
+        Jobs::Postgres(_) => "apalis.workers",
+    };
+    let held_start = |owner: &str| {
+        let mut n = new_run(&ThreadId::generate());
+        n.owner = owner.into();
+        n.held_by = Some("w-local".into());
+        n
+    };
+    let locked = |job: &str| {
+        format!("SELECT COUNT(*) FROM {jobs} WHERE id = '{job}' AND lock_by = 'w-local'")
+    };
+    // A worker that is not registered (stopped, or not started yet) is handed nothing.
+    let first = s.create_run(held_start("a")).await.unwrap();
+    assert!(!first.held);
+    assert_eq!(s.job(&first.run.job_id).await.unwrap().0, "Pending");
+    s.execute(&format!(
+        "INSERT INTO {workers} (id, worker_type, storage_name) VALUES ('w-local', '{}', 'test')",
+        subagents::queue::QUEUE_NAME
+    ))
+    .await;
+    // Another job waits to be fetched: it goes first, so the new run's job waits too.
+    let second = s.create_run(held_start("b")).await.unwrap();
+    assert!(!second.held, "the first run's job waits to be fetched");
+    assert_eq!(s.job(&second.run.job_id).await.unwrap().0, "Pending");
+    assert_eq!(s.count(&locked(&second.run.job_id)).await, 0);
+    // Both fetched by workers elsewhere: the next run is next in line, and handed over.
+    s.set_job_status(&first.run.job_id, "Queued").await;
+    s.set_job_status(&second.run.job_id, "Queued").await;
+    let third = s.create_run(held_start("c")).await.unwrap();
+    assert!(third.held, "next in line with a registered worker");
+    assert_eq!(s.job(&third.run.job_id).await.unwrap().0, "Queued");
+    assert_eq!(s.count(&locked(&third.run.job_id)).await, 1);
+    // A run of an owner whose earlier run is still queued keeps the owner's order.
+    let behind = s.create_run(held_start("a")).await.unwrap();
+    assert_eq!(behind.ahead, 1);
+    assert!(!behind.held, "its owner's first run goes first");
+    assert_eq!(s.job(&behind.run.job_id).await.unwrap().0, "Pending");
+    s.set_job_status(&behind.run.job_id, "Queued").await;
+    // A repeated start (same idempotency key) hands nothing over again.
+    let mut keyed = held_start("d");
+    keyed.idempotency_key = Some("once".into());
+    let keyed = s.create_run(keyed).await.unwrap();
+    assert!(keyed.held);
+    let mut again = held_start("d");
+    again.idempotency_key = Some("once".into());
+    let again = s.create_run(again).await.unwrap();
+    assert!(again.existing && !again.held);
+
+    // Settled only by the worker it is locked to.
+    s.settle_held_job(&third.run.job_id, "someone-else", JobEnd::Done)
+        .await
+        .unwrap();
+    assert_eq!(s.job(&third.run.job_id).await.unwrap().0, "Queued");
+    s.settle_held_job(&third.run.job_id, "w-local", JobEnd::Done)
+        .await
+        .unwrap();
+    assert_eq!(s.job(&third.run.job_id).await.unwrap().0, "Done");
+    assert_eq!(
+        s.count(&format!(
+            "SELECT COUNT(*) FROM {jobs} WHERE id = '{}' AND attempts = 1 AND done_at IS NOT NULL",
+            third.run.job_id
+        ))
+        .await,
+        1,
+        "acked as apalis acks"
+    );
+    // A failed handling puts the job back for any worker.
+    s.settle_held_job(&keyed.run.job_id, "w-local", JobEnd::Retry)
+        .await
+        .unwrap();
+    assert_eq!(s.job(&keyed.run.job_id).await.unwrap().0, "Pending");
+    assert_eq!(
+        s.count(&format!(
+            "SELECT COUNT(*) FROM {jobs} WHERE id = '{}' AND lock_by IS NULL AND attempts = 1",
+            keyed.run.job_id
+        ))
+        .await,
+        1
     );
 }
 

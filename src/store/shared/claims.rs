@@ -161,6 +161,16 @@ where
             .collect()
     }
 
+    async fn settle_held_job(&self, job_id: &str, worker: &str, end: JobEnd) -> Result<()> {
+        sqlx::query(S::statements().settle_held_job.as_str())
+            .bind(job_id)
+            .bind(worker)
+            .bind(end == JobEnd::Done)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
     async fn held_elsewhere(
         &self,
         worker: &str,
