@@ -247,10 +247,22 @@ impl RedisEvents {
     /// `N` being the run's latest durable event. Best effort and ephemeral: a delta is dropped
     /// when `N-0` is not in the stream yet (the relay has not caught up) or a later durable event
     /// already is, so deltas never block or reorder durable events.
-    pub fn delta_sink(&self, run: RunId, after_seq: u64) -> DeltaStream {
+    ///
+    /// `N` comes from `after_seq`, which the sink awaits beside the model call rather than the
+    /// call after it (a read of the run: on a short call its round trips were a fifth of the
+    /// step); `None` (the read failed) drops the call's deltas.
+    pub fn delta_sink(
+        &self,
+        run: RunId,
+        after_seq: impl Future<Output = Option<u64>> + Send + 'static,
+    ) -> DeltaStream {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let me = self.clone();
         let task = tokio::spawn(async move {
+            let Some(after_seq) = after_seq.await else {
+                tracing::debug!(%run, "token deltas not published: the run's latest event is unknown");
+                return;
+            };
             let mut k = 0u64;
             let mut c = me.conn.clone();
             while let Some(text) = rx.recv().await {

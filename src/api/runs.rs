@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::auth::Owner;
-use super::views::{ErrorBody, EventsPage, RunView, RunsPage};
+use super::views::{ErrorBody, EventsPage, PLAN_TOOL, RunView, RunsPage};
 use super::{ApiError, ApiJson, ApiQuery, ApiState};
 use crate::app::{CROSS_PROCESS_RECHECK, StartRun};
 use crate::domain::{IfBusy, RunRecord};
@@ -534,16 +534,26 @@ impl RunSnapshot {
             return Ok(RunSnapshot::default());
         };
         let events_after = r.event_seq.saturating_sub(SNAPSHOT_EVENTS);
-        let events = state
-            .app
-            .events_after(id, events_after, SNAPSHOT_EVENTS as u32)
-            .await?;
+        let terminal = r.status.is_terminal();
+        // A finished run's view also needs its extras: read beside its events, not after them.
+        let (events, extras) = tokio::join!(
+            state
+                .app
+                .events_after(id, events_after, SNAPSHOT_EVENTS as u32),
+            async {
+                match terminal {
+                    true => Some(store.view_extras(id, PLAN_TOOL).await),
+                    false => None,
+                }
+            }
+        );
+        let (events, extras) = (events?, extras.transpose()?);
         // A finished run's answer, built from the events just read when they reach its last.
-        let body = match r.status.is_terminal() {
+        let body = match terminal {
             true => {
                 let whole = events.last().is_some_and(|e| e.seq == r.event_seq);
                 let latest = whole.then_some(events.as_slice());
-                Some(view_body(store, r.clone(), false, latest).await?)
+                Some(view_body(store, r.clone(), false, latest, extras).await?)
             }
             false => None,
         };
@@ -582,8 +592,9 @@ async fn view_body(
     r: RunRecord,
     timed_out: bool,
     latest: Option<&[crate::store::EventRecord]>,
+    extras: Option<crate::store::ViewExtras>,
 ) -> crate::store::Result<axum::body::Bytes> {
-    let mut view = RunView::build_from(store, r, latest).await?;
+    let mut view = RunView::build_from(store, r, latest, extras).await?;
     view.wait_timed_out = Some(timed_out);
     Ok(axum::body::Bytes::from(
         serde_json::to_vec(&view).expect("a view serializes"),
@@ -620,7 +631,9 @@ async fn wait_view(
             };
             state
                 .views
-                .read(id, fresh, || view_body(store, (*r).clone(), true, None))
+                .read(id, fresh, || {
+                    view_body(store, (*r).clone(), true, None, None)
+                })
                 .await?
                 .0
         }

@@ -127,18 +127,23 @@ pub struct RunView {
     pub wait_timed_out: Option<bool>,
 }
 
+/// The tool whose latest call's arguments are a run's plan (its todos).
+pub const PLAN_TOOL: &str = "todo_write";
+
 impl RunView {
     /// Builds the view, reading the few extra facts it shows (progress, queue position).
     pub async fn build(store: &dyn Store, r: RunRecord) -> crate::store::Result<RunView> {
-        Self::build_from(store, r, None).await
+        Self::build_from(store, r, None, None).await
     }
 
-    /// [`RunView::build`], given the run's latest events when the caller has just read them
-    /// (a wait's snapshot does): one read fewer.
+    /// [`RunView::build`], given the run's latest events and its extras (what
+    /// [`crate::store::Queries::view_extras`] answers for [`PLAN_TOOL`]) when the caller has
+    /// just read them (a wait's snapshot does): a read fewer for each.
     pub async fn build_from(
         store: &dyn Store,
         r: RunRecord,
         latest: Option<&[crate::store::EventRecord]>,
+        extras: Option<crate::store::ViewExtras>,
     ) -> crate::store::Result<RunView> {
         let recent = async {
             match latest {
@@ -165,7 +170,10 @@ impl RunView {
         // Its pins, schedule, plan and children in one read; the tree's totals only when it
         // has children.
         let tree = async {
-            let extras = store.view_extras(r.id, "todo_write").await?;
+            let extras = match extras {
+                Some(extras) => extras,
+                None => store.view_extras(r.id, PLAN_TOOL).await?,
+            };
             let tree = if extras.children.is_empty() {
                 crate::domain::TreeTotals {
                     usage: r.usage,

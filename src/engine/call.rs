@@ -55,13 +55,19 @@ impl Engine {
         };
         let t0 = std::time::Instant::now();
         // Deltas follow the run's latest durable event (this step's `step.started`).
-        let deltas = match &self.deltas {
-            Some(r) => {
-                let seq = self.store.get_run(a.run.id).await?.map(|r| r.event_seq);
-                Some(r.delta_sink(a.run.id, seq.unwrap_or(0)))
-            }
-            None => None,
-        };
+        let deltas = self.deltas.as_ref().map(|r| {
+            let (store, run) = (self.store.clone(), a.run.id);
+            let seq = async move {
+                match store.get_run(run).await {
+                    Ok(r) => Some(r.map_or(0, |r| r.event_seq)),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "could not read the run's latest event");
+                        None
+                    }
+                }
+            };
+            r.delta_sink(a.run.id, seq)
+        });
         // In this process only while someone listens (a client may come mid-call); the
         // fragment's JSON is built once for both.
         let on_delta = |d: crate::model::Delta<'_>| {

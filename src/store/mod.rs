@@ -631,6 +631,14 @@ pub trait Claims: Send + Sync + 'static {
     /// recovery gave it back after the worker's heartbeat lapsed).
     async fn settle_held_job(&self, job_id: &str, worker: &str, end: JobEnd) -> Result<()>;
 
+    /// Locks a job that was just queued (its id as the queue's notification named it) to
+    /// `worker` of this process, as apalis's fetch would, when that fetch would have taken it:
+    /// `worker` is registered, the job is still waiting, and no other job waits to be fetched.
+    /// Returns the job's run, for the worker to start at once and settle with
+    /// [`Claims::settle_held_job`]; `None` when the job is not this worker's to take (a fetch
+    /// was quicker, or the queue has other work first).
+    async fn take_job(&self, job_id: &str, worker: &str) -> Result<Option<RunId>>;
+
     /// Tells this process's workers that a job they can start now was queued, so they fetch at
     /// once rather than at their next poll (a start does it itself).
     fn job_queued(&self);

@@ -217,26 +217,12 @@ impl PgStore {
     }
 
     /// Locks a new run's job to `worker` of this process, as apalis's fetch would (`Queued`,
-    /// `lock_by`), when no other job waits to be fetched: the run's start then hands it to that
-    /// worker in-process. After the start's own statement rather than inside it, so the start
-    /// function stays one for every caller; a fetch that got there first simply wins (the
-    /// fence is the job's `Pending`). The NOTIFY of the job's insert woke the other processes'
-    /// workers: their fetch finds nothing, as it would when another worker was quicker.
+    /// `lock_by`), when no other job waits to be fetched ([`Claims::take_job`]): the run's start
+    /// then hands it to that worker in-process. After the start's own statement rather than
+    /// inside it, so the start function stays one for every caller; a fetch that got there
+    /// first simply wins (the fence is the job's `Pending`).
     async fn hand_over(&self, job_id: &str, worker: &str) -> Result<bool> {
-        let taken = sqlx::query(
-            "UPDATE apalis.jobs SET status = 'Queued', lock_by = $2, lock_at = now() \
-             WHERE id = $1 AND status = 'Pending' AND lock_by IS NULL \
-               AND EXISTS (SELECT 1 FROM apalis.workers w WHERE w.id = $2) \
-               AND NOT EXISTS (SELECT 1 FROM apalis.jobs o WHERE o.job_type = $3 AND o.id <> $1 \
-                 AND o.lock_by IS NULL AND o.run_at <= now() \
-                 AND (o.status = 'Pending' OR (o.status = 'Failed' AND o.attempts < o.max_attempts)))",
-        )
-        .bind(job_id)
-        .bind(worker)
-        .bind(QUEUE_NAME)
-        .execute(&self.pool)
-        .await?;
-        Ok(taken.rows_affected() == 1)
+        Ok(self.take_job(job_id, worker).await?.is_some())
     }
 
     /// Connects and migrates both our schema and apalis's.
@@ -322,7 +308,13 @@ impl SqlStore for PgStore {
 
     fn statements() -> &'static Statements {
         static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
-            Statements::new("apalis.jobs", " FOR SHARE", "owner", "now()")
+            Statements::new(
+                "apalis.jobs",
+                "apalis.workers",
+                " FOR SHARE",
+                "owner",
+                "now()",
+            )
         });
         &S
     }
@@ -589,6 +581,9 @@ const ENDS_ALONE: &str = concat!(
 /// the fence matches nothing, nothing is inserted and no row comes back: the lease is lost.
 ///
 /// `only_if` narrows the fence further (SQL appended to its `WHERE`; see [`ENDS_ALONE`]).
+/// `announce` also sends the run's end to the other processes' waiters
+/// ([`super::pg_ends::CHANNEL`]) from the statement itself, delivered as it commits: no
+/// statement after it for the waiter to wait on.
 fn checkpoint_query<'q>(
     lease: &Lease,
     cp: &Checkpoint,
@@ -596,6 +591,7 @@ fn checkpoint_query<'q>(
     now: DateTime<Utc>,
     relayed: i64,
     only_if: &str,
+    announce: bool,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     let (guard, reach_columns, unsteered) = (ff.guard, ff.reach_columns, ff.only_if);
     let m_step: Vec<i64> = cp.messages.iter().map(|m| m.step as i64).collect();
@@ -612,6 +608,14 @@ fn checkpoint_query<'q>(
         .collect();
     let e_type: Vec<String> = cp.events.iter().map(|e| e.kind().to_owned()).collect();
     let e_data: Vec<String> = cp.events.iter().map(|e| e.data().to_string()).collect();
+    // A plain SELECT in a WITH runs only when the statement reads it.
+    let announced = match announce {
+        true => format!(
+            ", n AS (SELECT pg_notify('{}', $13::text) FROM f) SELECT f.*, (SELECT count(*) FROM n) FROM f",
+            super::pg_ends::CHANNEL
+        ),
+        false => " SELECT * FROM f".to_owned(),
+    };
     let sql = format!(
         "WITH f AS ( \
            UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
@@ -636,7 +640,7 @@ fn checkpoint_query<'q>(
            INSERT INTO sa_run_pins (run_id, name, value) \
            SELECT $13, x.name, x.value FROM f, unnest($23::text[], $24::text[]) AS x(name, value) \
            ON CONFLICT (run_id, name) DO NOTHING \
-         ) SELECT * FROM f"
+         ){announced}"
     );
     let (p_name, p_value): (Vec<String>, Vec<String>) = cp.pins.iter().cloned().unzip();
     bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
@@ -735,14 +739,20 @@ impl group::Progress for Commits {
             // run). Any other end, and a lost lease, match nothing there and take the
             // transaction, which finds out again what to do.
             Some(status) => {
-                let alone = checkpoint_query(&lease, &cp, ff, now, self.relayed, ENDS_ALONE);
+                let alone = checkpoint_query(&lease, &cp, ff, now, self.relayed, ENDS_ALONE, true);
                 if alone.fetch_optional(&self.pool).await?.is_some() {
                     self.notifier.notify(lease.run_id);
-                    self.ends.ended(lease.run_id);
                     return Ok(());
                 }
-                let query =
-                    checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
+                let query = checkpoint_query(
+                    &lease,
+                    &cp,
+                    cp.fence_fields(now),
+                    now,
+                    self.relayed,
+                    "",
+                    false,
+                );
                 let mut tx = self.pool.begin().await?;
                 let Some(row) = query.fetch_optional(&mut *tx).await? else {
                     return Err(StoreError::LeaseLost(lease.run_id));
@@ -768,7 +778,7 @@ impl group::Progress for Commits {
                 self.ends.ended(lease.run_id);
             }
             None => {
-                let query = checkpoint_query(&lease, &cp, ff, now, self.relayed, "");
+                let query = checkpoint_query(&lease, &cp, ff, now, self.relayed, "", false);
                 let (mut conn, held) = self.connection().await?;
                 let mut row = query
                     .fetch_optional(&mut *conn)
@@ -784,8 +794,15 @@ impl group::Progress for Commits {
                         return Ok(());
                     }
                     let mut conn = self.pool.acquire().await?;
-                    let query =
-                        checkpoint_query(&lease, &cp, cp.fence_fields(now), now, self.relayed, "");
+                    let query = checkpoint_query(
+                        &lease,
+                        &cp,
+                        cp.fence_fields(now),
+                        now,
+                        self.relayed,
+                        "",
+                        false,
+                    );
                     row = query
                         .fetch_optional(&mut *conn)
                         .await

@@ -67,6 +67,8 @@ pub(crate) struct Statements {
     pub(crate) held_elsewhere: String,
     /// [`Claims::settle_held_job`].
     pub(crate) settle_held_job: String,
+    /// [`Claims::take_job`].
+    pub(crate) take_job: String,
     /// [`Claims::orphans`].
     pub(crate) orphans: String,
     /// The overview's events (see [`Queries::overview`]).
@@ -84,10 +86,27 @@ impl Statements {
     /// lock clause `share`, and whose overview names the owner column as `owner_unindexed` to
     /// keep its planner off the owner index.
     ///
-    /// `now` is the job table's clock (`done_at` is seconds on SQLite, a timestamp on
-    /// PostgreSQL).
-    pub(crate) fn new(jobs: &str, share: &str, owner_unindexed: &str, now: &str) -> Statements {
+    /// `workers` is apalis's worker table, and `now` the job table's clock (`run_at` and
+    /// `done_at` are seconds on SQLite, timestamps on PostgreSQL).
+    pub(crate) fn new(
+        jobs: &str,
+        workers: &str,
+        share: &str,
+        owner_unindexed: &str,
+        now: &str,
+    ) -> Statements {
         Statements {
+            // Locked as apalis's fetch locks a job, only when that fetch would have taken this
+            // one: the worker is registered and no other job waits to be fetched.
+            take_job: format!(
+                "UPDATE {jobs} SET status = 'Queued', lock_by = $2, lock_at = {now} \
+                 WHERE id = $1 AND job_type = $3 AND status = 'Pending' AND lock_by IS NULL AND run_at <= {now} \
+                   AND EXISTS (SELECT 1 FROM {workers} w WHERE w.id = $2) \
+                   AND NOT EXISTS (SELECT 1 FROM {jobs} o WHERE o.job_type = $3 AND o.id <> $1 \
+                     AND o.lock_by IS NULL AND o.run_at <= {now} \
+                     AND (o.status = 'Pending' OR (o.status = 'Failed' AND o.attempts < o.max_attempts))) \
+                 RETURNING job"
+            ),
             // What apalis's ack writes (`queries/task/ack.sql`) for a job its handler finished,
             // or, for one whose handler failed, the job back on the queue for any worker.
             settle_held_job: format!(

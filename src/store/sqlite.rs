@@ -175,7 +175,13 @@ impl SqlStore for SqliteStore {
 
     fn statements() -> &'static Statements {
         static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
-            Statements::new("Jobs", "", "+owner", "strftime('%s', 'now')")
+            Statements::new(
+                "Jobs",
+                "Workers",
+                "",
+                "+owner",
+                "CAST(strftime('%s', 'now') AS INTEGER)",
+            )
         });
         &S
     }

@@ -20,6 +20,19 @@ fn worker_with(
     concurrency: usize,
     extra: &[(&str, String)],
 ) -> Child {
+    worker_command(url, redis, mock, concurrency, extra)
+        .spawn()
+        .expect("spawn worker")
+}
+
+/// A worker process's command (its error output inherited).
+fn worker_command(
+    url: &str,
+    redis: &str,
+    mock: &MockServer,
+    concurrency: usize,
+    extra: &[(&str, String)],
+) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
     c.arg("worker")
         .env("REDIS_URL", redis)
@@ -41,7 +54,7 @@ fn worker_with(
     for (k, v) in extra {
         c.env(k, v);
     }
-    c.spawn().expect("spawn worker")
+    c
 }
 
 struct Fleet {
@@ -1407,5 +1420,93 @@ async fn a_run_held_by_another_process_is_steered() {
                 .count(),
             1
         );
+    }
+}
+
+/// A run another process queues is taken by an idle PostgreSQL worker as the queue's
+/// notification names its job (`worker::notified`): one fenced statement, no fetch, the job
+/// settled by the worker as apalis would ack it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_postgres_worker_takes_the_job_a_notification_names() {
+    use std::io::{BufRead, BufReader};
+    let f = fleet(0, 0, 2).await;
+    let mut w = worker_command(
+        &f.url,
+        &f.redis.url(),
+        &f.mock,
+        2,
+        &[("RUST_LOG", "warn,subagents::worker=debug".to_owned())],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawn worker");
+    let pid = w.id();
+    let stderr = w.stderr.take().unwrap();
+    let _w = crate::support::Reaped(w);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("worker: {line}");
+            let _ = tx.send(line);
+        }
+    });
+    // Registered (apalis does it as the worker starts): from then on it takes what it is told of.
+    let db = sqlx::PgPool::connect(&f.url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM apalis.workers")
+        .fetch_one(&db)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < deadline, "the worker never registered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let run = f
+        .app
+        .start_run(StartRun {
+            agent: Some("echo".into()),
+            input: "Quick.\nSCENARIO steps=2 tool=echo".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let done = f.app.wait(run.id, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done.map(|r| r.status), Some(RunStatus::Succeeded));
+    let took = tokio::task::block_in_place(|| {
+        let until = Instant::now() + Duration::from_secs(10);
+        while let Ok(line) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            // The line of the hand-over itself: a worker process starts no runs of its own,
+            // so a run handed to it came from the notification.
+            if line.contains("handed to this process's worker")
+                && line.contains(&run.id.to_string())
+            {
+                return true;
+            }
+        }
+        false
+    });
+    assert!(took, "the worker took the job it was told of");
+    // Settled by the worker it was locked to, as apalis acks a job.
+    loop {
+        let (status, attempts, lock_by): (String, i32, Option<String>) =
+            sqlx::query_as("SELECT status, attempts, lock_by FROM apalis.jobs WHERE id = $1")
+                .bind(&run.job_id)
+                .fetch_one(&db)
+                .await
+                .unwrap();
+        assert!(
+            lock_by.is_some_and(|l| l.starts_with(&format!("subagents-{pid}-"))),
+            "locked to the worker"
+        );
+        if status == "Done" {
+            assert_eq!(attempts, 1);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the job was never settled: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

@@ -2301,6 +2301,38 @@ async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s:
         .await,
         1
     );
+
+    // A job a notification named is taken by a worker only when apalis's fetch would have
+    // taken it: here the job put back above waits first.
+    let mut queued = new_run(&ThreadId::generate());
+    queued.owner = "e".into();
+    let queued = s.create_run(queued).await.unwrap();
+    assert!(!queued.held);
+    assert_eq!(
+        s.take_job(&queued.run.job_id, "w-local").await.unwrap(),
+        None,
+        "an older job waits to be fetched"
+    );
+    s.set_job_status(&keyed.run.job_id, "Done").await;
+    assert_eq!(
+        s.take_job(&queued.run.job_id, "unregistered")
+            .await
+            .unwrap(),
+        None,
+        "only a registered worker takes a job"
+    );
+    assert_eq!(
+        s.take_job(&queued.run.job_id, "w-local").await.unwrap(),
+        Some(queued.run.id),
+        "next in line: taken, and its run named"
+    );
+    assert_eq!(s.job(&queued.run.job_id).await.unwrap().0, "Queued");
+    assert_eq!(s.count(&locked(&queued.run.job_id)).await, 1);
+    assert_eq!(
+        s.take_job(&queued.run.job_id, "w-local").await.unwrap(),
+        None,
+        "taken once"
+    );
 }
 
 async fn idempotency_keys_return_the_first_run(s: Backend) {

@@ -25,6 +25,7 @@ where
     Option<String>: Col<S::Db>,
     Option<i64>: Col<S::Db>,
     Option<DateTime<Utc>>: Col<S::Db>,
+    Vec<u8>: Col<S::Db>,
 {
     async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
         self.claim(id, owner, ttl).await
@@ -159,6 +160,21 @@ where
         ids.iter()
             .map(|id| id.parse().map_err(|e| corrupt("run id", e)))
             .collect()
+    }
+
+    async fn take_job(&self, job_id: &str, worker: &str) -> Result<Option<RunId>> {
+        let body: Option<Vec<u8>> = sqlx::query_scalar(S::statements().take_job.as_str())
+            .bind(job_id)
+            .bind(worker)
+            .bind(QUEUE_NAME)
+            .fetch_optional(self.pool())
+            .await?;
+        body.map(|b| {
+            serde_json::from_slice::<RunJob>(&b)
+                .map(|j| j.run_id)
+                .map_err(|e| StoreError::Corrupt(format!("job {job_id}: {e}")))
+        })
+        .transpose()
     }
 
     async fn settle_held_job(&self, job_id: &str, worker: &str, end: JobEnd) -> Result<()> {

@@ -21,10 +21,15 @@ use apalis_sqlite::SqliteStorage;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+mod local;
+mod notified;
+
+pub use local::{Local, Reserved};
+
 use crate::engine::{Engine, Executed};
 use crate::ids::RunId;
-use crate::queue::{QUEUE_NAME, Queue, RunJob, Storage, Wakeups};
-use crate::store::{JobEnd, RunStatus, StoreError};
+use crate::queue::{Queue, RunJob, Storage, Wakeups};
+use crate::store::{RunStatus, StoreError};
 
 /// What a worker needs to execute jobs.
 pub struct WorkerContext {
@@ -85,7 +90,7 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
 
 /// A job's run, however the job reached this worker: executed, then what its outcome asks of
 /// the queue (the thread's next run, a parked run's wake-up job, a deferred run's retry).
-async fn serve(ctx: &WorkerContext, run_id: RunId) -> Result<Executed, StoreError> {
+pub(super) async fn serve(ctx: &WorkerContext, run_id: RunId) -> Result<Executed, StoreError> {
     let store = ctx.engine.store.as_ref();
     // A draining worker starts nothing new: apalis may still hand it a job it fetched (even
     // the job of a run this worker just released), and claiming it would take the run back
@@ -141,87 +146,6 @@ async fn serve(ctx: &WorkerContext, run_id: RunId) -> Result<Executed, StoreErro
     Ok(executed)
 }
 
-/// This process's queue workers as its own starts see them, so a run started here is handed
-/// to a worker here at once: no notification, no fetch (on SQLite a write transaction of its
-/// own), no task hand-offs between them. The start writes the run's job already locked to the
-/// worker, as apalis's fetch would leave it, and the worker settles it as apalis's ack would
-/// ([`crate::store::Claims::settle_held_job`]). Only a run next in line is handed over (no
-/// other job waiting to be fetched, none of its owner's runs ahead): everything else keeps the
-/// queue's order.
-///
-/// Runs handed over this way and runs apalis fetched share the process's `concurrency` slots,
-/// so the two paths together never run more at once than configured. A crash loses nothing:
-/// the job is locked to a worker whose heartbeat stops, and apalis's orphan recovery gives it
-/// back to the queue like any job a dead worker fetched.
-#[derive(Default)]
-pub struct Local {
-    current: std::sync::Mutex<Option<Arc<WorkerContext>>>,
-}
-
-/// A free slot of one of this process's queue workers, taken for a run about to start.
-/// Dropping it unused frees the slot.
-pub struct Reserved {
-    ctx: Arc<WorkerContext>,
-    slot: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl Local {
-    /// A free slot of the worker running now, unless there is none, no worker runs in this
-    /// process, or it is shutting down.
-    pub fn reserve(&self) -> Option<Reserved> {
-        let ctx = self
-            .current
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()?;
-        if ctx.shutdown.is_cancelled() {
-            return None;
-        }
-        let slot = ctx.slots.clone().try_acquire_owned().ok()?;
-        Some(Reserved { ctx, slot })
-    }
-
-    fn set(&self, ctx: Option<Arc<WorkerContext>>) {
-        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = ctx;
-    }
-}
-
-impl Reserved {
-    /// The queue worker the run's job is to be locked to ([`crate::domain::NewRun::held_by`]).
-    pub fn worker(&self) -> &str {
-        &self.ctx.name
-    }
-
-    /// Executes the run whose job the start locked to [`Reserved::worker`], in the slot, and
-    /// settles the job: done, or back on the queue when the handling failed (as apalis retries
-    /// a job whose handler failed).
-    pub fn run(self, run_id: RunId, job_id: String) {
-        let Reserved { ctx, slot } = self;
-        tracing::debug!(%run_id, worker = %ctx.name, "run handed to this process's worker as it started");
-        let tracker = ctx.in_flight.clone();
-        tracker.spawn(async move {
-            let served = serve(&ctx, run_id).await;
-            drop(slot);
-            let end = match served {
-                Ok(_) => JobEnd::Done,
-                Err(e) => {
-                    tracing::warn!(%run_id, error = %e, "run failed in its worker; its job goes back on the queue");
-                    JobEnd::Retry
-                }
-            };
-            let store = ctx.engine.store.as_ref();
-            match store.settle_held_job(&job_id, &ctx.name, end).await {
-                Ok(()) if end == JobEnd::Retry => store.job_queued(),
-                Ok(()) => {}
-                Err(e) => tracing::warn!(
-                    %run_id, error = %e,
-                    "could not settle the run's job; the queue gives it back once this worker's heartbeat lapses"
-                ),
-            }
-        });
-    }
-}
-
 /// Settings of a worker process's pool.
 #[derive(Clone, Debug)]
 pub struct WorkerSettings {
@@ -272,6 +196,15 @@ pub async fn run_workers(
         current.clone(),
         shutdown.clone(),
     ));
+    let notified = match &queue.storage {
+        Storage::Postgres(s) => Some(tokio::spawn(notified::take_notified(
+            s.pool().clone(),
+            engine.store.clone(),
+            starts.clone(),
+            shutdown.clone(),
+        ))),
+        Storage::Sqlite(_) => None,
+    };
     let mut restarts = 0u32;
     // Every queue worker name this process used: its fetched jobs are handed back at the end.
     let mut names = vec![];
@@ -325,16 +258,13 @@ pub async fn run_workers(
                             .settled_by(handed.clone())
                     )
             ),
-            // PostgreSQL also wakes idle workers with LISTEN/NOTIFY for jobs queued in other
-            // processes; a slow interval catches a notification that was missed (seen: a job
-            // waiting for the 5 s heartbeat).
+            // PostgreSQL's LISTEN/NOTIFY announces jobs queued in other processes: a worker
+            // with a free slot takes the job it was told of, and any other notification wakes
+            // this fetch (`notified`). A slow interval catches a notification that was missed
+            // (seen: a job waiting for the 5 s heartbeat).
             Storage::Postgres(s) => {
                 let wakeups =
                     Wakeups::every(settings.poll_interval.max(Duration::from_millis(250)))
-                        .and_on(apalis_postgres::Pubsub::new(
-                            s.pool().clone(),
-                            QUEUE_NAME.to_owned(),
-                        ))
                         .and_on(local)
                         .settled_by(handed.clone());
                 run_worker!(
@@ -387,6 +317,9 @@ pub async fn run_workers(
     hand_back_fetched(&engine, &queue, &names).await;
     let _ = reaper.await;
     let _ = relief.await;
+    if let Some(n) = notified {
+        let _ = n.await;
+    }
     tracing::info!("workers stopped");
 }
 

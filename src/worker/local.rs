@@ -1,0 +1,90 @@
+//! Runs handed to a worker of this process directly, not through apalis's fetch: a start in
+//! the same process ([`Local`]), or a job the queue's notification named
+//! ([`super::notified`]).
+
+use std::sync::Arc;
+
+use super::{WorkerContext, serve};
+use crate::ids::RunId;
+use crate::store::JobEnd;
+
+/// This process's queue workers as its own starts see them, so a run started here is handed
+/// to a worker here at once: no notification, no fetch (on SQLite a write transaction of its
+/// own), no task hand-offs between them. The start writes the run's job already locked to the
+/// worker, as apalis's fetch would leave it, and the worker settles it as apalis's ack would
+/// ([`crate::store::Claims::settle_held_job`]). Only a run next in line is handed over (no
+/// other job waiting to be fetched, none of its owner's runs ahead): everything else keeps the
+/// queue's order.
+///
+/// Runs handed over this way and runs apalis fetched share the process's `concurrency` slots,
+/// so the two paths together never run more at once than configured. A crash loses nothing:
+/// the job is locked to a worker whose heartbeat stops, and apalis's orphan recovery gives it
+/// back to the queue like any job a dead worker fetched.
+#[derive(Default)]
+pub struct Local {
+    current: std::sync::Mutex<Option<Arc<WorkerContext>>>,
+}
+
+/// A free slot of one of this process's queue workers, taken for a run about to start.
+/// Dropping it unused frees the slot.
+pub struct Reserved {
+    ctx: Arc<WorkerContext>,
+    slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Local {
+    /// A free slot of the worker running now, unless there is none, no worker runs in this
+    /// process, or it is shutting down.
+    pub fn reserve(&self) -> Option<Reserved> {
+        let ctx = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()?;
+        if ctx.shutdown.is_cancelled() {
+            return None;
+        }
+        let slot = ctx.slots.clone().try_acquire_owned().ok()?;
+        Some(Reserved { ctx, slot })
+    }
+
+    pub(super) fn set(&self, ctx: Option<Arc<WorkerContext>>) {
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = ctx;
+    }
+}
+
+impl Reserved {
+    /// The queue worker the run's job is to be locked to ([`crate::domain::NewRun::held_by`]).
+    pub fn worker(&self) -> &str {
+        &self.ctx.name
+    }
+
+    /// Executes the run whose job the start locked to [`Reserved::worker`], in the slot, and
+    /// settles the job: done, or back on the queue when the handling failed (as apalis retries
+    /// a job whose handler failed).
+    pub fn run(self, run_id: RunId, job_id: String) {
+        let Reserved { ctx, slot } = self;
+        tracing::debug!(%run_id, worker = %ctx.name, "run handed to this process's worker as it started");
+        let tracker = ctx.in_flight.clone();
+        tracker.spawn(async move {
+            let served = serve(&ctx, run_id).await;
+            drop(slot);
+            let end = match served {
+                Ok(_) => JobEnd::Done,
+                Err(e) => {
+                    tracing::warn!(%run_id, error = %e, "run failed in its worker; its job goes back on the queue");
+                    JobEnd::Retry
+                }
+            };
+            let store = ctx.engine.store.as_ref();
+            match store.settle_held_job(&job_id, &ctx.name, end).await {
+                Ok(()) if end == JobEnd::Retry => store.job_queued(),
+                Ok(()) => {}
+                Err(e) => tracing::warn!(
+                    %run_id, error = %e,
+                    "could not settle the run's job; the queue gives it back once this worker's heartbeat lapses"
+                ),
+            }
+        });
+    }
+}

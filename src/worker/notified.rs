@@ -1,0 +1,101 @@
+//! Jobs queued by another process, taken as their notification arrives (PostgreSQL).
+//!
+//! apalis's PostgreSQL trigger announces every new job on `apalis::job::insert` with its id.
+//! apalis's own answer to it is a fetch: a transaction of three statements and a hop through
+//! its stream for the job, then its ack (three more) after the handler, and an empty fetch or
+//! two after that. Here a worker with a free slot takes the job it was told of in one fenced
+//! statement ([`crate::store::Claims::take_job`]: only when apalis's fetch would have taken
+//! that job: nothing else is waiting), starts its run at once and settles the job itself. Any
+//! other notification (no free slot, the queue has older work, another worker was quicker)
+//! wakes apalis's fetch as before, which takes whatever is next in line. The poll stays as the
+//! net for a notification lost while the listener reconnects.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::Local;
+use crate::queue::QUEUE_NAME;
+use crate::store::RunLog;
+
+/// apalis's channel for new jobs (`migrations/*_notify_run_at.sql` of apalis-postgres).
+const CHANNEL: &str = "apalis::job::insert";
+
+/// What the notification says of a job.
+#[derive(serde::Deserialize)]
+struct Inserted {
+    job_type: String,
+    id: String,
+}
+
+/// Listens for new jobs until `shutdown`, reconnecting when the connection drops.
+pub(super) async fn take_notified(
+    pool: PgPool,
+    store: Arc<dyn RunLog>,
+    starts: Arc<Local>,
+    shutdown: CancellationToken,
+) {
+    while !shutdown.is_cancelled() {
+        let connected = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            listener.listen(CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        let mut listener = match connected.await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot listen for new jobs; the poll finds them meanwhile");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        };
+        loop {
+            let n = tokio::select! {
+                n = listener.try_recv() => n,
+                _ = shutdown.cancelled() => return,
+            };
+            match n {
+                Ok(Some(n)) => take(store.as_ref(), &starts, n.payload()).await,
+                // The connection dropped and sqlx reconnected: what was sent meanwhile is
+                // lost, and the poll finds it.
+                Ok(None) => store.job_queued(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "listening for new jobs failed; reconnecting");
+                    store.job_queued();
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Takes the job `payload` names when a worker of this process has a free slot and the job is
+/// next in line; otherwise wakes apalis's fetch.
+async fn take(store: &dyn RunLog, starts: &Local, payload: &str) {
+    let Ok(job) = serde_json::from_str::<Inserted>(payload) else {
+        store.job_queued();
+        return;
+    };
+    if job.job_type != QUEUE_NAME {
+        return;
+    }
+    let Some(slot) = starts.reserve() else {
+        store.job_queued();
+        return;
+    };
+    match store.take_job(&job.id, slot.worker()).await {
+        Ok(Some(run_id)) => {
+            tracing::debug!(%run_id, job_id = %job.id, "took a job as it was queued");
+            slot.run(run_id, job.id);
+        }
+        Ok(None) => store.job_queued(),
+        Err(e) => {
+            tracing::debug!(error = %e, job_id = %job.id, "could not take a queued job; the fetch will");
+            store.job_queued();
+        }
+    }
+}
