@@ -24,7 +24,7 @@ macro_rules! reach_children {
 #[macro_use]
 mod common;
 mod group;
-mod pg_ends;
+pub(crate) mod pg_ends;
 pub mod postgres;
 mod seed;
 mod shared;

@@ -61,6 +61,16 @@ impl Ends {
     }
 }
 
+/// A connection of `pool`'s listening on `channel`.
+pub(crate) async fn listener(
+    pool: &PgPool,
+    channel: &str,
+) -> Result<sqlx::postgres::PgListener, sqlx::Error> {
+    let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
+    listener.listen(channel).await?;
+    Ok(listener)
+}
+
 /// Listens on [`CHANNEL`] and fires `notifier` for every run announced, reconnecting when the
 /// connection drops, until the notifier is gone. Resolves its returned receiver once it
 /// listens, so a store is not handed out before it can hear an end.
@@ -69,12 +79,7 @@ pub(crate) fn listen(pool: PgPool, notifier: Weak<Notifier>) -> tokio::sync::one
     tokio::spawn(async move {
         let mut ready = Some(ready);
         while notifier.strong_count() > 0 {
-            let connected = async {
-                let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
-                listener.listen(CHANNEL).await?;
-                Ok::<_, sqlx::Error>(listener)
-            };
-            let mut listener = match connected.await {
+            let mut listener = match listener(&pool, CHANNEL).await {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot listen for runs' ends; retrying");

@@ -38,12 +38,7 @@ pub(super) async fn take_notified(
     shutdown: CancellationToken,
 ) {
     while !shutdown.is_cancelled() {
-        let connected = async {
-            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
-            listener.listen(CHANNEL).await?;
-            Ok::<_, sqlx::Error>(listener)
-        };
-        let mut listener = match connected.await {
+        let mut listener = match crate::store::pg_ends::listener(&pool, CHANNEL).await {
             Ok(l) => l,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot listen for new jobs; the poll finds them meanwhile");

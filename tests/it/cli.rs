@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use subagents::model::mock::{MockOptions, MockServer};
 
-use crate::support::Reaped;
+use crate::support::{Logged, Reaped};
 
 fn subagents(dir: &std::path::Path, mock: Option<&MockServer>, args: &[&str]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
@@ -470,10 +470,9 @@ fn bench_prints_one_json_line_with_its_figures() {
 /// run its embedded workers ran, and a SIGTERM drains it to a clean exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_serve_binary_runs_a_run_and_stops_cleanly_on_sigterm() {
-    use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
     let m = mock().await;
-    let mut serve = Reaped(
+    let logged = Logged::spawn(
         Command::new(env!("CARGO_BIN_EXE_subagents"))
             .args(["serve", "--host", "127.0.0.1", "--port", "0"])
             .current_dir(dir.path())
@@ -488,32 +487,11 @@ async fn the_serve_binary_runs_a_run_and_stops_cleanly_on_sigterm() {
             .env_remove("REDIS_URL")
             .env_remove("SUBAGENTS_API_KEYS")
             .env_remove("SUBAGENTS_KEYS_FILE")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap(),
+            .stdout(std::process::Stdio::null()),
+        "serve",
     );
-    let stderr = serve.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let base = tokio::task::block_in_place(|| {
-        loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .expect("serve says where it listens");
-            if let Some(i) = line.find("listening on ") {
-                break line[i + "listening on ".len()..]
-                    .split_whitespace()
-                    .next()
-                    .unwrap()
-                    .to_owned();
-            }
-        }
-    });
+    let base = logged.listening_on();
+    let mut serve = logged.child;
     let client = reqwest::Client::new();
     let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), 200);

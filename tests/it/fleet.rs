@@ -1428,28 +1428,18 @@ async fn a_run_held_by_another_process_is_steered() {
 /// settled by the worker as apalis would ack it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_postgres_worker_takes_the_job_a_notification_names() {
-    use std::io::{BufRead, BufReader};
     let f = fleet(0, 0, 2).await;
-    let mut w = worker_command(
-        &f.url,
-        &f.redis.url(),
-        &f.mock,
-        2,
-        &[("RUST_LOG", "warn,subagents::worker=debug".to_owned())],
-    )
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("spawn worker");
-    let pid = w.id();
-    let stderr = w.stderr.take().unwrap();
-    let _w = crate::support::Reaped(w);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("worker: {line}");
-            let _ = tx.send(line);
-        }
-    });
+    let w = Logged::spawn(
+        &mut worker_command(
+            &f.url,
+            &f.redis.url(),
+            &f.mock,
+            2,
+            &[("RUST_LOG", "warn,subagents::worker=debug".to_owned())],
+        ),
+        "worker",
+    );
+    let pid = w.child.id();
     // Registered (apalis does it as the worker starts): from then on it takes what it is told of.
     let db = sqlx::PgPool::connect(&f.url).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -1473,19 +1463,12 @@ async fn an_idle_postgres_worker_takes_the_job_a_notification_names() {
         .unwrap();
     let done = f.app.wait(run.id, Duration::from_secs(30)).await.unwrap();
     assert_eq!(done.map(|r| r.status), Some(RunStatus::Succeeded));
-    let took = tokio::task::block_in_place(|| {
-        let until = Instant::now() + Duration::from_secs(10);
-        while let Ok(line) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
-            // The line of the hand-over itself: a worker process starts no runs of its own,
-            // so a run handed to it came from the notification.
-            if line.contains("handed to this process's worker")
-                && line.contains(&run.id.to_string())
-            {
-                return true;
-            }
-        }
-        false
-    });
+    // The line of the hand-over itself: a worker process starts no runs of its own, so a run
+    // handed to it came from the notification.
+    let took = w.saw(
+        &["handed to this process's worker", &run.id.to_string()],
+        Duration::from_secs(10),
+    );
     assert!(took, "the worker took the job it was told of");
     // Settled by the worker it was locked to, as apalis acks a job.
     loop {

@@ -19,8 +19,9 @@ fn worker(dir: &std::path::Path, mock: &MockServer, journal: &std::path::Path) -
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
+/// A test directory with a tool journal, a mock answering in 250 ms (time to kill mid-run),
+/// and an app on the directory's SQLite file that starts runs and reads them (no workers).
+async fn killable() -> (tempfile::TempDir, std::path::PathBuf, MockServer, App) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
     let journal = dir.path().join("journal.tsv");
@@ -35,6 +36,12 @@ async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
     .unwrap();
     let settings = test_settings(dir.path(), &mock);
     let app = App::open(settings).await.unwrap();
+    (dir, journal, mock, app)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_loses_nothing_and_redoes_nothing() {
+    let (dir, journal, mock, app) = killable().await;
     let run = app
         .start_run(StartRun {
             input: "Long task.\nSCENARIO steps=10 tool=echo".into(),
@@ -184,22 +191,8 @@ async fn finished_once(
 /// committed done again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_serve_loses_nothing_of_a_run_it_handed_its_own_worker() {
-    use std::io::{BufRead, BufReader};
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
-    let journal = dir.path().join("journal.tsv");
-    let mock = MockServer::start(
-        ([127, 0, 0, 1], 0).into(),
-        MockOptions {
-            latency: Duration::from_millis(250),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
-    let settings = test_settings(dir.path(), &mock);
-    let app = App::open(settings).await.unwrap();
-    let mut serve = Reaped(
+    let (dir, journal, mock, app) = killable().await;
+    let serve = Logged::spawn(
         std::process::Command::new(env!("CARGO_BIN_EXE_subagents"))
             .args(["serve", "--host", "127.0.0.1", "--port", "0"])
             .current_dir(dir.path())
@@ -216,33 +209,10 @@ async fn a_killed_serve_loses_nothing_of_a_run_it_handed_its_own_worker() {
             .env_remove("REDIS_URL")
             .env_remove("SUBAGENTS_API_KEYS")
             .env_remove("SUBAGENTS_KEYS_FILE")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap(),
+            .stdout(std::process::Stdio::null()),
+        "serve",
     );
-    let stderr = serve.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("serve: {line}");
-            let _ = tx.send(line);
-        }
-    });
-    let base = tokio::task::block_in_place(|| {
-        loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .expect("serve says where it listens");
-            if let Some(i) = line.find("listening on ") {
-                break line[i + "listening on ".len()..]
-                    .split_whitespace()
-                    .next()
-                    .unwrap()
-                    .to_owned();
-            }
-        }
-    });
+    let base = serve.listening_on();
     // Its worker registered (apalis does it as the worker starts): starts are handed to it.
     let db = sqlx::SqlitePool::connect(&app.settings.database_url)
         .await
@@ -268,17 +238,11 @@ async fn a_killed_serve_loses_nothing_of_a_run_it_handed_its_own_worker() {
         .unwrap();
     let id: subagents::ids::RunId = serde_json::from_value(started["id"].clone()).unwrap();
     let run = app.store.get_run(id).await.unwrap().unwrap();
-    let handed = tokio::task::block_in_place(|| {
-        let until = Instant::now() + Duration::from_secs(30);
-        while let Ok(line) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
-            if line.contains("handed to this process's worker") && line.contains(&id.to_string()) {
-                return true;
-            }
-        }
-        false
-    });
     assert!(
-        handed,
+        serve.saw(
+            &["handed to this process's worker", &id.to_string()],
+            Duration::from_secs(30)
+        ),
         "serve handed the run to its own worker, not through a fetch"
     );
     loop {
@@ -289,6 +253,7 @@ async fn a_killed_serve_loses_nothing_of_a_run_it_handed_its_own_worker() {
         assert!(Instant::now() < deadline, "serve made no progress: {r:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let mut serve = serve.child;
     serve.kill().unwrap(); // SIGKILL
     serve.wait().unwrap();
     let at_kill = app.store.get_run(run.id).await.unwrap().unwrap();

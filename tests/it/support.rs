@@ -609,3 +609,62 @@ impl Drop for PrivatePostgres {
         let _ = self.command("pg_ctl", &args).stderr(Stdio::null()).status();
     }
 }
+
+/// A child process whose error output the test reads line by line (each line also echoed to
+/// the test's own output, prefixed with `name`).
+pub struct Logged {
+    pub child: Reaped,
+    pub lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Logged {
+    /// Spawns `cmd` with its error output piped.
+    pub fn spawn(cmd: &mut Command, name: &'static str) -> Logged {
+        use std::io::{BufRead, BufReader};
+        let mut child = Reaped(cmd.stderr(Stdio::piped()).spawn().expect("spawn"));
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("{name}: {line}");
+                let _ = tx.send(line);
+            }
+        });
+        Logged { child, lines }
+    }
+
+    /// Whether a line containing every one of `needles` comes within `within`.
+    pub fn saw(&self, needles: &[&str], within: Duration) -> bool {
+        let until = std::time::Instant::now() + within;
+        tokio::task::block_in_place(|| {
+            while let Ok(line) = self
+                .lines
+                .recv_timeout(until.saturating_duration_since(std::time::Instant::now()))
+            {
+                if needles.iter().all(|n| line.contains(n)) {
+                    return true;
+                }
+            }
+            false
+        })
+    }
+
+    /// `serve`'s base URL, from the line where it says where it listens.
+    pub fn listening_on(&self) -> String {
+        tokio::task::block_in_place(|| {
+            loop {
+                let line = self
+                    .lines
+                    .recv_timeout(Duration::from_secs(60))
+                    .expect("serve says where it listens");
+                if let Some(i) = line.find("listening on ") {
+                    break line[i + "listening on ".len()..]
+                        .split_whitespace()
+                        .next()
+                        .unwrap()
+                        .to_owned();
+                }
+            }
+        })
+    }
+}
