@@ -391,7 +391,13 @@ impl SqlStore for PgStore {
         match (outcome.as_str(), rid) {
             ("created", Some(_)) => {
                 let held = match &new.held_by {
-                    Some(worker) if ahead == 0 => self.hand_over(&new.job_id, worker).await?,
+                    // The run and its job are committed: a failed hand-over leaves the job
+                    // to the queue, and the start stands.
+                    Some(worker) if ahead == 0 => self
+                        .hand_over(&new.job_id, worker)
+                        .await
+                        .inspect_err(|e| tracing::debug!(error = %e, "could not hand the new run's job to this process's worker; it waits on the queue"))
+                        .unwrap_or(false),
                     _ => false,
                 };
                 if !held {
