@@ -464,7 +464,11 @@ impl App {
         )
         .await?;
         if let Some(slot) = slot.filter(|_| created.held) {
-            slot.run(created.run.id, created.run.job_id.clone());
+            slot.run(
+                created.run.id,
+                created.run.job_id.clone(),
+                crate::worker::Handed::Start,
+            );
         }
         Ok(created)
     }

@@ -53,6 +53,26 @@ impl Local {
     }
 }
 
+/// How a run reached a worker without apalis's fetch (the `via` of
+/// `subagents_jobs_direct_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handed {
+    /// Started in this process ([`Local`]).
+    Start,
+    /// Named by the queue's notification (`super::notified`).
+    Notification,
+}
+
+impl Handed {
+    /// The metric's label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Handed::Start => "start",
+            Handed::Notification => "notification",
+        }
+    }
+}
+
 impl Reserved {
     /// The queue worker the run's job is to be locked to ([`crate::domain::NewRun::held_by`]).
     pub fn worker(&self) -> &str {
@@ -62,9 +82,10 @@ impl Reserved {
     /// Executes the run whose job the start locked to [`Reserved::worker`], in the slot, and
     /// settles the job: done, or back on the queue when the handling failed (as apalis retries
     /// a job whose handler failed).
-    pub fn run(self, run_id: RunId, job_id: String) {
+    pub fn run(self, run_id: RunId, job_id: String, via: Handed) {
         let Reserved { ctx, slot } = self;
-        tracing::debug!(%run_id, worker = %ctx.name, "run handed to this process's worker as it started");
+        metrics::counter!("subagents_jobs_direct_total", "via" => via.as_str()).increment(1);
+        tracing::debug!(%run_id, worker = %ctx.name, via = via.as_str(), "run handed to this process's worker");
         let tracker = ctx.in_flight.clone();
         tracker.spawn(async move {
             let served = serve(&ctx, run_id).await;

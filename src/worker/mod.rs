@@ -24,7 +24,7 @@ use tokio_util::task::TaskTracker;
 mod local;
 mod notified;
 
-pub use local::{Local, Reserved};
+pub use local::{Handed, Local, Reserved};
 
 use crate::engine::{Engine, Executed};
 use crate::ids::RunId;

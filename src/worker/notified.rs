@@ -85,7 +85,7 @@ async fn take(store: &dyn RunLog, starts: &Local, payload: &str) {
     match store.take_job(&job.id, slot.worker()).await {
         Ok(Some(run_id)) => {
             tracing::debug!(%run_id, job_id = %job.id, "took a job as it was queued");
-            slot.run(run_id, job.id);
+            slot.run(run_id, job.id, super::Handed::Notification);
         }
         Ok(None) => store.job_queued(),
         Err(e) => {
