@@ -22,9 +22,84 @@ static TRACES: OnceLock<SdkTracerProvider> = OnceLock::new();
 
 type BoxedLayer = Box<dyn Layer<Registry> + Send + Sync>;
 
+/// A per-layer filter that is asked about every event, never cached as always-on.
+///
+/// tracing-subscriber passes a per-layer filter's verdict from `enabled` to `on_event` through
+/// a thread-local; a callsite cached as always-on skips `enabled` and reads whatever the last
+/// check on the thread left there. sqlx checks `log::log_enabled!` after every query, which
+/// the log bridge turns into such a check (disabled, for `sqlx::query` below our level): the
+/// next always-on event on that thread was silently dropped (seen: a worker's debug line right
+/// after its statement never printed; tokio-rs/tracing#2519). Answering "sometimes" where the
+/// filter would say "always" makes every event ask, which keeps the verdict fresh; a callsite
+/// the filter rejects outright is still never asked.
+struct Fresh<F>(F);
+
+impl<S, F: tracing_subscriber::layer::Filter<S>> tracing_subscriber::layer::Filter<S> for Fresh<F> {
+    fn enabled(
+        &self,
+        meta: &tracing::Metadata<'_>,
+        cx: &tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        self.0.enabled(meta, cx)
+    }
+
+    fn callsite_enabled(
+        &self,
+        meta: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        match self.0.callsite_enabled(meta) {
+            i if i.is_never() => i,
+            _ => tracing::subscriber::Interest::sometimes(),
+        }
+    }
+
+    fn event_enabled(
+        &self,
+        event: &tracing::Event<'_>,
+        cx: &tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        self.0.event_enabled(event, cx)
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        self.0.max_level_hint()
+    }
+
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        cx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_new_span(attrs, id, cx)
+    }
+
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        cx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_record(id, values, cx)
+    }
+
+    fn on_enter(&self, id: &tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_enter(id, cx)
+    }
+
+    fn on_exit(&self, id: &tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_exit(id, cx)
+    }
+
+    fn on_close(&self, id: tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_close(id, cx)
+    }
+}
+
 /// Installs the global subscriber. `default` applies when `RUST_LOG` is unset.
 pub fn init(default: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let filter =
+        Fresh(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default)));
     let json = std::env::var("SUBAGENTS_LOG_FORMAT").is_ok_and(|v| v == "json");
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
@@ -70,7 +145,7 @@ fn otlp_layer() -> Result<Option<BoxedLayer>, String> {
         .with_tracked_inactivity(false)
         .with_location(false)
         .with_threads(false);
-    Ok(Some(layer.with_filter(only_ours).boxed()))
+    Ok(Some(layer.with_filter(Fresh(only_ours)).boxed()))
 }
 
 /// Sends the spans still buffered (call before the process exits).
