@@ -216,15 +216,6 @@ impl PgStore {
         r
     }
 
-    /// Locks a new run's job to `worker` of this process, as apalis's fetch would (`Queued`,
-    /// `lock_by`), when no other job waits to be fetched ([`Claims::take_job`]): the run's start
-    /// then hands it to that worker in-process. After the start's own statement rather than
-    /// inside it, so the start function stays one for every caller; a fetch that got there
-    /// first simply wins (the fence is the job's `Pending`).
-    async fn hand_over(&self, job_id: &str, worker: &str) -> Result<bool> {
-        Ok(self.take_job(job_id, worker).await?.is_some())
-    }
-
     /// Connects and migrates both our schema and apalis's.
     pub async fn connect(url: &str) -> Result<PgStore> {
         // One direct connection first: a wrong URL or a server that is down fails here at once
@@ -390,14 +381,17 @@ impl SqlStore for PgStore {
         let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
         match (outcome.as_str(), rid) {
             ("created", Some(_)) => {
+                // Handed to `held_by` when the run is next in line, by the statement a
+                // notified worker takes a job with ([`Claims::take_job`]); after the start's own
+                // statement, so the start function stays one for every caller, and a fetch
+                // that got there first simply wins. The run and its job are committed: a failed
+                // hand-over leaves the job to the queue, and the start stands.
                 let held = match &new.held_by {
-                    // The run and its job are committed: a failed hand-over leaves the job
-                    // to the queue, and the start stands.
                     Some(worker) if ahead == 0 => self
-                        .hand_over(&new.job_id, worker)
+                        .take_job(&new.job_id, worker)
                         .await
                         .inspect_err(|e| tracing::debug!(error = %e, "could not hand the new run's job to this process's worker; it waits on the queue"))
-                        .unwrap_or(false),
+                        .is_ok_and(|run| run.is_some()),
                     _ => false,
                 };
                 if !held {
@@ -735,8 +729,20 @@ fn lease_status(r: &sqlx::postgres::PgRow, at: usize) -> LeaseStatus {
 impl group::Progress for Commits {
     async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
         let now = Utc::now();
-        let ff = cp.fence_fields(now);
-        let status = ff.status;
+        let status = cp.fence_fields(now).status;
+        // The checkpoint as one statement, fenced further by `only_if`, announcing its end
+        // when `announce` (see [`checkpoint_query`]).
+        let statement = |only_if, announce| {
+            checkpoint_query(
+                &lease,
+                &cp,
+                cp.fence_fields(now),
+                now,
+                self.relayed,
+                only_if,
+                announce,
+            )
+        };
         match status {
             // A terminal checkpoint adds its effects on the parent and the waiters in the same
             // transaction. Most runs' ends have none (a top-level run nobody awaits, without
@@ -745,20 +751,12 @@ impl group::Progress for Commits {
             // run). Any other end, and a lost lease, match nothing there and take the
             // transaction, which finds out again what to do.
             Some(status) => {
-                let alone = checkpoint_query(&lease, &cp, ff, now, self.relayed, ENDS_ALONE, true);
+                let alone = statement(ENDS_ALONE, true);
                 if alone.fetch_optional(&self.pool).await?.is_some() {
                     self.notifier.notify(lease.run_id);
                     return Ok(());
                 }
-                let query = checkpoint_query(
-                    &lease,
-                    &cp,
-                    cp.fence_fields(now),
-                    now,
-                    self.relayed,
-                    "",
-                    false,
-                );
+                let query = statement("", false);
                 let mut tx = self.pool.begin().await?;
                 let Some(row) = query.fetch_optional(&mut *tx).await? else {
                     return Err(StoreError::LeaseLost(lease.run_id));
@@ -784,7 +782,7 @@ impl group::Progress for Commits {
                 self.ends.ended(lease.run_id);
             }
             None => {
-                let query = checkpoint_query(&lease, &cp, ff, now, self.relayed, "", false);
+                let query = statement("", false);
                 let (mut conn, held) = self.connection().await?;
                 let mut row = query
                     .fetch_optional(&mut *conn)
@@ -800,15 +798,7 @@ impl group::Progress for Commits {
                         return Ok(());
                     }
                     let mut conn = self.pool.acquire().await?;
-                    let query = checkpoint_query(
-                        &lease,
-                        &cp,
-                        cp.fence_fields(now),
-                        now,
-                        self.relayed,
-                        "",
-                        false,
-                    );
+                    let query = statement("", false);
                     row = query
                         .fetch_optional(&mut *conn)
                         .await

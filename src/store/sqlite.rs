@@ -307,18 +307,10 @@ impl SqlStore for SqliteStore {
             .ok_or_else(|| corrupt("run vanished", new.id))?;
         // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
         // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
-        // a run without its job. Handed to `held_by` (written as its fetch would leave it:
-        // `Queued`, locked to that registered worker) only when the run is next in line.
-        let held: bool = sqlx::query_scalar(
-            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority, lock_by, lock_at) \
-             SELECT $1, $2, $3, CASE WHEN h.worker IS NULL THEN 'Pending' ELSE 'Queued' END, 0, $4, $5, $6, h.worker, \
-               CASE WHEN h.worker IS NULL THEN NULL ELSE $5 END \
-             FROM (SELECT CASE WHEN $8 = 0 AND EXISTS (SELECT 1 FROM Workers w WHERE w.id = $7) \
-               AND NOT EXISTS (SELECT 1 FROM Jobs o WHERE o.job_type = $3 AND o.lock_by IS NULL \
-                 AND (o.status = 'Pending' OR (o.status = 'Failed' AND o.attempts < o.max_attempts)) \
-                 AND (o.run_at IS NULL OR o.run_at <= $5)) \
-               THEN $7 END AS worker) h \
-             RETURNING lock_by IS NOT NULL",
+        // a run without its job.
+        sqlx::query(
+            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
+             VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
         )
         .bind(job_body(new.id))
         .bind(&new.job_id)
@@ -326,10 +318,20 @@ impl SqlStore for SqliteStore {
         .bind(JOB_MAX_ATTEMPTS as i64)
         .bind(now.timestamp())
         .bind(job_priority(ahead, new.priority) as i64)
-        .bind(new.held_by.as_deref())
-        .bind(ahead as i64)
-        .fetch_one(&mut *tx)
+        .execute(&mut *tx)
         .await?;
+        // Handed to `held_by` in the same transaction when the run is next in line, by the
+        // statement a notified worker takes a job with ([`Claims::take_job`]).
+        let held = match &new.held_by {
+            Some(worker) if ahead == 0 => sqlx::query(Self::statements().take_job.as_str())
+                .bind(&new.job_id)
+                .bind(worker)
+                .bind(QUEUE_NAME)
+                .fetch_optional(&mut *tx)
+                .await?
+                .is_some(),
+            _ => false,
+        };
         tx.commit().await?;
         if !held {
             self.common.notifier.job_queued();

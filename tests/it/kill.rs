@@ -193,23 +193,16 @@ async fn finished_once(
 async fn a_killed_serve_loses_nothing_of_a_run_it_handed_its_own_worker() {
     let (dir, journal, mock, app) = killable().await;
     let serve = Logged::spawn(
-        std::process::Command::new(env!("CARGO_BIN_EXE_subagents"))
-            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
-            .current_dir(dir.path())
-            .env("DATABASE_URL", &app.settings.database_url)
-            .env("SUBAGENTS_JOBS_DIR", dir.path().join("jobs"))
-            .env("SUBAGENTS_WORKSPACE", dir.path().join("workspace"))
-            .env("SUBAGENTS_TOOL_JOURNAL", journal.display().to_string())
-            .env("OPENAI_BASE_URL", mock.base_url())
-            .env("OPENAI_API_KEY", "x")
-            .env("SUBAGENTS_MODEL", "mock-model")
-            .env("SUBAGENTS_LEASE_TTL", "1.5")
-            .env("SUBAGENTS_POLL_MS", "20")
-            .env("RUST_LOG", "warn")
-            .env_remove("REDIS_URL")
-            .env_remove("SUBAGENTS_API_KEYS")
-            .env_remove("SUBAGENTS_KEYS_FILE")
-            .stdout(std::process::Stdio::null()),
+        process(
+            dir.path(),
+            &mock,
+            &["serve", "--host", "127.0.0.1", "--port", "0"],
+        )
+        .current_dir(dir.path())
+        .env("SUBAGENTS_TOOL_JOURNAL", journal.display().to_string())
+        .env_remove("REDIS_URL")
+        .env_remove("SUBAGENTS_API_KEYS")
+        .env_remove("SUBAGENTS_KEYS_FILE"),
         "serve",
     );
     let base = serve.listening_on();

@@ -407,8 +407,18 @@ impl Drop for RedisServer {
 /// A `subagents worker` process on the test's SQLite file (in `dir`) and mock model; `extra`
 /// environment variables are added or override the defaults.
 pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, String)]) -> Worker {
+    let mut c = process(dir, mock, &["worker"]);
+    for (k, v) in extra {
+        c.env(k, v);
+    }
+    Reaped(c.spawn().expect("spawn worker"))
+}
+
+/// A `subagents` process (`args`) on the test's SQLite file (in `dir`), agents, workspace and
+/// mock model, with short leases and polls and warnings only; its error output inherited.
+pub fn process(dir: &std::path::Path, mock: &MockServer, args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_subagents"));
-    c.arg("worker")
+    c.args(args)
         .env(
             "DATABASE_URL",
             format!("sqlite://{}", dir.join("test.db").display()),
@@ -423,10 +433,7 @@ pub fn spawn_worker(dir: &std::path::Path, mock: &MockServer, extra: &[(&str, St
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
-    for (k, v) in extra {
-        c.env(k, v);
-    }
-    Reaped(c.spawn().expect("spawn worker"))
+    c
 }
 
 /// A worker process of a test (see [`Reaped`]).
