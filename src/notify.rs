@@ -10,12 +10,13 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use tokio::sync::{Notify, OnceCell};
 
+use crate::domain::event::EventRecord;
 use crate::ids::RunId;
 
 /// The key under which "any run changed" waiters wait.
@@ -82,10 +83,43 @@ impl std::ops::Deref for Signal {
     }
 }
 
-/// Per-run wake-up registry, and the process's "a job was queued" signal.
+/// Most events the hand-off keeps for a relay that has not taken them; past it, commits are
+/// announced without their events and the relay reads them from the outbox.
+const HANDOFF_CAP: usize = 10_000;
+
+/// Events this process committed, handed to its relay with the seqs they were committed under,
+/// so the relay publishes them to Redis without reading them back from the outbox: that read,
+/// one per commit, was half of the relay's statements. The outbox stays the truth: a handed
+/// event is committed and unrelayed there until the relay marks it, so a crash or a failed
+/// publication loses nothing.
+#[derive(Debug, Default)]
+struct Handoff {
+    /// A relay takes what is handed (it opened the hand-off); until then nothing is kept.
+    open: AtomicBool,
+    events: Mutex<Vec<EventRecord>>,
+    /// A commit of this process was announced without its events: the relay reads the outbox.
+    unhanded: AtomicBool,
+    /// Each run's latest event as this process committed and handed it, while nothing else is
+    /// known to have written to the run since (see [`Notifier::latest_seq`]).
+    latest: Mutex<HashMap<RunId, u64>>,
+}
+
+/// What the relay takes from the hand-off ([`Notifier::take_handed`]).
+#[derive(Debug, Default)]
+pub struct Handed {
+    /// Events committed since the last take, each run's in seq order.
+    pub events: Vec<EventRecord>,
+    /// Some commit since the last take was announced without its events (or the hand-off was
+    /// full): what it wrote is only in the outbox.
+    pub unhanded: bool,
+}
+
+/// Per-run wake-up registry, the process's "a job was queued" signal, and the hand-off of
+/// committed events to the relay.
 #[derive(Debug)]
 pub struct Notifier {
     runs: Mutex<HashMap<RunId, Weak<Signal>>>,
+    handoff: Handoff,
     /// Moves on whenever this process queued a job that can start now: its workers fetch at
     /// once instead of at their next poll. A watch, so every worker hears each change (and one
     /// made while it was busy), and none takes another's wake-up.
@@ -96,6 +130,7 @@ impl Default for Notifier {
     fn default() -> Self {
         Notifier {
             runs: Default::default(),
+            handoff: Handoff::default(),
             jobs: tokio::sync::watch::Sender::new(0),
         }
     }
@@ -119,13 +154,80 @@ impl Notifier {
 
     /// Wakes everyone waiting on the run, and everyone waiting on any run.
     pub fn notify(&self, run: RunId) {
+        self.unhanded(run);
         self.fire(run, true, true)
     }
 
     /// [`Notifier::notify`] for a commit that cannot have ended the run (a step's checkpoint):
     /// streams read it, waits for the run's end sleep on.
     pub fn progress(&self, run: RunId) {
+        self.unhanded(run);
         self.fire(run, false, true)
+    }
+
+    /// [`Notifier::notify`] (`decisive`) or [`Notifier::progress`] for a commit whose events
+    /// are `events`, as committed: they are handed to this process's relay, if it has one.
+    pub fn committed(&self, run: RunId, decisive: bool, events: impl FnOnce() -> Vec<EventRecord>) {
+        if self.handoff.open.load(Ordering::SeqCst) {
+            let events = events();
+            {
+                let mut latest = self.handoff.latest.lock().unwrap();
+                match events.last() {
+                    // A run's end: nothing follows it.
+                    Some(_) if decisive => drop(latest.remove(&run)),
+                    Some(e) => {
+                        if latest.len() >= HANDOFF_CAP {
+                            latest.clear();
+                        }
+                        latest.insert(run, e.seq);
+                    }
+                    None => {}
+                }
+            }
+            let mut kept = self.handoff.events.lock().unwrap();
+            if kept.len() < HANDOFF_CAP {
+                kept.extend(events);
+            } else {
+                self.handoff.unhanded.store(true, Ordering::SeqCst);
+            }
+        }
+        self.fire(run, decisive, true)
+    }
+
+    /// A commit of `run` was announced without its events: the relay must read the outbox, and
+    /// the run's latest seq is no longer known here.
+    fn unhanded(&self, run: RunId) {
+        self.handoff.unhanded.store(true, Ordering::SeqCst);
+        self.forget_seq(run);
+    }
+
+    fn forget_seq(&self, run: RunId) {
+        if self.handoff.open.load(Ordering::SeqCst) {
+            self.handoff.latest.lock().unwrap().remove(&run);
+        }
+    }
+
+    /// The seq of `run`'s latest event, when this process committed it and handed it over
+    /// ([`Notifier::committed`]) and has heard of no other write to the run since: what a
+    /// token-delta sink follows, known without reading the run. `None` means "read it".
+    pub fn latest_seq(&self, run: RunId) -> Option<u64> {
+        self.handoff.latest.lock().unwrap().get(&run).copied()
+    }
+
+    /// Says a relay takes this process's committed events from now on ([`Notifier::committed`]).
+    pub fn open_handoff(&self) {
+        self.handoff.unhanded.store(true, Ordering::SeqCst);
+        self.handoff.open.store(true, Ordering::SeqCst);
+    }
+
+    /// The events handed since the last take, and whether some commit was announced without
+    /// them.
+    pub fn take_handed(&self) -> Handed {
+        let events = std::mem::take(&mut *self.handoff.events.lock().unwrap());
+        Handed {
+            events,
+            unhanded: self.handoff.unhanded.swap(false, Ordering::SeqCst),
+        }
     }
 
     /// Wakes the run's waiters for a change another process made and announced (over Redis or
@@ -133,6 +235,7 @@ impl Notifier {
     /// [`Notifier::progress`]. Those waiting on any run are not woken: they relay this
     /// process's own commits, and another process's were relayed by that process.
     pub fn heard(&self, run: RunId, decisive: bool) {
+        self.forget_seq(run);
         self.fire(run, decisive, false)
     }
 
@@ -314,6 +417,54 @@ impl<K: Eq + Hash + Clone, V: Clone> SharedReads<K, V> {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    fn records(run: RunId, seqs: std::ops::RangeInclusive<u64>) -> Vec<EventRecord> {
+        seqs.map(|seq| EventRecord {
+            seq,
+            kind: "step.completed".into(),
+            run_id: run,
+            created_at: chrono::Utc::now(),
+            data: serde_json::json!({}),
+        })
+        .collect()
+    }
+
+    #[test]
+    fn the_hand_off_keeps_events_only_for_an_open_relay_and_knows_what_it_saw_whole() {
+        let n = Notifier::default();
+        let (a, b) = (RunId::new(), RunId::new());
+        // No relay: nothing kept, nothing known.
+        n.committed(a, false, || records(a, 1..=2));
+        assert!(n.take_handed().events.is_empty());
+        assert_eq!(n.latest_seq(a), None);
+        // A relay opens: its first take reads the outbox, then what commits hand it.
+        n.open_handoff();
+        assert!(n.take_handed().unhanded);
+        n.committed(a, false, || records(a, 3..=4));
+        n.committed(b, false, || records(b, 1..=1));
+        let handed = n.take_handed();
+        assert!(!handed.unhanded);
+        assert_eq!(
+            handed
+                .events
+                .iter()
+                .map(|e| (e.run_id, e.seq))
+                .collect::<Vec<_>>(),
+            vec![(a, 3), (a, 4), (b, 1)]
+        );
+        assert_eq!((n.latest_seq(a), n.latest_seq(b)), (Some(4), Some(1)));
+        // A commit announced without its events: the outbox is read, the seq no longer known.
+        n.progress(a);
+        assert!(n.take_handed().unhanded);
+        assert_eq!(n.latest_seq(a), None);
+        // Another process's change heard, or the run's end: forgotten too.
+        n.heard(b, false);
+        assert_eq!(n.latest_seq(b), None);
+        n.committed(b, false, || records(b, 2..=2));
+        n.committed(b, true, || records(b, 3..=3));
+        assert_eq!(n.latest_seq(b), None);
+        assert_eq!(n.take_handed().events.len(), 2);
+    }
 
     #[tokio::test]
     async fn callers_of_one_generation_share_a_read_and_a_newer_one_reads_again() {

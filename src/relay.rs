@@ -12,6 +12,13 @@
 //! caller's cursor without a gap, and read the outbox otherwise, so a trimmed or lost range
 //! never hides a durable event.
 //!
+//! The outbox is read back only where it must be: a step's checkpoint and a claim hand the
+//! events they committed, with their seqs, to this process's relay
+//! ([`crate::notify::Notifier::committed`]), which publishes them from memory and marks them
+//! relayed in batches (`Relay`). The outbox is read when a commit wrote events it did not hand
+//! over, when Redis refused a handed event (an earlier one of its run is not there yet), and
+//! every 100 ms as the net for events whose process died before relaying them.
+//!
 //! After relaying a run's events the relay publishes `change:<run>` on `subagents:wake`
 //! (`step:<run>` when none of them ends the run); every process subscribes and wakes its local
 //! waiters, so a waiter hears of a run that ended in another process in milliseconds, and a
@@ -97,6 +104,8 @@ pub struct RedisEvents {
     settings: RedisSettings,
     script: Arc<redis::Script>,
     delta: Arc<redis::Script>,
+    /// Events this connection's relay published: from memory, from the outbox.
+    published: Arc<[std::sync::atomic::AtomicU64; 2]>,
 }
 
 /// Redis failures.
@@ -119,6 +128,145 @@ fn wake_ups(batch: &[EventRecord]) -> Vec<(RunId, bool)> {
         match out.last_mut() {
             Some((run, any)) if *run == e.run_id => *any |= ends,
             _ => out.push((e.run_id, ends)),
+        }
+    }
+    out
+}
+
+/// What one publication did: how many events went through, the `(run, first, last)` ranges
+/// they form (for [`Outbox::mark_relayed`](crate::store::Outbox::mark_relayed)), and whether
+/// an event was refused because an earlier one of its run is not in Redis yet.
+#[derive(Debug, Default)]
+struct Published {
+    relayed: usize,
+    ranges: Vec<(RunId, u64, u64)>,
+    refused: bool,
+}
+
+/// How often the relay reads the outbox even when nothing asked it to (events committed by a
+/// process that died before relaying them), and marks what it published from memory.
+const SWEEP: Duration = Duration::from_millis(100);
+
+/// Most published ranges whose marks wait for the next sweep.
+const MARKS_PENDING: usize = 256;
+
+/// The relay loop's state. Its common path publishes the events this process's commits hand
+/// it ([`crate::notify::Notifier::committed`]) straight from memory, one Redis pipeline per
+/// pass and no statement; the outbox is read only when a commit wrote events it did not hand
+/// over (a start; a run's end that wrote its parent's events; an approval…), when a handed event was refused
+/// (its run's earlier events are not in Redis), and on the sweep. Marks for what went out from
+/// memory wait for the sweep (or [`MARKS_PENDING`]) and go in one statement: until then the
+/// rows stay unrelayed, which only means a relay that reads them publishes them again, and
+/// publishing is idempotent.
+struct Relay {
+    redis: RedisEvents,
+    /// Published, not yet marked.
+    marks: Vec<(RunId, u64, u64)>,
+    /// When the outbox is read next regardless.
+    sweep_at: tokio::time::Instant,
+    /// Read the outbox at the next pass (a refusal, or a failure to retry).
+    read_outbox: bool,
+    backoff: Duration,
+}
+
+impl Relay {
+    fn new(redis: RedisEvents) -> Self {
+        Relay {
+            redis,
+            marks: vec![],
+            sweep_at: tokio::time::Instant::now(),
+            read_outbox: true,
+            backoff: SWEEP,
+        }
+    }
+
+    /// One pass; `true` when another should follow at once (a full batch, or a refusal).
+    async fn pass(&mut self, store: &dyn Store) -> bool {
+        let handed = store.take_handed();
+        let sweep =
+            handed.unhanded || self.read_outbox || tokio::time::Instant::now() >= self.sweep_at;
+        let result = if sweep {
+            // The handed events are in the outbox too (committed before they were handed):
+            // the outbox pass publishes them in order with everything else.
+            self.read_outbox = false;
+            self.sweep(store).await
+        } else if handed.events.is_empty() {
+            Ok(false)
+        } else {
+            self.publish_handed(store, &handed.events).await
+        };
+        match result {
+            Ok(again) => {
+                self.backoff = SWEEP;
+                again
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, backoff = ?self.backoff, "relay to Redis failed; events wait in the outbox");
+                // What was handed is in the outbox: the retry reads it there.
+                self.read_outbox = true;
+                self.sweep_at = tokio::time::Instant::now() + self.backoff;
+                self.backoff = (self.backoff * 2).min(Duration::from_secs(5));
+                false
+            }
+        }
+    }
+
+    /// Marks what went out from memory, then one outbox pass; `true` when the batch was full.
+    async fn sweep(&mut self, store: &dyn Store) -> Result<bool, RelayError> {
+        self.sweep_at = tokio::time::Instant::now() + SWEEP;
+        self.mark(store).await?;
+        let (read, relayed) = self.redis.relay_once(store).await?;
+        // A full batch may have left more behind: the next pass reads on.
+        self.read_outbox = read == RELAY_BATCH as usize && relayed > 0;
+        Ok(self.read_outbox)
+    }
+
+    /// Publishes handed events; `true` when one was refused (the outbox pass that follows at
+    /// once publishes it after the events it waits for).
+    async fn publish_handed(
+        &mut self,
+        store: &dyn Store,
+        events: &[EventRecord],
+    ) -> Result<bool, RelayError> {
+        let published = self.redis.publish(events, false).await?;
+        self.marks.extend(published.ranges);
+        if self.marks.len() >= MARKS_PENDING {
+            self.mark(store).await?;
+        }
+        self.read_outbox = published.refused;
+        Ok(published.refused)
+    }
+
+    /// Marks the pending ranges relayed, in one statement.
+    async fn mark(&mut self, store: &dyn Store) -> Result<(), RelayError> {
+        if self.marks.is_empty() {
+            return Ok(());
+        }
+        let ranges = merged(std::mem::take(&mut self.marks));
+        if let Err(e) = store.mark_relayed(&ranges).await {
+            self.marks = ranges;
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// At shutdown: what was published goes marked (best effort; unmarked rows are only
+    /// published again).
+    async fn flush_marks(&mut self, store: &dyn Store) {
+        if let Err(e) = self.mark(store).await {
+            tracing::debug!(error = %e, "marking relayed events at shutdown failed; they will be published again");
+        }
+    }
+}
+
+/// `ranges` with each run's adjacent ranges joined (fewer rows for the marking statement).
+fn merged(mut ranges: Vec<(RunId, u64, u64)>) -> Vec<(RunId, u64, u64)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(RunId, u64, u64)> = Vec::with_capacity(ranges.len());
+    for (run, first, last) in ranges {
+        match out.last_mut() {
+            Some((r, _, l)) if *r == run && first <= *l + 1 => *l = (*l).max(last),
+            _ => out.push((run, first, last)),
         }
     }
     out
@@ -157,7 +305,19 @@ impl RedisEvents {
             settings,
             script: Arc::new(redis::Script::new(PUBLISH)),
             delta: Arc::new(redis::Script::new(DELTA)),
+            published: Default::default(),
         })
+    }
+
+    /// How many events this relay published to Redis: handed from memory by this process's
+    /// commits, and read from the outbox (also on `/metrics` as
+    /// `subagents_relay_events_total{source="memory"|"outbox"}`).
+    pub fn published(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.published[0].load(Relaxed),
+            self.published[1].load(Relaxed),
+        )
     }
 
     /// Whether Redis answers now (for `/readyz`).
@@ -193,27 +353,40 @@ impl RedisEvents {
     /// many of them were marked relayed.
     ///
     /// One pass is three round trips whatever its size: the batch read from the outbox, one
-    /// Redis pipeline (the script loaded first, so a restarted Redis needs no retry, then each
-    /// event's publication, run by run in order, then a wake-up per run), and one statement
-    /// marking what went through.
+    /// Redis pipeline (see [`RedisEvents::publish`]), and one statement marking what went
+    /// through.
     pub async fn relay_once(&self, store: &dyn Store) -> Result<(usize, usize), RelayError> {
         let batch = store.unrelayed(RELAY_BATCH).await?;
         if batch.is_empty() {
             return Ok((0, 0));
         }
+        let published = self.publish(&batch, true).await?;
+        store.mark_relayed(&published.ranges).await?;
+        Ok((batch.len(), published.relayed))
+    }
+
+    /// Publishes `batch` (each run's events in seq order) in one Redis pipeline: the script
+    /// loaded first, so a restarted Redis needs no retry, then each event's publication, run by
+    /// run in order, then a wake-up per run. `from_outbox`: the batch is the outbox's oldest
+    /// unrelayed rows, so the first event of a run in it may follow a gap (trimmed or lost
+    /// entries): everything before it was relayed. Events handed from memory make no such
+    /// claim, and one that does not follow its run's stream is refused.
+    async fn publish(
+        &self,
+        batch: &[EventRecord],
+        from_outbox: bool,
+    ) -> Result<Published, RelayError> {
         let mut pipe = redis::pipe();
         pipe.load_script(&self.script).ignore();
         let mut previous = None;
-        for e in &batch {
-            // The first event of a run in the batch may follow a gap (trimmed or lost entries):
-            // the outbox says everything before it was relayed.
-            self.publish_into(&mut pipe, e, previous != Some(e.run_id));
+        for e in batch {
+            self.publish_into(&mut pipe, e, from_outbox && previous != Some(e.run_id));
             previous = Some(e.run_id);
         }
         // Then the wake-ups, in the same pipeline: a process waiting on one of these runs reads
         // it from the database, where it is already committed, so it need not wait for the
         // outbox to be marked. (A run whose event was refused is woken for nothing: harmless.)
-        for (run, ends) in wake_ups(&batch) {
+        for (run, ends) in wake_ups(batch) {
             let kind = if ends { "change" } else { "step" };
             pipe.publish(WAKE_CHANNEL, format!("{kind}:{run}")).ignore();
         }
@@ -222,25 +395,32 @@ impl RedisEvents {
         // What went through, per run: from its first event in the batch up to the one before
         // the first refused (Redis runs the scripts in order, so every later one of that run
         // was refused too).
-        let mut ranges: Vec<(RunId, u64, u64)> = vec![];
+        let mut out = Published::default();
         let mut blocked: Option<RunId> = None;
-        let mut relayed = 0usize;
         for (e, answer) in batch.iter().zip(answers) {
             if blocked == Some(e.run_id) {
                 continue;
             }
             if answer < 0 {
                 blocked = Some(e.run_id);
+                out.refused = true;
                 continue;
             }
-            relayed += 1;
-            match ranges.last_mut() {
-                Some((run, _, last)) if *run == e.run_id => *last = e.seq,
-                _ => ranges.push((e.run_id, e.seq, e.seq)),
+            out.relayed += 1;
+            match out.ranges.last_mut() {
+                Some((run, _, last)) if *run == e.run_id && *last + 1 == e.seq => *last = e.seq,
+                _ => out.ranges.push((e.run_id, e.seq, e.seq)),
             }
         }
-        store.mark_relayed(&ranges).await?;
-        Ok((batch.len(), relayed))
+        let (slot, source) = if from_outbox {
+            (1, "outbox")
+        } else {
+            (0, "memory")
+        };
+        self.published[slot].fetch_add(out.relayed as u64, std::sync::atomic::Ordering::Relaxed);
+        metrics::counter!("subagents_relay_events_total", "source" => source)
+            .increment(out.relayed as u64);
+        Ok(out)
     }
 
     /// A sink for one model call's token deltas: entries `N-1`, `N-2`, … of the run's stream,
@@ -437,30 +617,24 @@ impl RedisEvents {
             let (me, store, shutdown) = (self.clone(), store.clone(), shutdown.clone());
             async move {
                 let any = store.subscribe_all();
-                let mut backoff = Duration::from_millis(100);
+                store.open_handoff();
+                let mut relay = Relay::new(me);
                 loop {
                     let changed = any.notified();
                     tokio::pin!(changed);
                     changed.as_mut().enable();
-                    // A full batch may have left more behind: at once again. Otherwise what was
-                    // committed since this pass began has woken `changed`: a second read now
-                    // would find nothing (it did, once per pass: a third of a short run's
-                    // statements on PostgreSQL were the relay's).
-                    match me.relay_once(store.as_ref()).await {
-                        Ok((read, relayed)) if read == RELAY_BATCH as usize && relayed > 0 => {
-                            backoff = Duration::from_millis(100);
-                            continue;
-                        }
-                        Ok(_) => backoff = Duration::from_millis(100),
-                        Err(e) => {
-                            tracing::warn!(error = %e, ?backoff, "relay to Redis failed; events wait in the outbox");
-                            backoff = (backoff * 2).min(Duration::from_secs(5));
-                        }
+                    // Whatever was committed since this pass began wakes `changed`.
+                    let again = relay.pass(store.as_ref()).await;
+                    if again {
+                        continue;
                     }
                     tokio::select! {
-                        _ = shutdown.cancelled() => return,
+                        _ = shutdown.cancelled() => {
+                            relay.flush_marks(store.as_ref()).await;
+                            return;
+                        }
                         _ = changed => {}
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep_until(relay.sweep_at) => {}
                     }
                 }
             }
@@ -531,5 +705,20 @@ mod tests {
         ];
         assert_eq!(wake_ups(&batch), vec![(a, false), (b, true)]);
         assert_eq!(wake_ups(&[]), vec![]);
+    }
+
+    #[test]
+    fn pending_marks_join_per_run_without_covering_a_gap() {
+        let (a, b) = (RunId::new(), RunId::new());
+        let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+        let joined = merged(vec![
+            (hi, 4, 4),
+            (lo, 1, 2),
+            (hi, 1, 3),
+            (lo, 3, 3),
+            (lo, 6, 7),
+        ]);
+        assert_eq!(joined, vec![(lo, 1, 3), (lo, 6, 7), (hi, 1, 4)]);
+        assert_eq!(merged(vec![]), vec![]);
     }
 }

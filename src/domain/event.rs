@@ -6,6 +6,23 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+/// A stored event: one row of a run's outbox, as readers and Redis get it.
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct EventRecord {
+    /// Gap-free per run, from 1.
+    pub seq: u64,
+    /// Type name, e.g. `step.completed`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Run.
+    pub run_id: RunId,
+    /// Commit time.
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    /// Payload.
+    #[schema(value_type = Object)]
+    pub data: Value,
+}
+
 use super::RunError;
 use super::approval::{ApprovalScope, ApprovalStatus};
 use crate::ids::{AgentName, ApprovalId, MessageId, OwnerId, RunId};

@@ -54,10 +54,15 @@ impl Engine {
             response_format: a.run.limits.output.as_ref().map(|o| o.response_format()),
         };
         let t0 = std::time::Instant::now();
-        // Deltas follow the run's latest durable event (this step's `step.started`).
+        // Deltas follow the run's latest durable event (this step's `step.started`): known
+        // here when this process committed it, else read beside the call.
         let deltas = self.deltas.as_ref().map(|r| {
             let (store, run) = (self.store.clone(), a.run.id);
+            let known = store.latest_seq(run);
             let seq = async move {
+                if known.is_some() {
+                    return known;
+                }
                 match store.get_run(run).await {
                     Ok(r) => Some(r.map_or(0, |r| r.event_seq)),
                     Err(e) => {

@@ -30,12 +30,13 @@ pub(crate) const MAX_BATCH: usize = 64;
 pub(crate) trait Progress: Clone + Send + Sync + 'static {
     /// Commits one checkpoint and announces it (see [`super::Checkpoints::checkpoint`]).
     fn commit_one(&self, lease: Lease, cp: Checkpoint) -> impl Future<Output = Result<()>> + Send;
-    /// Commits non-terminal checkpoints in one transaction; `false` where an item's lease was
-    /// gone (that item wrote nothing). An error means nothing committed.
+    /// Commits non-terminal checkpoints in one transaction: where each item's events landed,
+    /// `None` where its lease was gone (that item wrote nothing). An error means nothing
+    /// committed.
     fn commit_many(
         &self,
         items: &[(Lease, Checkpoint)],
-    ) -> impl Future<Output = Result<Vec<bool>>> + Send;
+    ) -> impl Future<Output = Result<Vec<Option<Landed>>>> + Send;
     /// Commits alone a checkpoint whose earlier commit failed in a way that can hide success:
     /// the database committed, then the connection broke before the answer came back. Committing
     /// it again would write its events twice (its messages are idempotent by key), so a backend
@@ -47,14 +48,32 @@ pub(crate) trait Progress: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<()>> + Send {
         self.commit_one(lease, cp)
     }
-    /// Tells this process's waiters that a step of `run` committed (progress: a group holds no
-    /// terminal checkpoint).
-    fn announce(&self, run: RunId);
+    /// Tells this process's waiters (and its relay, with the events) that `cp`, a step of
+    /// `run`, committed where `landed` says (progress: a group holds no terminal checkpoint).
+    fn announce(&self, run: RunId, cp: &Checkpoint, landed: Landed);
     /// The backend as one committer task uses it. A committer commits one transaction at a
     /// time, so what this returns may keep state no other task touches: PostgreSQL's keeps a
     /// connection of its own across batches (see `postgres::Commits`).
     fn for_committer(&self) -> Self {
         self.clone()
+    }
+}
+
+/// Where a committed checkpoint's events landed: the seq of its last event and their commit
+/// time (see [`Checkpoint::records`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Landed {
+    pub(crate) last: i64,
+    pub(crate) at: chrono::DateTime<chrono::Utc>,
+}
+
+impl Landed {
+    /// A commit time for events committed now, at the precision both databases keep
+    /// (PostgreSQL's is the microsecond), so an event handed to the relay from memory is the
+    /// outbox's row to the byte.
+    pub(crate) fn stamp() -> chrono::DateTime<chrono::Utc> {
+        use chrono::SubsecRound;
+        chrono::Utc::now().trunc_subsecs(6)
     }
 }
 
@@ -150,9 +169,9 @@ async fn committer<P: Progress>(
             .unzip();
         match backend.commit_many(&items).await {
             Ok(applied) => {
-                for ((reply, (lease, _)), ok) in replies.into_iter().zip(&items).zip(applied) {
-                    if ok {
-                        backend.announce(lease.run_id);
+                for ((reply, (lease, cp)), landed) in replies.into_iter().zip(&items).zip(applied) {
+                    if let Some(landed) = landed {
+                        backend.announce(lease.run_id, cp, landed);
                         let _ = reply.send(Ok(()));
                     } else {
                         let _ = reply.send(Err(StoreError::LeaseLost(lease.run_id)));
@@ -314,7 +333,7 @@ mod tests {
             self.write(&lease, &cp);
             Ok(())
         }
-        async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<bool>> {
+        async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<Option<Landed>>> {
             for (lease, cp) in items {
                 self.write(lease, cp);
             }
@@ -334,7 +353,7 @@ mod tests {
                 self.commit_one(lease, cp).await
             }
         }
-        fn announce(&self, _run: RunId) {}
+        fn announce(&self, _run: RunId, _cp: &Checkpoint, _landed: Landed) {}
     }
 
     /// A group whose commit landed but answered an error is not written a second time by the

@@ -36,7 +36,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use serde_json::Value;
 
 use crate::ids::{ApprovalId, MessageId, OwnerId, RunId, ThreadId};
@@ -145,22 +144,7 @@ impl NewEvent {
     }
 }
 
-/// A stored event.
-#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
-pub struct EventRecord {
-    /// Gap-free per run, from 1.
-    pub seq: u64,
-    /// Type name, e.g. `step.completed`.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// Run.
-    pub run_id: RunId,
-    /// Commit time.
-    pub created_at: DateTime<Utc>,
-    /// Payload.
-    #[schema(value_type = Object)]
-    pub data: Value,
-}
+pub use crate::domain::event::EventRecord;
 
 /// Proof of holding a run: writes carrying a stale epoch are refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -288,6 +272,23 @@ pub(crate) struct FenceFields {
 }
 
 impl Checkpoint {
+    /// This checkpoint's events as they were committed: numbered to end at `last` (where the
+    /// fence moved the run's `event_seq`) and stamped `at`, as the outbox holds them.
+    pub(crate) fn records(&self, run: RunId, last: i64, at: DateTime<Utc>) -> Vec<EventRecord> {
+        let first = last - self.events.len() as i64 + 1;
+        self.events
+            .iter()
+            .zip(first..)
+            .map(|(e, seq)| EventRecord {
+                seq: seq as u64,
+                kind: e.kind().to_owned(),
+                run_id: run,
+                created_at: at,
+                data: e.data().clone(),
+            })
+            .collect()
+    }
+
     pub(crate) fn fence_fields(&self, now: DateTime<Utc>) -> FenceFields {
         let mut f = FenceFields {
             status: self.finish.as_ref().map(|f| f.terminal().status()),
@@ -562,6 +563,10 @@ pub trait Runs: Send + Sync + 'static {
 
     /// Wake-ups for cancel requests of `run` made through this store.
     fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal>;
+
+    /// The seq of `run`'s latest event when this process knows it without a read (see
+    /// [`crate::notify::Notifier::latest_seq`]).
+    fn latest_seq(&self, run: RunId) -> Option<u64>;
 
     /// The run's children, oldest first.
     async fn children(&self, run: RunId) -> Result<Vec<RunRecord>>;
@@ -1118,6 +1123,14 @@ pub trait Outbox: Send + Sync + 'static {
 
     /// Wakes this process's waiters for a change made elsewhere (heard over Redis).
     fn wake_local(&self, run: RunId, wake: Wake);
+
+    /// Says this process's relay takes the events its commits hand over from now on (see
+    /// [`crate::notify::Notifier::committed`]).
+    fn open_handoff(&self);
+
+    /// The events committed and handed over since the last take, and whether some commit
+    /// wrote events only the outbox holds.
+    fn take_handed(&self) -> crate::notify::Handed;
 }
 
 /// [`Queries::view_extras`].

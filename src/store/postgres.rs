@@ -420,7 +420,7 @@ impl SqlStore for PgStore {
     }
 
     async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
-        let now = Utc::now();
+        let now = group::Landed::stamp();
         let nms = now_ms();
         // One statement: the claim and its `run.started` / `run.resumed` event. A queued run is
         // claimable once its thread is free and it is the thread's oldest; a parked one at any
@@ -486,8 +486,7 @@ impl SqlStore for PgStore {
         };
         // The claimed row comes back whole: no second read.
         let run = Self::run_from_row(&row)?;
-        // A claim starts the run: nothing a wait for its end needs to read.
-        self.common.notifier.progress(id);
+        self.claimed(&run, owner, now);
         Ok(Claim::Acquired(
             Lease {
                 run_id: id,
@@ -728,7 +727,7 @@ fn lease_status(r: &sqlx::postgres::PgRow, at: usize) -> LeaseStatus {
 
 impl group::Progress for Commits {
     async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
-        let now = Utc::now();
+        let now = group::Landed::stamp();
         let status = cp.fence_fields(now).status;
         // The checkpoint as one statement, fenced further by `only_if`, announcing its end
         // when `announce` (see [`checkpoint_query`]).
@@ -752,8 +751,12 @@ impl group::Progress for Commits {
             // transaction, which finds out again what to do.
             Some(status) => {
                 let alone = statement(ENDS_ALONE, true);
-                if alone.fetch_optional(&self.pool).await?.is_some() {
-                    self.notifier.notify(lease.run_id);
+                if let Some(row) = alone.fetch_optional(&self.pool).await? {
+                    let at = group::Landed {
+                        last: row.get(0),
+                        at: now,
+                    };
+                    self.committed(lease.run_id, true, &cp, at);
                     return Ok(());
                 }
                 let query = statement("", false);
@@ -761,20 +764,12 @@ impl group::Progress for Commits {
                 let Some(row) = query.fetch_optional(&mut *tx).await? else {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 };
-                let thread: String = row.get(1);
-                let parent: Option<String> = row.get(2);
-                let reach = Reach {
-                    waits: row.get(3),
-                    children: row.get(4),
-                };
-                PgStore::terminal_effects(
+                PgStore::end_effects(
                     &mut tx,
                     lease.run_id,
-                    &thread,
-                    parent.as_deref(),
+                    &row,
                     status,
                     cp.error(),
-                    reach,
                     self.relayed,
                 )
                 .await?;
@@ -805,10 +800,14 @@ impl group::Progress for Commits {
                         .map_err(StoreError::from);
                     self.done(conn, &row);
                 }
-                if row?.is_none() {
+                let Some(row) = row? else {
                     return Err(StoreError::LeaseLost(lease.run_id));
-                }
-                self.notifier.progress(lease.run_id);
+                };
+                let at = group::Landed {
+                    last: row.get(0),
+                    at: now,
+                };
+                self.committed(lease.run_id, false, &cp, at);
                 return Ok(());
             }
         }
@@ -816,7 +815,10 @@ impl group::Progress for Commits {
         Ok(())
     }
 
-    async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<bool>> {
+    async fn commit_many(
+        &self,
+        items: &[(Lease, Checkpoint)],
+    ) -> Result<Vec<Option<group::Landed>>> {
         // One statement for the whole group (one round trip, one implicit transaction): the
         // fenced UPDATE of every run row at once, then the messages and events of the rows it
         // matched. A run appears at most once (a run has one checkpoint in flight); if not, the
@@ -827,7 +829,7 @@ impl group::Progress for Commits {
                 "one run twice in a group commit".into(),
             ));
         }
-        let now = Utc::now();
+        let now = group::Landed::stamp();
         let now_ms = now_ms();
         let mut r = BatchColumns::default();
         for (lease, cp) in items {
@@ -863,7 +865,7 @@ impl group::Progress for Commits {
             }
         }
         let (mut conn, _) = self.connection().await?;
-        let applied: Result<Vec<String>> = sqlx::query_scalar(group_sql())
+        let applied: Result<Vec<(String, i64)>> = sqlx::query_as(group_sql())
             .bind(&ids)
             .bind(r.epoch)
             .bind(r.events)
@@ -893,12 +895,15 @@ impl group::Progress for Commits {
             .map_err(StoreError::from);
         // On an error the group's fallback commits each item alone, on a tested connection.
         self.done(conn, &applied);
-        let applied: std::collections::HashSet<String> = applied?.into_iter().collect();
-        Ok(ids.iter().map(|id| applied.contains(id)).collect())
+        let applied: std::collections::HashMap<String, i64> = applied?.into_iter().collect();
+        Ok(ids
+            .iter()
+            .map(|id| applied.get(id).map(|&last| group::Landed { last, at: now }))
+            .collect())
     }
 
-    fn announce(&self, run: RunId) {
-        self.notifier.progress(run);
+    fn announce(&self, run: RunId, cp: &Checkpoint, landed: group::Landed) {
+        self.committed(run, false, cp, landed);
     }
 
     fn for_committer(&self) -> Self {
@@ -918,6 +923,19 @@ impl group::Progress for Commits {
 }
 
 impl Commits {
+    /// Announces a committed checkpoint to this process's waiters, handing its events to the
+    /// relay when one takes them (events written as relayed have no relay to go to).
+    fn committed(&self, run: RunId, decisive: bool, cp: &Checkpoint, landed: group::Landed) {
+        if self.relayed == 0 {
+            self.notifier
+                .committed(run, decisive, || cp.records(run, landed.last, landed.at));
+        } else if decisive {
+            self.notifier.notify(run);
+        } else {
+            self.notifier.progress(run);
+        }
+    }
+
     /// Whether a progress checkpoint whose commit went unanswered is in the database. Its
     /// messages and events commit in one statement, and the engine never appends a message it
     /// has committed (a replay reads them first), so its first message's key being there for
@@ -964,7 +982,8 @@ struct BatchColumns {
 }
 
 /// A group of progress checkpoints as one statement: what [`checkpoint_query`] does for one
-/// run, for every run of the group, returning the ids whose fence matched.
+/// run, for every run of the group, returning the id and new `event_seq` of each run whose
+/// fence matched.
 fn group_sql() -> &'static str {
     sql!(
         "WITH i AS ( \
@@ -994,7 +1013,7 @@ fn group_sql() -> &'static str {
            FROM unnest($20::text[], $21::text[], $22::text[]) AS x(run_id, name, value) \
            JOIN f ON f.id = x.run_id \
            ON CONFLICT (run_id, name) DO NOTHING \
-         ) SELECT id FROM f",
+         ) SELECT id, event_seq FROM f",
         crate::lifecycle::Transition::Heartbeat
     )
 }

@@ -210,6 +210,23 @@ pub(crate) fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
 /// The outbox's rows not yet relayed, each run's in seq order (bind: the limit).
 pub(crate) const UNRELAYED: &str = "SELECT run_id, seq, type, data, created_at FROM sa_events WHERE relayed = 0 ORDER BY run_id, seq LIMIT $1";
 
+/// The event a claim of `run` (as the claim returned it) commits: `run.resumed` for a parked
+/// run, else `run.started`.
+pub(crate) fn claim_event(run: &RunRecord, worker: &str) -> NewEvent {
+    let from = run.claimed_from.unwrap_or(RunStatus::Queued);
+    let claim = event::Claimed {
+        attempt: run.attempts,
+        crashes: run.crashes,
+        worker: worker.to_owned(),
+        from,
+    };
+    match from {
+        RunStatus::Waiting => Event::RunResumed(claim),
+        _ => Event::RunStarted(claim),
+    }
+    .into()
+}
+
 /// A backend the shared statements run on: its pools and notifiers, the statements that differ
 /// ([`Statements`]), how its park orders its reads, and its own start, claim, checkpoint and
 /// outbox reads and marks. Both [`SqliteStore`] and [`PgStore`] are one; the store traits are
@@ -276,6 +293,27 @@ where
     /// This process's waiters on runs' changes.
     fn notifier(&self) -> &Notifier {
         &self.common().notifier
+    }
+
+    /// Announces a claim of `run` (as the claim returned it, committed at `at`) to this
+    /// process's waiters, handing its `run.started` / `run.resumed` to the relay when it has
+    /// one (see [`Notifier::committed`]). A claim starts the run: nothing a wait for its end
+    /// needs to read.
+    fn claimed(&self, run: &RunRecord, worker: &str, at: DateTime<Utc>) {
+        if self.relayed_at_insert() != 0 {
+            self.notifier().progress(run.id);
+            return;
+        }
+        self.notifier().committed(run.id, false, || {
+            let event = claim_event(run, worker);
+            vec![EventRecord {
+                seq: run.event_seq,
+                kind: event.kind().to_owned(),
+                run_id: run.id,
+                created_at: at,
+                data: event.data().clone(),
+            }]
+        });
     }
 
     /// This process's waiters on cancel requests.
@@ -408,10 +446,22 @@ where
         events: &[NewEvent],
         relayed: i64,
     ) -> Result<()> {
+        Self::insert_events_at(conn, run, first_seq, events, relayed, Utc::now()).await
+    }
+
+    /// [`SqlStore::insert_events`] stamped `now` (a commit that hands its events to the relay
+    /// hands them with the time they were written with).
+    async fn insert_events_at(
+        conn: &mut <Self::Db as Database>::Connection,
+        run: RunId,
+        first_seq: u64,
+        events: &[NewEvent],
+        relayed: i64,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
         if events.is_empty() {
             return Ok(());
         }
-        let now = Utc::now();
         let run = run.to_string();
         let mut q = sqlx::QueryBuilder::<Self::Db>::new(
             "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) ",
@@ -455,6 +505,35 @@ where
     /// nothing follows a terminal event), the wake-up of every run parked on this one (a parent
     /// only wakes for the children it waits on: a detached child ending does not disturb it),
     /// the end of this run's own waits, and the end of its attached children.
+    /// [`SqlStore::terminal_effects`] of a run's end whose terminal fence returned `fence`
+    /// (`event_seq, thread_id, parent_run_id`, then the [`Reach`] columns).
+    async fn end_effects(
+        conn: &mut <Self::Db as Database>::Connection,
+        run: RunId,
+        fence: &<Self::Db as Database>::Row,
+        status: RunStatus,
+        error: Option<&RunError>,
+        relayed: i64,
+    ) -> Result<()> {
+        let thread: String = fence.get(1);
+        let parent: Option<String> = fence.get(2);
+        let reach = Reach {
+            waits: fence.get(3),
+            children: fence.get(4),
+        };
+        Self::terminal_effects(
+            conn,
+            run,
+            &thread,
+            parent.as_deref(),
+            status,
+            error,
+            reach,
+            relayed,
+        )
+        .await
+    }
+
     #[allow(clippy::too_many_arguments)]
     async fn terminal_effects(
         conn: &mut <Self::Db as Database>::Connection,

@@ -345,7 +345,7 @@ impl SqlStore for SqliteStore {
     }
 
     async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
-        let now = Utc::now();
+        let now = group::Landed::stamp();
         let nms = now_ms();
         let mut tx = self.pool.begin().await?;
         // A queued run is claimable once its thread is free and it is the thread's oldest; a
@@ -377,29 +377,17 @@ impl SqlStore for SqliteStore {
         };
         // The claimed row comes back whole: no second read.
         let run = Self::run_from_row(&row)?;
-        let from = run.claimed_from.unwrap_or(RunStatus::Queued);
-        let claim = event::Claimed {
-            attempt: run.attempts,
-            crashes: run.crashes,
-            worker: owner.to_owned(),
-            from,
-        };
-        let event = if from == RunStatus::Waiting {
-            Event::RunResumed(claim)
-        } else {
-            Event::RunStarted(claim)
-        };
-        Self::insert_events(
+        Self::insert_events_at(
             &mut tx,
             id,
             run.event_seq,
-            &[event.into()],
+            &[super::sql::claim_event(&run, owner)],
             self.relayed_at_insert(),
+            now,
         )
         .await?;
         tx.commit().await?;
-        // A claim starts the run: nothing a wait for its end needs to read.
-        self.common.notifier.progress(id);
+        self.claimed(&run, owner, now);
         Ok(Claim::Acquired(
             Lease {
                 run_id: id,
@@ -640,42 +628,43 @@ impl group::Renewals for Commits {
 
 impl group::Progress for Commits {
     async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
-        let now = Utc::now();
+        let now = group::Landed::stamp();
         let ff = cp.fence_fields(now);
         let status = ff.status;
         let mut tx = self.pool.begin().await?;
         let Some(row) = apply(&mut tx, &lease, &cp, ff, now, self.relayed).await? else {
             return Err(StoreError::LeaseLost(lease.run_id));
         };
-        if let Some(status) = status {
-            let thread: String = row.get(1);
-            let parent: Option<String> = row.get(2);
-            let reach = Reach {
-                waits: row.get(3),
-                children: row.get(4),
+        let Some(status) = status else {
+            tx.commit().await?;
+            let landed = group::Landed {
+                last: row.get(0),
+                at: now,
             };
-            SqliteStore::terminal_effects(
-                &mut tx,
-                lease.run_id,
-                &thread,
-                parent.as_deref(),
-                status,
-                cp.error(),
-                reach,
-                self.relayed,
-            )
-            .await?;
-        }
+            self.committed(lease.run_id, &cp, landed);
+            return Ok(());
+        };
+        SqliteStore::end_effects(
+            &mut tx,
+            lease.run_id,
+            &row,
+            status,
+            cp.error(),
+            self.relayed,
+        )
+        .await?;
         tx.commit().await?;
-        match status {
-            Some(_) => self.notifier.notify(lease.run_id),
-            None => self.notifier.progress(lease.run_id),
-        }
+        // A run's end may have written events of other runs (its parent's): the relay reads
+        // the outbox for those.
+        self.notifier.notify(lease.run_id);
         Ok(())
     }
 
-    async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<bool>> {
-        let now = Utc::now();
+    async fn commit_many(
+        &self,
+        items: &[(Lease, Checkpoint)],
+    ) -> Result<Vec<Option<group::Landed>>> {
+        let now = group::Landed::stamp();
         // Progress only (a terminal checkpoint commits alone): one fenced UPDATE for every run
         // of the group, each row under its own epoch, then one INSERT for all their messages
         // and one for all their events, in one transaction. Five statements, whatever the
@@ -737,7 +726,10 @@ impl group::Progress for Commits {
         let mut applied = Vec::with_capacity(items.len());
         for (lease, cp) in items {
             let held = fenced.remove(&lease.run_id.to_string());
-            applied.push(held.is_some());
+            applied.push(
+                held.as_ref()
+                    .map(|&(last, _)| group::Landed { last, at: now }),
+            );
             if let Some((last, thread)) = held {
                 rows.add(lease.run_id, thread, last, cp);
             }
@@ -747,7 +739,20 @@ impl group::Progress for Commits {
         Ok(applied)
     }
 
-    fn announce(&self, run: RunId) {
-        self.notifier.progress(run);
+    fn announce(&self, run: RunId, cp: &Checkpoint, landed: group::Landed) {
+        self.committed(run, cp, landed);
+    }
+}
+
+impl Commits {
+    /// Announces a committed step to this process's waiters, handing its events to the relay
+    /// when one takes them (events written as relayed have no relay to go to).
+    fn committed(&self, run: RunId, cp: &Checkpoint, landed: group::Landed) {
+        if self.relayed == 0 {
+            self.notifier
+                .committed(run, false, || cp.records(run, landed.last, landed.at));
+        } else {
+            self.notifier.progress(run);
+        }
     }
 }

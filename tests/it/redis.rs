@@ -78,22 +78,34 @@ async fn assert_streams_match_outbox(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn durable_events_reach_redis_in_order_exactly_once() {
-    let redis = RedisServer::start();
-    let t = with_redis(&redis, 0).await;
+/// Runs `n` 4-step runs (two tool calls a step) to success, waits for the relay to catch up, and
+/// checks Redis against the outbox.
+async fn relayed_runs(
+    t: &TestApp,
+    redis: &RedisServer,
+    n: usize,
+    tag: &str,
+) -> Vec<subagents::store::RunRecord> {
     let mut runs = vec![];
-    for i in 0..20 {
+    for i in 0..n {
         runs.push(
-            t.start(&format!("SCENARIO steps=4 parallel=2 run=r{i}"))
+            t.start(&format!("SCENARIO steps=4 parallel=2 run={tag}{i}"))
                 .await,
         );
     }
     for r in &runs {
         assert_eq!(t.wait(r.id).await.status, RunStatus::Succeeded);
     }
-    drained(&t).await;
-    assert_streams_match_outbox(&t, &redis, &runs).await;
+    drained(t).await;
+    assert_streams_match_outbox(t, redis, &runs).await;
+    runs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_events_reach_redis_in_order_exactly_once() {
+    let redis = RedisServer::start();
+    let t = with_redis(&redis, 0).await;
+    let runs = relayed_runs(&t, &redis, 20, "r").await;
     // Republishing is idempotent: mark every outbox row unrelayed and relay it all again.
     let db = sqlx::SqlitePool::connect(&t.app.settings.database_url)
         .await
@@ -114,6 +126,59 @@ async fn durable_events_reach_redis_in_order_exactly_once() {
         .unwrap();
     let ttl: i64 = c.ttl(run_stream(runs[0].id)).await.unwrap();
     assert!(ttl > 0, "finished runs' streams carry a TTL");
+}
+
+/// A step's commit hands its events to the relay, which publishes them from memory instead of
+/// reading them back: what Redis then holds is the outbox's rows to the byte (seq, type, commit
+/// time, data), on both backends, and each exactly once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_published_from_memory_are_the_outbox_rows_to_the_byte() {
+    let redis = RedisServer::start();
+    for postgres in [false, true] {
+        let url = redis.url();
+        let db = match postgres {
+            true => Some(fresh_postgres_database().await),
+            false => None,
+        };
+        let t = spawn_app_with(Options {
+            tweak: Box::new(move |s| {
+                s.redis_url = Some(url);
+                if let Some(db) = db {
+                    s.database_url = db;
+                }
+            }),
+            ..Default::default()
+        })
+        .await;
+        let runs = relayed_runs(&t, &redis, 4, "m").await;
+        let mut c = redis::Client::open(redis.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        for r in &runs {
+            let outbox = t.app.store.events_after(r.id, 0, 1000).await.unwrap();
+            let stream: redis::streams::StreamRangeReply =
+                c.xrange_all(run_stream(r.id)).await.unwrap();
+            let payloads: Vec<String> = stream
+                .ids
+                .iter()
+                .filter(|e| e.id.ends_with("-0"))
+                .map(|e| e.get::<String>("event").unwrap())
+                .collect();
+            let want: Vec<String> = outbox
+                .iter()
+                .map(|e| serde_json::to_string(e).unwrap())
+                .collect();
+            assert_eq!(payloads, want, "postgres: {postgres}");
+        }
+        let (memory, outbox) = t.app.redis.as_ref().unwrap().published();
+        // Steps' events go from memory; starts and claims write theirs through the outbox.
+        assert!(
+            memory > outbox,
+            "postgres: {postgres}: {memory} events from memory, {outbox} from the outbox"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

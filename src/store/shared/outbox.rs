@@ -36,6 +36,14 @@ where
         self.mark_relayed_ranges(ranges).await
     }
 
+    fn open_handoff(&self) {
+        self.notifier().open_handoff();
+    }
+
+    fn take_handed(&self) -> crate::notify::Handed {
+        self.notifier().take_handed()
+    }
+
     fn wake_local(&self, run: RunId, wake: Wake) {
         self.notifier().heard(run, wake != Wake::Progress);
         if wake == Wake::Cancel {

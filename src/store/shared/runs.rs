@@ -157,6 +157,10 @@ where
         self.notifier().subscribe(run)
     }
 
+    fn latest_seq(&self, run: RunId) -> Option<u64> {
+        self.notifier().latest_seq(run)
+    }
+
     fn subscribe_cancel(&self, run: RunId) -> std::sync::Arc<crate::notify::Signal> {
         self.cancels().subscribe(run)
     }
