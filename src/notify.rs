@@ -201,7 +201,10 @@ impl Notifier {
         self.forget_seq(run);
     }
 
-    fn forget_seq(&self, run: RunId) {
+    /// Forgets `run`'s latest seq: another process wrote to it (a message sent to it, a
+    /// cancel). Wake-ups heard for a run's progress are not that: they are mostly this
+    /// process's own relay's, coming back.
+    pub fn forget_seq(&self, run: RunId) {
         if self.handoff.open.load(Ordering::SeqCst) {
             self.handoff.latest.lock().unwrap().remove(&run);
         }
@@ -235,7 +238,6 @@ impl Notifier {
     /// [`Notifier::progress`]. Those waiting on any run are not woken: they relay this
     /// process's own commits, and another process's were relayed by that process.
     pub fn heard(&self, run: RunId, decisive: bool) {
-        self.forget_seq(run);
         self.fire(run, decisive, false)
     }
 
@@ -457,8 +459,11 @@ mod tests {
         n.progress(a);
         assert!(n.take_handed().unhanded);
         assert_eq!(n.latest_seq(a), None);
-        // Another process's change heard, or the run's end: forgotten too.
+        // A progress wake-up heard (this process's own, echoed by Redis) keeps it; a write
+        // from elsewhere (a message, a cancel) or the run's end forgets it.
         n.heard(b, false);
+        assert_eq!(n.latest_seq(b), Some(1));
+        n.forget_seq(b);
         assert_eq!(n.latest_seq(b), None);
         n.committed(b, false, || records(b, 2..=2));
         n.committed(b, true, || records(b, 3..=3));

@@ -12,8 +12,8 @@
 //! caller's cursor without a gap, and read the outbox otherwise, so a trimmed or lost range
 //! never hides a durable event.
 //!
-//! The outbox is read back only where it must be: a step's checkpoint and a claim hand the
-//! events they committed, with their seqs, to this process's relay
+//! The outbox is read back only where it must be: a start, a claim and a step's checkpoint hand
+//! the events they committed, with their seqs, to this process's relay
 //! ([`crate::notify::Notifier::committed`]), which publishes them from memory and marks them
 //! relayed in batches (`Relay`). The outbox is read when a commit wrote events it did not hand
 //! over, when Redis refused a handed event (an earlier one of its run is not there yet), and
@@ -153,11 +153,11 @@ const MARKS_PENDING: usize = 256;
 /// The relay loop's state. Its common path publishes the events this process's commits hand
 /// it ([`crate::notify::Notifier::committed`]) straight from memory, one Redis pipeline per
 /// pass and no statement; the outbox is read only when a commit wrote events it did not hand
-/// over (a start; a run's end that wrote its parent's events; an approval…), when a handed event was refused
-/// (its run's earlier events are not in Redis), and on the sweep. Marks for what went out from
-/// memory wait for the sweep (or [`MARKS_PENDING`]) and go in one statement: until then the
-/// rows stay unrelayed, which only means a relay that reads them publishes them again, and
-/// publishing is idempotent.
+/// over (a run's end that wrote its parent's events, an approval, a parent's note of a child…),
+/// when a handed event was refused (its run's earlier events are not in Redis), and on the
+/// sweep. Marks for what went out from memory wait for the sweep (or [`MARKS_PENDING`]) and go
+/// in one statement: until then the rows stay unrelayed, which only means a relay that reads
+/// them publishes them again, and publishing is idempotent.
 struct Relay {
     redis: RedisEvents,
     /// Published, not yet marked.

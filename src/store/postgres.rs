@@ -339,12 +339,14 @@ impl SqlStore for PgStore {
         // inserts, the run's first job, and the answer with the run's row and its place in its
         // owner's queue.
         // The function writes it as the run's `run.queued` (seq 1).
-        let event = Event::RunQueued(event::RunQueued {
+        let queued: NewEvent = Event::RunQueued(event::RunQueued {
             agent: new.agent.clone(),
             thread_id: new.thread_id.visible_to(&new.owner).to_string(),
             parent_run_id: new.parent_run_id,
         })
-        .data();
+        .into();
+        let event = queued.data();
+        let now = group::Landed::stamp();
         let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)")
             .bind(new.id.to_string())
             .bind(new.thread_id.as_str())
@@ -357,7 +359,7 @@ impl SqlStore for PgStore {
             .bind(&new.idempotency_key)
             .bind(&new.job_id)
             .bind(now_ms())
-            .bind(Utc::now())
+            .bind(now)
             .bind(new.tree.root_run_id.map(|r| r.to_string()))
             .bind(new.tree.depth as i64)
             .bind(new.tree.detached as i64)
@@ -397,6 +399,7 @@ impl SqlStore for PgStore {
                 if !held {
                     self.common.notifier.job_queued();
                 }
+                self.committed_one(new.id, 1, || queued, now);
                 Ok(Created {
                     run: Self::run_from_row(&row)?,
                     existing: false,

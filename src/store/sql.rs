@@ -300,16 +300,29 @@ where
     /// one (see [`Notifier::committed`]). A claim starts the run: nothing a wait for its end
     /// needs to read.
     fn claimed(&self, run: &RunRecord, worker: &str, at: DateTime<Utc>) {
+        self.committed_one(run.id, run.event_seq, || claim_event(run, worker), at);
+    }
+
+    /// Announces a commit that wrote one event of `run`, `event()` as event `seq` stamped `at`
+    /// (a start's `run.queued`, a claim's): handed to the relay when this process has one, as
+    /// progress (nothing a wait for the run's end needs to read).
+    fn committed_one(
+        &self,
+        run: RunId,
+        seq: u64,
+        event: impl FnOnce() -> NewEvent,
+        at: DateTime<Utc>,
+    ) {
         if self.relayed_at_insert() != 0 {
-            self.notifier().progress(run.id);
+            self.notifier().progress(run);
             return;
         }
-        self.notifier().committed(run.id, false, || {
-            let event = claim_event(run, worker);
+        self.notifier().committed(run, false, || {
+            let event = event();
             vec![EventRecord {
-                seq: run.event_seq,
+                seq,
                 kind: event.kind().to_owned(),
-                run_id: run.id,
+                run_id: run,
                 created_at: at,
                 data: event.data().clone(),
             }]

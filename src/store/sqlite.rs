@@ -207,7 +207,7 @@ impl SqlStore for SqliteStore {
     }
 
     async fn start_run(&self, new: NewRun) -> Result<Created> {
-        let now = Utc::now();
+        let now = group::Landed::stamp();
         let mut tx = self.pool.begin().await?;
         // The upsert takes SQLite's write lock first, so the checks below and the insert see
         // one state: no other start can slip in between.
@@ -289,17 +289,19 @@ impl SqlStore for SqliteStore {
         .fetch_one(&mut *tx)
         .await?;
         let run = Self::run_from_row(&inserted)?;
-        Self::insert_events(
+        let queued: NewEvent = Event::RunQueued(event::RunQueued {
+            agent: new.agent.clone(),
+            thread_id: new.thread_id.visible_to(&new.owner).to_string(),
+            parent_run_id: new.parent_run_id,
+        })
+        .into();
+        Self::insert_events_at(
             &mut tx,
             new.id,
             1,
-            &[Event::RunQueued(event::RunQueued {
-                agent: new.agent.clone(),
-                thread_id: new.thread_id.visible_to(&new.owner).to_string(),
-                parent_run_id: new.parent_run_id,
-            })
-            .into()],
+            std::slice::from_ref(&queued),
             self.relayed_at_insert(),
+            now,
         )
         .await?;
         let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place)
@@ -336,6 +338,7 @@ impl SqlStore for SqliteStore {
         if !held {
             self.common.notifier.job_queued();
         }
+        self.committed_one(new.id, 1, || queued, now);
         Ok(Created {
             run,
             existing: false,

@@ -47,6 +47,8 @@ where
     fn wake_local(&self, run: RunId, wake: Wake) {
         self.notifier().heard(run, wake != Wake::Progress);
         if wake == Wake::Cancel {
+            // A cancel, or a message sent to the run: written by another process.
+            self.notifier().forget_seq(run);
             self.cancels().notify(run);
         }
     }
