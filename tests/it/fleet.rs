@@ -285,14 +285,19 @@ async fn three_workers_share_300_runs_and_run_nothing_twice() {
         "runs spread over worker processes: {by_worker:?}"
     );
     let _ = &f.url;
-    // Every run's stream in Redis is its outbox: 1..n, no gap, no duplicate.
+    streams_are_outboxes(&f, &done).await;
+}
+
+/// Every run's stream in Redis comes to be its outbox: 1..n, no gap, no duplicate (within 30 s:
+/// the relays' sweeps publish what a killed process committed and never relayed).
+async fn streams_are_outboxes(f: &Fleet, done: &[RunRecord]) {
     let mut c = redis::Client::open(f.redis.url())
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    for d in &done {
+    for d in done {
         let outbox = f.app.store.events_after(d.id, 0, 1000).await.unwrap();
         let want: Vec<String> = outbox.iter().map(|e| format!("{}-0", e.seq)).collect();
         loop {
@@ -375,6 +380,8 @@ async fn a_killed_workers_runs_are_finished_by_the_others() {
         }
     }
     assert!(resumed > 0, "the killed worker held runs");
+    // What the victim committed and had not published (or not marked) reaches Redis anyway.
+    streams_are_outboxes(&f, &done).await;
     // Only a step in flight at the kill may have been answered twice, at most one per run.
     let mut per_run: HashMap<String, usize> = HashMap::new();
     for (key, n) in count_served(&f.mock.state.log()) {
@@ -725,11 +732,13 @@ async fn parents_and_children_survive_random_kills() {
     }
     let done = wait_all(&f, &parents, Duration::from_secs(120)).await;
     let mut crashes = 0;
+    let mut everyone = done.clone();
     for p in &done {
         assert_eq!(p.status, RunStatus::Succeeded, "{p:?}");
         assert_eq!(p.result.as_deref(), Some("all parts done"));
         let kids = f.app.store.children(p.id).await.unwrap();
         assert_eq!(kids.len(), 4, "each child started exactly once");
+        everyone.extend(kids.iter().cloned());
         for k in &kids {
             assert_eq!(k.status, RunStatus::Succeeded, "{k:?}");
             crashes += k.crashes;
@@ -747,6 +756,9 @@ async fn parents_and_children_survive_random_kills() {
     println!(
         "6 parents x 4 children finished through 4 kills ({crashes} runs reclaimed after a crash)"
     );
+    // Parents' streams carry their children's ends (written by the children's commits, read
+    // from the outbox by a relay), children's were handed from memory by killed workers too.
+    streams_are_outboxes(&f, &everyone).await;
 }
 
 /// Hole 10: a rolling restart. Every worker is SIGTERMed in turn under load and replaced; the
