@@ -43,7 +43,10 @@ pub struct PgStore {
 /// invisible to everyone else, and lost when the connection closes (seen as a drained run whose
 /// release never landed, and PostgreSQL's warning "there is already a transaction in
 /// progress"). Outside a transaction block a statement's timestamp is its transaction's; inside
-/// one opened by an earlier command it is later.
+/// one opened by an earlier command it is later. sqlx-postgres 0.9.1 closes that hole at its
+/// source (transact-rs/sqlx#4394: the drop guard now rolls back a cancelled `BEGIN`); the test
+/// stays for cut connections, and for a block its release ping still waves through
+/// (transact-rs/sqlx#4409).
 pub fn pool_options() -> PgPoolOptions {
     PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(30))
