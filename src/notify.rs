@@ -166,7 +166,8 @@ impl Notifier {
     }
 
     /// [`Notifier::notify`] (`decisive`) or [`Notifier::progress`] for a commit whose events
-    /// are `events`, as committed: they are handed to this process's relay, if it has one.
+    /// are `events`, as committed: they are handed to this process's relay, if it has one (a
+    /// process without a relay never opens the hand-off, and `events` is not called).
     pub fn committed(&self, run: RunId, decisive: bool, events: impl FnOnce() -> Vec<EventRecord>) {
         if self.handoff.open.load(Ordering::SeqCst) {
             let events = events();

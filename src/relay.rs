@@ -138,9 +138,18 @@ fn wake_ups(batch: &[EventRecord]) -> Vec<(RunId, bool)> {
 /// an event was refused because an earlier one of its run is not in Redis yet.
 #[derive(Debug, Default)]
 struct Published {
-    relayed: usize,
     ranges: Vec<(RunId, u64, u64)>,
     refused: bool,
+}
+
+impl Published {
+    /// Events that went through (the ranges hold each once).
+    fn relayed(&self) -> usize {
+        self.ranges
+            .iter()
+            .map(|(_, f, l)| (l - f + 1) as usize)
+            .sum()
+    }
 }
 
 /// How often the relay reads the outbox even when nothing asked it to (events committed by a
@@ -180,7 +189,8 @@ impl Relay {
         }
     }
 
-    /// One pass; `true` when another should follow at once (a full batch, or a refusal).
+    /// One pass; `true` when another should follow at once (a full batch, or a refusal: the
+    /// outbox is to be read again, `read_outbox`).
     async fn pass(&mut self, store: &dyn Store) -> bool {
         let handed = store.take_handed();
         let sweep =
@@ -191,14 +201,14 @@ impl Relay {
             self.read_outbox = false;
             self.sweep(store).await
         } else if handed.events.is_empty() {
-            Ok(false)
+            Ok(())
         } else {
             self.publish_handed(store, &handed.events).await
         };
         match result {
-            Ok(again) => {
+            Ok(()) => {
                 self.backoff = SWEEP;
-                again
+                self.read_outbox
             }
             Err(e) => {
                 tracing::warn!(error = %e, backoff = ?self.backoff, "relay to Redis failed; events wait in the outbox");
@@ -211,30 +221,30 @@ impl Relay {
         }
     }
 
-    /// Marks what went out from memory, then one outbox pass; `true` when the batch was full.
-    async fn sweep(&mut self, store: &dyn Store) -> Result<bool, RelayError> {
+    /// Marks what went out from memory, then one outbox pass.
+    async fn sweep(&mut self, store: &dyn Store) -> Result<(), RelayError> {
         self.sweep_at = tokio::time::Instant::now() + SWEEP;
         self.mark(store).await?;
         let (read, relayed) = self.redis.relay_once(store).await?;
         // A full batch may have left more behind: the next pass reads on.
         self.read_outbox = read == RELAY_BATCH as usize && relayed > 0;
-        Ok(self.read_outbox)
+        Ok(())
     }
 
-    /// Publishes handed events; `true` when one was refused (the outbox pass that follows at
-    /// once publishes it after the events it waits for).
+    /// Publishes handed events. One refused makes the next pass, at once, read the outbox,
+    /// which publishes it after the events it waits for.
     async fn publish_handed(
         &mut self,
         store: &dyn Store,
         events: &[EventRecord],
-    ) -> Result<bool, RelayError> {
+    ) -> Result<(), RelayError> {
         let published = self.redis.publish(events, false).await?;
+        self.read_outbox = published.refused;
         self.marks.extend(published.ranges);
         if self.marks.len() >= MARKS_PENDING {
             self.mark(store).await?;
         }
-        self.read_outbox = published.refused;
-        Ok(published.refused)
+        Ok(())
     }
 
     /// Marks the pending ranges relayed, in one statement.
@@ -362,7 +372,7 @@ impl RedisEvents {
         }
         let published = self.publish(&batch, true).await?;
         store.mark_relayed(&published.ranges).await?;
-        Ok((batch.len(), published.relayed))
+        Ok((batch.len(), published.relayed()))
     }
 
     /// Publishes `batch` (each run's events in seq order) in one Redis pipeline: the script
@@ -406,7 +416,6 @@ impl RedisEvents {
                 out.refused = true;
                 continue;
             }
-            out.relayed += 1;
             match out.ranges.last_mut() {
                 Some((run, _, last)) if *run == e.run_id && *last + 1 == e.seq => *last = e.seq,
                 _ => out.ranges.push((e.run_id, e.seq, e.seq)),
@@ -417,9 +426,9 @@ impl RedisEvents {
         } else {
             (0, "memory")
         };
-        self.published[slot].fetch_add(out.relayed as u64, std::sync::atomic::Ordering::Relaxed);
-        metrics::counter!("subagents_relay_events_total", "source" => source)
-            .increment(out.relayed as u64);
+        let relayed = out.relayed() as u64;
+        self.published[slot].fetch_add(relayed, std::sync::atomic::Ordering::Relaxed);
+        metrics::counter!("subagents_relay_events_total", "source" => source).increment(relayed);
         Ok(out)
     }
 

@@ -142,6 +142,17 @@ impl NewEvent {
     pub fn data(&self) -> &Value {
         &self.data
     }
+
+    /// This event as committed: event `seq` of `run`, stamped `at`.
+    pub(crate) fn record(&self, run: RunId, seq: u64, at: DateTime<Utc>) -> EventRecord {
+        EventRecord {
+            seq,
+            kind: self.kind.to_owned(),
+            run_id: run,
+            created_at: at,
+            data: self.data.clone(),
+        }
+    }
 }
 
 pub use crate::domain::event::EventRecord;
@@ -279,13 +290,7 @@ impl Checkpoint {
         self.events
             .iter()
             .zip(first..)
-            .map(|(e, seq)| EventRecord {
-                seq: seq as u64,
-                kind: e.kind().to_owned(),
-                run_id: run,
-                created_at: at,
-                data: e.data().clone(),
-            })
+            .map(|(e, seq)| e.record(run, seq as u64, at))
             .collect()
     }
 

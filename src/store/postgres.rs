@@ -758,11 +758,9 @@ impl group::Progress for Commits {
             Some(status) => {
                 let alone = statement(ENDS_ALONE, true);
                 if let Some(row) = alone.fetch_optional(&self.pool).await? {
-                    let at = group::Landed {
-                        last: row.get(0),
-                        at: now,
-                    };
-                    self.committed(lease.run_id, true, &cp, at);
+                    let run = lease.run_id;
+                    self.notifier
+                        .committed(run, true, || cp.records(run, row.get(0), now));
                     return Ok(());
                 }
                 let query = statement("", false);
@@ -809,11 +807,9 @@ impl group::Progress for Commits {
                 let Some(row) = row? else {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 };
-                let at = group::Landed {
-                    last: row.get(0),
-                    at: now,
-                };
-                self.committed(lease.run_id, false, &cp, at);
+                let run = lease.run_id;
+                self.notifier
+                    .committed(run, false, || cp.records(run, row.get(0), now));
                 return Ok(());
             }
         }
@@ -909,7 +905,8 @@ impl group::Progress for Commits {
     }
 
     fn announce(&self, run: RunId, cp: &Checkpoint, landed: group::Landed) {
-        self.committed(run, false, cp, landed);
+        self.notifier
+            .committed(run, false, || cp.records(run, landed.last, landed.at));
     }
 
     fn for_committer(&self) -> Self {
@@ -929,19 +926,6 @@ impl group::Progress for Commits {
 }
 
 impl Commits {
-    /// Announces a committed checkpoint to this process's waiters, handing its events to the
-    /// relay when one takes them (events written as relayed have no relay to go to).
-    fn committed(&self, run: RunId, decisive: bool, cp: &Checkpoint, landed: group::Landed) {
-        if self.relayed == 0 {
-            self.notifier
-                .committed(run, decisive, || cp.records(run, landed.last, landed.at));
-        } else if decisive {
-            self.notifier.notify(run);
-        } else {
-            self.notifier.progress(run);
-        }
-    }
-
     /// Whether a progress checkpoint whose commit went unanswered is in the database. Its
     /// messages and events commit in one statement, and the engine never appends a message it
     /// has committed (a replay reads them first), so its first message's key being there for

@@ -313,20 +313,8 @@ where
         event: impl FnOnce() -> NewEvent,
         at: DateTime<Utc>,
     ) {
-        if self.relayed_at_insert() != 0 {
-            self.notifier().progress(run);
-            return;
-        }
-        self.notifier().committed(run, false, || {
-            let event = event();
-            vec![EventRecord {
-                seq,
-                kind: event.kind().to_owned(),
-                run_id: run,
-                created_at: at,
-                data: event.data().clone(),
-            }]
-        });
+        self.notifier()
+            .committed(run, false, || vec![event().record(run, seq, at)]);
     }
 
     /// This process's waiters on cancel requests.

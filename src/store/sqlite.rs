@@ -640,11 +640,9 @@ impl group::Progress for Commits {
         };
         let Some(status) = status else {
             tx.commit().await?;
-            let landed = group::Landed {
-                last: row.get(0),
-                at: now,
-            };
-            self.committed(lease.run_id, &cp, landed);
+            let run = lease.run_id;
+            self.notifier
+                .committed(run, false, || cp.records(run, row.get(0), now));
             return Ok(());
         };
         SqliteStore::end_effects(
@@ -743,19 +741,7 @@ impl group::Progress for Commits {
     }
 
     fn announce(&self, run: RunId, cp: &Checkpoint, landed: group::Landed) {
-        self.committed(run, cp, landed);
-    }
-}
-
-impl Commits {
-    /// Announces a committed step to this process's waiters, handing its events to the relay
-    /// when one takes them (events written as relayed have no relay to go to).
-    fn committed(&self, run: RunId, cp: &Checkpoint, landed: group::Landed) {
-        if self.relayed == 0 {
-            self.notifier
-                .committed(run, false, || cp.records(run, landed.last, landed.at));
-        } else {
-            self.notifier.progress(run);
-        }
+        self.notifier
+            .committed(run, false, || cp.records(run, landed.last, landed.at));
     }
 }
