@@ -25,6 +25,7 @@ macro_rules! reach_children {
 mod common;
 mod group;
 pub(crate) mod pg_ends;
+mod pg_pool;
 pub mod postgres;
 mod seed;
 mod shared;

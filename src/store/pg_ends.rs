@@ -74,13 +74,27 @@ pub(crate) async fn listener(
 /// Listens on [`CHANNEL`] and fires `notifier` for every run announced, reconnecting when the
 /// connection drops, until the notifier is gone. Resolves its returned receiver once it
 /// listens, so a store is not handed out before it can hear an end.
-pub(crate) fn listen(pool: PgPool, notifier: Weak<Notifier>) -> tokio::sync::oneshot::Receiver<()> {
+///
+/// The listening connection is also how the pool hears its connections cut (a restart, or
+/// `pg_terminate_backend` for the database's sessions): it sleeps on its socket, so it hears
+/// the cut first, and tells `liveness` (see `super::pg_pool`) until it listens again.
+pub(crate) fn listen(
+    pool: PgPool,
+    notifier: Weak<Notifier>,
+    liveness: std::sync::Arc<super::pg_pool::Liveness>,
+) -> tokio::sync::oneshot::Receiver<()> {
     let (ready, listening) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let mut ready = Some(ready);
         while notifier.strong_count() > 0 {
             let mut listener = match listener(&pool, CHANNEL).await {
-                Ok(l) => l,
+                Ok(mut l) => {
+                    // A lost connection returns at once instead of reconnecting inside
+                    // `try_recv`: the pool must hear of the cut before anything reconnects.
+                    l.eager_reconnect(false);
+                    liveness.listening();
+                    l
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot listen for runs' ends; retrying");
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -106,10 +120,17 @@ pub(crate) fn listen(pool: PgPool, notifier: Weak<Notifier>) -> tokio::sync::one
                             notifier.heard(run, true);
                         }
                     }
-                    // The connection dropped and sqlx reconnected: what was sent meanwhile is
-                    // lost, and the waiters' re-check finds it.
-                    Ok(Ok(None)) => {}
+                    // The connection dropped: what was sent meanwhile is lost, and the waiters'
+                    // re-check finds it.
+                    Ok(Ok(None)) => {
+                        liveness.cut();
+                        tracing::info!(
+                            "the database cut the listening connection; testing pooled connections until it listens again"
+                        );
+                        break;
+                    }
                     Ok(Err(e)) => {
+                        liveness.cut();
                         tracing::debug!(error = %e, "listening for runs' ends failed; reconnecting");
                         break;
                     }

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
 
 use super::sql::{Common, SqlStore, Statements, corrupt};
@@ -24,52 +23,11 @@ pub struct PgStore {
     ends: super::pg_ends::Ends,
     /// The connection the relay keeps between its statements (see [`PgStore::relay_statement`]).
     relay_conn: std::sync::Arc<std::sync::Mutex<Option<Held>>>,
+    /// Which pooled connections may be used untested (see [`Liveness`]).
+    liveness: std::sync::Arc<Liveness>,
 }
 
-/// The pool's options: every connection is tested as it is taken from the pool, and one left
-/// inside a transaction nobody holds is closed instead of handed out.
-///
-/// The test stays on: skipping it for recently used connections (as SQLite does,
-/// `super::sqlite::pool_options`) made a restart fail the next statement of every connection
-/// used within that window, and the fleet test that cuts every connection
-/// (`fleet::dropped_database_connections_are_survived`) found the processes holding none 400 ms
-/// after a cut; with the test they reconnect at once.
-///
-/// It is a query rather than sqlx's ping because of a cancelled `BEGIN`. sqlx counts a
-/// transaction only once the server has answered its `BEGIN`; a caller dropped while it waits
-/// for that answer (apalis's fetch when a worker stops, any future given up by a `select!`)
-/// leaves the server inside a transaction that sqlx neither rolls back nor knows of, and the
-/// connection goes back to the pool. The next user's statements would then run inside it:
-/// invisible to everyone else, and lost when the connection closes (seen as a drained run whose
-/// release never landed, and PostgreSQL's warning "there is already a transaction in
-/// progress"). Outside a transaction block a statement's timestamp is its transaction's; inside
-/// one opened by an earlier command it is later. sqlx-postgres 0.9.1 closes that hole at its
-/// source (transact-rs/sqlx#4394: the drop guard now rolls back a cancelled `BEGIN`); the test
-/// stays for cut connections, and for a block its release ping still waves through
-/// (transact-rs/sqlx#4409).
-pub fn pool_options() -> PgPoolOptions {
-    PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(30))
-        .test_before_acquire(false)
-        .before_acquire(|conn, _meta| {
-            Box::pin(async move {
-                // The simple protocol: one message, so the statement's timestamp is its
-                // implicit transaction's (the extended protocol's later messages move it on).
-                let row = sqlx::raw_sql(
-                    "SELECT statement_timestamp() = transaction_timestamp()",
-                )
-                .fetch_one(&mut *conn)
-                .await?;
-                let outside: bool = row.try_get(0)?;
-                if !outside {
-                    tracing::warn!(
-                        "closing a pooled connection left inside a transaction nobody holds (a cancelled BEGIN)"
-                    );
-                }
-                Ok(outside)
-            })
-        })
-}
+pub use super::pg_pool::{Liveness, pool_options};
 
 /// The connection options of `url`. TLS is turned off for a server on this machine (a
 /// loopback address or a socket) unless the URL asks for it with `sslmode=`: encrypting bytes
@@ -231,7 +189,8 @@ impl PgStore {
         sqlx::Connection::close(probe).await?;
         // Each group committer keeps a connection of its own (see `Commits::held`), so the pool
         // has one more per committer: the starts, claims and reads keep their 16.
-        let pool = pool_options()
+        let liveness = std::sync::Arc::new(Liveness::default());
+        let pool = pool_options(liveness.clone())
             .max_connections(SHARED_CONNECTIONS + COMMITTERS as u32)
             .connect_with(options)
             .await?;
@@ -239,10 +198,15 @@ impl PgStore {
         // This process's waiters hear the runs other processes end; a store is handed out once
         // it listens (or, with the listener failing, after a bounded wait: the waiters'
         // re-check still finds every end).
-        let listening = super::pg_ends::listen(pool.clone(), std::sync::Arc::downgrade(&notifier));
+        let listening = super::pg_ends::listen(
+            pool.clone(),
+            std::sync::Arc::downgrade(&notifier),
+            liveness.clone(),
+        );
         let store = PgStore {
             ends: super::pg_ends::Ends::start(pool.clone()),
             relay_conn: Default::default(),
+            liveness,
             pool,
             common: Common::new(notifier, COMMITTERS),
         };
@@ -282,6 +246,11 @@ impl PgStore {
     /// The pool, shared with the apalis storage so one file has one set of connections.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// What this store's listener has heard of its connections being cut.
+    pub fn liveness(&self) -> &Liveness {
+        &self.liveness
     }
 
     /// Tells the store whether a relay takes its events to Redis (this process has a

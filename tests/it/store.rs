@@ -265,12 +265,15 @@ async fn postgres_announces_a_runs_end_to_the_other_processes() {
     }
 }
 
-/// A pooled PostgreSQL connection left inside a transaction nobody holds (a `BEGIN` whose caller
-/// was dropped before the server answered: sqlx then neither rolls it back nor knows of it) is
-/// closed, not handed out: a write through the pool after it commits and is seen elsewhere.
-/// (sqlx's own test only pings, and the ping passes inside a transaction.)
+/// A `BEGIN` whose caller is dropped before the server answers (apalis's fetch when a worker
+/// stops, a future a `select!` gives up) leaves no transaction behind on the pooled connection:
+/// the next write through the pool commits and is seen elsewhere. sqlx-postgres 0.9.0 left the
+/// server inside a transaction it neither counted nor rolled back, and the pool tested every
+/// connection for one; 0.9.1 rolls it back (transact-rs/sqlx#4394), which lets the pool skip
+/// that test (`store::postgres::pool_options`). This pins the fix we rely on.
 #[tokio::test]
-async fn a_pooled_connection_left_inside_a_transaction_is_not_reused() {
+async fn a_cancelled_begin_leaves_no_transaction_on_its_pooled_connection() {
+    use subagents::store::postgres::{Liveness, pool_options};
     let url = crate::support::fresh_postgres_database().await;
     let options = subagents::store::postgres::connect_options(&url).unwrap();
     let mut outside: sqlx::PgConnection = sqlx::ConnectOptions::connect(&options).await.unwrap();
@@ -278,15 +281,22 @@ async fn a_pooled_connection_left_inside_a_transaction_is_not_reused() {
         .execute(&mut outside)
         .await
         .unwrap();
-    let pool = subagents::store::postgres::pool_options()
+    let pool = pool_options(std::sync::Arc::new(Liveness::default()))
         .max_connections(1)
         .connect_with(options)
         .await
         .unwrap();
     {
-        // What a cancelled BEGIN leaves: the server in a transaction, sqlx unaware.
         let mut conn = pool.acquire().await.unwrap();
-        sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+        // The server answers this BEGIN a second late (the sleep rides in the same
+        // simple query); its caller gives up long before.
+        let begin = sqlx::Connection::begin_with(&mut *conn, "BEGIN; SELECT pg_sleep(1)");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), begin)
+                .await
+                .is_err(),
+            "the BEGIN was answered before its caller gave up"
+        );
     }
     sqlx::query("INSERT INTO left_open VALUES (1)")
         .execute(&pool)
@@ -301,8 +311,8 @@ async fn a_pooled_connection_left_inside_a_transaction_is_not_reused() {
 
 /// A PostgreSQL connection the server dropped while it idled in the pool (a restart, an
 /// administrator's `pg_terminate_backend`) is replaced before a statement meets it: no caller
-/// sees the dead connection. SQLite's pools skip that test for connections used within the last
-/// second (nothing outside the process can drop them); this pins that PostgreSQL's do not.
+/// sees the dead connection. A connection idle for a second or more is always tested, whether or
+/// not the store heard the cut.
 #[tokio::test]
 async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
     use sqlx::Connection;
@@ -348,6 +358,57 @@ async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
     s.create_run(new_run(&ThreadId::generate()))
         .await
         .expect("a start after the connections were dropped");
+}
+
+/// A connection used a moment ago is taken from the pool untested (its release ping just
+/// passed), so a cut must reach the pool another way: the store's listening connection hears
+/// it and the pool tests every connection idle since. Here every backend is ended a moment
+/// after the connections went back; once the store has heard the cut, no use meets a dead one.
+#[tokio::test]
+async fn postgres_connections_cut_a_moment_after_use_are_replaced_once_the_cut_is_heard() {
+    use sqlx::Connection;
+    let url = crate::support::fresh_postgres_database().await;
+    let store = PgStore::connect(&url).await.unwrap();
+    let run = store
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let held: Vec<_> = futures::future::join_all((0..3).map(|_| store.pool().acquire()))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(100)).await; // their release pings are done
+    let idle = store.pool().num_idle();
+    assert!(idle >= 3, "{idle} idle connections");
+    let heard = store.liveness().cuts_heard();
+    let mut admin = sqlx::PgConnection::connect(&url).await.unwrap();
+    let ended = end_every_backend(&mut admin).await;
+    assert!(
+        ended > idle as i64,
+        "ended {ended}: the idle ones and the listener"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while store.liveness().cuts_heard() == heard {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cut was never heard"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for i in 0..idle + 1 {
+        let seen = store
+            .get_run(run.id)
+            .await
+            .unwrap_or_else(|e| panic!("read {i} met a dead connection: {e}"));
+        assert_eq!(seen.map(|r| r.id), Some(run.id));
+    }
+    store
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .expect("a start after the connections were cut");
 }
 
 /// Ends every backend of this database but `admin`'s own, as a restart would; how many.
