@@ -85,6 +85,9 @@ pub(crate) fn listen(
 ) -> tokio::sync::oneshot::Receiver<()> {
     let (ready, listening) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
+        // Whatever ends this task, nobody hears cuts after it: the pool (which apalis may
+        // still use) tests every connection again.
+        let _deaf = Deafens(liveness.clone());
         let mut ready = Some(ready);
         while notifier.strong_count() > 0 {
             let mut listener = match listener(&pool, CHANNEL).await {
@@ -139,4 +142,13 @@ pub(crate) fn listen(
         }
     });
     listening
+}
+
+/// Makes its [`super::pg_pool::Liveness`] deaf when dropped.
+struct Deafens(std::sync::Arc<super::pg_pool::Liveness>);
+
+impl Drop for Deafens {
+    fn drop(&mut self) {
+        self.0.deaf();
+    }
 }

@@ -74,8 +74,13 @@ impl Liveness {
 
     /// The listener's connection dropped: every idle connection may be dead too.
     pub(crate) fn cut(&self) {
-        self.trusted_since.store(DEAF, Ordering::SeqCst);
+        self.deaf();
         self.cuts.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Nobody listens any more (the listener stopped): every connection is tested.
+    pub(crate) fn deaf(&self) {
+        self.trusted_since.store(DEAF, Ordering::SeqCst);
     }
 
     /// How many cuts the listener has heard.
@@ -136,5 +141,8 @@ mod tests {
         l.listening_at(ms(40));
         assert!(!l.trusts_at(ms(45), ms(10)), "idle since before the cut");
         assert!(l.trusts_at(ms(45), ms(1)));
+        l.deaf();
+        assert!(!l.trusts_at(ms(50), ms(0)), "deaf once nobody listens");
+        assert_eq!(l.cuts_heard(), 1, "going deaf is not a cut");
     }
 }
