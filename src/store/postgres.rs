@@ -776,9 +776,11 @@ impl group::Progress for Commits {
                 let Some(row) = row? else {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 };
-                let run = lease.run_id;
-                self.notifier
-                    .committed(run, false, || cp.records(run, row.get(0), now));
+                let landed = group::Landed {
+                    last: row.get(0),
+                    at: now,
+                };
+                self.announce(lease.run_id, &cp, landed);
                 return Ok(());
             }
         }

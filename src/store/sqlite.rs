@@ -640,9 +640,11 @@ impl group::Progress for Commits {
         };
         let Some(status) = status else {
             tx.commit().await?;
-            let run = lease.run_id;
-            self.notifier
-                .committed(run, false, || cp.records(run, row.get(0), now));
+            let landed = group::Landed {
+                last: row.get(0),
+                at: now,
+            };
+            self.announce(lease.run_id, &cp, landed);
             return Ok(());
         };
         SqliteStore::end_effects(
