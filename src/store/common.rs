@@ -40,6 +40,31 @@ macro_rules! bind_fence {
     };
 }
 
+/// No run of `$run`'s thread queued before it (a `WHERE` fragment; `$run` names the outer
+/// row). The thread's runs come from `sa_runs_thread_live` (migrations postgres/0024 and sqlite/0018), whose
+/// predicate is repeated word for word; the status wanted is then tested with `NOT IN`, which
+/// no index answers, so the planner cannot take the status index instead and walk every
+/// queued run there is. `$subplan` is `" OFFSET 0"` on PostgreSQL: it keeps the lookup a
+/// subplan run with the thread as its index condition. Pulled up into an anti join, its inner
+/// side could be a whole scan of the partial index, which the planner prices at nothing while
+/// its statistics say no run is live, and which then walks every live run (`EXPLAIN` showed
+/// both traps on statistics taken with nothing queued; `store::sql::thread_lookups` pins it).
+/// SQLite takes no `OFFSET` without a `LIMIT`, and runs a correlated `EXISTS` as a subquery
+/// anyway.
+macro_rules! none_queued_before {
+    ($run:literal, $subplan:literal) => {
+        concat!(
+            "NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = ",
+            $run,
+            ".thread_id AND q.status IN ('queued', 'running', 'waiting') AND q.status NOT IN ('running', 'waiting') AND q.id < ",
+            $run,
+            ".id",
+            $subplan,
+            ")"
+        )
+    };
+}
+
 /// The claim's concurrency guard (a `WHERE` fragment on `sa_runs`): the run's owner below its
 /// limit (its own, else the default `*`), and its agent below its own. Nothing to check when
 /// `sa_limits` is empty, which the first probe of each `NOT EXISTS` finds at once.

@@ -24,6 +24,7 @@ macro_rules! reach_children {
 #[macro_use]
 mod common;
 mod group;
+mod kept;
 pub(crate) mod pg_ends;
 mod pg_pool;
 pub mod postgres;

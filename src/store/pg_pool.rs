@@ -89,7 +89,7 @@ impl Liveness {
     }
 
     /// Whether a connection idle for `idle_for` may be used without a test.
-    fn trusts(&self, idle_for: Duration) -> bool {
+    pub(crate) fn trusts(&self, idle_for: Duration) -> bool {
         self.trusts_at(self.base.elapsed(), idle_for)
     }
 

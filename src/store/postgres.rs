@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Row};
 
+use super::kept::{Keeper, Kept};
 use super::sql::{Common, SqlStore, Statements, corrupt};
 use super::*;
 
@@ -25,6 +26,8 @@ pub struct PgStore {
     relay_conn: std::sync::Arc<std::sync::Mutex<Option<Held>>>,
     /// Which pooled connections may be used untested (see [`Liveness`]).
     liveness: std::sync::Arc<Liveness>,
+    /// The connections a run's own short statements keep between them (see `super::kept`).
+    kept: std::sync::Arc<Keeper<sqlx::Postgres>>,
 }
 
 pub use super::pg_pool::{Liveness, pool_options};
@@ -64,6 +67,11 @@ const COMMITTERS: usize = 1;
 /// The pool's connections besides the committers' own: starts, claims, terminal commits,
 /// reads, apalis's fetches and acks.
 const SHARED_CONNECTIONS: u32 = 16;
+
+/// How many of the shared connections a run's short statements may keep aside between them
+/// (see `super::kept`): about as many as are busy at once at a few thousand steps a second,
+/// and a quarter of the pool, so everything else still finds connections in it.
+const KEPT_CONNECTIONS: usize = 4;
 
 /// What the group committer needs of the store: the pool and the wake-ups.
 #[derive(Clone)]
@@ -203,9 +211,15 @@ impl PgStore {
             std::sync::Arc::downgrade(&notifier),
             liveness.clone(),
         );
+        let trust = liveness.clone();
         let store = PgStore {
             ends: super::pg_ends::Ends::start(pool.clone()),
             relay_conn: Default::default(),
+            kept: Keeper::new(
+                pool.clone(),
+                KEPT_CONNECTIONS,
+                std::sync::Arc::new(move |idle| trust.trusts(idle)),
+            ),
             liveness,
             pool,
             common: Common::new(notifier, COMMITTERS),
@@ -277,6 +291,7 @@ impl SqlStore for PgStore {
                 " FOR SHARE",
                 "owner",
                 "now()",
+                " OFFSET 0",
             )
         });
         &S
@@ -294,6 +309,10 @@ impl SqlStore for PgStore {
 
     fn common(&self) -> &Common {
         &self.common
+    }
+
+    async fn kept(&self) -> Result<Kept<sqlx::Postgres>> {
+        Ok(self.kept.take().await?)
     }
 
     fn commits(&self) -> Commits {
@@ -344,9 +363,10 @@ impl SqlStore for PgStore {
             .bind(job_body(new.id))
             .bind(JOB_MAX_ATTEMPTS as i32)
             .bind(self.relayed_at_insert())
-            .bind(new.agent_version.as_deref())
-            .fetch_one(&self.pool)
-            .await?;
+            .bind(new.agent_version.as_deref());
+        let mut conn = self.kept().await?;
+        let row = row.fetch_one(&mut *conn).await?;
+        conn.keep();
         let outcome: String = row.get("outcome");
         let rid: Option<String> = row.get("rid");
         let rid = rid
@@ -407,7 +427,9 @@ impl SqlStore for PgStore {
                  heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
                  WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
                    NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = sa_runs.thread_id AND a.status IN ('running','waiting')) \
-                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id))) ",
+                   AND ",
+                none_queued_before!("sa_runs", " OFFSET 0"),
+                ")) ",
                 limits_guard!(),
                 " RETURNING *), \
                  e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
@@ -445,7 +467,12 @@ impl SqlStore for PgStore {
             }
             r
         } else {
-            row.fetch_optional(&self.pool).await
+            let mut conn = self.kept().await?;
+            let r = row.fetch_optional(&mut *conn).await;
+            if r.is_ok() {
+                conn.keep();
+            }
+            r
         };
         // Two workers claiming two queued runs of one thread at once: the unique index on
         // active runs lets one win; the other simply finds nothing to claim.

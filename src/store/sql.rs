@@ -87,13 +87,15 @@ impl Statements {
     /// keep its planner off the owner index.
     ///
     /// `workers` is apalis's worker table, and `now` the job table's clock (`run_at` and
-    /// `done_at` are seconds on SQLite, timestamps on PostgreSQL).
+    /// `done_at` are seconds on SQLite, timestamps on PostgreSQL). `subplan` ends a thread
+    /// lookup that must stay a subplan (see `none_queued_before!`).
     pub(crate) fn new(
         jobs: &str,
         workers: &str,
         share: &str,
         owner_unindexed: &str,
         now: &str,
+        subplan: &str,
     ) -> Statements {
         Statements {
             // Locked as apalis's fetch locks a job, only when that fetch would have taken this
@@ -118,8 +120,10 @@ impl Statements {
                    lock_by = CASE WHEN $3 THEN lock_by ELSE NULL END \
                  WHERE id = $1 AND lock_by = $2"
             ),
+            // The thread's runs from `sa_runs_thread_live`, as in `none_queued_before!`.
             next_queued: format!(
-                "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 AND status = 'queued' ORDER BY id LIMIT 1) r \
+                "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 \
+                   AND status IN ('queued', 'running', 'waiting') AND status NOT IN ('running', 'waiting') ORDER BY id LIMIT 1) r \
                  WHERE NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending')"
             ),
             fetched_not_started: format!(
@@ -129,25 +133,35 @@ impl Statements {
             // Only a run its thread would start now: no run of the thread active, none queued
             // before it (as for orphans).
             held_elsewhere: format!(
-                "SELECT r.id FROM sa_runs r JOIN {jobs} j ON j.id = r.job_id \
-                 WHERE r.status = 'queued' AND r.enqueued_at < $1 \
-                   AND j.status IN ('Queued', 'Running') AND j.lock_by IS NOT NULL AND j.lock_by <> $2 \
-                   AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
-                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id) \
-                 ORDER BY r.enqueued_at LIMIT $3"
+                concat!(
+                    "SELECT r.id FROM sa_runs r JOIN {jobs} j ON j.id = r.job_id \
+                     WHERE r.status = 'queued' AND r.enqueued_at < $1 \
+                       AND j.status IN ('Queued', 'Running') AND j.lock_by IS NOT NULL AND j.lock_by <> $2 \
+                       AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
+                       AND ",
+                    none_queued_before!("r", "{subplan}"),
+                    " ORDER BY r.enqueued_at LIMIT $3"
+                ),
+                jobs = jobs,
+                subplan = subplan
             ),
             // apalis's job table is only read here. A queued run needs a new job when its
             // own is not `Pending` (free for any worker to fetch) after the grace period: gone,
             // finished, or fetched (`Queued`, `Running`) by a worker that has not started it —
             // the batch of a dead or full worker. A duplicate job is harmless.
             orphans: format!(
-                "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < $1 AND ( \
-                   (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at <= $2) OR \
-                   (r.status = 'queued' \
-                     AND NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending') \
-                     AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
-                     AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = r.thread_id AND q.status = 'queued' AND q.id < r.id)) \
-                 ) LIMIT 1000"
+                concat!(
+                    "SELECT id, status FROM sa_runs r WHERE r.enqueued_at < $1 AND ( \
+                       (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at <= $2) OR \
+                       (r.status = 'queued' \
+                         AND NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending') \
+                         AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
+                         AND ",
+                    none_queued_before!("r", "{subplan}"),
+                    ")) LIMIT 1000"
+                ),
+                jobs = jobs,
+                subplan = subplan
             ),
             // Events of the runs that were active in the last hour (finished in it, or not
             // finished): the runs come from indexes, their events from the primary key. On
@@ -268,6 +282,12 @@ where
     fn reads(&self) -> &sqlx::Pool<Self::Db>;
     /// What every backend keeps beside its pools.
     fn common(&self) -> &Common;
+    /// A connection for one short statement on a run's path; [`super::kept::Kept::keep`] after
+    /// it succeeded spares it the pool's release ping where the backend keeps connections
+    /// aside (PostgreSQL). By default, one from the pool.
+    async fn kept(&self) -> Result<super::kept::Kept<Self::Db>> {
+        Ok(super::kept::Kept::pooled(self.pool().acquire().await?))
+    }
     /// What the group committer and the renewer need of the store.
     fn commits(&self) -> Self::Commits;
 
@@ -855,5 +875,171 @@ where
             created_at: r.get("created_at"),
             data: serde_json::from_str(&data).map_err(|e| corrupt("event data", e))?,
         })
+    }
+}
+
+/// A thread's lookups ("is a run of this thread queued before this one?", "which run of it is
+/// next?") take `sa_runs_thread_live` with the thread as their index condition, also when the
+/// planner's statistics were taken while nothing was queued and a backlog has come since: the
+/// state in which the earlier `status = 'queued'` form walked every queued run through the
+/// status index. That form is planned too, so the setup is known to lay the trap.
+#[cfg(test)]
+mod thread_lookups {
+    use super::*;
+    use crate::store::{PgStore, Runs, SqliteStore};
+
+    fn new_run() -> NewRun {
+        NewRun {
+            id: RunId::new(),
+            thread_id: crate::ids::ThreadId::generate(),
+            owner: "o".into(),
+            agent: "general-purpose".into(),
+            input: "hi".into(),
+            metadata: serde_json::json!({}),
+            limits: RunLimits {
+                max_steps: 5,
+                timeout_secs: 60,
+                max_total_tokens: None,
+                max_total_steps: None,
+                compact_at: None,
+                output: None,
+            },
+            parent_run_id: None,
+            tree: TreePosition::default(),
+            job_id: crate::queue::new_job_id(),
+            if_busy: IfBusy::Reject,
+            idempotency_key: None,
+            retry_of: None,
+            priority: 3,
+            place: QueuePlace::Back,
+            agent_version: None,
+            held_by: None,
+        }
+    }
+
+    /// The claim's lookup (`none_queued_before!`), for the run `y`.
+    const CLAIM_LOOKUP_PG: &str = concat!(
+        "SELECT 1 FROM sa_runs WHERE id = 'y' AND ",
+        none_queued_before!("sa_runs", " OFFSET 0")
+    );
+    const CLAIM_LOOKUP_SQLITE: &str = concat!(
+        "SELECT 1 FROM sa_runs WHERE id = 'y' AND ",
+        none_queued_before!("sa_runs", "")
+    );
+
+    #[tokio::test]
+    async fn postgres_thread_lookups_never_walk_the_backlog() {
+        let admin_url = std::env::var("SUBAGENTS_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        let admin = sqlx::PgPool::connect(&admin_url)
+            .await
+            .expect("PostgreSQL for the tests (set SUBAGENTS_TEST_POSTGRES)");
+        // Named as the integration tests name theirs, so a run that fails here is swept too.
+        let db = format!("sa_test_{}", uuid::Uuid::now_v7().simple());
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        let (server, _) = admin_url
+            .split('?')
+            .next()
+            .and_then(|u| u.rsplit_once('/'))
+            .expect("a database URL");
+        let s = PgStore::connect(&format!("{server}/{db}")).await.unwrap();
+        let pool = s.pool().clone();
+        let exec = |sql: &'static str| {
+            let pool = pool.clone();
+            async move { sqlx::query(sql).execute(&pool).await.unwrap() }
+        };
+        // No analyze of its own between the statistics and the plans.
+        exec("ALTER TABLE sa_runs SET (autovacuum_enabled = false)").await;
+        for _ in 0..60 {
+            s.create_run(new_run()).await.unwrap();
+        }
+        exec("UPDATE sa_runs SET status = 'succeeded'").await;
+        exec("ANALYZE sa_runs").await;
+        for _ in 0..300 {
+            s.create_run(new_run()).await.unwrap();
+        }
+        let plan = |sql: String| {
+            let pool = pool.clone();
+            async move {
+                let rows: Vec<String> =
+                    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap();
+                rows.join("\n")
+            }
+        };
+        let old = plan(
+            "SELECT 1 FROM sa_runs WHERE id = 'y' AND NOT EXISTS (SELECT 1 FROM sa_runs q \
+             WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id)"
+                .into(),
+        )
+        .await;
+        assert!(
+            old.contains("sa_runs_status"),
+            "the setup no longer lays the trap:\n{old}"
+        );
+        let claim = plan(CLAIM_LOOKUP_PG.into()).await;
+        assert!(
+            claim.contains("Index Scan using sa_runs_thread_live")
+                && claim.contains("Index Cond: ((thread_id = sa_runs.thread_id)")
+                && !claim.contains("sa_runs_status"),
+            "the claim's lookup:\n{claim}"
+        );
+        let next = PgStore::statements().next_queued.replace("$1", "'t'");
+        let next = plan(next).await;
+        assert!(
+            next.contains("sa_runs_thread_live")
+                && next.contains("Index Cond: (thread_id = 't'::text)")
+                && !next.contains("sa_runs_status"),
+            "the next queued run's lookup:\n{next}"
+        );
+        drop(s);
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn sqlite_thread_lookups_take_the_thread_index() {
+        let file = std::env::temp_dir().join(format!("sa-lookups-{}.db", uuid::Uuid::now_v7()));
+        let s = SqliteStore::connect(&format!("sqlite://{}", file.display()))
+            .await
+            .unwrap();
+        for _ in 0..50 {
+            s.create_run(new_run()).await.unwrap();
+        }
+        let plan = |sql: String| {
+            let pool = s.pool().clone();
+            async move {
+                let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+                rows.iter()
+                    .map(|r| r.get::<String, _>("detail"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            }
+        };
+        let claim = plan(CLAIM_LOOKUP_SQLITE.into()).await;
+        assert!(
+            claim.contains("USING INDEX sa_runs_thread_live (thread_id=? AND id<?)"),
+            "the claim's lookup:\n{claim}"
+        );
+        let next = plan(SqliteStore::statements().next_queued.replace("$1", "'t'")).await;
+        assert!(
+            next.contains("USING INDEX sa_runs_thread_live (thread_id=?)"),
+            "the next queued run's lookup:\n{next}"
+        );
+        drop(s);
+        let _ = std::fs::remove_file(&file);
     }
 }

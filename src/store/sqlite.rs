@@ -181,6 +181,7 @@ impl SqlStore for SqliteStore {
                 "",
                 "+owner",
                 "CAST(strftime('%s', 'now') AS INTEGER)",
+                "",
             )
         });
         &S
@@ -360,7 +361,9 @@ impl SqlStore for SqliteStore {
                  heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
                  WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
                    NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = sa_runs.thread_id AND a.status IN ('running','waiting')) \
-                   AND NOT EXISTS (SELECT 1 FROM sa_runs q WHERE q.thread_id = sa_runs.thread_id AND q.status = 'queued' AND q.id < sa_runs.id))) ",
+                   AND ",
+                none_queued_before!("sa_runs", ""),
+                ")) ",
                 limits_guard!(),
                 " RETURNING ",
                 run_columns!()

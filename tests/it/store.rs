@@ -363,7 +363,8 @@ async fn postgres_connections_dropped_while_idle_are_replaced_before_use() {
 /// A connection used a moment ago is taken from the pool untested (its release ping just
 /// passed), so a cut must reach the pool another way: the store's listening connection hears
 /// it and the pool tests every connection idle since. Here every backend is ended a moment
-/// after the connections went back; once the store has heard the cut, no use meets a dead one.
+/// after the connections went back; once the store has heard the cut, no use meets a dead one,
+/// whether it idled in the pool or was kept aside between a run's statements (`store::kept`).
 #[tokio::test]
 async fn postgres_connections_cut_a_moment_after_use_are_replaced_once_the_cut_is_heard() {
     use sqlx::Connection;
@@ -374,6 +375,14 @@ async fn postgres_connections_cut_a_moment_after_use_are_replaced_once_the_cut_i
         .await
         .unwrap()
         .run;
+    // Starts at once: each keeps its connection aside for the next short statement
+    // (`store::kept`), out of the pool and past its release ping.
+    for r in
+        futures::future::join_all((0..4).map(|_| store.create_run(new_run(&ThreadId::generate()))))
+            .await
+    {
+        r.unwrap();
+    }
     let held: Vec<_> = futures::future::join_all((0..3).map(|_| store.pool().acquire()))
         .await
         .into_iter()
@@ -405,10 +414,18 @@ async fn postgres_connections_cut_a_moment_after_use_are_replaced_once_the_cut_i
             .unwrap_or_else(|e| panic!("read {i} met a dead connection: {e}"));
         assert_eq!(seen.map(|r| r.id), Some(run.id));
     }
-    store
-        .create_run(new_run(&ThreadId::generate()))
-        .await
-        .expect("a start after the connections were cut");
+    // The kept connections were cut too: each start and claim still answers.
+    for i in 0..6 {
+        let started = store
+            .create_run(new_run(&ThreadId::generate()))
+            .await
+            .unwrap_or_else(|e| panic!("start {i} after the cut: {e}"));
+        let claimed = store
+            .claim_run(started.run.id, "w1", Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("claim {i} after the cut: {e}"));
+        assert!(matches!(claimed, Claim::Acquired(..)), "claim {i}");
+    }
 }
 
 /// Ends every backend of this database but `admin`'s own, as a restart would; how many.

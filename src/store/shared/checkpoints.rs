@@ -74,9 +74,10 @@ where
              ORDER BY part, id",
         )
         .bind(thread.as_str())
-        .bind(limit as i64)
-        .fetch_all(self.pool())
-        .await?;
+        .bind(limit as i64);
+        let mut conn = self.kept().await?;
+        let rows = rows.fetch_all(&mut *conn).await?;
+        conn.keep();
         let mut compaction = None;
         let mut messages = Vec::with_capacity(rows.len());
         let mut lineage = vec![];
