@@ -351,6 +351,7 @@ impl App {
             ),
         };
         let agents = Arc::new(pins);
+        let local: Arc<crate::worker::Local> = Default::default();
         let engine = Arc::new(Engine {
             store: store.clone(),
             agents: agents.clone(),
@@ -427,6 +428,7 @@ impl App {
             live: Default::default(),
             budgets: crate::budget::Budgets::new(store.clone(), redis.clone()),
             menus: crate::engine::menus(),
+            local: local.clone() as Arc<dyn crate::runs::FreeSlots>,
         });
         Ok(App {
             settings,
@@ -438,7 +440,7 @@ impl App {
             redis,
             run_reads: Default::default(),
             event_reads: Default::default(),
-            local: Default::default(),
+            local,
         })
     }
 

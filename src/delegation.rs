@@ -149,6 +149,9 @@ pub struct Ctx<'a> {
     pub settings: &'a DelegationSettings,
     /// Largest accepted input.
     pub max_input_bytes: usize,
+    /// This process's workers with a free slot: a child next in line is handed to one as it is
+    /// written.
+    pub local: &'a dyn crate::runs::FreeSlots,
 }
 
 /// Whether this run, with this agent, is offered the delegation tools.
@@ -544,8 +547,20 @@ impl Ctx<'_> {
             },
             ..Default::default()
         };
-        match crate::runs::start_run(self.store, self.agents, self.max_input_bytes, req).await {
+        let slot = self.local.reserve();
+        let started = crate::runs::start_run_held(
+            self.store,
+            self.agents,
+            self.max_input_bytes,
+            req,
+            slot.as_ref().map(|s| s.worker().to_owned()),
+        )
+        .await;
+        match started {
             Ok(created) => {
+                if let Some(slot) = slot.filter(|_| created.held) {
+                    slot.run(created.run.id, created.run.job_id.clone());
+                }
                 if !created.existing {
                     let r = &created.run;
                     self.store

@@ -140,6 +140,21 @@ pub async fn start_run(
     start_run_held(store, agents, max_input_bytes, req, None).await
 }
 
+/// This process's queue workers with a free slot, as the layers below the worker see them
+/// (`worker::Local` is the one implementation): a parent's `task` offers its child to one.
+pub trait FreeSlots: Send + Sync {
+    /// A free slot, unless none is free or no worker runs in this process.
+    fn reserve(&self) -> Option<Box<dyn FreeSlot>>;
+}
+
+/// A reserved slot: dropped unused, it is free again.
+pub trait FreeSlot: Send {
+    /// The queue worker to lock the run's job to ([`crate::domain::NewRun::held_by`]).
+    fn worker(&self) -> &str;
+    /// Runs, in the slot, the run whose job the start locked to [`FreeSlot::worker`].
+    fn run(self: Box<Self>, run_id: RunId, job_id: String);
+}
+
 /// [`start_run`], offering the run's job to `held_by`, a queue worker of this process with a
 /// free slot ([`crate::worker::Local`]); [`Created::held`] says whether it took it.
 pub async fn start_run_held(

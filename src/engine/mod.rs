@@ -142,6 +142,9 @@ pub struct Engine {
     pub settings: EngineSettings,
     /// The MCP tool lists runs pinned, by version ([`pins`]).
     pub menus: crate::pinning::Texts<Vec<crate::model::ToolSpec>>,
+    /// This process's queue workers with a free slot, to hand a parent's children to as they
+    /// are written (as the API's starts are), not through a fetch.
+    pub local: Arc<dyn crate::runs::FreeSlots>,
 }
 
 /// How one attempt at a run ends: reached by the loop, or imposed on it from outside. It is
@@ -695,6 +698,7 @@ impl Engine {
             agent,
             settings: &self.settings.delegation,
             max_input_bytes: self.settings.max_input_bytes,
+            local: self.local.as_ref(),
         }
     }
 }

@@ -906,7 +906,8 @@ mod thread_lookups {
             },
             parent_run_id: None,
             tree: TreePosition::default(),
-            job_id: crate::queue::new_job_id(),
+            // A job id as `queue::new_job_id` makes one (the store may not name the queue).
+            job_id: ulid::Ulid::new().to_string(),
             if_busy: IfBusy::Reject,
             idempotency_key: None,
             retry_of: None,

@@ -53,12 +53,31 @@ impl Local {
     }
 }
 
+/// A parent's `task` offers its child to this process's workers through the layers below.
+impl crate::runs::FreeSlots for Local {
+    fn reserve(&self) -> Option<Box<dyn crate::runs::FreeSlot>> {
+        Local::reserve(self).map(|r| Box::new(r) as Box<dyn crate::runs::FreeSlot>)
+    }
+}
+
+impl crate::runs::FreeSlot for Reserved {
+    fn worker(&self) -> &str {
+        Reserved::worker(self)
+    }
+
+    fn run(self: Box<Self>, run_id: RunId, job_id: String) {
+        Reserved::run(*self, run_id, job_id, Handed::Delegation)
+    }
+}
+
 /// How a run reached a worker without apalis's fetch (the `via` of
 /// `subagents_jobs_direct_total`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Handed {
     /// Started in this process ([`Local`]).
     Start,
+    /// Started by a parent's `task` in this process ([`Local`]).
+    Delegation,
     /// Named by the queue's notification (`super::notified`).
     Notification,
 }
@@ -68,6 +87,7 @@ impl Handed {
     pub fn as_str(self) -> &'static str {
         match self {
             Handed::Start => "start",
+            Handed::Delegation => "delegation",
             Handed::Notification => "notification",
         }
     }

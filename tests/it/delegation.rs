@@ -688,3 +688,65 @@ async fn runs_start_without_waiting_for_the_poll_in_one_process() {
         );
     }
 }
+
+/// A parent's `task` child, started in a process whose worker has a free slot, is handed to
+/// that worker as it is written, as an API start is ([`subagents::worker::Local`]): it does not
+/// wait for the queue's notification and a fetch. `serve` runs in its own process here, so its
+/// `/metrics` count only this test's hand-overs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parents_child_is_handed_to_a_free_worker_of_its_process() {
+    use subagents::model::mock::{MockOptions, MockServer};
+    let dir = tempfile::tempdir().unwrap();
+    let (name, body) = parent_job("p-hand");
+    std::fs::create_dir_all(dir.path().join("jobs")).unwrap();
+    std::fs::write(dir.path().join("jobs").join(format!("{name}.md")), body).unwrap();
+    let mock = MockServer::start(([127, 0, 0, 1], 0).into(), MockOptions::default())
+        .await
+        .unwrap();
+    mock.state.set_script(Script::from_iter([(
+        name.clone(),
+        vec![
+            calls(vec![call(
+                "task",
+                json!({"description": "Quick.\nSCENARIO steps=1 run=hand", "subagent": "general-purpose"}),
+            )]),
+            say("parent done"),
+        ],
+    )]));
+    let serve = Logged::spawn(
+        process(
+            dir.path(),
+            &mock,
+            &["serve", "--host", "127.0.0.1", "--port", "0"],
+        )
+        .current_dir(dir.path())
+        .env_remove("REDIS_URL")
+        .env_remove("SUBAGENTS_API_KEYS")
+        .env_remove("SUBAGENTS_KEYS_FILE"),
+        "serve",
+    );
+    let base = serve.listening_on();
+    let http = reqwest::Client::new();
+    let done: Value = http
+        .post(format!("{base}/v1/runs/wait"))
+        .json(&json!({"agent": name, "input": "Coordinate the work.", "timeout_s": 60}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("subagents_jobs_direct_total{via=\"delegation\"} 1"),
+        "the child was handed to the worker as it was written, not fetched: {metrics}"
+    );
+}
