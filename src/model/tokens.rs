@@ -52,12 +52,20 @@ impl Counter {
     /// otherwise (the encoding of every current OpenAI model; for other families the
     /// [`Calibration`] ratio corrects the difference).
     pub fn for_model(model: &str) -> Counter {
-        match tiktoken_rs::tokenizer::get_tokenizer(model) {
-            Some(Tokenizer::Cl100kBase) => Counter {
+        Counter::encoding(matches!(
+            tiktoken_rs::tokenizer::get_tokenizer(model),
+            Some(Tokenizer::Cl100kBase)
+        ))
+    }
+
+    /// `cl100k_base` when `cl100k`, else `o200k_base` (the mock picks by OpenAI's own rule).
+    pub(crate) fn encoding(cl100k: bool) -> Counter {
+        match cl100k {
+            true => Counter {
                 bpe: tiktoken_rs::cl100k_base_singleton(),
                 encoding: "cl100k_base",
             },
-            _ => Counter {
+            false => Counter {
                 bpe: tiktoken_rs::o200k_base_singleton(),
                 encoding: "o200k_base",
             },
@@ -75,11 +83,12 @@ impl Counter {
         self.bpe.count_with_special_tokens(text)
     }
 
-    /// Tokens of a text that recurs across runs (a system prompt, a tool's schema), looked up
-    /// in a process-wide table after the first count: a short run would otherwise spend a
-    /// good part of its CPU tokenizing the same schemas at every start (seen: an eighth of a
-    /// worker's CPU on one-step runs).
-    fn recurring(&self, text: &str) -> usize {
+    /// Tokens of a text that recurs (a system prompt, a tool's schema; for the mock, every
+    /// message a run sends again at each step), looked up in a process-wide table after the
+    /// first count: a short run would otherwise spend a good part of its CPU tokenizing the
+    /// same schemas at every start (seen: an eighth of a worker's CPU on one-step runs), and
+    /// the mock a third of its own re-tokenizing conversations.
+    pub(crate) fn remembered(&self, text: &str) -> usize {
         use std::hash::{Hash, Hasher};
         /// The encoding's name, the text's hash and its length.
         type Key = (&'static str, u64, usize);
@@ -93,7 +102,7 @@ impl Counter {
         let n = self.text(text);
         let mut seen = SEEN.lock().unwrap();
         let map = seen.get_or_insert_with(HashMap::new);
-        if map.len() >= 4096 {
+        if map.len() >= 16_384 {
             map.clear();
         }
         map.insert(key, n);
@@ -105,7 +114,7 @@ impl Counter {
         PER_MESSAGE
             + self.text(m.role())
             + match m {
-                Message::System { content } => self.recurring(content),
+                Message::System { content } => self.remembered(content),
                 Message::User { content } => self.text(content),
                 Message::Assistant {
                     content,
@@ -138,8 +147,8 @@ impl Counter {
                 .map(|t| {
                     PER_TOOL_SPEC
                         + self.text(&t.function.name)
-                        + self.recurring(&t.function.description)
-                        + self.recurring(&t.function.parameters.to_string())
+                        + self.remembered(&t.function.description)
+                        + self.remembered(&t.function.parameters.to_string())
                 })
                 .sum::<usize>()
     }

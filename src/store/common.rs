@@ -65,6 +65,19 @@ macro_rules! none_queued_before {
     };
 }
 
+/// `$run` is next in its thread (a `WHERE` fragment): no run of the thread active, none queued
+/// before it. What a claim asks of a queued run, and what the recovery of queued runs asks.
+macro_rules! next_in_its_thread {
+    ($run:literal, $subplan:literal) => {
+        concat!(
+            "NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = ",
+            $run,
+            ".thread_id AND a.status IN ('running','waiting')) AND ",
+            none_queued_before!($run, $subplan)
+        )
+    };
+}
+
 /// The claim's concurrency guard (a `WHERE` fragment on `sa_runs`): the run's owner below its
 /// limit (its own, else the default `*`), and its agent below its own. Nothing to check when
 /// `sa_limits` is empty, which the first probe of each `NOT EXISTS` finds at once.

@@ -426,9 +426,8 @@ impl SqlStore for PgStore {
                  lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
                  heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
                  WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
-                   NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = sa_runs.thread_id AND a.status IN ('running','waiting')) \
-                   AND ",
-                none_queued_before!("sa_runs", " OFFSET 0"),
+                   ",
+                next_in_its_thread!("sa_runs", " OFFSET 0"),
                 ")) ",
                 limits_guard!(),
                 " RETURNING *), \

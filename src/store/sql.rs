@@ -137,9 +137,8 @@ impl Statements {
                     "SELECT r.id FROM sa_runs r JOIN {jobs} j ON j.id = r.job_id \
                      WHERE r.status = 'queued' AND r.enqueued_at < $1 \
                        AND j.status IN ('Queued', 'Running') AND j.lock_by IS NOT NULL AND j.lock_by <> $2 \
-                       AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
                        AND ",
-                    none_queued_before!("r", "{subplan}"),
+                    next_in_its_thread!("r", "{subplan}"),
                     " ORDER BY r.enqueued_at LIMIT $3"
                 ),
                 jobs = jobs,
@@ -155,9 +154,8 @@ impl Statements {
                        (r.status = 'waiting' AND r.wake_at IS NOT NULL AND r.wake_at <= $2) OR \
                        (r.status = 'queued' \
                          AND NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending') \
-                         AND NOT EXISTS (SELECT 1 FROM sa_runs a WHERE a.thread_id = r.thread_id AND a.status IN ('running','waiting')) \
                          AND ",
-                    none_queued_before!("r", "{subplan}"),
+                    next_in_its_thread!("r", "{subplan}"),
                     ")) LIMIT 1000"
                 ),
                 jobs = jobs,

@@ -12,6 +12,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::CompletionRequest;
+use crate::model::tokens::Counter;
 use crate::model::{FunctionCall, FunctionSpec, Message, ToolCall, ToolSpec};
 
 /// The request's top level: every parameter Chat Completions has; any other is refused.
@@ -95,49 +96,18 @@ pub(super) struct Parsed {
 
 /// The tiktoken encoding OpenAI uses for `model`: `cl100k_base` for GPT-4 and GPT-3.5, else
 /// `o200k_base` (GPT-4o, 4.1, 5, the o-series, and whatever the mock is asked to be).
-fn encoding(model: &str) -> &'static tiktoken_rs::CoreBPE {
+fn encoding(model: &str) -> Counter {
     let m = model.rsplit('/').next().unwrap_or(model);
-    let old = (m.starts_with("gpt-4") && !m.starts_with("gpt-4o") && !m.starts_with("gpt-4.1"))
-        || m.starts_with("gpt-3.5");
-    if old {
-        tiktoken_rs::cl100k_base_singleton()
-    } else {
-        tiktoken_rs::o200k_base_singleton()
-    }
+    Counter::encoding(
+        (m.starts_with("gpt-4") && !m.starts_with("gpt-4o") && !m.starts_with("gpt-4.1"))
+            || m.starts_with("gpt-3.5"),
+    )
 }
 
-/// Tokens of a message as it came on the wire.
-/// Tokens of `s`, looked up for a text this mock counted before. A run sends its whole
-/// conversation at every step, so without the lookup the mock tokenized each message once per
-/// later step: tokenizing was about a third of its CPU in `bench`, CPU the machine's executor
-/// under test then did not have. Even a role's name is looked up: each count takes a regex
-/// scratch space from a pool, which costs more than the hash.
-fn count(bpe: &'static tiktoken_rs::CoreBPE, s: &str) -> usize {
-    use std::collections::HashMap;
-    use std::hash::{Hash, Hasher};
-    use std::sync::Mutex;
-    /// The encoding's address, the text's hash and its length.
-    type Key = (usize, u64, usize);
-    static SEEN: Mutex<Option<HashMap<Key, usize>>> = Mutex::new(None);
-    const ROOM: usize = 16_384;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    s.hash(&mut h);
-    let key = (std::ptr::from_ref(bpe) as usize, h.finish(), s.len());
-    if let Some(n) = SEEN.lock().unwrap().as_ref().and_then(|m| m.get(&key)) {
-        return *n;
-    }
-    let n = bpe.encode_with_special_tokens(s).len();
-    let mut seen = SEEN.lock().unwrap();
-    let map = seen.get_or_insert_with(HashMap::new);
-    if map.len() >= ROOM {
-        map.clear();
-    }
-    map.insert(key, n);
-    n
-}
-
-fn message_tokens(bpe: &'static tiktoken_rs::CoreBPE, o: &Map<String, Value>, text: &str) -> usize {
-    let count = |s: &str| count(bpe, s);
+/// Tokens of a message as it came on the wire. Every text is looked up after its first count
+/// ([`Counter::remembered`]): a run sends its whole conversation again at every step.
+fn message_tokens(bpe: Counter, o: &Map<String, Value>, text: &str) -> usize {
+    let count = |s: &str| bpe.remembered(s);
     let role = o.get("role").and_then(Value::as_str).unwrap_or("");
     let mut n = 3 + count(role) + count(text);
     for c in o
@@ -156,11 +126,11 @@ fn message_tokens(bpe: &'static tiktoken_rs::CoreBPE, o: &Map<String, Value>, te
 }
 
 /// Tokens of the tool list as it came on the wire.
-fn tools_tokens(bpe: &'static tiktoken_rs::CoreBPE, tools: &[Value]) -> usize {
+fn tools_tokens(bpe: Counter, tools: &[Value]) -> usize {
     if tools.is_empty() {
         return 0;
     }
-    let count = |s: &str| count(bpe, s);
+    let count = |s: &str| bpe.remembered(s);
     12 + tools
         .iter()
         .map(|t| {
