@@ -159,7 +159,9 @@ async fn measure(
         );
         let floor = floor(&http, mock, dsn, &requests, args.warmup, args.runs).await?;
         let seq = summary(seq);
-        let floor = summary(floor);
+        let floor_model = summary(floor.iter().map(|f| f.model).collect());
+        let floor_commits = summary(floor.iter().map(|f| f.commits).collect());
+        let floor = summary(floor.iter().map(|f| f.model + f.commits).collect());
         let ratio = |a: &Value, ka: &str, b: &Value, kb: &str| {
             round(a[ka].as_f64().unwrap_or(0.0) / b[kb].as_f64().unwrap_or(1.0).max(1e-9))
         };
@@ -169,6 +171,8 @@ async fn measure(
                 "sequential_ms": seq,
                 "concurrent_ms": summary(concurrent),
                 "floor_ms": floor,
+                "floor_model_ms": floor_model,
+                "floor_commits_ms": floor_commits,
                 "p50_over_floor_p50": ratio(&seq, "p50", &floor, "p50"),
                 "p99_over_p50": ratio(&seq, "p99", &seq, "p50"),
             }),
@@ -200,6 +204,12 @@ async fn round_trip(http: &reqwest::Client, base: &str, steps: u32) -> Option<f6
     Some(ms)
 }
 
+/// One timing of the floor, in ms: its model calls and its commits.
+struct Floor {
+    model: f64,
+    commits: f64,
+}
+
 /// The floor of a run whose model requests were `requests`, `runs` times (after `warmup`
 /// untimed): each request sent to the mock over loopback (streamed and read to the end, as the
 /// engine does), then `2 × steps + 2` single-row commits on a kept connection to the same
@@ -211,7 +221,7 @@ async fn floor(
     requests: &[axum::body::Bytes],
     warmup: u64,
     runs: u64,
-) -> anyhow::Result<Vec<f64>> {
+) -> anyhow::Result<Vec<Floor>> {
     let url = format!("{}/chat/completions", mock.base_url());
     let commits = 2 * requests.len() + 2;
     let mut db = Committer::open(dsn).await?;
@@ -231,11 +241,15 @@ async fn floor(
             );
             r.bytes().await?;
         }
+        let t1 = Instant::now();
         for _ in 0..commits {
             db.commit().await?;
         }
         if i >= warmup {
-            out.push(t0.elapsed().as_secs_f64() * 1000.0);
+            out.push(Floor {
+                model: (t1 - t0).as_secs_f64() * 1000.0,
+                commits: t1.elapsed().as_secs_f64() * 1000.0,
+            });
         }
     }
     db.close().await?;

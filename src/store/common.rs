@@ -92,6 +92,24 @@ macro_rules! limits_guard {
 }
 
 /// The columns of a run, in the order `run_from_row` reads them.
+/// A run's place in its owner's queue (what `SqlStore::rank_from_row` reads): the queued runs
+/// of higher priority, and of its own when `$back` is true (it counts itself then), with the
+/// run's priority and whether it is queued. `$run` and `$back` are the parameters (`"$1"`).
+/// The columns and `FROM` of a `SELECT`.
+macro_rules! rank_of {
+    ($run:literal, $back:literal) => {
+        concat!(
+            "CAST(COALESCE((SELECT SUM(d.queued) FROM sa_queue_depth d WHERE d.owner = r.owner \
+               AND (d.priority > r.priority OR (",
+            $back,
+            " AND d.priority = r.priority))), 0) AS BIGINT) AS ahead, \
+             r.priority AS priority, CASE WHEN r.status = 'queued' THEN 1 ELSE 0 END AS queued \
+             FROM sa_runs r WHERE r.id = ",
+            $run
+        )
+    };
+}
+
 macro_rules! run_columns {
     () => {
         "id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, root_run_id, depth, detached, \

@@ -432,29 +432,27 @@ where
         run: RunId,
         place: QueuePlace,
     ) -> Result<Option<(u32, u8)>> {
-        let row = sqlx::query(
-            "SELECT CAST(COALESCE((SELECT SUM(d.queued) FROM sa_queue_depth d WHERE d.owner = r.owner \
-               AND (d.priority > r.priority OR ($2 AND d.priority = r.priority))), 0) AS BIGINT), \
-               r.priority, CASE WHEN r.status = 'queued' THEN 1 ELSE 0 END \
-             FROM sa_runs r WHERE r.id = $1",
+        let row = sqlx::query(concat!("SELECT ", rank_of!("$1", "$2")))
+            .bind(run.to_string())
+            .bind(place == QueuePlace::Back)
+            .fetch_optional(conn)
+            .await?;
+        Ok(row.map(|r| Self::rank_from_row(&r, place)))
+    }
+
+    /// The runs ahead of a run and its priority, from the columns `rank_of!` reads.
+    fn rank_from_row(r: &<Self::Db as Database>::Row, place: QueuePlace) -> (u32, u8) {
+        // At the back, the run does not count itself.
+        let ahead = r.get::<i64, _>("ahead")
+            - if place == QueuePlace::Back {
+                i64::from(r.get::<i32, _>("queued"))
+            } else {
+                0
+            };
+        (
+            ahead.clamp(0, i64::from(u32::MAX)) as u32,
+            r.get::<i64, _>("priority").clamp(1, 5) as u8,
         )
-        .bind(run.to_string())
-        .bind(place == QueuePlace::Back)
-        .fetch_optional(conn)
-        .await?;
-        Ok(row.map(|r| {
-            // At the back, the run does not count itself.
-            let ahead = r.get::<i64, _>(0)
-                - if place == QueuePlace::Back {
-                    i64::from(r.get::<i32, _>(2))
-                } else {
-                    0
-                };
-            (
-                ahead.clamp(0, i64::from(u32::MAX)) as u32,
-                r.get::<i64, _>(1).clamp(1, 5) as u8,
-            )
-        }))
     }
 
     /// Inserts a commit's events in one statement (one round trip, whatever their number).

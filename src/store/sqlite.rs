@@ -209,65 +209,38 @@ impl SqlStore for SqliteStore {
 
     async fn start_run(&self, new: NewRun) -> Result<Created> {
         let now = group::Landed::stamp();
-        let mut tx = self.pool.begin().await?;
-        // The upsert takes SQLite's write lock first, so the checks below and the insert see
-        // one state: no other start can slip in between.
-        let inserted = sqlx::query(
-            "INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES ($1, $2, $3, $3) \
-             ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING owner",
-        )
-        .bind(new.thread_id.as_str())
-        .bind(&new.owner)
-        .bind(now)
-        .fetch_one(&mut *tx)
-        .await?;
-        let owner: OwnerId = inserted.get(0);
-        if owner != new.owner {
-            return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
-        }
-        if let Some(key) = &new.idempotency_key {
-            let existing: Option<String> = sqlx::query_scalar(
-                "SELECT id FROM sa_runs WHERE owner = $1 AND idempotency_key = $2",
-            )
-            .bind(&new.owner)
-            .bind(key)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if let Some(id) = existing {
-                tx.rollback().await?;
-                let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
-                let run = self
-                    .get_run(id)
-                    .await?
-                    .ok_or_else(|| corrupt("run vanished", id))?;
-                return Ok(Created {
-                    run,
-                    existing: true,
-                    ahead: 0,
-                    held: false,
-                });
-            }
-        }
-        if new.if_busy == IfBusy::Reject {
-            let active: Option<String> = sqlx::query_scalar(
-                "SELECT id FROM sa_runs WHERE thread_id = $1 AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1",
-            )
-            .bind(new.thread_id.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-            if let Some(a) = active {
-                let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
-                return Err(StoreError::Busy {
-                    thread_id: new.thread_id,
-                    active_run,
-                });
-            }
-        }
-        let inserted = sqlx::query(concat!(
-            "INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
-             idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority, agent_version) \
-             VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17, $18) RETURNING ",
-            run_columns!()
+        let queued: NewEvent = Event::RunQueued(event::RunQueued {
+            agent: new.agent.clone(),
+            thread_id: new.thread_id.visible_to(&new.owner).to_string(),
+            parent_run_id: new.parent_run_id,
+        })
+        .into();
+        // The start is two commands to the connection's thread, not a dozen: the first holds
+        // the transaction's checks and its inserts, the second the job and the COMMIT (or a
+        // ROLLBACK, when a check refused). Each row the first answers with says in `part` which
+        // statement it comes from. The upsert takes SQLite's write lock first, so the checks
+        // and the insert see one state: no other start can slip in between. The run is
+        // inserted only where the checks pass (they are repeated in its `WHERE`), and its
+        // event only where the run was.
+        let first = sqlx::query(concat!(
+            "BEGIN IMMEDIATE; \
+             INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES ($2, $3, $12, $12) \
+             ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING 0 AS part, owner; \
+             SELECT 1 AS part, id FROM sa_runs WHERE owner = $3 AND idempotency_key = $9; \
+             SELECT 2 AS part, id FROM sa_runs WHERE $22 AND thread_id = $2 \
+               AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1; \
+             INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
+               idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority, agent_version) \
+             SELECT $1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17, $18 \
+             WHERE (SELECT owner FROM sa_threads WHERE id = $2) = $3 \
+               AND NOT EXISTS (SELECT 1 FROM sa_runs WHERE owner = $3 AND idempotency_key = $9) \
+               AND NOT ($22 AND EXISTS (SELECT 1 FROM sa_runs WHERE thread_id = $2 AND status IN ('queued','running','waiting'))) \
+             RETURNING 3 AS part, ",
+            run_columns!(),
+            "; INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+               SELECT $1, 1, $19, $20, $12, $21 WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1); \
+             SELECT 4 AS part, ",
+            rank_of!("$1", "$23")
         ))
         .bind(new.id.to_string())
         .bind(new.thread_id.as_str())
@@ -287,55 +260,73 @@ impl SqlStore for SqliteStore {
         .bind(new.retry_of.map(|r| r.to_string()))
         .bind(i64::from(new.priority.clamp(1, 5)))
         .bind(new.agent_version.as_deref())
-        .fetch_one(&mut *tx)
-        .await?;
-        let run = Self::run_from_row(&inserted)?;
-        let queued: NewEvent = Event::RunQueued(event::RunQueued {
-            agent: new.agent.clone(),
-            thread_id: new.thread_id.visible_to(&new.owner).to_string(),
-            parent_run_id: new.parent_run_id,
-        })
-        .into();
-        Self::insert_events_at(
-            &mut tx,
-            new.id,
-            1,
-            std::slice::from_ref(&queued),
-            self.relayed_at_insert(),
-            now,
-        )
-        .await?;
-        let (ahead, _) = Self::rank_in(&mut *tx, new.id, new.place)
-            .await?
-            .ok_or_else(|| corrupt("run vanished", new.id))?;
+        .bind(queued.kind())
+        .bind(queued.data().to_string())
+        .bind(self.relayed_at_insert())
+        .bind(new.if_busy == IfBusy::Reject)
+        .bind(new.place == QueuePlace::Back);
+        // A failed command may leave the transaction open: its connection is closed, not
+        // pooled (see `Unpooled`).
+        let mut conn = Unpooled::new(self.pool.acquire().await?);
+        let rows = first.fetch_all(&mut **conn.get()).await?;
+        let part = |p: i32| rows.iter().find(|r| r.get::<i32, _>("part") == p);
+        let owner: Option<OwnerId> = part(0).map(|r| r.get("owner"));
+        let existing: Option<String> = part(1).map(|r| r.get("id"));
+        let active: Option<String> = part(2).map(|r| r.get("id"));
+        let (Some(inserted), Some(rank)) = (part(3), part(4)) else {
+            conn.rollback().await;
+            if owner.as_ref() != Some(&new.owner) {
+                return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
+            }
+            if let Some(id) = existing {
+                let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
+                let run = self
+                    .get_run(id)
+                    .await?
+                    .ok_or_else(|| corrupt("run vanished", id))?;
+                return Ok(Created {
+                    run,
+                    existing: true,
+                    ahead: 0,
+                    held: false,
+                });
+            }
+            if let Some(a) = active {
+                let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
+                return Err(StoreError::Busy {
+                    thread_id: new.thread_id,
+                    active_run,
+                });
+            }
+            return Err(corrupt("a start wrote no run", new.id));
+        };
+        let run = Self::run_from_row(inserted)?;
+        let (ahead, _) = Self::rank_from_row(rank, new.place);
         // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
         // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
-        // a run without its job.
-        sqlx::query(
-            "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
-             VALUES ($1, $2, $3, 'Pending', 0, $4, $5, $6)",
-        )
-        .bind(job_body(new.id))
-        .bind(&new.job_id)
-        .bind(QUEUE_NAME)
-        .bind(JOB_MAX_ATTEMPTS as i64)
-        .bind(now.timestamp())
-        .bind(job_priority(ahead, new.priority) as i64)
-        .execute(&mut *tx)
-        .await?;
-        // Handed to `held_by` in the same transaction when the run is next in line, by the
-        // statement a notified worker takes a job with ([`Claims::take_job`]).
-        let held = match &new.held_by {
-            Some(worker) if ahead == 0 => sqlx::query(Self::statements().take_job.as_str())
-                .bind(&new.job_id)
-                .bind(worker)
-                .bind(QUEUE_NAME)
-                .fetch_optional(&mut *tx)
-                .await?
-                .is_some(),
-            _ => false,
+        // a run without its job. Handed to `held_by` in the same transaction when the run is
+        // next in line, by the statement a notified worker takes a job with
+        // ([`Claims::take_job`], whose `$1`, `$2` and `$3` are the job, the worker and the
+        // queue here too).
+        let hold = new.held_by.as_ref().filter(|_| ahead == 0);
+        let job = "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
+                   VALUES ($4, $1, $3, 'Pending', 0, $5, $6, $7); ";
+        let second = match hold {
+            Some(_) => format!("{job}{}; COMMIT", Self::statements().take_job),
+            None => format!("{job}COMMIT"),
         };
-        tx.commit().await?;
+        let taken = sqlx::query(sqlx::AssertSqlSafe(second))
+            .bind(&new.job_id)
+            .bind(hold)
+            .bind(QUEUE_NAME)
+            .bind(job_body(new.id))
+            .bind(JOB_MAX_ATTEMPTS as i64)
+            .bind(now.timestamp())
+            .bind(job_priority(ahead, new.priority) as i64)
+            .fetch_all(&mut **conn.get())
+            .await?;
+        conn.pool();
+        let held = hold.is_some() && !taken.is_empty();
         if !held {
             self.common.notifier.job_queued();
         }
@@ -351,12 +342,14 @@ impl SqlStore for SqliteStore {
     async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
         let now = group::Landed::stamp();
         let nms = now_ms();
-        let mut tx = self.pool.begin().await?;
+        // Two commands to the connection's thread: the fenced UPDATE in its transaction, then
+        // the claim's event and the COMMIT (or a ROLLBACK when nothing was claimable).
+        let mut conn = Unpooled::new(self.pool.acquire().await?);
         // A queued run is claimable once its thread is free and it is the thread's oldest; a
         // parked one at any time (a spurious claim replays and parks again).
         let row = sqlx::query(sql!(
             concat!(
-                "UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
+                "BEGIN IMMEDIATE; UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
                  lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
                  heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
                  WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
@@ -373,25 +366,30 @@ impl SqlStore for SqliteStore {
         .bind(nms + ttl.as_millis() as i64)
         .bind(now)
         .bind(id.to_string())
-        .fetch_optional(&mut *tx)
-        .await?;
+        .fetch_all(&mut **conn.get())
+        .await?
+        .pop();
         let Some(row) = row else {
-            tx.rollback().await?;
+            conn.rollback().await;
             let status = self.get_run(id).await?.map(|r| r.status);
             return Ok(Claim::NotClaimable(status));
         };
         // The claimed row comes back whole: no second read.
         let run = Self::run_from_row(&row)?;
-        Self::insert_events_at(
-            &mut tx,
-            id,
-            run.event_seq,
-            &[super::sql::claim_event(&run, owner)],
-            self.relayed_at_insert(),
-            now,
+        let event = super::sql::claim_event(&run, owner);
+        sqlx::query(
+            "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+             VALUES ($1, $2, $3, $4, $5, $6); COMMIT",
         )
+        .bind(id.to_string())
+        .bind(run.event_seq as i64)
+        .bind(event.kind())
+        .bind(event.data().to_string())
+        .bind(now)
+        .bind(self.relayed_at_insert())
+        .execute(&mut **conn.get())
         .await?;
-        tx.commit().await?;
+        conn.pool();
         self.claimed(&run, owner, now);
         Ok(Claim::Acquired(
             Lease {
@@ -449,40 +447,20 @@ impl SqlStore for SqliteStore {
     }
 }
 
-/// The fence, the messages and the events of one checkpoint, inside `tx`; `None` when the
-/// lease is gone (nothing was written). The fence opens the item: it proves the epoch, takes
-/// SQLite's write lock (so the seqs it reserves stay gap-free) and applies the counters and
-/// any terminal state.
-/// Applies a checkpoint: its fence, then its messages and events.
-async fn apply(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
-    lease: &Lease,
-    cp: &Checkpoint,
-    ff: FenceFields,
-    now: DateTime<Utc>,
-    relayed: i64,
-) -> Result<Option<SqliteRow>> {
-    let Some(row) = fence(tx, lease, cp, ff, now).await? else {
-        return Ok(None);
-    };
-    let mut rows = Appends::default();
-    rows.add(lease.run_id, row.get(1), row.get(0), cp);
-    rows.insert(tx, now, relayed).await?;
-    Ok(Some(row))
-}
-
-/// The checkpoint's fence: moves the run's counters (and status, for a terminal checkpoint)
-/// only under this lease's epoch. `None` when the fence did not hold.
+/// A terminal checkpoint's fence, with the `BEGIN` of its transaction in the same command:
+/// moves the run's counters and its status only under this lease's epoch (and takes SQLite's
+/// write lock, so the seqs it reserves stay gap-free). `None` when the fence did not hold; the
+/// transaction is open either way.
 async fn fence(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    conn: &mut sqlx::SqliteConnection,
     lease: &Lease,
     cp: &Checkpoint,
     ff: FenceFields,
     now: DateTime<Utc>,
 ) -> Result<Option<SqliteRow>> {
     let (guard, reach_columns, unsteered) = (ff.guard, ff.reach_columns, ff.only_if);
-    let row = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
+    let rows = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
+        "BEGIN IMMEDIATE; UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
          prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, cost_nanos = cost_nanos + $15, \
          cache_read_tokens = cache_read_tokens + $16, cache_write_tokens = cache_write_tokens + $17, \
          lease_expires_at = CASE WHEN $5 IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
@@ -495,15 +473,14 @@ async fn fence(
     .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
     .bind(cp.usage.cache_read_tokens as i64)
     .bind(cp.usage.cache_write_tokens as i64)
-    .fetch_optional(&mut **tx)
+    .fetch_all(conn)
     .await?;
-    Ok(row)
+    Ok(rows.into_iter().next())
 }
 
-/// The messages and events of checkpoints whose fences held, written together: one INSERT
-/// for all the messages and one for all the events of a group, however many runs it holds.
-/// On SQLite every statement is a round trip to the connection's thread (two thread
-/// switches), so a group of ten used to cost thirty of them and now costs twelve.
+/// The messages, events and pins of a terminal checkpoint whose fence held, written as one
+/// command (one INSERT per table, sqlx binding each statement's `?`s in turn): on SQLite every
+/// command is a round trip to the connection's thread, two thread switches.
 #[derive(Default)]
 struct Appends<'a> {
     /// Thread, run and message.
@@ -535,11 +512,13 @@ impl<'a> Appends<'a> {
     }
 
     /// Writes the rows; `relayed` is what a new event's `relayed` is (the store's).
+    /// With `commit`, the transaction's `COMMIT` goes in the same command.
     async fn insert(
         &self,
-        tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+        conn: &mut sqlx::SqliteConnection,
         now: DateTime<Utc>,
         relayed: i64,
+        commit: bool,
     ) -> Result<()> {
         // SQLite allows 32,766 bound values per statement: 7 per message, 6 per event. The
         // statements go as one query (sqlx binds each statement's `?`s in turn): one round
@@ -590,10 +569,173 @@ impl<'a> Appends<'a> {
             });
             q.push(" ON CONFLICT(run_id, name) DO NOTHING");
         }
+        if commit {
+            next(&mut q, "COMMIT");
+        }
         if statements > 0 {
-            q.build().execute(&mut **tx).await?;
+            q.build().execute(conn).await?;
         }
         Ok(())
+    }
+}
+
+/// Appends to `q` (after its `BEGIN`) the statements of a progress commit of `items`: one
+/// fenced `UPDATE` of their runs, each row under its own epoch (`RETURNING` the run and where
+/// its events end), then one `INSERT … SELECT` each for their messages, events and pins. Those
+/// join every row to its run under the same fence, so a run whose fence failed writes nothing,
+/// and number the events back from the run's new `event_seq`: no answer from the `UPDATE` is
+/// needed before the rows go, and the whole commit is one command. The fence reads the same
+/// after the `UPDATE` as before it: a progress checkpoint moves neither the epoch nor the
+/// status. (Each `SELECT` ends in a `WHERE`, which SQLite needs to tell an upsert's `ON` from a
+/// join's.)
+fn progress_sql(
+    q: &mut sqlx::QueryBuilder<sqlx::Sqlite>,
+    items: &[(Lease, Checkpoint)],
+    now: DateTime<Utc>,
+    relayed: i64,
+    guard: &str,
+) {
+    let now_ms = now_ms();
+    // 10 bound values per run, 7 per message, 8 per event, 4 per pin: SQLite allows 32,766
+    // per statement.
+    for chunk in items.chunks(1000) {
+        q.push(
+            "; UPDATE sa_runs SET event_seq = event_seq + t.column3, step = COALESCE(t.column4, step), \
+             prompt_tokens = prompt_tokens + t.column5, completion_tokens = completion_tokens + t.column6, \
+             cost_nanos = cost_nanos + t.column7, lease_expires_at = t.column8, \
+             cache_read_tokens = cache_read_tokens + t.column9, cache_write_tokens = cache_write_tokens + t.column10, heartbeat_at = ",
+        );
+        q.push_bind(now)
+            .push(", updated_at = ")
+            .push_bind(now)
+            .push(" FROM (");
+        q.push_values(chunk, |mut b, (lease, cp)| {
+            b.push_bind(lease.run_id.to_string())
+                .push_bind(lease.epoch)
+                .push_bind(cp.events.len() as i64)
+                .push_bind(cp.step.map(i64::from))
+                .push_bind(cp.usage.prompt_tokens as i64)
+                .push_bind(cp.usage.completion_tokens as i64)
+                .push_bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+                .push_bind(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64)
+                .push_bind(cp.usage.cache_read_tokens as i64)
+                .push_bind(cp.usage.cache_write_tokens as i64);
+        });
+        q.push(") AS t WHERE sa_runs.id = t.column1 AND sa_runs.lease_epoch = t.column2 AND sa_runs.status IN (")
+            .push(guard)
+            .push(") RETURNING sa_runs.id, sa_runs.event_seq");
+    }
+    // Each row with its run and epoch (the fence). `CROSS JOIN` keeps the rows in their order
+    // (SQLite loops over its left side first), so a thread's messages take their ids in the
+    // order the checkpoints hold them, and each run is found by its key.
+    let mut messages = vec![];
+    let mut events = vec![];
+    let mut pins = vec![];
+    for (lease, cp) in items {
+        let run = lease.run_id.to_string();
+        messages.extend(cp.messages.iter().map(|m| (run.clone(), lease.epoch, m)));
+        let n = cp.events.len() as i64;
+        events.extend(
+            cp.events
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (run.clone(), lease.epoch, n - 1 - i as i64, e)),
+        );
+        pins.extend(
+            cp.pins
+                .iter()
+                .map(|(k, v)| (run.clone(), lease.epoch, k.as_str(), v.as_str())),
+        );
+    }
+    let fence = |q: &mut sqlx::QueryBuilder<sqlx::Sqlite>, epoch: &str| {
+        q.push(") AS v CROSS JOIN sa_runs r WHERE r.id = v.column1 AND r.lease_epoch = v.")
+            .push(epoch)
+            .push(" AND r.status IN (")
+            .push(guard)
+            .push(")");
+    };
+    for chunk in messages.chunks(1000) {
+        q.push(
+            "; INSERT INTO sa_messages (thread_id, run_id, step, role, key, body, created_at) \
+             SELECT r.thread_id, v.column1, v.column3, v.column4, v.column5, v.column6, v.column7 FROM (",
+        );
+        q.push_values(chunk, |mut b, (run, epoch, m)| {
+            b.push_bind(run.as_str())
+                .push_bind(*epoch)
+                .push_bind(m.step as i64)
+                .push_bind(m.message.role())
+                .push_bind(m.key.as_str())
+                .push_bind(serde_json::to_string(&m.message).expect("message serializes"))
+                .push_bind(now);
+        });
+        fence(q, "column2");
+        q.push(" ON CONFLICT(key) DO NOTHING");
+    }
+    for chunk in events.chunks(1000) {
+        q.push(
+            "; INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+             SELECT v.column1, r.event_seq - v.column3, v.column4, v.column5, v.column6, v.column7 FROM (",
+        );
+        q.push_values(chunk, |mut b, (run, epoch, back, e)| {
+            b.push_bind(run.as_str())
+                .push_bind(*epoch)
+                .push_bind(*back)
+                .push_bind(e.kind())
+                .push_bind(e.data().to_string())
+                .push_bind(now)
+                .push_bind(relayed);
+        });
+        fence(q, "column2");
+    }
+    for chunk in pins.chunks(1000) {
+        q.push("; INSERT INTO sa_run_pins (run_id, name, value) SELECT v.column1, v.column3, v.column4 FROM (");
+        q.push_values(chunk, |mut b, (run, epoch, name, value)| {
+            b.push_bind(run.as_str())
+                .push_bind(*epoch)
+                .push_bind(*name)
+                .push_bind(*value);
+        });
+        fence(q, "column2");
+        q.push(" ON CONFLICT(run_id, name) DO NOTHING");
+    }
+}
+
+/// A pooled connection that goes back to the pool only when told ([`Unpooled::pool`]): one
+/// dropped before that, mid-transaction or after an error, is closed instead, which rolls back
+/// whatever it had not committed.
+struct Unpooled(Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>);
+
+impl Unpooled {
+    fn new(conn: sqlx::pool::PoolConnection<sqlx::Sqlite>) -> Self {
+        Unpooled(Some(conn))
+    }
+
+    fn get(&mut self) -> &mut sqlx::pool::PoolConnection<sqlx::Sqlite> {
+        self.0.as_mut().expect("held until pooled or dropped")
+    }
+
+    /// Its transaction is over: back to the pool.
+    fn pool(mut self) {
+        self.0.take();
+    }
+
+    /// Rolls its transaction back; back to the pool if that worked, else closed.
+    async fn rollback(mut self) {
+        if sqlx::query("ROLLBACK")
+            .execute(&mut **self.get())
+            .await
+            .is_ok()
+        {
+            self.pool();
+        }
+    }
+}
+
+impl Drop for Unpooled {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.0.take() {
+            conn.close_on_drop();
+        }
     }
 }
 
@@ -633,32 +775,51 @@ impl group::Renewals for Commits {
 
 impl group::Progress for Commits {
     async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+        if cp.finish.is_none() {
+            // Progress: the group's single command, with one item.
+            let run = lease.run_id;
+            let items = [(lease, cp)];
+            let landed = self.commit_many(&items).await?.pop().flatten();
+            let Some(landed) = landed else {
+                return Err(StoreError::LeaseLost(run));
+            };
+            self.announce(run, &items[0].1, landed);
+            return Ok(());
+        }
         let now = group::Landed::stamp();
         let ff = cp.fence_fields(now);
-        let status = ff.status;
-        let mut tx = self.pool.begin().await?;
-        let Some(row) = apply(&mut tx, &lease, &cp, ff, now, self.relayed).await? else {
+        let Some(status) = ff.status else {
+            return Err(StoreError::Corrupt(
+                "a terminal checkpoint without a status".into(),
+            ));
+        };
+        // Two commands to the connection's thread when the run ends alone (no parent, no
+        // waits, no children): the fence with its BEGIN, then the rows with the COMMIT. Its
+        // effects on other runs, when it has some, come between them.
+        let mut conn = Unpooled::new(self.pool.acquire().await?);
+        let Some(row) = fence(conn.get(), &lease, &cp, ff, now).await? else {
+            conn.rollback().await;
             return Err(StoreError::LeaseLost(lease.run_id));
         };
-        let Some(status) = status else {
-            tx.commit().await?;
-            let landed = group::Landed {
-                last: row.get(0),
-                at: now,
-            };
-            self.announce(lease.run_id, &cp, landed);
-            return Ok(());
-        };
-        SqliteStore::end_effects(
-            &mut tx,
-            lease.run_id,
-            &row,
-            status,
-            cp.error(),
-            self.relayed,
-        )
-        .await?;
-        tx.commit().await?;
+        let mut rows = Appends::default();
+        rows.add(lease.run_id, row.get(1), row.get(0), &cp);
+        let alone = row.get::<Option<String>, _>(2).is_none()
+            && !row.get::<bool, _>(3)
+            && !row.get::<bool, _>(4);
+        rows.insert(conn.get(), now, self.relayed, alone).await?;
+        if !alone {
+            SqliteStore::end_effects(
+                conn.get(),
+                lease.run_id,
+                &row,
+                status,
+                cp.error(),
+                self.relayed,
+            )
+            .await?;
+            sqlx::query("COMMIT").execute(&mut **conn.get()).await?;
+        }
+        conn.pool();
         // A run's end may have written events of other runs (its parent's): the relay reads
         // the outbox for those.
         self.notifier.notify(lease.run_id);
@@ -671,9 +832,9 @@ impl group::Progress for Commits {
     ) -> Result<Vec<Option<group::Landed>>> {
         let now = group::Landed::stamp();
         // Progress only (a terminal checkpoint commits alone): one fenced UPDATE for every run
-        // of the group, each row under its own epoch, then one INSERT for all their messages
-        // and one for all their events, in one transaction. Five statements, whatever the
-        // group's size.
+        // of the group, each row under its own epoch, then one INSERT for all their messages,
+        // one for all their events and one for their pins, in one transaction sent as one
+        // command ([`progress_sql`]), whatever the group's size.
         if items.iter().any(|(_, cp)| cp.finish.is_some()) {
             return Err(StoreError::Corrupt(
                 "a terminal checkpoint in a group commit".into(),
@@ -692,56 +853,29 @@ impl group::Progress for Commits {
                 "one run twice in a group commit".into(),
             ));
         }
-        let now_ms = now_ms();
-        let mut tx = self.pool.begin().await?;
-        let mut fenced: std::collections::HashMap<String, (i64, String)> =
-            std::collections::HashMap::with_capacity(items.len());
-        // 10 bound values per run; SQLite allows 32,766 per statement.
-        for chunk in items.chunks(1000) {
-            let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-                "UPDATE sa_runs SET event_seq = event_seq + t.column3, step = COALESCE(t.column4, step), \
-                 prompt_tokens = prompt_tokens + t.column5, completion_tokens = completion_tokens + t.column6, \
-                 cost_nanos = cost_nanos + t.column7, lease_expires_at = t.column8, \
-                 cache_read_tokens = cache_read_tokens + t.column9, cache_write_tokens = cache_write_tokens + t.column10, heartbeat_at = ",
-            );
-            q.push_bind(now)
-                .push(", updated_at = ")
-                .push_bind(now)
-                .push(" FROM (");
-            q.push_values(chunk, |mut b, (lease, cp)| {
-                b.push_bind(lease.run_id.to_string())
-                    .push_bind(lease.epoch)
-                    .push_bind(cp.events.len() as i64)
-                    .push_bind(cp.step.map(i64::from))
-                    .push_bind(cp.usage.prompt_tokens as i64)
-                    .push_bind(cp.usage.completion_tokens as i64)
-                    .push_bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
-                    .push_bind(now_ms + lease.ttl.as_millis().min(i64::MAX as u128 / 2) as i64)
-                    .push_bind(cp.usage.cache_read_tokens as i64)
-                    .push_bind(cp.usage.cache_write_tokens as i64);
-            });
-            q.push(") AS t WHERE sa_runs.id = t.column1 AND sa_runs.lease_epoch = t.column2 AND sa_runs.status IN (")
-                .push(crate::lifecycle::sql_sources(Transition::Heartbeat))
-                .push(") RETURNING sa_runs.id, sa_runs.event_seq, sa_runs.thread_id");
-            for row in q.build().fetch_all(&mut *tx).await? {
-                fenced.insert(row.get(0), (row.get(1), row.get(2)));
-            }
-        }
-        let mut rows = Appends::default();
-        let mut applied = Vec::with_capacity(items.len());
-        for (lease, cp) in items {
-            let held = fenced.remove(&lease.run_id.to_string());
-            applied.push(
-                held.as_ref()
-                    .map(|&(last, _)| group::Landed { last, at: now }),
-            );
-            if let Some((last, thread)) = held {
-                rows.add(lease.run_id, thread, last, cp);
-            }
-        }
-        rows.insert(&mut tx, now, self.relayed).await?;
-        tx.commit().await?;
-        Ok(applied)
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("BEGIN IMMEDIATE");
+        let guard = crate::lifecycle::sql_sources(Transition::Heartbeat);
+        progress_sql(&mut q, items, now, self.relayed, &guard);
+        q.push("; COMMIT");
+        // The statements go as one command to the connection's thread: one hand-off, where a
+        // transaction of its own costs four (BEGIN, the fence, the rows, COMMIT), each two
+        // thread switches (docs/benchmarks.md). A failed command may leave the transaction
+        // open, and a dropped one stops wherever it was: either way the connection is closed,
+        // not pooled (closing rolls back what it had not committed), and the next statement
+        // opens a fresh one.
+        let mut conn = Unpooled::new(self.pool.acquire().await?);
+        let rows = q.build().fetch_all(&mut **conn.get()).await?;
+        conn.pool();
+        let mut fenced: std::collections::HashMap<String, i64> =
+            rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        Ok(items
+            .iter()
+            .map(|(lease, _)| {
+                fenced
+                    .remove(&lease.run_id.to_string())
+                    .map(|last| group::Landed { last, at: now })
+            })
+            .collect())
     }
 
     fn announce(&self, run: RunId, cp: &Checkpoint, landed: group::Landed) {

@@ -195,6 +195,7 @@ conformance!(
     compactions_are_fenced_idempotent_and_where_contexts_start,
     a_stale_epoch_cannot_write,
     checkpoints_committed_together_are_each_fenced_by_their_own_lease,
+    a_progress_commit_that_fails_midway_leaves_nothing_behind,
     leases_renewed_together_are_each_fenced_by_their_own_epoch,
     renewals_beside_checkpoints_never_deadlock,
     appends_are_idempotent_and_sequences_gap_free,
@@ -837,6 +838,61 @@ async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Ba
             assert_eq!(run.step, 3);
         }
     }
+}
+
+/// A progress checkpoint whose events collide with a row already there (planted here, as
+/// corruption or a bug would) fails after its fence and its messages went in: none of it
+/// lands, and the connection it failed on is left in no transaction. SQLite sends a progress
+/// commit's statements, `BEGIN` to `COMMIT`, as one command, so the failure stops that command
+/// midway; the checkpoint after it commits, and another process sees it.
+async fn a_progress_commit_that_fails_midway_leaves_nothing_behind(s: Backend) {
+    let (t, lease) = claimed_run(&s, Duration::from_secs(30)).await;
+    let before = s.get_run(lease.run_id).await.unwrap().unwrap();
+    let planted = before.event_seq + 2;
+    s.execute(&format!(
+        "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+         VALUES ('{}', {planted}, 'planted', '{{}}', CURRENT_TIMESTAMP, 1)",
+        lease.run_id
+    ))
+    .await;
+    let cp = || Checkpoint {
+        messages: vec![msg(lease.run_id, "m")],
+        events: vec![step_started(0), step_completed(0)],
+        step: Some(1),
+        ..Default::default()
+    };
+    let err = s.checkpoint(&lease, cp()).await.unwrap_err();
+    assert!(!matches!(err, StoreError::LeaseLost(_)), "{err}");
+    s.execute(&format!(
+        "DELETE FROM sa_events WHERE run_id = '{}' AND seq = {planted}",
+        lease.run_id
+    ))
+    .await;
+    let after = s.get_run(lease.run_id).await.unwrap().unwrap();
+    assert_eq!(
+        (after.event_seq, after.step),
+        (before.event_seq, before.step),
+        "the failed commit moved the run"
+    );
+    assert!(
+        s.thread_messages(&t, 100).await.unwrap().is_empty(),
+        "the failed commit left its message"
+    );
+    // The writer is clean: the same checkpoint commits, and is seen from another store.
+    s.checkpoint(&lease, cp()).await.unwrap();
+    let other = s.another().await;
+    let run = other.get_run(lease.run_id).await.unwrap().unwrap();
+    assert_eq!(run.event_seq, before.event_seq + 2);
+    assert_eq!(run.step, 1);
+    let seqs: Vec<u64> = other
+        .events_after(lease.run_id, 0, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(seqs, (1..=before.event_seq + 2).collect::<Vec<u64>>());
+    assert_eq!(other.thread_messages(&t, 100).await.unwrap().len(), 1);
 }
 
 async fn approvals_park_wake_and_answer_once(s: Backend) {
