@@ -10,7 +10,8 @@
 //! the end: the mock's share of a step depends on what it is sent, a prompt with tool schemas
 //! to count, not on who sends it), and `2 × steps + 2` single-row durable commits on a kept
 //! connection (the run's start, its claim, one per model answer, one per tool batch, and the
-//! queue's ack). It prints one JSON line: p50/p90/p99 of every figure, and the ratio of each
+//! queue's ack). It prints one JSON line: p50/p90/p99 of every figure (the floor's model calls
+//! and commits also apart, `floor_model_ms` and `floor_commits_ms`), and the ratio of each
 //! round trip to its floor.
 //!
 //! The floor includes the mock's own work for those requests, so the ratios move with the
