@@ -40,6 +40,28 @@ macro_rules! bind_fence {
     };
 }
 
+/// Binds `$1`..`$15` of a start, identical on both backends: the run, its thread and owner,
+/// what it runs, its links, its job, its times and its place in the tree.
+macro_rules! bind_new_run {
+    ($q:expr, $new:expr, $now:expr) => {
+        $q.bind($new.id.to_string())
+            .bind($new.thread_id.as_str())
+            .bind(&$new.owner)
+            .bind(&$new.agent)
+            .bind(&$new.input)
+            .bind($new.metadata.to_string())
+            .bind(serde_json::to_string(&$new.limits).expect("limits serialize"))
+            .bind($new.parent_run_id.map(|p| p.to_string()))
+            .bind(&$new.idempotency_key)
+            .bind(&$new.job_id)
+            .bind(now_ms())
+            .bind($now)
+            .bind($new.tree.root_run_id.map(|r| r.to_string()))
+            .bind($new.tree.depth as i64)
+            .bind($new.tree.detached as i64)
+    };
+}
+
 /// No run of `$run`'s thread queued before it (a `WHERE` fragment; `$run` names the outer
 /// row). The thread's runs come from `sa_runs_thread_live` (migrations postgres/0024 and sqlite/0018), whose
 /// predicate is repeated word for word; the status wanted is then tested with `NOT IN`, which

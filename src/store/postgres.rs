@@ -338,22 +338,7 @@ impl SqlStore for PgStore {
         .into();
         let event = queued.data();
         let now = group::Landed::stamp();
-        let row = sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)")
-            .bind(new.id.to_string())
-            .bind(new.thread_id.as_str())
-            .bind(&new.owner)
-            .bind(&new.agent)
-            .bind(&new.input)
-            .bind(new.metadata.to_string())
-            .bind(serde_json::to_string(&new.limits).expect("limits serialize"))
-            .bind(new.parent_run_id.map(|p| p.to_string()))
-            .bind(&new.idempotency_key)
-            .bind(&new.job_id)
-            .bind(now_ms())
-            .bind(now)
-            .bind(new.tree.root_run_id.map(|r| r.to_string()))
-            .bind(new.tree.depth as i64)
-            .bind(new.tree.detached as i64)
+        let row = bind_new_run!(sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)"), new, now)
             .bind(new.if_busy == IfBusy::Reject)
             .bind(event.to_string())
             .bind(new.retry_of.map(|r| r.to_string()))

@@ -222,7 +222,8 @@ impl SqlStore for SqliteStore {
         // and the insert see one state: no other start can slip in between. The run is
         // inserted only where the checks pass (they are repeated in its `WHERE`), and its
         // event only where the run was.
-        let first = sqlx::query(concat!(
+        let first = bind_new_run!(
+            sqlx::query(concat!(
             "BEGIN IMMEDIATE; \
              INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES ($2, $3, $12, $12) \
              ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING 0 AS part, owner; \
@@ -241,22 +242,10 @@ impl SqlStore for SqliteStore {
                SELECT $1, 1, $19, $20, $12, $21 WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1); \
              SELECT 4 AS part, ",
             rank_of!("$1", "$23")
-        ))
-        .bind(new.id.to_string())
-        .bind(new.thread_id.as_str())
-        .bind(&new.owner)
-        .bind(&new.agent)
-        .bind(&new.input)
-        .bind(new.metadata.to_string())
-        .bind(serde_json::to_string(&new.limits).expect("limits serialize"))
-        .bind(new.parent_run_id.map(|p| p.to_string()))
-        .bind(&new.idempotency_key)
-        .bind(&new.job_id)
-        .bind(now_ms())
-        .bind(now)
-        .bind(new.tree.root_run_id.map(|r| r.to_string()))
-        .bind(new.tree.depth as i64)
-        .bind(new.tree.detached as i64)
+        )),
+            new,
+            now
+        )
         .bind(new.retry_of.map(|r| r.to_string()))
         .bind(i64::from(new.priority.clamp(1, 5)))
         .bind(new.agent_version.as_deref())
