@@ -69,6 +69,9 @@ pub struct StartRun {
     /// Invalid answers sent back to the model before the run fails (default: the agent's, then
     /// 2).
     pub output_retries: Option<u32>,
+    /// Refuse the start when the owner already has this many runs queued (0: no cap); see
+    /// [`NewRun::max_queued`].
+    pub max_queued: u64,
 }
 
 /// Why a run could not be started. Each has a stable code for APIs and scripts.
@@ -123,6 +126,7 @@ impl StartError {
             StartError::NotRetryable(_) => "not_retryable",
             StartError::Store(StoreError::Busy { .. }) => "thread_busy",
             StartError::Store(StoreError::ThreadOwnedElsewhere(_)) => "thread_not_found",
+            StartError::Store(StoreError::QueueFull { .. }) => "queue_full",
             StartError::Store(_) => "storage_unavailable",
         }
     }
@@ -246,6 +250,7 @@ pub async fn start_run_held(
         .create_run(NewRun {
             agent_version,
             held_by,
+            max_queued: req.max_queued,
             id: req.run_id.unwrap_or_default(),
             thread_id: req.thread_id.unwrap_or_else(ThreadId::generate),
             owner: req.owner.unwrap_or_else(OwnerId::local),
@@ -350,6 +355,7 @@ pub async fn retry(
             run_id: None,
             output_schema: l.output.as_ref().map(|o| o.schema.clone()),
             output_retries: l.output.as_ref().map(|o| o.retries),
+            max_queued: 0,
         },
     )
     .await

@@ -76,6 +76,13 @@ impl From<StoreError> for ApiError {
                 details: Some(json!({"active_run_id": active_run})),
             },
             StoreError::ThreadOwnedElsewhere(_) => ApiError::not_found("thread"),
+            StoreError::QueueFull { cap } => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "queue_full",
+                format!(
+                    "this key already has {cap} runs queued (SUBAGENTS_MAX_QUEUED_PER_KEY); wait for some to start, or cancel some"
+                ),
+            ),
             other => {
                 tracing::error!(error = %other, "storage error");
                 ApiError::new(

@@ -379,6 +379,8 @@ async fn start_from_body(
         run_id,
         output_schema: body.output_schema,
         output_retries: body.output_retries,
+        // Past the cap, 429 `queue_full`: checked in the start's own transaction.
+        max_queued: state.quotas.limits.queued,
         ..Default::default()
     };
     start_busy(state, owner, req, body.if_busy).await
@@ -444,7 +446,6 @@ pub async fn start(
     owner: Owner,
     ApiJson(body): ApiJson<StartBody>,
 ) -> Result<Response, ApiError> {
-    queue_room(&state, &owner).await?;
     let (started, webhook) = start_from(&state, &owner, body).await?;
     let message_id = match &started {
         Started::Steered { message_id, .. } => Some(message_id.clone()),
@@ -473,7 +474,6 @@ pub async fn start_and_wait(
 ) -> Result<Response, ApiError> {
     let timeout = wait_duration(body.timeout_s)?;
     let _held = state.quotas.take(&owner.0, super::quota::Kind::Wait)?;
-    queue_room(&state, &owner).await?;
     if body.webhook.is_some() {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -491,21 +491,6 @@ pub async fn start_and_wait(
     let r = wait_view(&state, started.run().id, timeout, created).await;
     drop(signal);
     r
-}
-
-/// Refuses a start (429 `queue_full`) when the owner already has its cap of queued runs.
-async fn queue_room(state: &ApiState, owner: &Owner) -> Result<(), ApiError> {
-    let cap = state.quotas.limits.queued;
-    if cap > 0 && state.app.store.queued_count(&owner.0).await? >= cap {
-        return Err(ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "queue_full",
-            format!(
-                "this key already has {cap} runs queued (SUBAGENTS_MAX_QUEUED_PER_KEY); wait for some to start, or cancel some"
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// Latest events a [`RunSnapshot`] carries: a stream at most this far behind is answered

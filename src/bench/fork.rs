@@ -62,6 +62,7 @@ pub async fn run(mut settings: Settings, args: ForkBenchArgs) -> anyhow::Result<
             place: QueuePlace::Back,
             agent_version: None,
             held_by: None,
+            max_queued: 0,
         })
         .await?;
     let Claim::Acquired(lease, _) = store

@@ -77,6 +77,9 @@ pub struct NewRun {
     /// [`crate::worker::Local`]. The store hands it over only when the run is next in line:
     /// none of its owner's runs queued ahead and no other job waiting to be fetched.
     pub held_by: Option<String>,
+    /// Refuse the start ([`crate::store::StoreError::QueueFull`]) when its owner already has
+    /// this many runs queued; 0: no cap. The API's starts pass `SUBAGENTS_MAX_QUEUED_PER_KEY`.
+    pub max_queued: u64,
 }
 
 /// A run's place in its delegation tree.

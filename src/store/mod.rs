@@ -412,6 +412,12 @@ pub enum StoreError {
     /// front end (the API, MCP, the CLI) tells one owner what another's ids are.
     #[error("thread {0} was not found; start a new thread, or continue one of yours")]
     ThreadOwnedElsewhere(ThreadId),
+    /// The owner already has its cap of queued runs ([`NewRun::max_queued`]).
+    #[error("this owner already has {cap} runs queued; wait for some to start, or cancel some")]
+    QueueFull {
+        /// The cap.
+        cap: u64,
+    },
     /// A stored value could not be read back.
     #[error("corrupt row: {0}")]
     Corrupt(String),
@@ -496,6 +502,7 @@ impl StoreError {
             },
             StoreError::Busy { .. } | StoreError::LeaseLost(_) => true,
             StoreError::ThreadOwnedElsewhere(_)
+            | StoreError::QueueFull { .. }
             | StoreError::Corrupt(_)
             | StoreError::Migrate(_) => false,
         }

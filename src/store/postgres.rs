@@ -338,6 +338,13 @@ impl SqlStore for PgStore {
         .into();
         let event = queued.data();
         let now = group::Landed::stamp();
+        // The owner's cap of queued runs, read before the start (not in its transaction, as the
+        // API read it before: a burst of starts may pass it by a few).
+        if new.max_queued > 0 && self.queued_count(&new.owner).await? >= new.max_queued {
+            return Err(StoreError::QueueFull {
+                cap: new.max_queued,
+            });
+        }
         let row = bind_new_run!(sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)"), new, now)
             .bind(new.if_busy == IfBusy::Reject)
             .bind(event.to_string())

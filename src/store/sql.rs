@@ -911,6 +911,7 @@ mod thread_lookups {
             place: QueuePlace::Back,
             agent_version: None,
             held_by: None,
+            max_queued: 0,
         }
     }
 

@@ -216,7 +216,8 @@ impl SqlStore for SqliteStore {
         })
         .into();
         // The start is two commands to the connection's thread, not a dozen: the first holds
-        // the transaction's checks and its inserts, the second the job and the COMMIT (or a
+        // the transaction's checks (the thread's owner, the idempotency key, a busy thread,
+        // the owner's cap of queued runs) and its inserts, the second the job and the COMMIT (or a
         // ROLLBACK, when a check refused). Each row the first answers with says in `part` which
         // statement it comes from. The upsert takes SQLite's write lock first, so the checks
         // and the insert see one state: no other start can slip in between. The run is
@@ -236,10 +237,12 @@ impl SqlStore for SqliteStore {
              WHERE (SELECT owner FROM sa_threads WHERE id = $2) = $3 \
                AND NOT EXISTS (SELECT 1 FROM sa_runs WHERE owner = $3 AND idempotency_key = $9) \
                AND NOT ($22 AND EXISTS (SELECT 1 FROM sa_runs WHERE thread_id = $2 AND status IN ('queued','running','waiting'))) \
+               AND ($24 = 0 OR (SELECT COALESCE(SUM(queued), 0) FROM sa_queue_depth WHERE owner = $3) < $24) \
              RETURNING 3 AS part, ",
             run_columns!(),
             "; INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
                SELECT $1, 1, $19, $20, $12, $21 WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1); \
+             SELECT 5 AS part, CAST(COALESCE(SUM(queued), 0) AS BIGINT) AS queued FROM sa_queue_depth WHERE owner = $3; \
              SELECT 4 AS part, ",
             rank_of!("$1", "$23")
         )),
@@ -253,7 +256,8 @@ impl SqlStore for SqliteStore {
         .bind(queued.data().to_string())
         .bind(self.relayed_at_insert())
         .bind(new.if_busy == IfBusy::Reject)
-        .bind(new.place == QueuePlace::Back);
+        .bind(new.place == QueuePlace::Back)
+        .bind(new.max_queued.min(i64::MAX as u64) as i64);
         // A failed command may leave the transaction open: its connection is closed, not
         // pooled (see `Unpooled`).
         let mut conn = Unpooled::new(self.pool.acquire().await?);
@@ -262,6 +266,7 @@ impl SqlStore for SqliteStore {
         let owner: Option<OwnerId> = part(0).map(|r| r.get("owner"));
         let existing: Option<String> = part(1).map(|r| r.get("id"));
         let active: Option<String> = part(2).map(|r| r.get("id"));
+        let owners_queued: i64 = part(5).map_or(0, |r| r.get("queued"));
         let (Some(inserted), Some(rank)) = (part(3), part(4)) else {
             conn.rollback().await;
             if owner.as_ref() != Some(&new.owner) {
@@ -278,6 +283,11 @@ impl SqlStore for SqliteStore {
                     existing: true,
                     ahead: 0,
                     held: false,
+                });
+            }
+            if new.max_queued > 0 && owners_queued.max(0) as u64 >= new.max_queued {
+                return Err(StoreError::QueueFull {
+                    cap: new.max_queued,
                 });
             }
             if let Some(a) = active {

@@ -196,6 +196,7 @@ conformance!(
     a_stale_epoch_cannot_write,
     checkpoints_committed_together_are_each_fenced_by_their_own_lease,
     a_progress_commit_that_fails_midway_leaves_nothing_behind,
+    a_start_past_its_owners_cap_of_queued_runs_is_refused,
     leases_renewed_together_are_each_fenced_by_their_own_epoch,
     renewals_beside_checkpoints_never_deadlock,
     appends_are_idempotent_and_sequences_gap_free,
@@ -549,6 +550,7 @@ fn new_run(thread: &ThreadId) -> NewRun {
         place: QueuePlace::Back,
         agent_version: Some("0123456789ab".into()),
         held_by: None,
+        max_queued: 0,
     }
 }
 
@@ -893,6 +895,52 @@ async fn a_progress_commit_that_fails_midway_leaves_nothing_behind(s: Backend) {
         .collect();
     assert_eq!(seqs, (1..=before.event_seq + 2).collect::<Vec<u64>>());
     assert_eq!(other.thread_messages(&t, 100).await.unwrap().len(), 1);
+}
+
+/// A start that names a cap of queued runs (the API's `SUBAGENTS_MAX_QUEUED_PER_KEY`) is
+/// refused once its owner has that many queued, and writes nothing: no run, no thread. Other
+/// owners, and the owner again once a run left the queue, start as before; 0 is no cap.
+async fn a_start_past_its_owners_cap_of_queued_runs_is_refused(s: Backend) {
+    for _ in 0..2 {
+        s.create_run(new_run(&ThreadId::generate())).await.unwrap();
+    }
+    let capped = |cap: u64| NewRun {
+        max_queued: cap,
+        ..new_run(&ThreadId::generate())
+    };
+    let third = s.create_run(capped(3)).await.unwrap().run;
+    let refused = capped(3);
+    let (id, thread) = (refused.id, refused.thread_id.clone());
+    let err = s.create_run(refused).await.unwrap_err();
+    assert!(matches!(err, StoreError::QueueFull { cap: 3 }), "{err}");
+    assert!(
+        s.get_run(id).await.unwrap().is_none(),
+        "a refused start wrote its run"
+    );
+    assert!(
+        s.get_thread(&thread).await.unwrap().is_none(),
+        "a refused start wrote its thread"
+    );
+    assert_eq!(s.queued_count(&"o".into()).await.unwrap(), 3);
+    // Another owner has its own count; no cap is no cap.
+    let other = NewRun {
+        owner: "p".into(),
+        ..capped(3)
+    };
+    s.create_run(other).await.unwrap();
+    s.create_run(capped(0)).await.unwrap();
+    let err = s.create_run(capped(4)).await.unwrap_err();
+    assert!(matches!(err, StoreError::QueueFull { cap: 4 }), "{err}");
+    // A run that leaves the queue makes room.
+    let Claim::Acquired(..) = s
+        .claim_run(third.id, "w1", Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("the third run is claimable")
+    };
+    s.create_run(capped(4)).await.unwrap();
+    assert_eq!(s.queued_count(&"o".into()).await.unwrap(), 4);
 }
 
 async fn approvals_park_wake_and_answer_once(s: Backend) {
