@@ -515,24 +515,26 @@ pub struct RunSnapshot {
 impl RunSnapshot {
     async fn read(state: &ApiState, id: RunId) -> crate::store::Result<RunSnapshot> {
         let store = state.app.store.as_ref();
-        let Some(r) = store.get_run(id).await? else {
+        let read = match &state.app.redis {
+            // Without Redis the events come from the database: the run, its events and (when
+            // it has ended) its view's extras in one read.
+            None => {
+                store
+                    .run_with_latest(id, SNAPSHOT_EVENTS as u32, PLAN_TOOL)
+                    .await?
+            }
+            Some(_) => Self::read_apart(state, id).await?,
+        };
+        let Some(crate::store::RunRead {
+            run: r,
+            events,
+            events_after,
+            extras,
+        }) = read
+        else {
             return Ok(RunSnapshot::default());
         };
-        let events_after = r.event_seq.saturating_sub(SNAPSHOT_EVENTS);
         let terminal = r.status.is_terminal();
-        // A finished run's view also needs its extras: read beside its events, not after them.
-        let (events, extras) = tokio::join!(
-            state
-                .app
-                .events_after(id, events_after, SNAPSHOT_EVENTS as u32),
-            async {
-                match terminal {
-                    true => Some(store.view_extras(id, PLAN_TOOL).await),
-                    false => None,
-                }
-            }
-        );
-        let (events, extras) = (events?, extras.transpose()?);
         // A finished run's answer, built from the events just read when they reach its last.
         let body = match terminal {
             true => {
@@ -554,6 +556,38 @@ impl RunSnapshot {
             events_after,
             events,
         })
+    }
+
+    /// The run, then its latest events from the relay's stream beside its view's extras
+    /// (when it has ended).
+    async fn read_apart(
+        state: &ApiState,
+        id: RunId,
+    ) -> crate::store::Result<Option<crate::store::RunRead>> {
+        let store = state.app.store.as_ref();
+        let Some(run) = store.get_run(id).await? else {
+            return Ok(None);
+        };
+        let events_after = run.event_seq.saturating_sub(SNAPSHOT_EVENTS);
+        let terminal = run.status.is_terminal();
+        // A finished run's view also needs its extras: read beside its events, not after them.
+        let (events, extras) = tokio::join!(
+            state
+                .app
+                .events_after(id, events_after, SNAPSHOT_EVENTS as u32),
+            async {
+                match terminal {
+                    true => Some(store.view_extras(id, PLAN_TOOL).await),
+                    false => None,
+                }
+            }
+        );
+        Ok(Some(crate::store::RunRead {
+            run,
+            events: events?,
+            events_after,
+            extras: extras.transpose()?,
+        }))
     }
 
     /// The events after `cursor`, when this snapshot holds every one the run had when it was

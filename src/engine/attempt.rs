@@ -23,7 +23,7 @@ use crate::domain::event;
 use crate::domain::{ErrorKind, Event, Finish, NewMessage, RunError, RunRecord, StoredMessage};
 use crate::model::{ChatResponse, Message, ModelError, ToolSpec, Usage};
 use crate::policy::HookEvent;
-use crate::store::{Checkpoint, Lease, NewEvent, StoreError};
+use crate::store::{Checkpoint, Lease, NewEvent, StoreError, ThreadContext};
 
 /// The tools a run is offered: their names, and their specs as the model gets them.
 pub(super) struct Offered {
@@ -132,11 +132,12 @@ impl Engine {
         &self,
         lease: &Lease,
         run: &RunRecord,
+        context: Option<ThreadContext>,
         heard: super::steer::Heard,
         shutdown: &CancellationToken,
     ) -> End {
         let steps = async {
-            let mut a = self.begin(lease, run, heard).await?;
+            let mut a = self.begin(lease, run, context, heard).await?;
             self.steps(&mut a, shutdown).await
         };
         match steps.await {
@@ -164,11 +165,13 @@ impl Engine {
         }
     }
 
-    /// Resolves the run for this claim, and commits its input when it starts.
+    /// Resolves the run for this claim, and commits its input when it starts. `context` is
+    /// the run's context when its claim read it.
     async fn begin<'a>(
         &self,
         lease: &'a Lease,
         run: &'a RunRecord,
+        context: Option<ThreadContext>,
         heard: super::steer::Heard,
     ) -> Flow<Attempt<'a>> {
         // The version the run pinned when it started, whatever its file says now.
@@ -193,7 +196,10 @@ impl Engine {
             ),
             None => None,
         };
-        let ctx = self.load_context(run).await?;
+        let ctx = match context {
+            Some(read) => super::compaction::context_of(run, read),
+            None => self.load_context(run).await?,
+        };
         let input_key = format!("{}:input", run.id);
         let fresh = run.step == 0 && !ctx.history.iter().any(|m| m.key == input_key);
         let pinned = self.pinned(run, &agent, fresh).await?;

@@ -28,6 +28,7 @@ use crate::ids::RunId;
 use crate::model::compact::{self, Entry};
 use crate::model::tokens::{Calibration, Counter, ModelTable};
 use crate::model::{ChatRequest, Message, ToolSpec, Usage};
+use crate::store::ThreadContext;
 
 /// Context settings that do not vary per run.
 #[derive(Clone, Debug)]
@@ -403,36 +404,49 @@ fn summary_words(window: u64) -> usize {
 impl Engine {
     /// Reads the run's context: the thread's latest compaction and the messages after it.
     pub(super) async fn load_context(&self, run: &RunRecord) -> Flow<RunContext> {
-        let (compaction, mut history) = self
+        let read = self
             .store
-            .context(&run.thread_id, self.settings.context_messages.max(1))
+            .context(&run.thread_id, self.context_limit())
             .await?;
-        let input_key = format!("{}:input", run.id);
-        let mut task_restored = false;
-        // The task is missing when it is not committed yet (a fresh run) or when this run's own
-        // compaction covered its position; a long thread's oldest messages may also fall
-        // outside the bounded read. Then it is put back in front (the summary follows it).
-        let compacted_by_me = compaction.as_ref().is_some_and(|c| c.run_id == run.id);
-        if !history.iter().any(|m| m.key == input_key) && (run.step > 0 || compacted_by_me) {
-            let input = StoredMessage {
-                id: 0,
-                run_id: run.id,
-                step: 0,
-                key: input_key,
-                message: Message::User {
-                    content: run.input.clone(),
-                },
-            };
-            history.insert(0, input);
-            task_restored = compaction.is_some();
-        }
-        Ok(RunContext {
-            compaction,
-            history,
-            task_restored,
-        })
+        Ok(context_of(run, read))
     }
 
+    /// How many of a thread's newest messages a run's context reads.
+    pub(super) fn context_limit(&self) -> u32 {
+        self.settings.context_messages.max(1)
+    }
+}
+
+/// The run's context from what its thread holds ([`crate::store::Checkpoints::context`]),
+/// with its task put back when the thread does not hold it.
+pub(super) fn context_of(run: &RunRecord, (compaction, mut history): ThreadContext) -> RunContext {
+    let input_key = format!("{}:input", run.id);
+    let mut task_restored = false;
+    // The task is missing when it is not committed yet (a fresh run) or when this run's own
+    // compaction covered its position; a long thread's oldest messages may also fall
+    // outside the bounded read. Then it is put back in front (the summary follows it).
+    let compacted_by_me = compaction.as_ref().is_some_and(|c| c.run_id == run.id);
+    if !history.iter().any(|m| m.key == input_key) && (run.step > 0 || compacted_by_me) {
+        let input = StoredMessage {
+            id: 0,
+            run_id: run.id,
+            step: 0,
+            key: input_key,
+            message: Message::User {
+                content: run.input.clone(),
+            },
+        };
+        history.insert(0, input);
+        task_restored = compaction.is_some();
+    }
+    RunContext {
+        compaction,
+        history,
+        task_restored,
+    }
+}
+
+impl Engine {
     /// One compaction step: chooses the oldest part of the context, has the model summarise
     /// it, and commits the summary with the range it replaces. The caller reloads the context.
     pub(super) async fn compact(

@@ -42,7 +42,9 @@ use crate::failpoints::Failpoints;
 use crate::ids::RunId;
 use crate::model::ChatModel;
 use crate::queue::Queue;
-use crate::store::{Checkpoint, Claim, Lease, NewEvent, Park, Parked, RunLog, StoreError};
+use crate::store::{
+    Checkpoint, Claim, Lease, NewEvent, Park, Parked, RunLog, StoreError, ThreadContext,
+};
 use crate::tools::ToolRegistry;
 pub use compaction::{ContextSettings, Window};
 pub use gate::PolicySettings;
@@ -200,11 +202,17 @@ impl Engine {
         worker: &str,
         shutdown: &CancellationToken,
     ) -> Result<Executed, StoreError> {
-        let (lease, run) = match self
+        // The claim brings the run's context where the store reads it in the same round trip.
+        let (claim, context) = self
             .store
-            .claim_run(run_id, worker, self.settings.lease_ttl)
-            .await?
-        {
+            .claim_with_context(
+                run_id,
+                worker,
+                self.settings.lease_ttl,
+                self.context_limit(),
+            )
+            .await?;
+        let (lease, run) = match claim {
             Claim::Acquired(lease, run) => (lease, *run),
             Claim::NotClaimable(status) => {
                 if matches!(
@@ -244,7 +252,7 @@ impl Engine {
             }
         };
         crate::telemetry::adopt(&span, &traceparent);
-        self.execute_claimed(lease, run, shutdown)
+        self.execute_claimed(lease, run, context, shutdown)
             .instrument(span)
             .await
     }
@@ -253,6 +261,7 @@ impl Engine {
         &self,
         lease: Lease,
         run: RunRecord,
+        context: Option<ThreadContext>,
         shutdown: &CancellationToken,
     ) -> Result<Executed, StoreError> {
         tracing::info!(step = run.step, crashes = run.crashes, "run claimed");
@@ -291,7 +300,7 @@ impl Engine {
             tokio::time::sleep(grace).await;
         };
         let end = tokio::select! {
-            end = self.drive(&lease, &run, steer::Heard { inbox, interrupt }, shutdown) => end,
+            end = self.drive(&lease, &run, context, steer::Heard { inbox, interrupt }, shutdown) => end,
             _ = cancel.cancelled() => End::Finish(Finish::Cancelled),
             _ = lost.cancelled() => End::LeaseLost,
             _ = drain_cut => End::Release(Release::GraceOver),

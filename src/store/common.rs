@@ -113,7 +113,6 @@ macro_rules! limits_guard {
     };
 }
 
-/// The columns of a run, in the order `run_from_row` reads them.
 /// A run's place in its owner's queue (what `SqlStore::rank_from_row` reads): the queued runs
 /// of higher priority, and of its own when `$back` is true (it counts itself then), with the
 /// run's priority and whether it is queued. `$run` and `$back` are the parameters (`"$1"`).
@@ -132,6 +131,47 @@ macro_rules! rank_of {
     };
 }
 
+/// What a run's view shows beside the run (`Queries::view_extras`), as one `SELECT` of three
+/// columns `part`, `a`, `b`: one row per pin (part 0), the schedule tick (1), the latest message
+/// calling the plan's tool (2), and one per child (3). `$run` and `$pattern` (the call's `LIKE`
+/// pattern) are the parameters.
+macro_rules! view_extras {
+    ($run:literal, $pattern:literal) => {
+        concat!(
+            "SELECT 0 AS part, name AS a, value AS b FROM sa_run_pins WHERE run_id = ", $run, " \
+             UNION ALL SELECT 1, schedule_id, CAST(tick AS TEXT) FROM sa_schedule_runs WHERE run_id = ", $run, " \
+             UNION ALL SELECT 2, body, NULL FROM (SELECT body FROM sa_messages WHERE run_id = ", $run, " \
+               AND role = 'assistant' AND body LIKE ", $pattern, " ORDER BY id DESC LIMIT 1) m \
+             UNION ALL SELECT 3, id, NULL FROM sa_runs WHERE parent_run_id = ", $run
+        )
+    };
+}
+
+/// What a claimed run rebuilds its context from, as one `SELECT`: the thread's newest compaction
+/// (`part` 0), the newest `$limit` messages after it (`part` 1, each with its own columns), and
+/// the threads it shares history with when it is a fork (`part` 2: `run_id` the ancestor,
+/// `id` the last message shared), in that order. `$thread` and `$limit` are the parameters
+/// (`"$1"`); `SqlStore::context_parts` reads the rows.
+macro_rules! context_rows {
+    ($thread:literal, $limit:literal) => {
+        concat!(
+            "WITH c AS (SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+               tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = ", $thread, " ORDER BY id DESC LIMIT 1) \
+             SELECT 0 AS part, id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
+               tokens_after, reason, created_at, NULL AS step, NULL AS key, NULL AS body FROM c \
+             UNION ALL \
+             SELECT 1, id, run_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, step, key, body \
+             FROM (SELECT id, run_id, step, key, body FROM sa_messages \
+               WHERE thread_id = ", $thread, " AND id > COALESCE((SELECT last_message_id FROM c), 0) ORDER BY id DESC LIMIT ", $limit, ") m \
+             UNION ALL \
+             SELECT 2, upto, ancestor, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
+             FROM sa_thread_lineage WHERE thread = ", $thread, " \
+             ORDER BY part, id"
+        )
+    };
+}
+
+/// The columns of a run, in the order `run_from_row` reads them.
 macro_rules! run_columns {
     () => {
         "id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, root_run_id, depth, detached, \

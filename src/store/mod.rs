@@ -181,6 +181,25 @@ pub enum Claim {
     NotClaimable(Option<RunStatus>),
 }
 
+impl Claim {
+    /// The claim of `run`, as its claim returned it, by `owner` for `ttl`.
+    pub(crate) fn acquired(run: RunRecord, owner: &str, ttl: Duration) -> Claim {
+        Claim::Acquired(
+            Lease {
+                run_id: run.id,
+                epoch: run.lease_epoch,
+                owner: owner.to_owned(),
+                ttl,
+            },
+            Box::new(run),
+        )
+    }
+}
+
+/// What a run rebuilds its context from: its thread's newest compaction, and the messages after
+/// it, in order ([`Checkpoints::context`]).
+pub type ThreadContext = (Option<Compaction>, Vec<StoredMessage>);
+
 /// A park: the lease holder gives up its worker until what it waits for happens.
 #[derive(Clone, Debug, Default)]
 pub struct Park {
@@ -604,6 +623,18 @@ pub trait Claims: Send + Sync + 'static {
     /// thread's oldest) or a parked one; bumps the epoch.
     async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim>;
 
+    /// [`Self::claim_run`] for the worker that runs the claimed run next: with its context
+    /// ([`Checkpoints::context`] of its thread, the newest `limit` messages) when the backend
+    /// can read it with the claim, in the same round trip (SQLite reads it in the claim's
+    /// transaction). `None` when it cannot, or the thread is a fork: then the caller reads it.
+    async fn claim_with_context(
+        &self,
+        id: RunId,
+        owner: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<(Claim, Option<ThreadContext>)>;
+
     /// [`Transition::Heartbeat`]: extends the lease. Fails with [`StoreError::LeaseLost`] if
     /// the epoch is stale or the run is no longer running.
     async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus>;
@@ -712,11 +743,7 @@ pub trait Checkpoints: Send + Sync + 'static {
     /// What a claimed run rebuilds its context from: the thread's newest compaction and the
     /// newest `limit` messages after it, in order ([`Self::latest_compaction`], then
     /// [`Self::messages_after`]), read in one round trip.
-    async fn context(
-        &self,
-        thread: &ThreadId,
-        limit: u32,
-    ) -> Result<(Option<Compaction>, Vec<StoredMessage>)>;
+    async fn context(&self, thread: &ThreadId, limit: u32) -> Result<ThreadContext>;
 
     /// Commits a compaction with its events, fenced by the lease ([`Transition::Heartbeat`]).
     /// Idempotent by key: a replay of the same compaction adds nothing.
@@ -1112,6 +1139,12 @@ pub trait Queries: Send + Sync + 'static {
     /// ids. Each of these was a read of its own: four round trips for every answer.
     async fn view_extras(&self, run: RunId, tool: &str) -> Result<ViewExtras>;
 
+    /// What answers every wait and stream on a run after a commit: the run, its latest `last`
+    /// events, and once it has ended its [`Self::view_extras`]. One command on SQLite (its
+    /// statements run in turn on the reading connection's thread); on PostgreSQL the run,
+    /// then the other two side by side. `None`: no such run.
+    async fn run_with_latest(&self, run: RunId, last: u32, tool: &str) -> Result<Option<RunRead>>;
+
     /// How many runs `owner` has queued (all priorities), from the queue-depth counters: one
     /// read, whatever the backlog.
     async fn queued_count(&self, owner: &OwnerId) -> Result<u64>;
@@ -1158,6 +1191,19 @@ pub struct ViewExtras {
     pub last_call: Option<String>,
     /// The children's ids, oldest first.
     pub children: Vec<RunId>,
+}
+
+/// [`Queries::run_with_latest`].
+#[derive(Clone, Debug)]
+pub struct RunRead {
+    /// The run.
+    pub run: RunRecord,
+    /// Its latest events, in order, gap-free: every event after `events_after`.
+    pub events: Vec<EventRecord>,
+    /// The seq the events follow.
+    pub events_after: u64,
+    /// Its view's extras, when `run` has ended.
+    pub extras: Option<ViewExtras>,
 }
 
 /// What another process said changed about a run (see [`Outbox::wake_local`]).

@@ -282,6 +282,7 @@ impl SqlStore for PgStore {
     type Db = sqlx::Postgres;
     type Commits = Commits;
     const PARK_READS_FIRST: bool = true;
+    const STATEMENTS_PER_COMMAND: bool = false;
 
     fn statements() -> &'static Statements {
         static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
@@ -406,7 +407,15 @@ impl SqlStore for PgStore {
         }
     }
 
-    async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
+    /// PostgreSQL reads no context with the claim: sqlx sends one statement per round trip
+    /// there, and the claim is a single one already.
+    async fn claim(
+        &self,
+        id: RunId,
+        owner: &str,
+        ttl: Duration,
+        _context: Option<u32>,
+    ) -> Result<(Claim, Option<ThreadContext>)> {
         let now = group::Landed::stamp();
         let nms = now_ms();
         // One statement: the claim and its `run.started` / `run.resumed` event. A queued run is
@@ -469,26 +478,18 @@ impl SqlStore for PgStore {
         // active runs lets one win; the other simply finds nothing to claim.
         let row = match row {
             Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
-                return Ok(Claim::NotClaimable(Some(RunStatus::Queued)));
+                return Ok((Claim::NotClaimable(Some(RunStatus::Queued)), None));
             }
             other => other?,
         };
         let Some(row) = row else {
             let status = self.get_run(id).await?.map(|r| r.status);
-            return Ok(Claim::NotClaimable(status));
+            return Ok((Claim::NotClaimable(status), None));
         };
         // The claimed row comes back whole: no second read.
         let run = Self::run_from_row(&row)?;
         self.claimed(&run, owner, now);
-        Ok(Claim::Acquired(
-            Lease {
-                run_id: id,
-                epoch: run.lease_epoch,
-                owner: owner.to_owned(),
-                ttl,
-            },
-            Box::new(run),
-        ))
+        Ok((Claim::acquired(run, owner, ttl), None))
     }
 
     async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {

@@ -272,6 +272,11 @@ where
     /// write lock first, so the reads after it see the latest state).
     const PARK_READS_FIRST: bool;
 
+    /// Whether one command may hold several statements with their parameters (SQLite runs
+    /// them in turn on its connection's thread; sqlx sends PostgreSQL one statement per round
+    /// trip): then reads that go together are sent together.
+    const STATEMENTS_PER_COMMAND: bool;
+
     /// The statements that differ (see [`Statements`]).
     fn statements() -> &'static Statements;
     /// The pool that writes.
@@ -291,8 +296,15 @@ where
 
     /// The backend's own [`Runs::create_run`].
     async fn start_run(&self, new: NewRun) -> Result<Created>;
-    /// The backend's own [`Claims::claim_run`].
-    async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim>;
+    /// The backend's own [`Claims::claim_with_context`] (and [`Claims::claim_run`], with no
+    /// `context`).
+    async fn claim(
+        &self,
+        id: RunId,
+        owner: &str,
+        ttl: Duration,
+        context: Option<u32>,
+    ) -> Result<(Claim, Option<ThreadContext>)>;
     /// The backend's own [`Checkpoints::checkpoint`].
     async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
     /// Marks the outbox's `(run, first seq, last seq)` ranges relayed.
@@ -839,6 +851,24 @@ where
             expires_at: r.get("expires_at"),
             resolved_at: r.get("resolved_at"),
         })
+    }
+
+    /// A thread's context from the rows of [`context_rows!`], with the threads it shares
+    /// history with when it is a fork (empty otherwise: then the context is whole).
+    fn context_parts(
+        rows: &[<Self::Db as Database>::Row],
+    ) -> Result<(ThreadContext, Vec<(String, i64)>)> {
+        let mut compaction = None;
+        let mut messages = Vec::with_capacity(rows.len());
+        let mut lineage = vec![];
+        for r in rows {
+            match r.get::<i32, _>("part") {
+                0 => compaction = Some(Self::compaction_from_row(r)?),
+                1 => messages.push(Self::message_from_row(r)?),
+                _ => lineage.push((r.get::<String, _>("run_id"), r.get::<i64, _>("id"))),
+            }
+        }
+        Ok(((compaction, messages), lineage))
     }
 
     /// A compaction from its row (by name).

@@ -172,6 +172,7 @@ impl SqlStore for SqliteStore {
     type Db = sqlx::Sqlite;
     type Commits = Commits;
     const PARK_READS_FIRST: bool = false;
+    const STATEMENTS_PER_COMMAND: bool = true;
 
     fn statements() -> &'static Statements {
         static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
@@ -338,11 +339,19 @@ impl SqlStore for SqliteStore {
         })
     }
 
-    async fn claim(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
+    async fn claim(
+        &self,
+        id: RunId,
+        owner: &str,
+        ttl: Duration,
+        context: Option<u32>,
+    ) -> Result<(Claim, Option<ThreadContext>)> {
         let now = group::Landed::stamp();
         let nms = now_ms();
         // Two commands to the connection's thread: the fenced UPDATE in its transaction, then
-        // the claim's event and the COMMIT (or a ROLLBACK when nothing was claimable).
+        // the claim's event, the run's context when asked for (read in the transaction, so
+        // it is what the claim saw, without a read of its own on another connection's
+        // thread) and the COMMIT (or a ROLLBACK when nothing was claimable).
         let mut conn = Unpooled::new(self.pool.acquire().await?);
         // A queued run is claimable once its thread is free and it is the thread's oldest; a
         // parked one at any time (a spurious claim replays and parks again).
@@ -371,34 +380,44 @@ impl SqlStore for SqliteStore {
         let Some(row) = row else {
             conn.rollback().await;
             let status = self.get_run(id).await?.map(|r| r.status);
-            return Ok(Claim::NotClaimable(status));
+            return Ok((Claim::NotClaimable(status), None));
         };
         // The claimed row comes back whole: no second read.
         let run = Self::run_from_row(&row)?;
         let event = super::sql::claim_event(&run, owner);
-        sqlx::query(
-            "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
-             VALUES ($1, $2, $3, $4, $5, $6); COMMIT",
-        )
+        macro_rules! insert_event {
+            () => {
+                "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+                 VALUES ($1, $2, $3, $4, $5, $6); "
+            };
+        }
+        let rows = sqlx::query(match context {
+            None => concat!(insert_event!(), "COMMIT"),
+            Some(_) => concat!(insert_event!(), context_rows!("$7", "$8"), "; COMMIT"),
+        })
         .bind(id.to_string())
         .bind(run.event_seq as i64)
         .bind(event.kind())
         .bind(event.data().to_string())
         .bind(now)
-        .bind(self.relayed_at_insert())
-        .execute(&mut **conn.get())
+        .bind(self.relayed_at_insert());
+        let rows = match context {
+            None => rows,
+            Some(limit) => rows.bind(run.thread_id.as_str()).bind(i64::from(limit)),
+        }
+        .fetch_all(&mut **conn.get())
         .await?;
         conn.pool();
         self.claimed(&run, owner, now);
-        Ok(Claim::Acquired(
-            Lease {
-                run_id: id,
-                epoch: run.lease_epoch,
-                owner: owner.to_owned(),
-                ttl,
+        // A fork's context goes on in the threads it shares: its claimer reads that itself.
+        let context = match context {
+            Some(_) => match Self::context_parts(&rows)? {
+                (whole, lineage) if lineage.is_empty() => Some(whole),
+                _ => None,
             },
-            Box::new(run),
-        ))
+            None => None,
+        };
+        Ok((Claim::acquired(run, owner, ttl), context))
     }
 
     async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {

@@ -193,6 +193,7 @@ conformance!(
     a_runs_view_extras_come_in_one_read,
     approvals_park_wake_and_answer_once,
     compactions_are_fenced_idempotent_and_where_contexts_start,
+    a_claim_brings_the_context_its_run_rebuilds_from,
     a_stale_epoch_cannot_write,
     checkpoints_committed_together_are_each_fenced_by_their_own_lease,
     a_progress_commit_that_fails_midway_leaves_nothing_behind,
@@ -1246,6 +1247,86 @@ async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) 
     );
 }
 
+/// A claim that reads its run's context reads what `context` would (the compaction and the
+/// newest messages after it, bounded); on SQLite in the claim's own transaction, so a claimer
+/// there never needs a read of its own, except on a forked thread.
+async fn a_claim_brings_the_context_its_run_rebuilds_from(s: Backend) {
+    let folds = s.url.starts_with("sqlite");
+    let ttl = Duration::from_secs(30);
+    let (t, lease) = claimed_run(&s, ttl).await;
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            messages: ["a", "b", "c", "d"].map(|k| msg(lease.run_id, k)).to_vec(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let all = s.thread_messages(&t, 100).await.unwrap();
+    let summary = CompactionBody {
+        first_message_id: all[0].id,
+        last_message_id: all[1].id,
+        messages: 2,
+        summary: "a and b".into(),
+        tokens_before: 900,
+        tokens_after: 300,
+        reason: "threshold".into(),
+    };
+    s.commit_compaction(&lease, summary, Default::default(), vec![])
+        .await
+        .unwrap();
+    // The run goes back on the queue and is claimed again, its context read with the claim.
+    assert!(s.release_lease(&lease, &new_job_id(), false).await.unwrap());
+    let (claim, context) = s
+        .claim_with_context(lease.run_id, "w2", ttl, 1)
+        .await
+        .unwrap();
+    let Claim::Acquired(again, run) = claim else {
+        panic!("the released run is claimable")
+    };
+    assert_eq!(
+        (again.epoch, run.thread_id.clone()),
+        (lease.epoch + 1, t.clone())
+    );
+    let read = s.context(&t, 1).await.unwrap();
+    assert_eq!(read.1.len(), 1, "bounded to the newest");
+    assert_eq!(read.0.as_ref().map(|c| c.summary.as_str()), Some("a and b"));
+    match folds {
+        true => assert_eq!(context, Some(read), "SQLite reads it with the claim"),
+        false => assert_eq!(context, None, "PostgreSQL's claimer reads it itself"),
+    }
+    // Nothing to claim: no context either.
+    let (claim, context) = s
+        .claim_with_context(lease.run_id, "w3", ttl, 10)
+        .await
+        .unwrap();
+    assert!(matches!(
+        claim,
+        Claim::NotClaimable(Some(RunStatus::Running))
+    ));
+    assert_eq!(context, None);
+    // A fork's history goes on in the thread it shares: its claimer reads that itself.
+    let fork = ThreadId::generate();
+    s.fork_thread(&"o".into(), &t, ForkAt::End, &fork)
+        .await
+        .unwrap();
+    let mut on_fork = new_run(&fork);
+    on_fork.input = "forked".into();
+    let forked = s.create_run(on_fork).await.unwrap().run;
+    let (claim, context) = s
+        .claim_with_context(forked.id, "w4", ttl, 10)
+        .await
+        .unwrap();
+    assert!(matches!(claim, Claim::Acquired(..)));
+    assert_eq!(context, None);
+    assert_eq!(
+        s.context(&fork, 10).await.unwrap().1.len(),
+        2,
+        "c and d, shared"
+    );
+}
+
 async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
     let t = ThreadId::generate();
     let run = s.create_run(new_run(&t)).await.unwrap().run;
@@ -1856,11 +1937,9 @@ async fn an_agent_version_is_pinned_with_the_run_and_kept_once(s: Backend) {
     );
 }
 
-/// A run's pins: each name takes its first value for good (a second pin of it, as from a claim
-/// racing the first, gets the first value back); names pinned later join them; a pinned
-/// text is kept once.
 /// What a run's view shows beside the run (pins, plan, children, schedule) comes in one read,
-/// the same as the reads it replaced.
+/// the same as the reads it replaced; and with the run and its latest events, in the read that
+/// answers a wait.
 async fn a_runs_view_extras_come_in_one_read(s: Backend) {
     let (_, lease) = claimed_run(&s, Duration::from_secs(10)).await;
     let run = lease.run_id;
@@ -1917,8 +1996,63 @@ async fn a_runs_view_extras_come_in_one_read(s: Backend) {
         s.view_extras(run, "web_search").await.unwrap().last_call,
         None
     );
+    // What answers a wait after a commit: the run, its latest events, and once it has ended
+    // the same extras, together.
+    let latest = |r: subagents::store::RunRead| {
+        (
+            r.run.event_seq,
+            r.events_after,
+            r.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            r.extras,
+        )
+    };
+    let read = s.run_with_latest(run, 2, "todo_write").await.unwrap();
+    let seq = s.get_run(run).await.unwrap().unwrap().event_seq;
+    assert!(seq >= 2, "a claimed run has its events");
+    assert_eq!(
+        latest(read.unwrap()),
+        (seq, seq - 2, vec![seq - 1, seq], None),
+        "no extras while it runs"
+    );
+    s.checkpoint(
+        &lease,
+        Checkpoint {
+            events: vec![sample("run.succeeded")],
+            finish: Some(Finish::Succeeded {
+                result: "r".into(),
+                forced: false,
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let read = s.run_with_latest(run, 100, "todo_write").await.unwrap();
+    let ended = s.get_run(run).await.unwrap().unwrap();
+    assert_eq!(ended.status, RunStatus::Succeeded);
+    let read = read.unwrap();
+    assert_eq!(read.run.status, RunStatus::Succeeded);
+    assert_eq!(read.events, s.events_after(run, 0, 100).await.unwrap());
+    assert_eq!(
+        latest(read),
+        (
+            ended.event_seq,
+            0,
+            (1..=ended.event_seq).collect(),
+            Some(s.view_extras(run, "todo_write").await.unwrap())
+        )
+    );
+    assert!(
+        s.run_with_latest(RunId::new(), 5, "todo_write")
+            .await
+            .unwrap()
+            .is_none()
+    );
 }
 
+/// A run's pins: each name takes its first value for good (a second pin of it, as from a claim
+/// racing the first, gets the first value back); names pinned later join them; a pinned
+/// text is kept once.
 async fn a_run_pins_each_value_once_and_the_first_pin_holds(s: Backend) {
     let run = s
         .create_run(new_run(&ThreadId::generate()))

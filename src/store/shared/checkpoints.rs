@@ -52,45 +52,17 @@ where
         rows.iter().map(S::message_from_row).collect()
     }
 
-    async fn context(
-        &self,
-        thread: &ThreadId,
-        limit: u32,
-    ) -> Result<(Option<Compaction>, Vec<StoredMessage>)> {
-        // The compaction's row (part 0) and the messages after it (part 1), each
-        // mapped by its own columns' names.
-        let rows = sqlx::query(
-            "WITH c AS (SELECT id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
-               tokens_after, reason, created_at FROM sa_compactions WHERE thread_id = $1 ORDER BY id DESC LIMIT 1) \
-             SELECT 0 AS part, id, run_id, first_message_id, last_message_id, messages, summary, tokens_before, \
-               tokens_after, reason, created_at, NULL AS step, NULL AS key, NULL AS body FROM c \
-             UNION ALL \
-             SELECT 1, id, run_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, step, key, body \
-             FROM (SELECT id, run_id, step, key, body FROM sa_messages \
-               WHERE thread_id = $1 AND id > COALESCE((SELECT last_message_id FROM c), 0) ORDER BY id DESC LIMIT $2) m \
-             UNION ALL \
-             SELECT 2, upto, ancestor, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
-             FROM sa_thread_lineage WHERE thread = $1 \
-             ORDER BY part, id",
-        )
-        .bind(thread.as_str())
-        .bind(limit as i64);
+    async fn context(&self, thread: &ThreadId, limit: u32) -> Result<ThreadContext> {
+        let rows = sqlx::query(context_rows!("$1", "$2"))
+            .bind(thread.as_str())
+            .bind(limit as i64);
         let mut conn = self.kept().await?;
         let rows = rows.fetch_all(&mut *conn).await?;
         conn.keep();
-        let mut compaction = None;
-        let mut messages = Vec::with_capacity(rows.len());
-        let mut lineage = vec![];
-        for r in &rows {
-            match r.get::<i32, _>("part") {
-                0 => compaction = Some(S::compaction_from_row(r)?),
-                1 => messages.push(S::message_from_row(r)?),
-                _ => lineage.push((r.get::<String, _>("run_id"), r.get::<i64, _>("id"))),
-            }
-        }
-        if lineage.is_empty() {
-            return Ok((compaction, messages));
-        }
+        let ((compaction, _), lineage) = match S::context_parts(&rows)? {
+            (whole, lineage) if lineage.is_empty() => return Ok(whole),
+            parts => parts,
+        };
         // A forked thread: its history goes on in the threads it shares (a second read, for
         // forked threads only).
         let compaction = S::shared_compaction(self.pool(), compaction, &lineage).await?;

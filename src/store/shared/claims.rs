@@ -28,7 +28,17 @@ where
     Vec<u8>: Col<S::Db>,
 {
     async fn claim_run(&self, id: RunId, owner: &str, ttl: Duration) -> Result<Claim> {
-        self.claim(id, owner, ttl).await
+        Ok(self.claim(id, owner, ttl, None).await?.0)
+    }
+
+    async fn claim_with_context(
+        &self,
+        id: RunId,
+        owner: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<(Claim, Option<ThreadContext>)> {
+        self.claim(id, owner, ttl, Some(limit)).await
     }
 
     async fn renew_lease(&self, lease: &Lease) -> Result<LeaseStatus> {

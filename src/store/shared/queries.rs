@@ -25,6 +25,49 @@ fn call_arguments(body: &str, tool: &str) -> Result<Option<String>> {
     })
 }
 
+/// A run's view extras from the rows of [`view_extras!`] (by name).
+fn extras_from_rows<'r, S>(
+    rows: impl IntoIterator<Item = &'r DbRow<S>>,
+    tool: &str,
+) -> Result<ViewExtras>
+where
+    S: SqlStore,
+    for<'c> &'c mut Conn<S>: Executor<'c, Database = S::Db>,
+    Args<S>: IntoArguments<S::Db>,
+    usize: ColumnIndex<DbRow<S>>,
+    for<'a> &'a str: ColumnIndex<DbRow<S>> + Encode<'a, S::Db> + Decode<'a, S::Db>,
+    for<'a> Option<&'a str>: Encode<'a, S::Db>,
+    str: Type<S::Db>,
+    String: Col<S::Db>,
+    i64: Col<S::Db>,
+    i32: Col<S::Db>,
+    bool: Col<S::Db>,
+    DateTime<Utc>: Col<S::Db>,
+    Option<String>: Col<S::Db>,
+    Option<i64>: Col<S::Db>,
+    Option<DateTime<Utc>>: Col<S::Db>,
+{
+    let mut extras = ViewExtras::default();
+    for r in rows {
+        let a: String = r.get("a");
+        let b: Option<String> = r.get("b");
+        match r.get::<i32, _>("part") {
+            0 => {
+                extras.pins.insert(a, b.unwrap_or_default());
+            }
+            1 => {
+                let tick = b.as_deref().unwrap_or("").parse::<i64>();
+                extras.schedule = Some((a, tick.map_err(|e| corrupt("schedule tick", e))?));
+            }
+            2 => extras.last_call = call_arguments(&a, tool)?,
+            _ => extras
+                .children
+                .push(a.parse().map_err(|e| corrupt("run id", e))?),
+        }
+    }
+    Ok(extras)
+}
+
 #[async_trait]
 impl<S> Queries for S
 where
@@ -274,39 +317,73 @@ where
     }
 
     async fn view_extras(&self, run: RunId, tool: &str) -> Result<ViewExtras> {
-        // One row per pin (part 0), the schedule tick (1), the latest message calling `tool`
-        // (2), and one per child (3); two text columns each.
-        let rows = sqlx::query(
-            "SELECT 0 AS part, name AS a, value AS b FROM sa_run_pins WHERE run_id = $1 \
-             UNION ALL SELECT 1, schedule_id, CAST(tick AS TEXT) FROM sa_schedule_runs WHERE run_id = $1 \
-             UNION ALL SELECT 2, body, NULL FROM (SELECT body FROM sa_messages WHERE run_id = $1 \
-               AND role = 'assistant' AND body LIKE $2 ORDER BY id DESC LIMIT 1) m \
-             UNION ALL SELECT 3, id, NULL FROM sa_runs WHERE parent_run_id = $1 \
-             ORDER BY 1, 2",
-        )
+        let rows = sqlx::query(concat!(view_extras!("$1", "$2"), " ORDER BY 1, 2"))
+            .bind(run.to_string())
+            .bind(call_pattern(tool))
+            .fetch_all(self.reads())
+            .await?;
+        extras_from_rows::<S>(&rows, tool)
+    }
+
+    async fn run_with_latest(&self, run: RunId, last: u32, tool: &str) -> Result<Option<RunRead>> {
+        if !S::STATEMENTS_PER_COMMAND {
+            let Some(r) = self.get_run(run).await? else {
+                return Ok(None);
+            };
+            let events_after = r.event_seq.saturating_sub(u64::from(last));
+            let terminal = r.status.is_terminal();
+            let (events, extras) =
+                tokio::join!(self.events_after(run, events_after, last), async {
+                    match terminal {
+                        true => Some(self.view_extras(run, tool).await),
+                        false => None,
+                    }
+                });
+            return Ok(Some(RunRead {
+                run: r,
+                events: events?,
+                events_after,
+                extras: extras.transpose()?,
+            }));
+        }
+        // One command, three statements (`src` tells whose a row is), each its own snapshot:
+        // the events are cut from what their statement saw, so they say themselves where they
+        // start; the extras come only for a run that had ended, which it then stays.
+        let rows = sqlx::query(concat!(
+            "SELECT 0 AS src, ",
+            run_columns!(),
+            " FROM sa_runs WHERE id = $1; \
+             SELECT 1 AS src, run_id, seq, type, data, created_at FROM sa_events WHERE run_id = $1 \
+               AND seq > (SELECT event_seq FROM sa_runs WHERE id = $1) - $2 ORDER BY seq LIMIT $2; \
+             SELECT 2 AS src, part, a, b FROM (",
+            view_extras!("$1", "$3"),
+            ") x WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1 \
+               AND status NOT IN ('queued', 'running', 'waiting')) ORDER BY 2, 3"
+        ))
         .bind(run.to_string())
+        .bind(i64::from(last))
         .bind(call_pattern(tool))
         .fetch_all(self.reads())
         .await?;
-        let mut extras = ViewExtras::default();
-        for r in &rows {
-            let a: String = r.get(1);
-            let b: Option<String> = r.get(2);
-            match r.get::<i32, _>(0) {
-                0 => {
-                    extras.pins.insert(a, b.unwrap_or_default());
-                }
-                1 => {
-                    let tick = b.as_deref().unwrap_or("").parse::<i64>();
-                    extras.schedule = Some((a, tick.map_err(|e| corrupt("schedule tick", e))?));
-                }
-                2 => extras.last_call = call_arguments(&a, tool)?,
-                _ => extras
-                    .children
-                    .push(a.parse().map_err(|e| corrupt("run id", e))?),
-            }
-        }
-        Ok(extras)
+        let of = |src: i32| rows.iter().filter(move |r| r.get::<i32, _>("src") == src);
+        let Some(r) = of(0).next().map(S::run_from_row).transpose()? else {
+            return Ok(None);
+        };
+        let events = of(1).map(S::event_from_row).collect::<Result<Vec<_>>>()?;
+        let events_after = match events.first() {
+            Some(e) => e.seq - 1,
+            None => r.event_seq.saturating_sub(u64::from(last)),
+        };
+        let extras = match r.status.is_terminal() {
+            true => Some(extras_from_rows::<S>(of(2), tool)?),
+            false => None,
+        };
+        Ok(Some(RunRead {
+            run: r,
+            events,
+            events_after,
+            extras,
+        }))
     }
 
     async fn queued_count(&self, owner: &OwnerId) -> Result<u64> {
