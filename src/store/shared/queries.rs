@@ -26,26 +26,15 @@ fn call_arguments(body: &str, tool: &str) -> Result<Option<String>> {
 }
 
 /// A run's view extras from the rows of [`view_extras!`] (by name).
-fn extras_from_rows<'r, S>(
-    rows: impl IntoIterator<Item = &'r DbRow<S>>,
+fn extras_from_rows<'r, R: Row + 'r>(
+    rows: impl IntoIterator<Item = &'r R>,
     tool: &str,
 ) -> Result<ViewExtras>
 where
-    S: SqlStore,
-    for<'c> &'c mut Conn<S>: Executor<'c, Database = S::Db>,
-    Args<S>: IntoArguments<S::Db>,
-    usize: ColumnIndex<DbRow<S>>,
-    for<'a> &'a str: ColumnIndex<DbRow<S>> + Encode<'a, S::Db> + Decode<'a, S::Db>,
-    for<'a> Option<&'a str>: Encode<'a, S::Db>,
-    str: Type<S::Db>,
-    String: Col<S::Db>,
-    i64: Col<S::Db>,
-    i32: Col<S::Db>,
-    bool: Col<S::Db>,
-    DateTime<Utc>: Col<S::Db>,
-    Option<String>: Col<S::Db>,
-    Option<i64>: Col<S::Db>,
-    Option<DateTime<Utc>>: Col<S::Db>,
+    for<'a> &'a str: ColumnIndex<R>,
+    String: Col<R::Database>,
+    i32: Col<R::Database>,
+    Option<String>: Col<R::Database>,
 {
     let mut extras = ViewExtras::default();
     for r in rows {
@@ -322,7 +311,7 @@ where
             .bind(call_pattern(tool))
             .fetch_all(self.reads())
             .await?;
-        extras_from_rows::<S>(&rows, tool)
+        extras_from_rows(&rows, tool)
     }
 
     async fn run_with_latest(&self, run: RunId, last: u32, tool: &str) -> Result<Option<RunRead>> {
@@ -375,7 +364,7 @@ where
             None => r.event_seq.saturating_sub(u64::from(last)),
         };
         let extras = match r.status.is_terminal() {
-            true => Some(extras_from_rows::<S>(of(2), tool)?),
+            true => Some(extras_from_rows(of(2), tool)?),
             false => None,
         };
         Ok(Some(RunRead {
