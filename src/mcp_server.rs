@@ -229,6 +229,8 @@ impl McpRuns {
             thread_id,
             owner: Some(owner),
             output_schema: args.get("output_schema").filter(|v| !v.is_null()).cloned(),
+            // The per-key cap of queued runs holds for MCP's starts as for the API's.
+            max_queued: self.app.settings.max_queued_per_key,
             ..Default::default()
         };
         // Committed before anything is returned: the run survives this process from here on.
@@ -284,37 +286,35 @@ impl McpRuns {
         }
         // Without tasks: wait, sending progress, up to the configured time.
         let deadline = tokio::time::Instant::now() + self.wait;
-        let mut cursor = 0u64;
+        let mut progress = token.map(|t| Progress::new(self.app.store.subscribe(run.id), t));
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let r = self
-                .app
-                .wait(run.id, left.min(Duration::from_secs(1)))
-                .await
-                .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+            let r = match &mut progress {
+                // Each step's progress goes out as it commits, not in one burst with the
+                // answer: a client may drop notifications that arrive with the response (the
+                // TypeScript SDK does), and a long run shows it is moving. Then the run.
+                Some(p) => {
+                    p.until_end(&self.app, run.id, deadline, &ctx.peer, &ctx.ct)
+                        .await;
+                    self.app.wait(run.id, Duration::ZERO).await
+                }
+                None => {
+                    self.app
+                        .wait(run.id, left.min(Duration::from_secs(1)))
+                        .await
+                }
+            }
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
             let Some(r) = r else {
                 return Err(ErrorData::internal_error("the run vanished", None));
             };
-            if let Some(token) = &token {
-                for e in self
-                    .app
-                    .store
-                    .events_after(run.id, cursor, 100)
-                    .await
-                    .unwrap_or_default()
-                {
-                    cursor = e.seq;
-                    if let Some(line) = crate::events::progress_line(&e) {
-                        let mut p = ProgressNotificationParam::new(token.clone(), e.seq as f64);
-                        p.message = Some(line);
-                        let _ = ctx.peer.notify_progress(p).await;
-                    }
-                }
+            if let Some(p) = &mut progress {
+                p.send_new(&self.app, run.id, &ctx.peer).await;
             }
             if r.status.is_terminal() {
                 return Ok(Self::outcome(&r).into());
             }
-            if left.is_zero() || ctx.ct.is_cancelled() {
+            if tokio::time::Instant::now() >= deadline || ctx.ct.is_cancelled() {
                 let mut res = CallToolResult::success(vec![ContentBlock::text(format!(
                     "The run is still working (run_id {}, status {}, step {}). It goes on without this call: follow it with run_wait or run_status.",
                     r.id,
@@ -458,6 +458,81 @@ fn task_status(s: RunStatus) -> TaskStatus {
         RunStatus::Succeeded | RunStatus::Failed => TaskStatus::Completed,
         RunStatus::Cancelled => TaskStatus::Cancelled,
         _ => TaskStatus::Working,
+    }
+}
+/// The progress notifications of one `run_agent` call: each of its run's events that has a
+/// progress line, sent once and in order.
+struct Progress {
+    signal: Arc<crate::notify::Signal>,
+    token: rmcp::model::ProgressToken,
+    /// The last event sent (or passed over).
+    cursor: u64,
+}
+
+impl Progress {
+    fn new(signal: Arc<crate::notify::Signal>, token: rmcp::model::ProgressToken) -> Progress {
+        Progress {
+            signal,
+            token,
+            cursor: 0,
+        }
+    }
+
+    /// Sends the run's events committed since the last call; true when one of them ended it.
+    /// A failed read is sent later (the next call reads from the same place).
+    async fn send_new(&mut self, app: &App, run: RunId, peer: &rmcp::Peer<RoleServer>) -> bool {
+        const PAGE: u32 = 100;
+        let mut ended = false;
+        loop {
+            let events = match app.store.events_after(run, self.cursor, PAGE).await {
+                Ok(events) => events,
+                Err(e) => {
+                    tracing::warn!(%run, error = %e, "could not read the run's events for its progress");
+                    return ended;
+                }
+            };
+            for e in &events {
+                self.cursor = e.seq;
+                ended |= crate::events::is_terminal(&e.kind);
+                if let Some(line) = crate::events::progress_line(e) {
+                    let mut p = ProgressNotificationParam::new(self.token.clone(), e.seq as f64);
+                    p.message = Some(line);
+                    let _ = peer.notify_progress(p).await;
+                }
+            }
+            if events.len() < PAGE as usize {
+                return ended;
+            }
+        }
+    }
+
+    /// Sends progress as the run commits it, until its end (true), `deadline` or the caller's
+    /// cancel (false). Woken by each commit in this process, and every
+    /// [`crate::app::CROSS_PROCESS_RECHECK`] for workers elsewhere.
+    async fn until_end(
+        &mut self,
+        app: &App,
+        run: RunId,
+        deadline: tokio::time::Instant,
+        peer: &rmcp::Peer<RoleServer>,
+        cancel: &tokio_util::sync::CancellationToken,
+    ) -> bool {
+        // Registered before the first read: a commit during it wakes the next.
+        let mut watch = crate::notify::Watch::new(
+            self.signal.clone(),
+            crate::app::CROSS_PROCESS_RECHECK,
+            crate::app::SHARED_READ_AGE,
+        );
+        loop {
+            if self.send_new(app, run, peer).await {
+                return true;
+            }
+            tokio::select! {
+                _ = watch.next() => {}
+                _ = tokio::time::sleep_until(deadline) => return false,
+                _ = cancel.cancelled() => return false,
+            }
+        }
     }
 }
 

@@ -379,7 +379,8 @@ async fn start_from_body(
         run_id,
         output_schema: body.output_schema,
         output_retries: body.output_retries,
-        // Past the cap, 429 `queue_full`: checked in the start's own transaction.
+        // Past the cap, 429 `queue_full`: checked by the store's start (in its transaction on
+        // SQLite, just before it on PostgreSQL).
         max_queued: state.quotas.limits.queued,
         ..Default::default()
     };

@@ -277,6 +277,34 @@ impl PgStore {
 
 // PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
 // a child's terminal commit takes (its own row, then its parent's and waiters').
+impl PgStore {
+    /// A start past its owner's cap of queued runs: answered as SQLite's start answers it,
+    /// whose checks run in this order: another owner's thread is not found, a replay of a
+    /// keyed start gets its run (`Ok`: the start function answers it without inserting), and
+    /// only then is the queue full.
+    async fn full_queue(&self, new: &NewRun) -> Result<()> {
+        let row = sqlx::query(
+            "SELECT (SELECT owner FROM sa_threads WHERE id = $1), \
+             EXISTS (SELECT 1 FROM sa_runs WHERE owner = $2 AND idempotency_key = $3)",
+        )
+        .bind(new.thread_id.as_str())
+        .bind(&new.owner)
+        .bind(new.idempotency_key.as_deref())
+        .fetch_one(&self.pool)
+        .await?;
+        let owner: Option<OwnerId> = row.get(0);
+        if owner.is_some_and(|o| o != new.owner) {
+            return Err(StoreError::ThreadOwnedElsewhere(new.thread_id.clone()));
+        }
+        match row.get::<bool, _>(1) {
+            true => Ok(()),
+            false => Err(StoreError::QueueFull {
+                cap: new.max_queued,
+            }),
+        }
+    }
+}
+
 #[async_trait]
 impl SqlStore for PgStore {
     type Db = sqlx::Postgres;
@@ -339,12 +367,11 @@ impl SqlStore for PgStore {
         .into();
         let event = queued.data();
         let now = group::Landed::stamp();
-        // The owner's cap of queued runs, read before the start (not in its transaction, as the
-        // API read it before: a burst of starts may pass it by a few).
+        // The owner's cap of queued runs, read just before the start: `sa_start_run_with_job`'s
+        // parameters are fixed by its migration, so not in its transaction, and a burst of
+        // starts may pass the cap by a few.
         if new.max_queued > 0 && self.queued_count(&new.owner).await? >= new.max_queued {
-            return Err(StoreError::QueueFull {
-                cap: new.max_queued,
-            });
+            self.full_queue(&new).await?;
         }
         let row = bind_new_run!(sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)"), new, now)
             .bind(new.if_busy == IfBusy::Reject)

@@ -349,9 +349,9 @@ impl SqlStore for SqliteStore {
         let now = group::Landed::stamp();
         let nms = now_ms();
         // Two commands to the connection's thread: the fenced UPDATE in its transaction, then
-        // the claim's event, the run's context when asked for (read in the transaction, so
-        // it is what the claim saw, without a read of its own on another connection's
-        // thread) and the COMMIT (or a ROLLBACK when nothing was claimable).
+        // the claim's event, the run's context when asked for (read in the transaction, so it
+        // is what the claim saw, and costs no command of its own) and the COMMIT (or a
+        // ROLLBACK when nothing was claimable).
         let mut conn = Unpooled::new(self.pool.acquire().await?);
         // A queued run is claimable once its thread is free and it is the thread's oldest; a
         // parked one at any time (a spurious claim replays and parks again).
@@ -409,14 +409,13 @@ impl SqlStore for SqliteStore {
         .await?;
         conn.pool();
         self.claimed(&run, owner, now);
-        // A fork's context goes on in the threads it shares: its claimer reads that itself.
-        let context = match context {
-            Some(_) => match Self::context_parts(&rows)? {
-                (whole, lineage) if lineage.is_empty() => Some(whole),
-                _ => None,
-            },
-            None => None,
-        };
+        // The claim is committed: it never fails over its context. A fork's context goes on in
+        // the threads it shares, and rows that do not read fail the run when its claimer reads
+        // them itself (as `End::from(StoreError::Corrupt)` does): both read it apart.
+        let context = context.and_then(|_| match Self::context_parts(&rows) {
+            Ok((whole, lineage)) if lineage.is_empty() => Some(whole),
+            _ => None,
+        });
         Ok((Claim::acquired(run, owner, ttl), context))
     }
 

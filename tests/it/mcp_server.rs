@@ -21,7 +21,7 @@ use crate::support::*;
 
 /// A client that records progress notifications.
 #[derive(Clone, Default)]
-struct Recorder {
+pub(crate) struct Recorder {
     progress: Arc<Mutex<Vec<String>>>,
     info: ClientConfig,
 }
@@ -123,13 +123,13 @@ impl Setup {
     }
 }
 
-fn call(name: &str, args: Value) -> CallToolRequestParams {
+pub(crate) fn call(name: &str, args: Value) -> CallToolRequestParams {
     let mut p = CallToolRequestParams::new(name.to_owned());
     p.arguments = args.as_object().cloned();
     p
 }
 
-fn text(v: &Value) -> String {
+pub(crate) fn text(v: &Value) -> String {
     v["content"][0]["text"].as_str().unwrap_or("").to_owned()
 }
 
@@ -446,7 +446,7 @@ await client.close();
     );
 }
 
-async fn http_client(
+pub(crate) async fn http_client(
     base: &str,
     key: Option<&str>,
 ) -> Result<RunningService<RoleClient, Recorder>, String> {

@@ -930,6 +930,25 @@ async fn a_key_cannot_queue_or_wait_without_bound() {
         reqwest::StatusCode::ACCEPTED,
         "another owner is not held back"
     );
+    // MCP's `run_agent` is a start like the API's: the key's full queue refuses it too.
+    let mcp = crate::mcp_server::http_client(&base, Some("alice-secret-key"))
+        .await
+        .unwrap();
+    let refused = serde_json::to_value(
+        mcp.call_tool(crate::mcp_server::call(
+            "run_agent",
+            json!({"agent": "general-purpose", "input": "one more"}),
+        ))
+        .await
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(refused["isError"], true, "{refused}");
+    assert!(
+        crate::mcp_server::text(&refused).contains("error[queue_full]"),
+        "{refused}"
+    );
+    mcp.cancel().await.unwrap();
     // One wait per key: while a long wait is open, a second is refused. Probing races the long
     // wait for the one place, so a long wait that lost (it ended at once) is opened again.
     let long_wait = || {

@@ -900,7 +900,8 @@ async fn a_progress_commit_that_fails_midway_leaves_nothing_behind(s: Backend) {
 
 /// A start that names a cap of queued runs (the API's `SUBAGENTS_MAX_QUEUED_PER_KEY`) is
 /// refused once its owner has that many queued, and writes nothing: no run, no thread. Other
-/// owners, and the owner again once a run left the queue, start as before; 0 is no cap.
+/// owners, and the owner again once a run left the queue, start as before; 0 is no cap. The
+/// start's other answers come first, in the same order on both backends.
 async fn a_start_past_its_owners_cap_of_queued_runs_is_refused(s: Backend) {
     for _ in 0..2 {
         s.create_run(new_run(&ThreadId::generate())).await.unwrap();
@@ -909,7 +910,11 @@ async fn a_start_past_its_owners_cap_of_queued_runs_is_refused(s: Backend) {
         max_queued: cap,
         ..new_run(&ThreadId::generate())
     };
-    let third = s.create_run(capped(3)).await.unwrap().run;
+    let keyed = NewRun {
+        idempotency_key: Some("k3".into()),
+        ..capped(3)
+    };
+    let third = s.create_run(keyed).await.unwrap().run;
     let refused = capped(3);
     let (id, thread) = (refused.id, refused.thread_id.clone());
     let err = s.create_run(refused).await.unwrap_err();
@@ -928,7 +933,26 @@ async fn a_start_past_its_owners_cap_of_queued_runs_is_refused(s: Backend) {
         owner: "p".into(),
         ..capped(3)
     };
-    s.create_run(other).await.unwrap();
+    let theirs = s.create_run(other).await.unwrap().run;
+    // At a full queue a start is answered as at any other, in the same order on both
+    // backends: another owner's thread is not found, a replay of a keyed start gets its run.
+    let err = s
+        .create_run(NewRun {
+            thread_id: theirs.thread_id.clone(),
+            ..capped(3)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::ThreadOwnedElsewhere(_)), "{err}");
+    let replay = s
+        .create_run(NewRun {
+            idempotency_key: Some("k3".into()),
+            ..capped(3)
+        })
+        .await
+        .unwrap();
+    assert!(replay.existing, "a replay at a full queue");
+    assert_eq!(replay.run.id, third.id);
     s.create_run(capped(0)).await.unwrap();
     let err = s.create_run(capped(4)).await.unwrap_err();
     assert!(matches!(err, StoreError::QueueFull { cap: 4 }), "{err}");
