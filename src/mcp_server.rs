@@ -253,32 +253,9 @@ impl McpRuns {
         if tasks {
             // The task goes back at once; its progress follows while the client is connected.
             if let Some(token) = token {
+                let mut progress = Progress::new(self.app.store.subscribe(run.id), token);
                 let (app, peer, id) = (self.app.clone(), ctx.peer.clone(), run.id);
-                tokio::spawn(async move {
-                    let mut cursor = 0u64;
-                    loop {
-                        let r = app.wait(id, Duration::from_secs(1)).await.ok().flatten();
-                        for e in app
-                            .store
-                            .events_after(id, cursor, 100)
-                            .await
-                            .unwrap_or_default()
-                        {
-                            cursor = e.seq;
-                            if let Some(line) = crate::events::progress_line(&e) {
-                                let mut p =
-                                    ProgressNotificationParam::new(token.clone(), e.seq as f64);
-                                p.message = Some(line);
-                                if peer.notify_progress(p).await.is_err() {
-                                    return;
-                                }
-                            }
-                        }
-                        if r.is_none_or(|r| r.status.is_terminal()) {
-                            return;
-                        }
-                    }
-                });
+                tokio::spawn(async move { progress.until_end(&app, id, None, &peer, None).await });
             }
             return Ok(CallToolResponse::Task(CreateTaskResult::new(
                 Self::task_of(&run),
@@ -289,13 +266,16 @@ impl McpRuns {
         let mut progress = token.map(|t| Progress::new(self.app.store.subscribe(run.id), t));
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let mut gone = false;
             let r = match &mut progress {
                 // Each step's progress goes out as it commits, not in one burst with the
                 // answer: a client may drop notifications that arrive with the response (the
                 // TypeScript SDK does), and a long run shows it is moving. Then the run.
                 Some(p) => {
-                    p.until_end(&self.app, run.id, deadline, &ctx.peer, &ctx.ct)
+                    let heard = p
+                        .until_end(&self.app, run.id, Some(deadline), &ctx.peer, Some(&ctx.ct))
                         .await;
+                    gone = heard == Heard::Gone;
                     self.app.wait(run.id, Duration::ZERO).await
                 }
                 None => {
@@ -308,6 +288,9 @@ impl McpRuns {
             let Some(r) = r else {
                 return Err(ErrorData::internal_error("the run vanished", None));
             };
+            if gone {
+                progress = None;
+            }
             if let Some(p) = &mut progress {
                 p.send_new(&self.app, run.id, &ctx.peer).await;
             }
@@ -478,62 +461,91 @@ impl Progress {
         }
     }
 
-    /// Sends the run's events committed since the last call; true when one of them ended it.
-    /// A failed read is sent later (the next call reads from the same place).
-    async fn send_new(&mut self, app: &App, run: RunId, peer: &rmcp::Peer<RoleServer>) -> bool {
+    /// Sends the run's events committed since the last call. A failed read is sent later (the
+    /// next call reads from the same place).
+    async fn send_new(&mut self, app: &App, run: RunId, peer: &rmcp::Peer<RoleServer>) -> Heard {
         const PAGE: u32 = 100;
-        let mut ended = false;
+        let mut heard = Heard::Stopped;
         loop {
             let events = match app.store.events_after(run, self.cursor, PAGE).await {
                 Ok(events) => events,
                 Err(e) => {
                     tracing::warn!(%run, error = %e, "could not read the run's events for its progress");
-                    return ended;
+                    return heard;
                 }
             };
             for e in &events {
                 self.cursor = e.seq;
-                ended |= crate::events::is_terminal(&e.kind);
+                if crate::events::is_terminal(&e.kind) {
+                    heard = Heard::Ended;
+                }
                 if let Some(line) = crate::events::progress_line(e) {
                     let mut p = ProgressNotificationParam::new(self.token.clone(), e.seq as f64);
                     p.message = Some(line);
-                    let _ = peer.notify_progress(p).await;
+                    if peer.notify_progress(p).await.is_err() {
+                        return Heard::Gone;
+                    }
                 }
             }
             if events.len() < PAGE as usize {
-                return ended;
+                return heard;
             }
         }
     }
 
-    /// Sends progress as the run commits it, until its end (true), `deadline` or the caller's
-    /// cancel (false). Woken by each commit in this process, and every
-    /// [`crate::app::CROSS_PROCESS_RECHECK`] for workers elsewhere.
+    /// Sends progress as the run commits it, until its end, `deadline` or `cancel` (when
+    /// given; a task's progress has neither), or the client is gone. Woken by each commit in
+    /// this process, and every [`crate::app::CROSS_PROCESS_RECHECK`] for workers elsewhere.
     async fn until_end(
         &mut self,
         app: &App,
         run: RunId,
-        deadline: tokio::time::Instant,
+        deadline: Option<tokio::time::Instant>,
         peer: &rmcp::Peer<RoleServer>,
-        cancel: &tokio_util::sync::CancellationToken,
-    ) -> bool {
+        cancel: Option<&tokio_util::sync::CancellationToken>,
+    ) -> Heard {
         // Registered before the first read: a commit during it wakes the next.
         let mut watch = crate::notify::Watch::new(
             self.signal.clone(),
             crate::app::CROSS_PROCESS_RECHECK,
             crate::app::SHARED_READ_AGE,
         );
+        let deadline = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let cancelled = async {
+            match cancel {
+                Some(c) => c.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(deadline, cancelled);
         loop {
-            if self.send_new(app, run, peer).await {
-                return true;
+            match self.send_new(app, run, peer).await {
+                Heard::Stopped => {}
+                heard => return heard,
             }
             tokio::select! {
                 _ = watch.next() => {}
-                _ = tokio::time::sleep_until(deadline) => return false,
-                _ = cancel.cancelled() => return false,
+                _ = &mut deadline => return Heard::Stopped,
+                _ = &mut cancelled => return Heard::Stopped,
             }
         }
     }
+}
+
+/// How a run of [`Progress`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Heard {
+    /// The run's terminal event was sent.
+    Ended,
+    /// Not ended yet: the deadline, the caller's cancel, or (from one read) nothing more now.
+    Stopped,
+    /// A notification could not be sent: the client is gone.
+    Gone,
 }
 
 impl ServerHandler for McpRuns {
