@@ -291,9 +291,6 @@ impl McpRuns {
             if gone {
                 progress = None;
             }
-            if let Some(p) = &mut progress {
-                p.send_new(&self.app, run.id, &ctx.peer).await;
-            }
             if r.status.is_terminal() {
                 return Ok(Self::outcome(&r).into());
             }

@@ -524,7 +524,12 @@ impl RunSnapshot {
                     .run_with_latest(id, SNAPSHOT_EVENTS as u32, PLAN_TOOL)
                     .await?
             }
-            Some(_) => Self::read_apart(state, id).await?,
+            // With it, from the relay's stream.
+            Some(_) => {
+                let events = |after| state.app.events_after(id, after, SNAPSHOT_EVENTS as u32);
+                crate::store::RunRead::apart(store, id, SNAPSHOT_EVENTS as u32, PLAN_TOOL, events)
+                    .await?
+            }
         };
         let Some(crate::store::RunRead {
             run: r,
@@ -557,38 +562,6 @@ impl RunSnapshot {
             events_after,
             events,
         })
-    }
-
-    /// The run, then its latest events from the relay's stream beside its view's extras
-    /// (when it has ended).
-    async fn read_apart(
-        state: &ApiState,
-        id: RunId,
-    ) -> crate::store::Result<Option<crate::store::RunRead>> {
-        let store = state.app.store.as_ref();
-        let Some(run) = store.get_run(id).await? else {
-            return Ok(None);
-        };
-        let events_after = run.event_seq.saturating_sub(SNAPSHOT_EVENTS);
-        let terminal = run.status.is_terminal();
-        // A finished run's view also needs its extras: read beside its events, not after them.
-        let (events, extras) = tokio::join!(
-            state
-                .app
-                .events_after(id, events_after, SNAPSHOT_EVENTS as u32),
-            async {
-                match terminal {
-                    true => Some(store.view_extras(id, PLAN_TOOL).await),
-                    false => None,
-                }
-            }
-        );
-        Ok(Some(crate::store::RunRead {
-            run,
-            events: events?,
-            events_after,
-            extras: extras.transpose()?,
-        }))
     }
 
     /// The events after `cursor`, when this snapshot holds every one the run had when it was

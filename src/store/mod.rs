@@ -1206,6 +1206,43 @@ pub struct RunRead {
     pub extras: Option<ViewExtras>,
 }
 
+impl RunRead {
+    /// [`Queries::run_with_latest`] as separate reads: the run, then its latest `last` events
+    /// (from `events`, given the seq they follow: the database's, or a relay's stream) beside
+    /// its view's extras when it has ended.
+    pub async fn apart<S, F, Fut>(
+        store: &S,
+        run: RunId,
+        last: u32,
+        tool: &str,
+        events: F,
+    ) -> Result<Option<RunRead>>
+    where
+        S: Runs + Queries + ?Sized,
+        F: FnOnce(u64) -> Fut + Send,
+        Fut: std::future::Future<Output = Result<Vec<EventRecord>>> + Send,
+    {
+        let Some(r) = store.get_run(run).await? else {
+            return Ok(None);
+        };
+        let events_after = r.event_seq.saturating_sub(u64::from(last));
+        let terminal = r.status.is_terminal();
+        // A finished run's view also needs its extras: read beside its events, not after them.
+        let (events, extras) = tokio::join!(events(events_after), async {
+            match terminal {
+                true => Some(store.view_extras(run, tool).await),
+                false => None,
+            }
+        });
+        Ok(Some(RunRead {
+            run: r,
+            events: events?,
+            events_after,
+            extras: extras.transpose()?,
+        }))
+    }
+}
+
 /// What another process said changed about a run (see [`Outbox::wake_local`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wake {

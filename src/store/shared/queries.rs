@@ -316,24 +316,8 @@ where
 
     async fn run_with_latest(&self, run: RunId, last: u32, tool: &str) -> Result<Option<RunRead>> {
         if !S::STATEMENTS_PER_COMMAND {
-            let Some(r) = self.get_run(run).await? else {
-                return Ok(None);
-            };
-            let events_after = r.event_seq.saturating_sub(u64::from(last));
-            let terminal = r.status.is_terminal();
-            let (events, extras) =
-                tokio::join!(self.events_after(run, events_after, last), async {
-                    match terminal {
-                        true => Some(self.view_extras(run, tool).await),
-                        false => None,
-                    }
-                });
-            return Ok(Some(RunRead {
-                run: r,
-                events: events?,
-                events_after,
-                extras: extras.transpose()?,
-            }));
+            let events = |after| self.events_after(run, after, last);
+            return RunRead::apart(self, run, last, tool, events).await;
         }
         // One command, three statements (`src` tells whose a row is), each its own snapshot:
         // the events are cut from what their statement saw, so they say themselves where they
