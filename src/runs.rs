@@ -13,7 +13,7 @@ use crate::domain::{IfBusy, NewRun, RunLimits, RunRecord, TreePosition};
 use crate::ids::{OwnerId, RunId, ThreadId};
 use crate::pinning::Agents;
 use crate::queue::{Queue, new_job_id};
-use crate::store::{CancelOutcome, Created, RunLog, RunStatus, StoreError};
+use crate::store::{CancelOutcome, Created, NextQueued, RunLog, RunStatus, StoreError};
 
 pub use crate::agents::MAX_TIMEOUT_SECS;
 
@@ -416,6 +416,7 @@ pub async fn cancel_attached_children(
                         run_id: c.id,
                         thread_id: c.thread_id.clone(),
                         is_child: true,
+                        next: NextQueued::Unknown,
                     },
                 )
                 .await?;
@@ -435,6 +436,8 @@ pub struct Ended {
     pub thread_id: ThreadId,
     /// Only a child can be awaited, so only a child's end can have made waiters due.
     pub is_child: bool,
+    /// The thread's next run, when the end's commit read it.
+    pub next: crate::store::NextQueued,
 }
 
 /// After a run ended (however it ended): push the job of the run enqueued behind it on its
@@ -442,7 +445,11 @@ pub struct Ended {
 /// commit woke the waiters; the reaper finds queued runs without a job), so this is only the
 /// fast path: if the process dies first, the reaper does the same.
 pub async fn after_end(store: &dyn RunLog, queue: &Queue, ended: &Ended) -> Result<(), StoreError> {
-    if let Some(next) = store.next_queued(&ended.thread_id).await? {
+    let next = match &ended.next {
+        NextQueued::Known(next) => *next,
+        NextQueued::Unknown => store.next_queued(&ended.thread_id).await?,
+    };
+    if let Some(next) = next {
         push(store, queue, next).await?;
     }
     if ended.is_child {
@@ -465,6 +472,7 @@ pub async fn after_end_of(store: &dyn RunLog, queue: &Queue, run: RunId) -> Resu
             run_id: r.id,
             thread_id: r.thread_id,
             is_child: r.parent_run_id.is_some(),
+            next: NextQueued::Unknown,
         },
     )
     .await

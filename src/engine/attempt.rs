@@ -550,20 +550,20 @@ impl Engine {
             result: result.clone(),
             forced,
         });
-        match self.store.checkpoint(a.lease, finishing).await {
-            Ok(()) => {}
+        let ending = match self.store.checkpoint(a.lease, finishing).await {
+            Ok(ending) => ending.unwrap_or(crate::store::Ending::UNKNOWN),
             Err(StoreError::LeaseLost(_)) if !forced && self.refused_for_messages(a).await? => {
                 a.inbox.take();
                 return self.answer_steered(a, step, cp).await;
             }
             Err(e) => return Err(e.into()),
-        }
+        };
         metrics::counter!("subagents_runs_finished_total", "status" => "succeeded").increment(1);
         tracing::info!(forced, steps = step, "run succeeded");
         let extra = json!({"result": result, "steps": step});
         self.lifecycle_hooks(a.run, &a.settings, &a.agent, a.hook_for_stop(), extra)
             .await;
-        Err(End::Committed)
+        Err(End::Committed(ending))
     }
 
     /// An answer its schema refused: it commits as an ordinary turn, with the message that
@@ -656,11 +656,13 @@ impl Engine {
             ..Default::default()
         };
         match self.store.checkpoint(a.lease, cp).await {
-            Ok(()) => {
+            Ok(ending) => {
                 metrics::counter!("subagents_runs_finished_total", "status" => "succeeded")
                     .increment(1);
                 tracing::info!(forced, "run succeeded");
-                Err(End::Committed)
+                Err(End::Committed(
+                    ending.unwrap_or(crate::store::Ending::UNKNOWN),
+                ))
             }
             Err(StoreError::LeaseLost(_)) if !forced && self.refused_for_messages(a).await? => {
                 a.inbox.take();

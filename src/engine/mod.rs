@@ -154,8 +154,8 @@ pub struct Engine {
 /// here, with this", which is not always a failure.
 #[derive(Debug)]
 enum End {
-    /// The final answer and the terminal state are committed already.
-    Committed,
+    /// The final answer and the terminal state are committed already; what the commit saw.
+    Committed(crate::store::Ending),
     /// Commit this terminal state (a replayed answer, a failure, a cancel).
     Finish(Finish),
     /// Park on this until it happens (children, approvals, a rate limit).
@@ -322,10 +322,7 @@ impl Engine {
         end: End,
     ) -> Result<Executed, StoreError> {
         match end {
-            End::Committed => {
-                self.end_children(run).await;
-                Ok(Executed::Finished(ended(run)))
-            }
+            End::Committed(ending) => Ok(self.ended(run, ending).await),
             End::Finish(finish) => self.finish(lease, run, finish).await,
             End::Park(wait) => self.park(lease, run, wait).await,
             End::Release(Release::Drained) => {
@@ -448,11 +445,11 @@ impl Engine {
             )
             .await
         {
-            Ok(()) => {
+            Ok(ending) => {
                 metrics::counter!("subagents_runs_finished_total", "status" => status.as_str())
                     .increment(1);
-                self.end_children(run).await;
-                Ok(Executed::Finished(ended(run)))
+                let ending = ending.unwrap_or(crate::store::Ending::UNKNOWN);
+                Ok(self.ended(run, ending).await)
             }
             Err(StoreError::LeaseLost(_)) => Ok(Executed::LeaseLost),
             Err(e) => {
@@ -579,10 +576,25 @@ impl Engine {
         )
     }
 
+    /// A run whose end committed: its still-going attached children are told, and its worker
+    /// gets what the commit saw of the thread's next run.
+    async fn ended(&self, run: &RunRecord, ending: crate::store::Ending) -> Executed {
+        if ending.children_going {
+            self.end_children(run).await;
+        }
+        Executed::Finished(crate::runs::Ended {
+            run_id: run.id,
+            thread_id: run.thread_id.clone(),
+            is_child: run.parent_run_id.is_some(),
+            next: ending.next,
+        })
+    }
+
     /// A parent that ends cancels its still-running attached children. The terminal commit
     /// already did that durably (parked and queued ones cancelled, running ones asked to stop);
-    /// this is the fast path that wakes their workers in this process at once. A run whose
-    /// agent was never offered the delegation tools has none, and costs no query.
+    /// this is the fast path that wakes their workers in this process at once. It runs only
+    /// when the commit saw a child still going, and a run whose agent was never offered the
+    /// delegation tools has none, and costs no query.
     async fn end_children(&self, run: &RunRecord) {
         let may_delegate = self
             .agents
@@ -709,14 +721,6 @@ impl Engine {
             max_input_bytes: self.settings.max_input_bytes,
             local: self.local.as_ref(),
         }
-    }
-}
-
-fn ended(run: &RunRecord) -> crate::runs::Ended {
-    crate::runs::Ended {
-        run_id: run.id,
-        thread_id: run.thread_id.clone(),
-        is_child: run.parent_run_id.is_some(),
     }
 }
 

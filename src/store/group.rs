@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::{Checkpoint, Lease, LeaseStatus, Result, StoreError};
+use super::{Checkpoint, Ending, Lease, LeaseStatus, Result, StoreError};
 use crate::ids::RunId;
 
 /// Most checkpoints in one transaction.
@@ -28,8 +28,13 @@ pub(crate) const MAX_BATCH: usize = 64;
 /// How a backend commits progress: one checkpoint alone (also the fallback when a batch
 /// fails), or many in one transaction.
 pub(crate) trait Progress: Clone + Send + Sync + 'static {
-    /// Commits one checkpoint and announces it (see [`super::Checkpoints::checkpoint`]).
-    fn commit_one(&self, lease: Lease, cp: Checkpoint) -> impl Future<Output = Result<()>> + Send;
+    /// Commits one checkpoint and announces it (see [`super::Checkpoints::checkpoint`]): what
+    /// a terminal one saw of the runs its end touches.
+    fn commit_one(
+        &self,
+        lease: Lease,
+        cp: Checkpoint,
+    ) -> impl Future<Output = Result<Option<Ending>>> + Send;
     /// Commits non-terminal checkpoints in one transaction: where each item's events landed,
     /// `None` where its lease was gone (that item wrote nothing). An error means nothing
     /// committed.
@@ -46,7 +51,7 @@ pub(crate) trait Progress: Clone + Send + Sync + 'static {
         lease: Lease,
         cp: Checkpoint,
     ) -> impl Future<Output = Result<()>> + Send {
-        self.commit_one(lease, cp)
+        async move { self.commit_one(lease, cp).await.map(drop) }
     }
     /// Tells this process's waiters (and its relay, with the events) that `cp`, a step of
     /// `run`, committed where `landed` says (progress: a group holds no terminal checkpoint).
@@ -108,7 +113,7 @@ impl GroupCommit {
         backend: &P,
         lease: &Lease,
         cp: Checkpoint,
-    ) -> Result<()> {
+    ) -> Result<Option<Ending>> {
         if cp.finish.is_some() {
             return backend.commit_one(lease.clone(), cp).await;
         }
@@ -130,7 +135,7 @@ impl GroupCommit {
             return backend.commit_one(item.lease, item.cp).await;
         }
         match answer.await {
-            Ok(r) => r,
+            Ok(r) => r.map(|()| None),
             // The committer was dropped with the item (its runtime is ending): whether the item
             // committed is unknown, which is what a lost connection would say.
             Err(_) => Err(StoreError::Db(sqlx::Error::PoolClosed)),
@@ -159,7 +164,7 @@ async fn committer<P: Progress>(
         if batch.len() == 1 {
             let item = batch.pop().expect("one item");
             let r = backend.commit_one(item.lease, item.cp).await;
-            let _ = item.reply.send(r);
+            let _ = item.reply.send(r.map(drop));
             continue;
         }
         metrics::histogram!("subagents_group_commit_size").record(batch.len() as f64);
@@ -329,9 +334,9 @@ mod tests {
     }
 
     impl Progress for LostAnswers {
-        async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+        async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<Option<Ending>> {
             self.write(&lease, &cp);
-            Ok(())
+            Ok(None)
         }
         async fn commit_many(&self, items: &[(Lease, Checkpoint)]) -> Result<Vec<Option<Landed>>> {
             for (lease, cp) in items {
@@ -350,7 +355,7 @@ mod tests {
             if landed {
                 Ok(())
             } else {
-                self.commit_one(lease, cp).await
+                self.commit_one(lease, cp).await.map(drop)
             }
         }
         fn announce(&self, _run: RunId, _cp: &Checkpoint, _landed: Landed) {}

@@ -237,6 +237,39 @@ pub struct Expired {
     pub gave_up: bool,
 }
 
+/// What a run's terminal commit saw of the runs its end touches, so that its worker acts on the
+/// end without reading them again: a short run's end used to cost two more reads after its
+/// commit (its children, its thread's next run).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ending {
+    /// An attached child was still going when the run ended. The commit already cancelled it
+    /// or asked it to stop; its worker in this process is told at once ([`Runs::request_cancel`]).
+    pub children_going: bool,
+    /// The thread's run that may start now.
+    pub next: NextQueued,
+}
+
+impl Ending {
+    /// What a worker assumes when its commit could not tell: children may be going, and the
+    /// thread's next run is read after the commit.
+    pub const UNKNOWN: Ending = Ending {
+        children_going: true,
+        next: NextQueued::Unknown,
+    };
+}
+
+/// A thread's next run after one of its runs ended: its oldest queued run, unless that already
+/// has a pending job ([`Runs::next_queued`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NextQueued {
+    /// Read inside the end's transaction, where no start could commit in between (SQLite's
+    /// single writer): that run, or none.
+    Known(Option<RunId>),
+    /// Not read with the end; read it after the commit. PostgreSQL's end reads a snapshot a
+    /// start committing at the same moment may not be in.
+    Unknown,
+}
+
 /// One atomic, fenced write of a run's progress.
 #[derive(Clone, Debug, Default)]
 pub struct Checkpoint {
@@ -720,8 +753,9 @@ pub trait Claims: Send + Sync + 'static {
 #[async_trait]
 pub trait Checkpoints: Send + Sync + 'static {
     /// Commits progress atomically, fenced by the lease ([`Transition::Heartbeat`], or
-    /// [`Transition::Finish`] when `cp.finish` is set).
-    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
+    /// [`Transition::Finish`] when `cp.finish` is set). A terminal checkpoint answers what its
+    /// commit saw of the runs the end touches; progress answers `None`.
+    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>>;
 
     /// The newest `limit` messages of a thread, in order.
     async fn thread_messages(&self, thread: &ThreadId, limit: u32) -> Result<Vec<StoredMessage>> {

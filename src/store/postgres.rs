@@ -519,7 +519,7 @@ impl SqlStore for PgStore {
         Ok((Claim::acquired(run, owner, ttl), None))
     }
 
-    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
+    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>> {
         self.common.group.commit(&self.commits(), lease, cp).await
     }
 
@@ -747,7 +747,7 @@ fn lease_status(r: &sqlx::postgres::PgRow, at: usize) -> LeaseStatus {
 }
 
 impl group::Progress for Commits {
-    async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+    async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<Option<Ending>> {
         let now = group::Landed::stamp();
         let status = cp.fence_fields(now).status;
         // The checkpoint as one statement, fenced further by `only_if`, announcing its end
@@ -776,13 +776,18 @@ impl group::Progress for Commits {
                     let run = lease.run_id;
                     self.notifier
                         .committed(run, true, || cp.records(run, row.get(0), now));
-                    return Ok(());
+                    // Fenced on having no child still going.
+                    return Ok(Some(Ending {
+                        children_going: false,
+                        next: NextQueued::Unknown,
+                    }));
                 }
                 let query = statement("", false);
                 let mut tx = self.pool.begin().await?;
                 let Some(row) = query.fetch_optional(&mut *tx).await? else {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 };
+                let children_going = row.get::<bool, _>(4);
                 PgStore::end_effects(
                     &mut tx,
                     lease.run_id,
@@ -794,6 +799,11 @@ impl group::Progress for Commits {
                 .await?;
                 tx.commit().await?;
                 self.ends.ended(lease.run_id);
+                self.notifier.notify(lease.run_id);
+                Ok(Some(Ending {
+                    children_going,
+                    next: NextQueued::Unknown,
+                }))
             }
             None => {
                 let query = statement("", false);
@@ -809,7 +819,7 @@ impl group::Progress for Commits {
                     tracing::debug!(run_id = %lease.run_id, "a committer's connection was gone; committing on a fresh one");
                     if self.landed(&lease, &cp).await? {
                         self.notifier.progress(lease.run_id);
-                        return Ok(());
+                        return Ok(None);
                     }
                     let mut conn = self.pool.acquire().await?;
                     let query = statement("", false);
@@ -827,11 +837,9 @@ impl group::Progress for Commits {
                     at: now,
                 };
                 self.announce(lease.run_id, &cp, landed);
-                return Ok(());
+                Ok(None)
             }
         }
-        self.notifier.notify(lease.run_id);
-        Ok(())
     }
 
     async fn commit_many(
@@ -938,7 +946,7 @@ impl group::Progress for Commits {
             self.notifier.notify(lease.run_id);
             return Ok(());
         }
-        self.commit_one(lease, cp).await
+        self.commit_one(lease, cp).await.map(drop)
     }
 }
 

@@ -81,6 +81,20 @@ pub(crate) struct Statements {
     pub(crate) approval_status: String,
 }
 
+/// [`Runs::next_queued`]'s question about the thread `thread` (an SQL expression: a parameter,
+/// or the ending run's own column in SQLite's terminal fence), with apalis's job table `jobs`:
+/// the thread's oldest queued run, NULL when that already has a pending job, no row when none
+/// is queued. The thread's runs come from `sa_runs_thread_live`, as in `none_queued_before!`.
+pub(crate) fn next_queued(jobs: &str, thread: &str) -> String {
+    format!(
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = q.job_id AND j.status = 'Pending') \
+           THEN NULL ELSE q.id END \
+         FROM sa_runs q WHERE q.thread_id = {thread} \
+           AND q.status IN ('queued', 'running', 'waiting') AND q.status NOT IN ('running', 'waiting') \
+         ORDER BY q.id LIMIT 1"
+    )
+}
+
 impl Statements {
     /// The statements for a backend whose apalis job table is `jobs`, whose park reads with the
     /// lock clause `share`, and whose overview names the owner column as `owner_unindexed` to
@@ -121,11 +135,7 @@ impl Statements {
                  WHERE id = $1 AND lock_by = $2"
             ),
             // The thread's runs from `sa_runs_thread_live`, as in `none_queued_before!`.
-            next_queued: format!(
-                "SELECT id FROM (SELECT id, job_id FROM sa_runs WHERE thread_id = $1 \
-                   AND status IN ('queued', 'running', 'waiting') AND status NOT IN ('running', 'waiting') ORDER BY id LIMIT 1) r \
-                 WHERE NOT EXISTS (SELECT 1 FROM {jobs} j WHERE j.id = r.job_id AND j.status = 'Pending')"
-            ),
+            next_queued: next_queued(jobs, "$1"),
             fetched_not_started: format!(
                 "SELECT r.id FROM sa_runs r JOIN {jobs} j ON j.id = r.job_id \
                  WHERE r.status = 'queued' AND j.lock_by = $1 AND j.status IN ('Queued', 'Running')"
@@ -306,7 +316,7 @@ where
         context: Option<u32>,
     ) -> Result<(Claim, Option<ThreadContext>)>;
     /// The backend's own [`Checkpoints::checkpoint`].
-    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()>;
+    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>>;
     /// Marks the outbox's `(run, first seq, last seq)` ranges relayed.
     async fn mark_relayed_ranges(&self, ranges: &[(RunId, u64, u64)]) -> Result<()>;
     /// The backend's own [`crate::store::Outbox::unrelayed`] ([`UNRELAYED`]).

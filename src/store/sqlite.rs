@@ -419,7 +419,7 @@ impl SqlStore for SqliteStore {
         Ok((Claim::acquired(run, owner, ttl), context))
     }
 
-    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
+    async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>> {
         let commits = self.commits();
         self.common.group.commit(&commits, lease, cp).await
     }
@@ -464,10 +464,19 @@ impl SqlStore for SqliteStore {
     }
 }
 
+/// The thread's next queued run as a column of the terminal fence's `RETURNING`
+/// ([`super::sql::next_queued`] about the ending run's own thread).
+static NEXT_QUEUED: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| super::sql::next_queued("Jobs", "sa_runs.thread_id"));
+
 /// A terminal checkpoint's fence, with the `BEGIN` of its transaction in the same command:
 /// moves the run's counters and its status only under this lease's epoch (and takes SQLite's
 /// write lock, so the seqs it reserves stay gap-free). `None` when the fence did not hold; the
 /// transaction is open either way.
+///
+/// Its row is the run's `event_seq`, `thread_id` and `parent_run_id`, the end's reach
+/// ([`super::REACH_COLUMNS`]), and the thread's next queued run ([`NEXT_QUEUED`]): under the
+/// write lock, no start can commit between that read and the end's `COMMIT`.
 async fn fence(
     conn: &mut sqlx::SqliteConnection,
     lease: &Lease,
@@ -485,7 +494,9 @@ async fn fence(
          error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
          finished_at = COALESCE($12, finished_at), \
          cancel_requested = CASE WHEN $5 IS NULL THEN cancel_requested ELSE 0 END \
-         WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){unsteered} RETURNING event_seq, thread_id, parent_run_id{reach_columns}"
+         WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){unsteered} \
+         RETURNING event_seq, thread_id, parent_run_id{reach_columns}, ({next})",
+        next = *NEXT_QUEUED,
     ))), cp, ff, lease, now)
     .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
     .bind(cp.usage.cache_read_tokens as i64)
@@ -791,7 +802,7 @@ impl group::Renewals for Commits {
 }
 
 impl group::Progress for Commits {
-    async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<()> {
+    async fn commit_one(&self, lease: Lease, cp: Checkpoint) -> Result<Option<Ending>> {
         if cp.finish.is_none() {
             // Progress: the group's single command, with one item.
             let run = lease.run_id;
@@ -801,7 +812,7 @@ impl group::Progress for Commits {
                 return Err(StoreError::LeaseLost(run));
             };
             self.announce(run, &items[0].1, landed);
-            return Ok(());
+            return Ok(None);
         }
         let now = group::Landed::stamp();
         let ff = cp.fence_fields(now);
@@ -820,9 +831,13 @@ impl group::Progress for Commits {
         };
         let mut rows = Appends::default();
         rows.add(lease.run_id, row.get(1), row.get(0), &cp);
-        let alone = row.get::<Option<String>, _>(2).is_none()
-            && !row.get::<bool, _>(3)
-            && !row.get::<bool, _>(4);
+        let children_going = row.get::<bool, _>(4);
+        let alone =
+            row.get::<Option<String>, _>(2).is_none() && !row.get::<bool, _>(3) && !children_going;
+        let next = row
+            .get::<Option<String>, _>(5)
+            .map(|id| id.parse().map_err(|e| corrupt("run id", e)))
+            .transpose()?;
         rows.insert(conn.get(), now, self.relayed, alone).await?;
         if !alone {
             SqliteStore::end_effects(
@@ -840,7 +855,10 @@ impl group::Progress for Commits {
         // A run's end may have written events of other runs (its parent's): the relay reads
         // the outbox for those.
         self.notifier.notify(lease.run_id);
-        Ok(())
+        Ok(Some(Ending {
+            children_going,
+            next: NextQueued::Known(next),
+        }))
     }
 
     async fn commit_many(

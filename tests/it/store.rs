@@ -811,7 +811,7 @@ async fn checkpoints_committed_together_are_each_fenced_by_their_own_lease(s: Ba
         let results = futures::future::join_all(writes).await;
         for (r, stale) in results.iter().zip(&stale) {
             match (r, stale) {
-                (Ok(()), false) => {}
+                (Ok(None), false) => {}
                 (Err(StoreError::LeaseLost(_)), true) => {}
                 other => panic!("round {round}: {other:?}"),
             }
@@ -2438,15 +2438,33 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
             .all(|o| o.run_id != second.id),
         "a blocked run is not an orphan"
     );
-    s.checkpoint(
-        &l1,
-        Checkpoint {
-            finish: Some(Finish::Cancelled),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    // The end answers the thread's next run where it can read it under its own write lock
+    // (SQLite), and whether a child was still going: so its worker need not read them after.
+    // The second's job ended (its handler found the thread busy), so the second needs one.
+    s.set_job_status(&second.job_id, "Done").await;
+    let ending = s
+        .checkpoint(
+            &l1,
+            Checkpoint {
+                finish: Some(Finish::Cancelled),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .expect("a terminal checkpoint answers what its end saw");
+    let next = match s.jobs {
+        Jobs::Sqlite(_) => NextQueued::Known(Some(second.id)),
+        Jobs::Postgres(_) => NextQueued::Unknown,
+    };
+    assert_eq!(
+        ending,
+        Ending {
+            children_going: false,
+            next
+        }
+    );
+    s.set_job_status(&second.job_id, "Pending").await;
     // A queued run whose own job still waits to be fetched needs no second one: that job's
     // claim starts it, the thread being free.
     assert_eq!(
@@ -3306,15 +3324,21 @@ async fn a_runs_end_ends_its_attached_children_in_the_same_commit(s: Backend) {
         kind: ErrorKind::Model,
         message: "m".into(),
     };
-    s.checkpoint(
-        &lp,
-        Checkpoint {
-            finish: Some(Finish::Failed(err)),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    let ending = s
+        .checkpoint(
+            &lp,
+            Checkpoint {
+                finish: Some(Finish::Failed(err)),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        ending.children_going,
+        "its worker tells the running child at once"
+    );
     let store = &s;
     let status = |id| async move { store.get_run(id).await.unwrap().unwrap() };
     assert_eq!(status(queued.id).await.status, RunStatus::Cancelled);

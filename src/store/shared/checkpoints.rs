@@ -26,7 +26,7 @@ where
     Option<i64>: Col<S::Db>,
     Option<DateTime<Utc>>: Col<S::Db>,
 {
-    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<()> {
+    async fn checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>> {
         self.commit_checkpoint(lease, cp).await
     }
 

@@ -146,12 +146,13 @@ where
 
     async fn next_queued(&self, thread: &ThreadId) -> Result<Option<RunId>> {
         let mut conn = self.kept().await?;
-        let id: Option<String> = sqlx::query_scalar(S::statements().next_queued.as_str())
+        let id: Option<Option<String>> = sqlx::query_scalar(S::statements().next_queued.as_str())
             .bind(thread.as_str())
             .fetch_optional(&mut *conn)
             .await?;
         conn.keep();
-        id.map(|i| i.parse().map_err(|e| corrupt("run id", e)))
+        id.flatten()
+            .map(|i| i.parse().map_err(|e| corrupt("run id", e)))
             .transpose()
     }
 
