@@ -417,6 +417,7 @@ pub async fn cancel_attached_children(
                         thread_id: c.thread_id.clone(),
                         is_child: true,
                         next: NextQueued::Unknown,
+                        job_done: None,
                     },
                 )
                 .await?;
@@ -438,6 +439,8 @@ pub struct Ended {
     pub is_child: bool,
     /// The thread's next run, when the end's commit read it.
     pub next: crate::store::NextQueued,
+    /// The run's job, when the end's commit marked it done.
+    pub job_done: Option<String>,
 }
 
 /// After a run ended (however it ended): push the job of the run enqueued behind it on its
@@ -473,6 +476,7 @@ pub async fn after_end_of(store: &dyn RunLog, queue: &Queue, run: RunId) -> Resu
             thread_id: r.thread_id,
             is_child: r.parent_run_id.is_some(),
             next: NextQueued::Unknown,
+            job_done: None,
         },
     )
     .await

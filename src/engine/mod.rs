@@ -587,6 +587,7 @@ impl Engine {
             thread_id: run.thread_id.clone(),
             is_child: run.parent_run_id.is_some(),
             next: ending.next,
+            job_done: ending.job_done,
         })
     }
 

@@ -237,9 +237,9 @@ pub struct Expired {
     pub gave_up: bool,
 }
 
-/// What a run's terminal commit saw of the runs its end touches, so that its worker acts on the
-/// end without reading them again: a short run's end used to cost two more reads after its
-/// commit (its children, its thread's next run).
+/// What a run's terminal commit saw of the runs its end touches, and did for its worker, so that
+/// the worker acts on the end without reading or writing again: a short run's end used to cost
+/// two reads and a write after its commit (its children, its thread's next run, its job).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Ending {
     /// An attached child was still going when the run ended. The commit already cancelled it
@@ -247,6 +247,9 @@ pub struct Ending {
     pub children_going: bool,
     /// The thread's run that may start now.
     pub next: NextQueued,
+    /// The run's job, held by the worker that ended it, marked done by the same commit (on
+    /// SQLite): its worker need not settle it after ([`Claims::settle_held_job`]).
+    pub job_done: Option<String>,
 }
 
 impl Ending {
@@ -255,6 +258,7 @@ impl Ending {
     pub const UNKNOWN: Ending = Ending {
         children_going: true,
         next: NextQueued::Unknown,
+        job_done: None,
     };
 }
 

@@ -780,6 +780,7 @@ impl group::Progress for Commits {
                     return Ok(Some(Ending {
                         children_going: false,
                         next: NextQueued::Unknown,
+                        job_done: None,
                     }));
                 }
                 let query = statement("", false);
@@ -803,6 +804,7 @@ impl group::Progress for Commits {
                 Ok(Some(Ending {
                     children_going,
                     next: NextQueued::Unknown,
+                    job_done: None,
                 }))
             }
             None => {

@@ -517,6 +517,9 @@ struct Appends<'a> {
     events: Vec<(String, i64, &'a NewEvent)>,
     /// Run, name and value of each pin.
     pins: Vec<(String, &'a str, &'a str)>,
+    /// The ending run and its worker: the run's job, held by that worker, is marked done in
+    /// the same transaction ([`Ending::job_done`]).
+    settle: Option<(String, &'a str)>,
 }
 
 impl<'a> Appends<'a> {
@@ -540,14 +543,15 @@ impl<'a> Appends<'a> {
     }
 
     /// Writes the rows; `relayed` is what a new event's `relayed` is (the store's).
-    /// With `commit`, the transaction's `COMMIT` goes in the same command.
+    /// With `commit`, the transaction's `COMMIT` goes in the same command. Answers the job it
+    /// settled, if any.
     async fn insert(
         &self,
         conn: &mut sqlx::SqliteConnection,
         now: DateTime<Utc>,
         relayed: i64,
         commit: bool,
-    ) -> Result<()> {
+    ) -> Result<Option<String>> {
         // SQLite allows 32,766 bound values per statement: 7 per message, 6 per event. The
         // statements go as one query (sqlx binds each statement's `?`s in turn): one round
         // trip to the connection's thread rather than one per table.
@@ -597,13 +601,27 @@ impl<'a> Appends<'a> {
             });
             q.push(" ON CONFLICT(run_id, name) DO NOTHING");
         }
+        if let Some((run, worker)) = &self.settle {
+            // As `settle_held_job` marks it done; the only statement here that returns rows.
+            next(
+                &mut q,
+                "UPDATE Jobs SET attempts = attempts + 1, status = 'Done', last_result = '{\"Ok\":null}', \
+                 done_at = CAST(strftime('%s', 'now') AS INTEGER) \
+                 WHERE id = (SELECT job_id FROM sa_runs WHERE id = ",
+            );
+            q.push_bind(run.as_str())
+                .push(") AND lock_by = ")
+                .push_bind(*worker)
+                .push(" RETURNING id");
+        }
         if commit {
             next(&mut q, "COMMIT");
         }
-        if statements > 0 {
-            q.build().execute(conn).await?;
+        if statements == 0 {
+            return Ok(None);
         }
-        Ok(())
+        let rows = q.build().fetch_all(conn).await?;
+        Ok(rows.first().map(|r| r.get(0)))
     }
 }
 
@@ -829,7 +847,10 @@ impl group::Progress for Commits {
             conn.rollback().await;
             return Err(StoreError::LeaseLost(lease.run_id));
         };
-        let mut rows = Appends::default();
+        let mut rows = Appends {
+            settle: Some((lease.run_id.to_string(), lease.owner.as_str())),
+            ..Default::default()
+        };
         rows.add(lease.run_id, row.get(1), row.get(0), &cp);
         let children_going = row.get::<bool, _>(4);
         let alone =
@@ -838,7 +859,7 @@ impl group::Progress for Commits {
             .get::<Option<String>, _>(5)
             .map(|id| id.parse().map_err(|e| corrupt("run id", e)))
             .transpose()?;
-        rows.insert(conn.get(), now, self.relayed, alone).await?;
+        let job_done = rows.insert(conn.get(), now, self.relayed, alone).await?;
         if !alone {
             SqliteStore::end_effects(
                 conn.get(),
@@ -858,6 +879,7 @@ impl group::Progress for Commits {
         Ok(Some(Ending {
             children_going,
             next: NextQueued::Known(next),
+            job_done,
         }))
     }
 

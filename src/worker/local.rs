@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use super::{WorkerContext, serve};
+use crate::engine::Executed;
 use crate::ids::RunId;
 use crate::store::JobEnd;
 
@@ -111,6 +112,10 @@ impl Reserved {
             let served = serve(&ctx, run_id).await;
             drop(slot);
             let end = match served {
+                // The run's end marked its job done in the same commit.
+                Ok(Executed::Finished(ended)) if ended.job_done.as_deref() == Some(&job_id) => {
+                    return;
+                }
                 Ok(_) => JobEnd::Done,
                 Err(e) => {
                     tracing::warn!(%run_id, error = %e, "run failed in its worker; its job goes back on the queue");

@@ -2461,7 +2461,8 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
         ending,
         Ending {
             children_going: false,
-            next
+            next,
+            job_done: None,
         }
     );
     s.set_job_status(&second.job_id, "Pending").await;
@@ -2691,6 +2692,46 @@ async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s:
         None,
         "taken once"
     );
+
+    // On SQLite the run's end marks its held job done in the same commit, as the settle would:
+    // its worker then writes nothing more for it.
+    let Claim::Acquired(lease, _) = s
+        .claim_run(queued.run.id, "w-local", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!("the taken job's run is claimable")
+    };
+    let ending = s
+        .checkpoint(
+            &lease,
+            Checkpoint {
+                finish: Some(Finish::Cancelled),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    match s.jobs {
+        Jobs::Sqlite(_) => {
+            assert_eq!(ending.job_done.as_deref(), Some(queued.run.job_id.as_str()));
+            assert_eq!(
+                s.count(&format!(
+                    "SELECT COUNT(*) FROM {jobs} WHERE id = '{}' AND status = 'Done' AND attempts = 1 \
+                     AND done_at IS NOT NULL AND lock_by = 'w-local'",
+                    queued.run.job_id
+                ))
+                .await,
+                1,
+                "acked as apalis acks"
+            );
+        }
+        Jobs::Postgres(_) => {
+            assert_eq!(ending.job_done, None);
+            assert_eq!(s.job(&queued.run.job_id).await.unwrap().0, "Queued");
+        }
+    }
 }
 
 async fn idempotency_keys_return_the_first_run(s: Backend) {
