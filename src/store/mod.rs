@@ -247,8 +247,8 @@ pub struct Ending {
     pub children_going: bool,
     /// The thread's run that may start now.
     pub next: NextQueued,
-    /// The run's job, held by the worker that ended it, marked done by the same commit (on
-    /// SQLite): its worker need not settle it after ([`Claims::settle_held_job`]).
+    /// The run's job, held by the worker that ended it, marked done by the same commit: its
+    /// worker need not settle it after ([`Claims::settle_held_job`]).
     pub job_done: Option<String>,
 }
 

@@ -628,13 +628,26 @@ fn checkpoint_query<'q>(
         .collect();
     let e_type: Vec<String> = cp.events.iter().map(|e| e.kind().to_owned()).collect();
     let e_data: Vec<String> = cp.events.iter().map(|e| e.data().to_string()).collect();
+    // A terminal checkpoint also marks the run's job done, when the worker that ends the run
+    // holds it (as `settle_held_job` would after it): column 5 of its row, the job settled.
+    let terminal = ff.status.is_some();
+    let (settle, settled) = match terminal {
+        true => (
+            ", j AS ( \
+               UPDATE apalis.jobs SET attempts = attempts + 1, status = 'Done', last_result = '{\"Ok\":null}', done_at = now() \
+               WHERE id = (SELECT r.job_id FROM sa_runs r, f WHERE r.id = $13) AND lock_by = $27 RETURNING id \
+             )",
+            ", (SELECT id FROM j)",
+        ),
+        false => ("", ""),
+    };
     // A plain SELECT in a WITH runs only when the statement reads it.
     let announced = match announce {
         true => format!(
-            ", n AS (SELECT pg_notify('{}', $13::text) FROM f) SELECT f.*, (SELECT count(*) FROM n) FROM f",
+            ", n AS (SELECT pg_notify('{}', $13::text) FROM f) SELECT f.*{settled}, (SELECT count(*) FROM n) FROM f",
             super::pg_ends::CHANNEL
         ),
-        false => " SELECT * FROM f".to_owned(),
+        false => format!(" SELECT f.*{settled} FROM f"),
     };
     let sql = format!(
         "WITH f AS ( \
@@ -660,10 +673,10 @@ fn checkpoint_query<'q>(
            INSERT INTO sa_run_pins (run_id, name, value) \
            SELECT $13, x.name, x.value FROM f, unnest($23::text[], $24::text[]) AS x(name, value) \
            ON CONFLICT (run_id, name) DO NOTHING \
-         ){announced}"
+         ){settle}{announced}"
     );
     let (p_name, p_value): (Vec<String>, Vec<String>) = cp.pins.iter().cloned().unzip();
-    bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
+    let query = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
         .bind(m_step)
         .bind(m_role)
         .bind(m_key)
@@ -675,7 +688,11 @@ fn checkpoint_query<'q>(
         .bind(p_name)
         .bind(p_value)
         .bind(cp.usage.cache_read_tokens as i64)
-        .bind(cp.usage.cache_write_tokens as i64)
+        .bind(cp.usage.cache_write_tokens as i64);
+    match terminal {
+        true => query.bind(lease.owner.clone()),
+        false => query,
+    }
 }
 
 impl group::Renewals for Commits {
@@ -780,7 +797,7 @@ impl group::Progress for Commits {
                     return Ok(Some(Ending {
                         children_going: false,
                         next: NextQueued::Unknown,
-                        job_done: None,
+                        job_done: row.get(5),
                     }));
                 }
                 let query = statement("", false);
@@ -789,6 +806,7 @@ impl group::Progress for Commits {
                     return Err(StoreError::LeaseLost(lease.run_id));
                 };
                 let children_going = row.get::<bool, _>(4);
+                let job_done = row.get(5);
                 PgStore::end_effects(
                     &mut tx,
                     lease.run_id,
@@ -804,7 +822,7 @@ impl group::Progress for Commits {
                 Ok(Some(Ending {
                     children_going,
                     next: NextQueued::Unknown,
-                    job_done: None,
+                    job_done,
                 }))
             }
             None => {

@@ -2693,8 +2693,8 @@ async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s:
         "taken once"
     );
 
-    // On SQLite the run's end marks its held job done in the same commit, as the settle would:
-    // its worker then writes nothing more for it.
+    // The run's end marks its held job done in the same commit, as the settle would: its
+    // worker then writes nothing more for it.
     let Claim::Acquired(lease, _) = s
         .claim_run(queued.run.id, "w-local", Duration::from_secs(10))
         .await
@@ -2713,25 +2713,17 @@ async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s:
         .await
         .unwrap()
         .unwrap();
-    match s.jobs {
-        Jobs::Sqlite(_) => {
-            assert_eq!(ending.job_done.as_deref(), Some(queued.run.job_id.as_str()));
-            assert_eq!(
-                s.count(&format!(
-                    "SELECT COUNT(*) FROM {jobs} WHERE id = '{}' AND status = 'Done' AND attempts = 1 \
-                     AND done_at IS NOT NULL AND lock_by = 'w-local'",
-                    queued.run.job_id
-                ))
-                .await,
-                1,
-                "acked as apalis acks"
-            );
-        }
-        Jobs::Postgres(_) => {
-            assert_eq!(ending.job_done, None);
-            assert_eq!(s.job(&queued.run.job_id).await.unwrap().0, "Queued");
-        }
-    }
+    assert_eq!(ending.job_done.as_deref(), Some(queued.run.job_id.as_str()));
+    assert_eq!(
+        s.count(&format!(
+            "SELECT COUNT(*) FROM {jobs} WHERE id = '{}' AND status = 'Done' AND attempts = 1 \
+             AND done_at IS NOT NULL AND lock_by = 'w-local'",
+            queued.run.job_id
+        ))
+        .await,
+        1,
+        "acked as apalis acks"
+    );
 }
 
 async fn idempotency_keys_return_the_first_run(s: Backend) {
