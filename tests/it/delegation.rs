@@ -656,7 +656,8 @@ async fn a_tree_budget_on_the_root_forces_the_child_and_the_parent_to_answer() {
 /// in this process wakes its workers, and so does a parent's wake-up when its child ends. A
 /// run left for the poll would not end within the wait below. Twenty runs back to back, each
 /// started the moment the one before ended, is the pattern that once met a fetch in flight and
-/// lost its wake-up.
+/// lost its wake-up. Then a run enqueued on a busy thread, which only the end of the run before
+/// it starts.
 #[tokio::test]
 async fn runs_start_without_waiting_for_the_poll_in_one_process() {
     let t = app_with(
@@ -687,6 +688,31 @@ async fn runs_start_without_waiting_for_the_poll_in_one_process() {
             "run {i} started without the poll: {ended:?}"
         );
     }
+    // A run enqueued behind another on its thread starts when that one ends: the end names it
+    // (on SQLite, read in the end's own commit) and its worker pushes its job. Neither the poll
+    // nor the reaper would start it within the wait.
+    let first = t.start("SCENARIO steps=2 latency_ms=150 run=first").await;
+    let behind = t
+        .app
+        .start_run(StartRun {
+            input: "SCENARIO steps=1 run=behind".into(),
+            thread_id: Some(first.thread_id.clone()),
+            if_busy: subagents::domain::IfBusy::Enqueue,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let ended = t.wait(behind.id).await;
+    assert_eq!(
+        ended.status,
+        RunStatus::Succeeded,
+        "the thread's next run started at the end of the one before: {ended:?}"
+    );
+    let first = t.wait(first.id).await;
+    assert!(
+        ended.started_at >= first.finished_at,
+        "it ran after the one before"
+    );
 }
 
 /// A parent's `task` child, started in a process whose worker has a free slot, is handed to
