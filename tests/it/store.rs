@@ -2499,12 +2499,56 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
         Some(second.id),
         "its own job started: it may have found the thread busy and let go"
     );
-    assert!(matches!(
-        s.claim_run(second.id, "w", Duration::from_secs(10))
-            .await
-            .unwrap(),
-        Claim::Acquired(..)
-    ));
+    let Claim::Acquired(l2, _) = s
+        .claim_run(second.id, "w", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!("the second is next")
+    };
+    // The second ends while the third's own job is still pending (that job will start it), and
+    // while the second's job is held by another worker than the one ending it: the end names no
+    // next run and leaves that job alone.
+    let (jobs, workers) = match s.jobs {
+        Jobs::Sqlite(_) => ("Jobs", "Workers"),
+        Jobs::Postgres(_) => ("apalis.jobs", "apalis.workers"),
+    };
+    s.execute(&format!(
+        "INSERT INTO {workers} (id, worker_type, storage_name) VALUES ('another-worker', '{}', 'test')",
+        subagents::queue::QUEUE_NAME
+    ))
+    .await;
+    s.execute(&format!(
+        "UPDATE {jobs} SET lock_by = 'another-worker' WHERE id = '{}'",
+        second.job_id
+    ))
+    .await;
+    let ending = s
+        .checkpoint(
+            &l2,
+            Checkpoint {
+                finish: Some(Finish::Cancelled),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let next = match s.jobs {
+        Jobs::Sqlite(_) => NextQueued::Known(None),
+        Jobs::Postgres(_) => NextQueued::Unknown,
+    };
+    assert_eq!(
+        ending,
+        Ending {
+            children_going: false,
+            next,
+            job_done: None,
+        }
+    );
+    assert_eq!(s.job(&second.job_id).await.unwrap().0, "Running");
+    assert_eq!(s.next_queued(&t).await.unwrap(), None, "the read agrees");
+    assert_eq!(s.job(&third.job_id).await.unwrap().0, "Pending");
 }
 
 /// A start writes the run's first job in its own transaction, as apalis's push would: pending,
