@@ -633,13 +633,13 @@ fn checkpoint_query<'q>(
     let terminal = ff.status.is_some();
     let (settle, settled) = match terminal {
         true => (
-            ", j AS ( \
-               UPDATE apalis.jobs SET attempts = attempts + 1, status = 'Done', last_result = '{\"Ok\":null}', done_at = now() \
-               WHERE id = (SELECT r.job_id FROM sa_runs r, f WHERE r.id = $13) AND lock_by = $27 RETURNING id \
-             )",
+            format!(
+                ", j AS ({}id = (SELECT r.job_id FROM sa_runs r, f WHERE r.id = $13) AND lock_by = $27 RETURNING id)",
+                PgStore::statements().mark_job_done
+            ),
             ", (SELECT id FROM j)",
         ),
-        false => ("", ""),
+        false => (String::new(), ""),
     };
     // A plain SELECT in a WITH runs only when the statement reads it.
     let announced = match announce {

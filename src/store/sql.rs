@@ -67,6 +67,10 @@ pub(crate) struct Statements {
     pub(crate) held_elsewhere: String,
     /// [`Claims::settle_held_job`].
     pub(crate) settle_held_job: String,
+    /// A run's end marking the job its worker holds done, as [`Claims::settle_held_job`] does:
+    /// the `UPDATE` up to its `WHERE`, to which each backend adds which job and which worker
+    /// ([`super::Ending::job_done`]).
+    pub(crate) mark_job_done: String,
     /// [`Claims::take_job`].
     pub(crate) take_job: String,
     /// [`Claims::orphans`].
@@ -133,6 +137,10 @@ impl Statements {
                    lock_at = CASE WHEN $3 THEN lock_at ELSE NULL END, \
                    lock_by = CASE WHEN $3 THEN lock_by ELSE NULL END \
                  WHERE id = $1 AND lock_by = $2"
+            ),
+            mark_job_done: format!(
+                "UPDATE {jobs} SET attempts = attempts + 1, status = 'Done', \
+                   last_result = '{{\"Ok\":null}}', done_at = {now} WHERE "
             ),
             // The thread's runs from `sa_runs_thread_live`, as in `none_queued_before!`.
             next_queued: next_queued(jobs, "$1"),

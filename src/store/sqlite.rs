@@ -177,7 +177,7 @@ impl SqlStore for SqliteStore {
     fn statements() -> &'static Statements {
         static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
             Statements::new(
-                "Jobs",
+                JOBS,
                 "Workers",
                 "",
                 "+owner",
@@ -464,10 +464,13 @@ impl SqlStore for SqliteStore {
     }
 }
 
+/// apalis's job table.
+const JOBS: &str = "Jobs";
+
 /// The thread's next queued run as a column of the terminal fence's `RETURNING`
 /// ([`super::sql::next_queued`] about the ending run's own thread).
 static NEXT_QUEUED: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| super::sql::next_queued("Jobs", "sa_runs.thread_id"));
+    std::sync::LazyLock::new(|| super::sql::next_queued(JOBS, "sa_runs.thread_id"));
 
 /// A terminal checkpoint's fence, with the `BEGIN` of its transaction in the same command:
 /// moves the run's counters and its status only under this lease's epoch (and takes SQLite's
@@ -603,13 +606,9 @@ impl<'a> Appends<'a> {
         }
         if let Some((run, worker)) = &self.settle {
             // As `settle_held_job` marks it done; the only statement here that returns rows.
-            next(
-                &mut q,
-                "UPDATE Jobs SET attempts = attempts + 1, status = 'Done', last_result = '{\"Ok\":null}', \
-                 done_at = CAST(strftime('%s', 'now') AS INTEGER) \
-                 WHERE id = (SELECT job_id FROM sa_runs WHERE id = ",
-            );
-            q.push_bind(run.as_str())
+            next(&mut q, &SqliteStore::statements().mark_job_done);
+            q.push("id = (SELECT job_id FROM sa_runs WHERE id = ")
+                .push_bind(run.as_str())
                 .push(") AND lock_by = ")
                 .push_bind(*worker)
                 .push(" RETURNING id");

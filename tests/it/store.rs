@@ -102,6 +102,37 @@ impl Backend {
         }
     }
 
+    /// apalis's job and worker tables.
+    fn apalis_tables(&self) -> (&'static str, &'static str) {
+        match self.jobs {
+            Jobs::Sqlite(_) => ("Jobs", "Workers"),
+            Jobs::Postgres(_) => ("apalis.jobs", "apalis.workers"),
+        }
+    }
+
+    /// What a run's end answers of its thread's next run when that is `next`: SQLite reads it
+    /// in the end's commit, PostgreSQL after it.
+    fn next_named(&self, next: Option<RunId>) -> NextQueued {
+        match self.jobs {
+            Jobs::Sqlite(_) => NextQueued::Known(next),
+            Jobs::Postgres(_) => NextQueued::Unknown,
+        }
+    }
+
+    /// Ends the leased run (cancelled): what its end answered.
+    async fn end_cancelled(&self, lease: &Lease) -> Ending {
+        self.checkpoint(
+            lease,
+            Checkpoint {
+                finish: Some(Finish::Cancelled),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .expect("a terminal checkpoint answers what its end saw")
+    }
+
     /// Sets a job's apalis status, as a worker fetching (`Queued`) or starting (`Running`) it does.
     async fn set_job_status(&self, job_id: &str, status: &str) {
         let n = match &self.jobs {
@@ -1179,15 +1210,7 @@ async fn compactions_are_fenced_idempotent_and_where_contexts_start(s: Backend) 
         (None, vec![]),
         "a thread with nothing"
     );
-    let c = CompactionBody {
-        first_message_id: all[0].id,
-        last_message_id: all[1].id,
-        messages: 2,
-        summary: "a and b".into(),
-        tokens_before: 900,
-        tokens_after: 300,
-        reason: "threshold".into(),
-    };
+    let c = two_compacted(&all);
     let event = || vec![sample("context.compacted")];
     s.commit_compaction(&lease, c.clone(), Default::default(), event())
         .await
@@ -1288,15 +1311,7 @@ async fn a_claim_brings_the_context_its_run_rebuilds_from(s: Backend) {
     .await
     .unwrap();
     let all = s.thread_messages(&t, 100).await.unwrap();
-    let summary = CompactionBody {
-        first_message_id: all[0].id,
-        last_message_id: all[1].id,
-        messages: 2,
-        summary: "a and b".into(),
-        tokens_before: 900,
-        tokens_after: 300,
-        reason: "threshold".into(),
-    };
+    let summary = two_compacted(&all);
     s.commit_compaction(&lease, summary, Default::default(), vec![])
         .await
         .unwrap();
@@ -1536,20 +1551,7 @@ async fn a_store_without_a_relay_writes_its_events_as_relayed(s: Backend) {
         );
     }
     let end = vec![sample("run.succeeded")];
-    quiet
-        .checkpoint(
-            &lc,
-            Checkpoint {
-                events: end,
-                finish: Some(Finish::Succeeded {
-                    result: "r".into(),
-                    forced: false,
-                }),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    quiet.checkpoint(&lc, succeeded(end)).await.unwrap();
     assert!(
         quiet
             .append_events(parent.id, vec![sample("child.started")])
@@ -2038,19 +2040,9 @@ async fn a_runs_view_extras_come_in_one_read(s: Backend) {
         (seq, seq - 2, vec![seq - 1, seq], None),
         "no extras while it runs"
     );
-    s.checkpoint(
-        &lease,
-        Checkpoint {
-            events: vec![sample("run.succeeded")],
-            finish: Some(Finish::Succeeded {
-                result: "r".into(),
-                forced: false,
-            }),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    s.checkpoint(&lease, succeeded(vec![sample("run.succeeded")]))
+        .await
+        .unwrap();
     let read = s.run_with_latest(run, 100, "todo_write").await.unwrap();
     let ended = s.get_run(run).await.unwrap().unwrap();
     assert_eq!(ended.status, RunStatus::Succeeded);
@@ -2158,14 +2150,11 @@ async fn webhook_events_are_queued_with_their_commit_and_delivered_once_each(s: 
         let (_, lease) = claimed_run(s, Duration::from_secs(10)).await;
         s.checkpoint(
             &lease,
-            Checkpoint {
-                events: vec![step_started(1), step_completed(1), sample("run.succeeded")],
-                finish: Some(Finish::Succeeded {
-                    result: "r".into(),
-                    forced: false,
-                }),
-                ..Default::default()
-            },
+            succeeded(vec![
+                step_started(1),
+                step_completed(1),
+                sample("run.succeeded"),
+            ]),
         )
         .await
         .unwrap();
@@ -2442,26 +2431,11 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     // (SQLite), and whether a child was still going: so its worker need not read them after.
     // The second's job ended (its handler found the thread busy), so the second needs one.
     s.set_job_status(&second.job_id, "Done").await;
-    let ending = s
-        .checkpoint(
-            &l1,
-            Checkpoint {
-                finish: Some(Finish::Cancelled),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap()
-        .expect("a terminal checkpoint answers what its end saw");
-    let next = match s.jobs {
-        Jobs::Sqlite(_) => NextQueued::Known(Some(second.id)),
-        Jobs::Postgres(_) => NextQueued::Unknown,
-    };
     assert_eq!(
-        ending,
+        s.end_cancelled(&l1).await,
         Ending {
             children_going: false,
-            next,
+            next: s.next_named(Some(second.id)),
             job_done: None,
         }
     );
@@ -2509,10 +2483,7 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
     // The second ends while the third's own job is still pending (that job will start it), and
     // while the second's job is held by another worker than the one ending it: the end names no
     // next run and leaves that job alone.
-    let (jobs, workers) = match s.jobs {
-        Jobs::Sqlite(_) => ("Jobs", "Workers"),
-        Jobs::Postgres(_) => ("apalis.jobs", "apalis.workers"),
-    };
+    let (jobs, workers) = s.apalis_tables();
     s.execute(&format!(
         "INSERT INTO {workers} (id, worker_type, storage_name) VALUES ('another-worker', '{}', 'test')",
         subagents::queue::QUEUE_NAME
@@ -2523,26 +2494,11 @@ async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
         second.job_id
     ))
     .await;
-    let ending = s
-        .checkpoint(
-            &l2,
-            Checkpoint {
-                finish: Some(Finish::Cancelled),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    let next = match s.jobs {
-        Jobs::Sqlite(_) => NextQueued::Known(None),
-        Jobs::Postgres(_) => NextQueued::Unknown,
-    };
     assert_eq!(
-        ending,
+        s.end_cancelled(&l2).await,
         Ending {
             children_going: false,
-            next,
+            next: s.next_named(None),
             job_done: None,
         }
     );
@@ -2619,14 +2575,7 @@ async fn a_start_writes_the_runs_job_with_its_place_in_the_queue(s: Backend) {
 /// in line (no other job waiting to be fetched, none of its owner's runs ahead); the worker
 /// settles it as apalis's ack would, and only while the job is still locked to it.
 async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s: Backend) {
-    let jobs = match s.jobs {
-        Jobs::Sqlite(_) => "Jobs",
-        Jobs::Postgres(_) => "apalis.jobs",
-    };
-    let workers = match s.jobs {
-        Jobs::Sqlite(_) => "Workers",
-        Jobs::Postgres(_) => "apalis.workers",
-    };
+    let (jobs, workers) = s.apalis_tables();
     let held_start = |owner: &str| {
         let mut n = new_run(&ThreadId::generate());
         n.owner = owner.into();
@@ -2746,17 +2695,7 @@ async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s:
     else {
         panic!("the taken job's run is claimable")
     };
-    let ending = s
-        .checkpoint(
-            &lease,
-            Checkpoint {
-                finish: Some(Finish::Cancelled),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap()
-        .unwrap();
+    let ending = s.end_cancelled(&lease).await;
     assert_eq!(ending.job_done.as_deref(), Some(queued.run.job_id.as_str()));
     assert_eq!(
         s.count(&format!(
@@ -3916,6 +3855,31 @@ fn step_completed(step: u32) -> NewEvent {
 }
 
 /// An event of type `name` (its sample payload: these tests look at seqs and effects, not data).
+/// The compaction of a thread's first two messages (`all`, oldest first).
+fn two_compacted(all: &[StoredMessage]) -> CompactionBody {
+    CompactionBody {
+        first_message_id: all[0].id,
+        last_message_id: all[1].id,
+        messages: 2,
+        summary: "a and b".into(),
+        tokens_before: 900,
+        tokens_after: 300,
+        reason: "threshold".into(),
+    }
+}
+
+/// A checkpoint that ends its run succeeded (result "r"), with `events`.
+fn succeeded(events: Vec<NewEvent>) -> Checkpoint {
+    Checkpoint {
+        events,
+        finish: Some(Finish::Succeeded {
+            result: "r".into(),
+            forced: false,
+        }),
+        ..Default::default()
+    }
+}
+
 fn sample(name: &str) -> NewEvent {
     Event::samples()
         .into_iter()
