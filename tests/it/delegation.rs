@@ -690,8 +690,10 @@ async fn runs_start_without_waiting_for_the_poll_in_one_process() {
     }
     // A run enqueued behind another on its thread starts when that one ends: the end names it
     // (on SQLite, read in the end's own commit) and its worker pushes its job. Neither the poll
-    // nor the reaper would start it within the wait.
-    let first = t.start("SCENARIO steps=2 latency_ms=150 run=first").await;
+    // nor the reaper would start it within the wait. The run before takes three model calls of
+    // 400 ms: the queued run's own job is fetched (and let go, its thread busy) well before
+    // that, so only its end can start it.
+    let first = t.start("SCENARIO steps=3 latency_ms=400 run=first").await;
     let behind = t
         .app
         .start_run(StartRun {
@@ -702,6 +704,31 @@ async fn runs_start_without_waiting_for_the_poll_in_one_process() {
         })
         .await
         .unwrap();
+    let db = sqlx::SqlitePool::connect(&t.app.settings.database_url)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status: String = sqlx::query_scalar("SELECT status FROM Jobs WHERE id = ?")
+            .bind(&behind.job_id)
+            .fetch_one(&db)
+            .await
+            .unwrap();
+        if status != "Pending" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the queued run's job was never fetched"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = t.app.store.get_run(first.id).await.unwrap().unwrap();
+    assert_eq!(
+        before.status,
+        RunStatus::Running,
+        "the run before was still going when the queued run's job was let go"
+    );
     let ended = t.wait(behind.id).await;
     assert_eq!(
         ended.status,
