@@ -99,6 +99,21 @@ pub(crate) fn next_queued(jobs: &str, thread: &str) -> String {
     )
 }
 
+/// [`Claims::take_job`]'s `UPDATE` without its `RETURNING`, about the job, the worker and the
+/// queue named by `[job, worker, queue]` (SQL expressions, parameters). Locked as apalis's fetch
+/// locks a job, only when that fetch would have taken this one: the worker is registered and no
+/// other job waits to be fetched. A NULL worker takes nothing.
+pub(crate) fn take_job(jobs: &str, workers: &str, now: &str, [job, worker, queue]: [&str; 3]) -> String {
+    format!(
+        "UPDATE {jobs} SET status = 'Queued', lock_by = {worker}, lock_at = {now} \
+         WHERE id = {job} AND job_type = {queue} AND status = 'Pending' AND lock_by IS NULL AND run_at <= {now} \
+           AND EXISTS (SELECT 1 FROM {workers} w WHERE w.id = {worker}) \
+           AND NOT EXISTS (SELECT 1 FROM {jobs} o WHERE o.job_type = {queue} AND o.id <> {job} \
+             AND o.lock_by IS NULL AND o.run_at <= {now} \
+             AND (o.status = 'Pending' OR (o.status = 'Failed' AND o.attempts < o.max_attempts)))"
+    )
+}
+
 impl Statements {
     /// The statements for a backend whose apalis job table is `jobs`, whose park reads with the
     /// lock clause `share`, and whose overview names the owner column as `owner_unindexed` to
@@ -116,16 +131,9 @@ impl Statements {
         subplan: &str,
     ) -> Statements {
         Statements {
-            // Locked as apalis's fetch locks a job, only when that fetch would have taken this
-            // one: the worker is registered and no other job waits to be fetched.
             take_job: format!(
-                "UPDATE {jobs} SET status = 'Queued', lock_by = $2, lock_at = {now} \
-                 WHERE id = $1 AND job_type = $3 AND status = 'Pending' AND lock_by IS NULL AND run_at <= {now} \
-                   AND EXISTS (SELECT 1 FROM {workers} w WHERE w.id = $2) \
-                   AND NOT EXISTS (SELECT 1 FROM {jobs} o WHERE o.job_type = $3 AND o.id <> $1 \
-                     AND o.lock_by IS NULL AND o.run_at <= {now} \
-                     AND (o.status = 'Pending' OR (o.status = 'Failed' AND o.attempts < o.max_attempts))) \
-                 RETURNING job"
+                "{} RETURNING job",
+                take_job(jobs, workers, now, ["$1", "$2", "$3"])
             ),
             // What apalis's ack writes (`queries/task/ack.sql`) for a job its handler finished,
             // or, for one whose handler failed, the job back on the queue for any worker.
@@ -1084,6 +1092,19 @@ mod thread_lookups {
         assert!(
             next.contains("USING INDEX sa_runs_thread_live (thread_id=?)"),
             "the next queued run's lookup:\n{next}"
+        );
+        // The same question asked in a run's end, about the ending run's own thread: a
+        // correlated subquery of the terminal fence's `RETURNING`.
+        let end = plan(format!(
+            "UPDATE sa_runs SET updated_at = updated_at WHERE id = 'y' RETURNING ({})",
+            *crate::store::sqlite::NEXT_QUEUED
+        ))
+        .await;
+        assert!(
+            end.contains("CORRELATED SCALAR SUBQUERY")
+                && end.contains("USING INDEX sa_runs_thread_live (thread_id=?)")
+                && !end.contains("SCAN q"),
+            "the end's next queued run:\n{end}"
         );
         drop(s);
         let _ = std::fs::remove_file(&file);

@@ -176,14 +176,7 @@ impl SqlStore for SqliteStore {
 
     fn statements() -> &'static Statements {
         static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
-            Statements::new(
-                JOBS,
-                "Workers",
-                "",
-                "+owner",
-                "CAST(strftime('%s', 'now') AS INTEGER)",
-                "",
-            )
+            Statements::new(JOBS, WORKERS, "", "+owner", JOBS_NOW, "")
         });
         &S
     }
@@ -216,64 +209,36 @@ impl SqlStore for SqliteStore {
             parent_run_id: new.parent_run_id,
         })
         .into();
-        // The start is two commands to the connection's thread, not a dozen: the first holds
-        // the transaction's checks (the thread's owner, the idempotency key, a busy thread,
-        // the owner's cap of queued runs) and its inserts, the second the job and the COMMIT (or a
-        // ROLLBACK, when a check refused). Each row the first answers with says in `part` which
-        // statement it comes from. The upsert takes SQLite's write lock first, so the checks
-        // and the insert see one state: no other start can slip in between. The run is
-        // inserted only where the checks pass (they are repeated in its `WHERE`), and its
-        // event only where the run was.
-        let first = bind_new_run!(
-            sqlx::query(concat!(
-            "BEGIN IMMEDIATE; \
-             INSERT INTO sa_threads (id, owner, created_at, updated_at) VALUES ($2, $3, $12, $12) \
-             ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING 0 AS part, owner; \
-             SELECT 1 AS part, id FROM sa_runs WHERE owner = $3 AND idempotency_key = $9; \
-             SELECT 2 AS part, id FROM sa_runs WHERE $22 AND thread_id = $2 \
-               AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1; \
-             INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
-               idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority, agent_version) \
-             SELECT $1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17, $18 \
-             WHERE (SELECT owner FROM sa_threads WHERE id = $2) = $3 \
-               AND NOT EXISTS (SELECT 1 FROM sa_runs WHERE owner = $3 AND idempotency_key = $9) \
-               AND NOT ($22 AND EXISTS (SELECT 1 FROM sa_runs WHERE thread_id = $2 AND status IN ('queued','running','waiting'))) \
-               AND ($24 = 0 OR (SELECT COALESCE(SUM(queued), 0) FROM sa_queue_depth WHERE owner = $3) < $24) \
-             RETURNING 3 AS part, ",
-            run_columns!(),
-            "; INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
-               SELECT $1, 1, $19, $20, $12, $21 WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1); \
-             SELECT 5 AS part, CAST(COALESCE(SUM(queued), 0) AS BIGINT) AS queued FROM sa_queue_depth WHERE owner = $3; \
-             SELECT 4 AS part, ",
-            rank_of!("$1", "$23")
-        )),
-            new,
-            now
-        )
-        .bind(new.retry_of.map(|r| r.to_string()))
-        .bind(i64::from(new.priority.clamp(1, 5)))
-        .bind(new.agent_version.as_deref())
-        .bind(queued.kind())
-        .bind(queued.data().to_string())
-        .bind(self.relayed_at_insert())
-        .bind(new.if_busy == IfBusy::Reject)
-        .bind(new.place == QueuePlace::Back)
-        .bind(new.max_queued.min(i64::MAX as u64) as i64);
+        // One command to the connection's thread ([`START`]): its checks, its writes and its
+        // `COMMIT`. A refused start writes nothing and commits an empty transaction; the rows
+        // it answers with say why.
+        let query = bind_new_run!(sqlx::query(START.as_str()), new, now)
+            .bind(new.retry_of.map(|r| r.to_string()))
+            .bind(i64::from(new.priority.clamp(1, 5)))
+            .bind(new.agent_version.as_deref())
+            .bind(queued.kind())
+            .bind(queued.data().to_string())
+            .bind(self.relayed_at_insert())
+            .bind(new.if_busy == IfBusy::Reject)
+            .bind(new.place == QueuePlace::Back)
+            .bind(new.max_queued.min(i64::MAX as u64) as i64)
+            .bind(new.held_by.as_deref())
+            .bind(QUEUE_NAME)
+            .bind(job_body(new.id))
+            .bind(JOB_MAX_ATTEMPTS as i64)
+            .bind(now.timestamp());
         // A failed command may leave the transaction open: its connection is closed, not
         // pooled (see `Unpooled`).
         let mut conn = Unpooled::new(self.pool.acquire().await?);
-        let rows = first.fetch_all(&mut **conn.get()).await?;
+        let rows = query.fetch_all(&mut **conn.get()).await?;
+        conn.pool();
         let part = |p: i32| rows.iter().find(|r| r.get::<i32, _>("part") == p);
-        let owner: Option<OwnerId> = part(0).map(|r| r.get("owner"));
-        let existing: Option<String> = part(1).map(|r| r.get("id"));
-        let active: Option<String> = part(2).map(|r| r.get("id"));
-        let owners_queued: i64 = part(5).map_or(0, |r| r.get("queued"));
         let (Some(inserted), Some(rank)) = (part(3), part(4)) else {
-            conn.rollback().await;
+            let owner: Option<OwnerId> = part(0).map(|r| r.get("owner"));
             if owner.as_ref() != Some(&new.owner) {
                 return Err(StoreError::ThreadOwnedElsewhere(new.thread_id));
             }
-            if let Some(id) = existing {
+            if let Some(id) = part(1).map(|r| r.get::<String, _>("id")) {
                 let id: RunId = id.parse().map_err(|e| corrupt("run id", e))?;
                 let run = self
                     .get_run(id)
@@ -286,12 +251,13 @@ impl SqlStore for SqliteStore {
                     held: false,
                 });
             }
+            let owners_queued: i64 = part(5).map_or(0, |r| r.get("queued"));
             if new.max_queued > 0 && owners_queued.max(0) as u64 >= new.max_queued {
                 return Err(StoreError::QueueFull {
                     cap: new.max_queued,
                 });
             }
-            if let Some(a) = active {
+            if let Some(a) = part(2).map(|r| r.get::<String, _>("id")) {
                 let active_run = a.parse().map_err(|e| corrupt("run id", e))?;
                 return Err(StoreError::Busy {
                     thread_id: new.thread_id,
@@ -302,31 +268,7 @@ impl SqlStore for SqliteStore {
         };
         let run = Self::run_from_row(inserted)?;
         let (ahead, _) = Self::rank_from_row(rank, new.place);
-        // The run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
-        // apalis-sqlite), in the run's transaction: one write transaction, not two, and never
-        // a run without its job. Handed to `held_by` in the same transaction when the run is
-        // next in line, by the statement a notified worker takes a job with
-        // ([`Claims::take_job`], whose `$1`, `$2` and `$3` are the job, the worker and the
-        // queue here too).
-        let hold = new.held_by.as_ref().filter(|_| ahead == 0);
-        let job = "INSERT INTO Jobs (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
-                   VALUES ($4, $1, $3, 'Pending', 0, $5, $6, $7); ";
-        let second = match hold {
-            Some(_) => format!("{job}{}; COMMIT", Self::statements().take_job),
-            None => format!("{job}COMMIT"),
-        };
-        let taken = sqlx::query(sqlx::AssertSqlSafe(second))
-            .bind(&new.job_id)
-            .bind(hold)
-            .bind(QUEUE_NAME)
-            .bind(job_body(new.id))
-            .bind(JOB_MAX_ATTEMPTS as i64)
-            .bind(now.timestamp())
-            .bind(job_priority(ahead, new.priority) as i64)
-            .fetch_all(&mut **conn.get())
-            .await?;
-        conn.pool();
-        let held = hold.is_some() && !taken.is_empty();
+        let held = part(6).is_some();
         if !held {
             self.common.notifier.job_queued();
         }
@@ -466,10 +408,86 @@ impl SqlStore for SqliteStore {
 
 /// apalis's job table.
 const JOBS: &str = "Jobs";
+/// apalis's worker table.
+const WORKERS: &str = "Workers";
+/// apalis's clock in its job table: seconds.
+const JOBS_NOW: &str = "CAST(strftime('%s', 'now') AS INTEGER)";
+
+/// What a start may not pass (repeated in each of its writes, so a refused start writes
+/// nothing): the thread is new or the owner's, no run of the owner has the idempotency key, the
+/// thread is not busy when a busy thread refuses (`$22`), and the owner's queue is under its
+/// cap (`$24`, none when 0).
+macro_rules! start_allowed {
+    () => {
+        "COALESCE((SELECT owner FROM sa_threads WHERE id = $2), $3) = $3 \
+         AND NOT EXISTS (SELECT 1 FROM sa_runs WHERE owner = $3 AND idempotency_key = $9) \
+         AND NOT ($22 AND EXISTS (SELECT 1 FROM sa_runs WHERE thread_id = $2 AND status IN ('queued','running','waiting'))) \
+         AND ($24 = 0 OR (SELECT COALESCE(SUM(queued), 0) FROM sa_queue_depth WHERE owner = $3) < $24)"
+    };
+}
+
+/// A start as one command: `BEGIN IMMEDIATE` takes SQLite's write lock first, so the checks and
+/// the writes see one state and no other start slips in between. Each row says in `part` which
+/// statement it comes from:
+///
+/// - 0, 1, 2, 5: what the checks saw (the thread's owner, a new thread counting as the
+///   starter's; the run with the idempotency key; the thread's active run when a busy thread
+///   refuses; the owner's queued runs), read before the writes so a refusal can say why.
+/// - 3: the inserted run. The thread is upserted, and the run and its `run.queued` event
+///   inserted, only where [`start_allowed!`] holds.
+/// - 4: the run's place in its owner's queue ([`rank_of!`]).
+/// - 6: the run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
+///   apalis-sqlite), with the priority `job_priority` gives its rank, handed to the worker
+///   `$25` by the statement a notified worker takes a job with ([`super::sql::take_job`]) when
+///   the run is next in line. No row when it was left to the queue.
+///
+/// The parameters are `bind_new_run!`'s fifteen, then the retry's source, the priority, the
+/// agent's version, the event's kind and data, its `relayed`, whether a busy thread refuses,
+/// whether the run goes to the back of its priority, the owner's cap, the worker to hand the
+/// job to, the queue, the job's body, its attempts and its `run_at`.
+static START: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    // The run's rank as the row `rank_from_row` reads it: at the back, it does not count itself.
+    let ahead = concat!(
+        "(SELECT MAX(x.ahead - CASE WHEN $23 THEN x.queued ELSE 0 END, 0) FROM (SELECT ",
+        rank_of!("$1", "$23"),
+        ") x)"
+    );
+    format!(
+        concat!(
+            "BEGIN IMMEDIATE; \
+             SELECT 0 AS part, COALESCE((SELECT owner FROM sa_threads WHERE id = $2), $3) AS owner; \
+             SELECT 1 AS part, id FROM sa_runs WHERE owner = $3 AND idempotency_key = $9; \
+             SELECT 2 AS part, id FROM sa_runs WHERE $22 AND thread_id = $2 \
+               AND status IN ('queued','running','waiting') ORDER BY id LIMIT 1; \
+             SELECT 5 AS part, CAST(COALESCE(SUM(queued), 0) AS BIGINT) AS queued FROM sa_queue_depth WHERE owner = $3; \
+             INSERT INTO sa_threads (id, owner, created_at, updated_at) SELECT $2, $3, $12, $12 WHERE ",
+            start_allowed!(),
+            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at; \
+             INSERT INTO sa_runs (id, thread_id, owner, agent, status, input, metadata, limits, parent_run_id, \
+               idempotency_key, job_id, enqueued_at, created_at, updated_at, event_seq, root_run_id, depth, detached, retry_of, priority, agent_version) \
+             SELECT $1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, $11, $12, $12, 1, $13, $14, $15, $16, $17, $18 WHERE ",
+            start_allowed!(),
+            " RETURNING 3 AS part, ",
+            run_columns!(),
+            "; INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+               SELECT $1, 1, $19, $20, $12, $21 WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1); \
+             SELECT 4 AS part, ",
+            rank_of!("$1", "$23"),
+            "; INSERT INTO {jobs} (job, id, job_type, status, attempts, max_attempts, run_at, priority) \
+               SELECT $27, $10, $26, 'Pending', 0, $28, $29, 1000000000 - MIN({ahead}, 100000000) * 8 + MIN($17, 7) \
+               WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1); \
+             {take} AND {ahead} = 0 RETURNING 6 AS part; \
+             COMMIT"
+        ),
+        jobs = JOBS,
+        ahead = ahead,
+        take = super::sql::take_job(JOBS, WORKERS, JOBS_NOW, ["$10", "$25", "$26"]),
+    )
+});
 
 /// The thread's next queued run as a column of the terminal fence's `RETURNING`
 /// ([`super::sql::next_queued`] about the ending run's own thread).
-static NEXT_QUEUED: std::sync::LazyLock<String> =
+pub(super) static NEXT_QUEUED: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| super::sql::next_queued(JOBS, "sa_runs.thread_id"));
 
 /// A terminal checkpoint's fence, with the `BEGIN` of its transaction in the same command:
