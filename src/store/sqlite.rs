@@ -290,71 +290,39 @@ impl SqlStore for SqliteStore {
     ) -> Result<(Claim, Option<ThreadContext>)> {
         let now = group::Landed::stamp();
         let nms = now_ms();
-        // Two commands to the connection's thread: the fenced UPDATE in its transaction, then
-        // the claim's event, the run's context when asked for (read in the transaction, so it
-        // is what the claim saw, and costs no command of its own) and the COMMIT (or a
-        // ROLLBACK when nothing was claimable).
-        let mut conn = Unpooled::new(self.pool.acquire().await?);
-        // A queued run is claimable once its thread is free and it is the thread's oldest; a
-        // parked one at any time (a spurious claim replays and parks again).
-        let row = sqlx::query(sql!(
-            concat!(
-                "BEGIN IMMEDIATE; UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
-                 lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
-                 heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
-                 WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
-                   ",
-                next_in_its_thread!("sa_runs", ""),
-                ")) ",
-                limits_guard!(),
-                " RETURNING ",
-                run_columns!()
-            ),
-            Transition::Claim
-        ))
+        // One command to the connection's thread ([`CLAIM`], or [`CLAIM_WITH_CONTEXT`]): the
+        // fenced UPDATE, the claim's event and the COMMIT, which commits nothing when the run
+        // was not claimable.
+        let query = sqlx::query(match context {
+            None => CLAIM.as_str(),
+            Some(_) => CLAIM_WITH_CONTEXT.as_str(),
+        })
         .bind(owner)
         .bind(nms + ttl.as_millis() as i64)
         .bind(now)
         .bind(id.to_string())
-        .fetch_all(&mut **conn.get())
-        .await?
-        .pop();
-        let Some(row) = row else {
-            conn.rollback().await;
-            let status = self.get_run(id).await?.map(|r| r.status);
-            return Ok((Claim::NotClaimable(status), None));
-        };
-        // The claimed row comes back whole: no second read.
-        let run = Self::run_from_row(&row)?;
-        let event = super::sql::claim_event(&run, owner);
-        macro_rules! insert_event {
-            () => {
-                "INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
-                 VALUES ($1, $2, $3, $4, $5, $6); "
-            };
-        }
-        let rows = sqlx::query(match context {
-            None => concat!(insert_event!(), "COMMIT"),
-            Some(_) => concat!(insert_event!(), context_rows!("$7", "$8"), "; COMMIT"),
-        })
-        .bind(id.to_string())
-        .bind(run.event_seq as i64)
-        .bind(event.kind())
-        .bind(event.data().to_string())
-        .bind(now)
         .bind(self.relayed_at_insert());
-        let rows = match context {
-            None => rows,
-            Some(limit) => rows.bind(run.thread_id.as_str()).bind(i64::from(limit)),
-        }
-        .fetch_all(&mut **conn.get())
-        .await?;
+        let query = match context {
+            None => query,
+            Some(limit) => query.bind(i64::from(limit)),
+        };
+        let mut conn = Unpooled::new(self.pool.acquire().await?);
+        let rows = query.fetch_all(&mut **conn.get()).await?;
         conn.pool();
+        // The claimed row comes back whole, first and marked: no second read.
+        let (claimed, context_rows) = match rows.split_first() {
+            Some((r, rest)) if r.get::<i32, _>("part") == CLAIMED => (r, rest),
+            _ => {
+                let status = self.get_run(id).await?.map(|r| r.status);
+                return Ok((Claim::NotClaimable(status), None));
+            }
+        };
+        let run = Self::run_from_row(claimed)?;
         self.claimed(&run, owner, now);
         // The claim is committed: it never fails over its context. A fork's context goes on in
         // the threads it shares, and rows that do not read fail the run when its claimer reads
         // them itself (as `End::from(StoreError::Corrupt)` does): both read it apart.
-        let context = context.and_then(|_| match Self::context_parts(&rows) {
+        let context = context.and_then(|_| match Self::context_parts(context_rows) {
             Ok((whole, lineage)) if lineage.is_empty() => Some(whole),
             _ => None,
         });
@@ -404,6 +372,52 @@ impl SqlStore for SqliteStore {
             })
             .collect())
     }
+}
+
+/// The `part` of a claim's own row, ahead of its context's rows (`context_rows!`'s 0, 1, 2).
+const CLAIMED: i32 = 9;
+
+/// A claim as one command: the fenced `UPDATE` (which takes SQLite's write lock) answering the
+/// run's row and `part` [`CLAIMED`], the claim's `run.started` or `run.resumed` event as
+/// [`super::sql::claim_event`] writes it, only where the `UPDATE` changed the run (`changes()`
+/// is the last finished statement's), and the `COMMIT`, which commits nothing when the run was
+/// not claimable. A queued run is claimable once its thread is free and it is the thread's
+/// oldest; a parked one at any time (a spurious claim replays and parks again). The parameters
+/// are the worker, the lease's expiry, the time, the run and the event's `relayed`.
+static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| claim_sql(""));
+
+/// [`CLAIM`] that also reads the run's context (`context_rows!` for its thread, the messages
+/// limited by `$6`) in the claim's transaction, so it is what the claim saw.
+static CLAIM_WITH_CONTEXT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    claim_sql(concat!(
+        "; ",
+        context_rows!("(SELECT thread_id FROM sa_runs WHERE id = $4)", "$6")
+    ))
+});
+
+fn claim_sql(context: &str) -> String {
+    format!(
+        concat!(
+            "BEGIN IMMEDIATE; UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
+             lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
+             heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
+             WHERE id = $4 AND status IN ({sources}) AND (status <> 'queued' OR ( \
+               ",
+            next_in_its_thread!("sa_runs", ""),
+            ")) ",
+            limits_guard!(),
+            " RETURNING ",
+            run_columns!(),
+            ", {claimed} AS part; \
+             INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+               SELECT id, event_seq, CASE WHEN claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
+                 json_object('attempt', attempts, 'crashes', crashes, 'worker', $1, 'from', claimed_from), $3, $5 \
+               FROM sa_runs WHERE id = $4 AND changes() = 1{context}; COMMIT"
+        ),
+        sources = crate::lifecycle::sql_sources(Transition::Claim),
+        claimed = CLAIMED,
+        context = context,
+    )
 }
 
 /// apalis's job table.

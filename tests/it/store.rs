@@ -2374,10 +2374,16 @@ async fn an_interrupt_waits_for_the_boundary_and_a_cancel_does_not(s: Backend) {
     );
 }
 
+/// A refused start writes no run. On SQLite it writes nothing at all, not the thread's last
+/// start either; PostgreSQL's start function upserts the thread first (its row lock is what
+/// lines up the starts of one thread), and a refusal there leaves the upsert's time.
 async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
     let t = ThreadId::generate();
     let first = s.create_run(new_run(&t)).await.unwrap().run;
-    match s.create_run(new_run(&t)).await.unwrap_err() {
+    let thread = s.get_thread(&t).await.unwrap().unwrap();
+    let refused = new_run(&t);
+    let refused_id = refused.id;
+    match s.create_run(refused).await.unwrap_err() {
         StoreError::Busy { active_run, .. } => assert_eq!(active_run, first.id),
         e => panic!("{e}"),
     }
@@ -2387,6 +2393,14 @@ async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
         s.create_run(other).await.unwrap_err(),
         StoreError::ThreadOwnedElsewhere(_)
     ));
+    assert!(s.get_run(refused_id).await.unwrap().is_none());
+    if matches!(s.jobs, Jobs::Sqlite(_)) {
+        assert_eq!(
+            s.get_thread(&t).await.unwrap().unwrap().updated_at,
+            thread.updated_at,
+            "a refused start moved the thread's last start"
+        );
+    }
 }
 
 async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
