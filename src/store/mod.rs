@@ -9,7 +9,7 @@
 /// The two questions a run's end asks of the database, as SQL literals so constants can be
 /// built from them: is some wait row about the run (someone waits on it, or it waited on
 /// someone), and has it an attached child still going. [`REACH_COLUMNS`] asks them after the
-/// fence, PostgreSQL's `ENDS_ALONE` before it; one text keeps the two asking the same thing.
+/// fence, [`ENDS_ALONE`] before it; one text keeps the two asking the same thing.
 macro_rules! reach_waits {
     () => {
         "EXISTS (SELECT 1 FROM sa_run_waits w WHERE w.target = sa_runs.id OR w.waiter = sa_runs.id)"
@@ -312,6 +312,17 @@ impl Reach {
         children: true,
     };
 }
+
+/// The fence of a run's end that tells nobody: the run has no parent (no `child.finished` to
+/// write), no run waits on it and it waits on none (no wake-up, no waits to drop), and no
+/// attached child of it is still going (none to cancel). What [`REACH_COLUMNS`] and the parent
+/// column report after the fact, asked before, in the same snapshot.
+pub(crate) const ENDS_ALONE: &str = concat!(
+    " AND parent_run_id IS NULL AND NOT ",
+    reach_waits!(),
+    " AND NOT ",
+    reach_children!()
+);
 
 /// The extra columns a terminal fence returns: what [`Reach`] is read from.
 pub(crate) const REACH_COLUMNS: &str = concat!(", ", reach_waits!(), ", ", reach_children!());

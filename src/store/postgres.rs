@@ -584,23 +584,12 @@ impl SqlStore for PgStore {
     }
 }
 
-/// The fence of a run's end that tells nobody: the run has no parent (no `child.finished` to
-/// write), no run waits on it and it waits on none (no wake-up, no waits to drop), and no
-/// attached child of it is still going (none to cancel). What [`REACH_COLUMNS`] and the parent
-/// column report after the fact, asked before, in the same snapshot.
-const ENDS_ALONE: &str = concat!(
-    " AND parent_run_id IS NULL AND NOT ",
-    reach_waits!(),
-    " AND NOT ",
-    reach_children!()
-);
-
 /// One checkpoint as one statement (so one round trip, and alone one implicit transaction):
 /// the fenced UPDATE of the run row (which also locks it and reserves the event seqs), the
 /// messages and the events, as data-modifying CTEs that all see the fence's RETURNING row. If
 /// the fence matches nothing, nothing is inserted and no row comes back: the lease is lost.
 ///
-/// `only_if` narrows the fence further (SQL appended to its `WHERE`; see [`ENDS_ALONE`]).
+/// `only_if` narrows the fence further (SQL appended to its `WHERE`; see [`super::ENDS_ALONE`]).
 /// `announce` also sends the run's end to the other processes' waiters
 /// ([`super::pg_ends::CHANNEL`]) from the statement itself, delivered as it commits: no
 /// statement after it for the waiter to wait on.

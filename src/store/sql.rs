@@ -103,7 +103,12 @@ pub(crate) fn next_queued(jobs: &str, thread: &str) -> String {
 /// queue named by `[job, worker, queue]` (SQL expressions, parameters). Locked as apalis's fetch
 /// locks a job, only when that fetch would have taken this one: the worker is registered and no
 /// other job waits to be fetched. A NULL worker takes nothing.
-pub(crate) fn take_job(jobs: &str, workers: &str, now: &str, [job, worker, queue]: [&str; 3]) -> String {
+pub(crate) fn take_job(
+    jobs: &str,
+    workers: &str,
+    now: &str,
+    [job, worker, queue]: [&str; 3],
+) -> String {
     format!(
         "UPDATE {jobs} SET status = 'Queued', lock_by = {worker}, lock_at = {now} \
          WHERE id = {job} AND job_type = {queue} AND status = 'Pending' AND lock_by IS NULL AND run_at <= {now} \

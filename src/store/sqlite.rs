@@ -175,9 +175,8 @@ impl SqlStore for SqliteStore {
     const STATEMENTS_PER_COMMAND: bool = true;
 
     fn statements() -> &'static Statements {
-        static S: std::sync::LazyLock<Statements> = std::sync::LazyLock::new(|| {
-            Statements::new(JOBS, WORKERS, "", "+owner", JOBS_NOW, "")
-        });
+        static S: std::sync::LazyLock<Statements> =
+            std::sync::LazyLock::new(|| Statements::new(JOBS, WORKERS, "", "+owner", JOBS_NOW, ""));
         &S
     }
 
@@ -519,9 +518,22 @@ async fn fence(
     ff: FenceFields,
     now: DateTime<Utc>,
 ) -> Result<Option<SqliteRow>> {
+    let sql = format!("BEGIN IMMEDIATE; {}", fence_sql(&ff, ""));
+    let rows = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(sql)), cp, ff, lease, now)
+        .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+        .bind(cp.usage.cache_read_tokens as i64)
+        .bind(cp.usage.cache_write_tokens as i64)
+        .fetch_all(conn)
+        .await?;
+    Ok(rows.into_iter().next())
+}
+
+/// The terminal fence's `UPDATE` ([`fence`]), its `WHERE` narrowed further by `only_if`: its
+/// values are `$1`..`$17` (`bind_fence!`, then the cost and the cache tokens).
+fn fence_sql(ff: &FenceFields, only_if: &str) -> String {
     let (guard, reach_columns, unsteered) = (ff.guard, ff.reach_columns, ff.only_if);
-    let rows = bind_fence!(sqlx::query(sqlx::AssertSqlSafe(format!(
-        "BEGIN IMMEDIATE; UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
+    format!(
+        "UPDATE sa_runs SET event_seq = event_seq + $1, step = COALESCE($2, step), \
          prompt_tokens = prompt_tokens + $3, completion_tokens = completion_tokens + $4, cost_nanos = cost_nanos + $15, \
          cache_read_tokens = cache_read_tokens + $16, cache_write_tokens = cache_write_tokens + $17, \
          lease_expires_at = CASE WHEN $5 IS NULL THEN $6 ELSE 0 END, heartbeat_at = $7, updated_at = $7, \
@@ -529,16 +541,74 @@ async fn fence(
          error_kind = COALESCE($10, error_kind), error_message = COALESCE($11, error_message), \
          finished_at = COALESCE($12, finished_at), \
          cancel_requested = CASE WHEN $5 IS NULL THEN cancel_requested ELSE 0 END \
-         WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){unsteered} \
+         WHERE id = $13 AND lease_epoch = $14 AND status IN ({guard}){unsteered}{only_if} \
          RETURNING event_seq, thread_id, parent_run_id{reach_columns}, ({next})",
         next = *NEXT_QUEUED,
-    ))), cp, ff, lease, now)
-    .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
-    .bind(cp.usage.cache_read_tokens as i64)
-    .bind(cp.usage.cache_write_tokens as i64)
-    .fetch_all(conn)
-    .await?;
-    Ok(rows.into_iter().next())
+    )
+}
+
+/// Binds values as the `?`s of a `SELECT` that answers no row, placed before statements that
+/// name them `$1`, `$2`, …: sqlx-sqlite numbers a command's `?`s across its statements, after
+/// those of the statements before, so the `?`s of the statements after go on from there.
+/// This lets one command hold a `$N` statement and `QueryBuilder` rows after it.
+struct Leading<'a>(sqlx::query_builder::Separated<'a, sqlx::Sqlite, &'static str>);
+
+impl Leading<'_> {
+    fn bind<'t, T: sqlx::Encode<'t, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>>(
+        mut self,
+        value: T,
+    ) -> Self {
+        self.0.push_bind(value);
+        self
+    }
+}
+
+/// A run's end that tells nobody, as one command: the terminal fence narrowed by
+/// [`super::ENDS_ALONE`] (no parent, no waits, no attached child going), its rows and the
+/// settle of its job, each written only where that fence changed the run, and the `COMMIT`.
+/// `None` when the fence did not hold (the run is not alone, or the lease is lost): the command
+/// then committed nothing, and the end goes the long way, which finds out which.
+async fn end_alone(
+    conn: &mut sqlx::SqliteConnection,
+    lease: &Lease,
+    cp: &Checkpoint,
+    now: DateTime<Utc>,
+    relayed: i64,
+) -> Result<Option<(SqliteRow, Option<String>)>> {
+    let ff = cp.fence_fields(now);
+    let status = ff.status;
+    let sql = fence_sql(&ff, super::ENDS_ALONE);
+    let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("BEGIN IMMEDIATE; SELECT ");
+    bind_fence!(Leading(q.separated(", ")), cp, ff, lease, now)
+        .bind(cp.cost_nanos.min(i64::MAX as u64) as i64)
+        .bind(cp.usage.cache_read_tokens as i64)
+        .bind(cp.usage.cache_write_tokens as i64);
+    q.push(" WHERE 0; ").push(sql);
+    // The run as this fence leaves it, and no other way: its epoch, the terminal status and
+    // this commit's own time.
+    let ended = |q: &mut sqlx::QueryBuilder<sqlx::Sqlite>| {
+        q.push(" AND r.status = ")
+            .push_bind(status)
+            .push(" AND r.lease_expires_at = 0 AND r.updated_at = ")
+            .push_bind(now);
+    };
+    rows_sql(&mut q, &[(lease, cp)], now, relayed, &ended);
+    q.push("; ")
+        .push(&SqliteStore::statements().mark_job_done)
+        .push("id = (SELECT r.job_id FROM sa_runs r WHERE r.id = ")
+        .push_bind(lease.run_id.to_string())
+        .push(" AND r.lease_epoch = ")
+        .push_bind(lease.epoch);
+    ended(&mut q);
+    q.push(") AND lock_by = ")
+        .push_bind(lease.owner.as_str())
+        .push(" RETURNING id; COMMIT");
+    let rows = q.build().fetch_all(conn).await?;
+    let mut rows = rows.into_iter();
+    let Some(fenced) = rows.next().filter(|r| r.columns().len() > 1) else {
+        return Ok(None);
+    };
+    Ok(Some((fenced, rows.next().map(|r| r.get(0)))))
 }
 
 /// The messages, events and pins of a terminal checkpoint whose fence held, written as one
@@ -702,6 +772,24 @@ fn progress_sql(
             .push(guard)
             .push(") RETURNING sa_runs.id, sa_runs.event_seq");
     }
+    let items: Vec<_> = items.iter().map(|(l, cp)| (l, cp)).collect();
+    rows_sql(q, &items, now, relayed, &|q| {
+        q.push(" AND r.status IN (").push(guard).push(")");
+    });
+}
+
+/// Appends to `q` one `INSERT … SELECT` each for the messages, events and pins of `items`,
+/// after the `UPDATE` that fenced their runs: each row joins its run under its epoch and
+/// `fenced` (more of the join's `WHERE`, about the run `r`: what the fence left), so a run
+/// whose fence failed writes nothing, and the events are numbered back from the run's new
+/// `event_seq`.
+fn rows_sql(
+    q: &mut sqlx::QueryBuilder<sqlx::Sqlite>,
+    items: &[(&Lease, &Checkpoint)],
+    now: DateTime<Utc>,
+    relayed: i64,
+    fenced: &dyn Fn(&mut sqlx::QueryBuilder<sqlx::Sqlite>),
+) {
     // Each row with its run and epoch (the fence). `CROSS JOIN` keeps the rows in their order
     // (SQLite loops over its left side first), so a thread's messages take their ids in the
     // order the checkpoints hold them, and each run is found by its key.
@@ -726,10 +814,8 @@ fn progress_sql(
     }
     let fence = |q: &mut sqlx::QueryBuilder<sqlx::Sqlite>, epoch: &str| {
         q.push(") AS v CROSS JOIN sa_runs r WHERE r.id = v.column1 AND r.lease_epoch = v.")
-            .push(epoch)
-            .push(" AND r.status IN (")
-            .push(guard)
-            .push(")");
+            .push(epoch);
+        fenced(q);
     };
     for chunk in messages.chunks(1000) {
         q.push(
@@ -870,10 +956,26 @@ impl group::Progress for Commits {
                 "a terminal checkpoint without a status".into(),
             ));
         };
-        // Two commands to the connection's thread when the run ends alone (no parent, no
-        // waits, no children): the fence with its BEGIN, then the rows with the COMMIT. Its
-        // effects on other runs, when it has some, come between them.
+        // Most runs' ends tell nobody (a top-level run nobody awaits, without children still
+        // going): those end in one command, fenced on having none ([`end_alone`]). Any other
+        // end, and a lost lease, wrote nothing there and take two commands or more: the fence
+        // with its BEGIN, the rows, and the effects on other runs between them and the COMMIT.
         let mut conn = Unpooled::new(self.pool.acquire().await?);
+        if let Some((row, job_done)) = end_alone(conn.get(), &lease, &cp, now, self.relayed).await?
+        {
+            conn.pool();
+            let next = row
+                .get::<Option<String>, _>(5)
+                .map(|id| id.parse().map_err(|e| corrupt("run id", e)))
+                .transpose()?;
+            self.notifier.notify(lease.run_id);
+            // Fenced on having no child still going.
+            return Ok(Some(Ending {
+                children_going: false,
+                next: NextQueued::Known(next),
+                job_done,
+            }));
+        }
         let Some(row) = fence(conn.get(), &lease, &cp, ff, now).await? else {
             conn.rollback().await;
             return Err(StoreError::LeaseLost(lease.run_id));

@@ -655,7 +655,30 @@ async fn a_stale_epoch_cannot_write(s: Backend) {
         s.renew_lease(&old).await.unwrap_err(),
         StoreError::LeaseLost(_)
     ));
-    // The zombie's write left nothing behind.
+    // Nor can it end the run (an end that tells nobody, which SQLite tries in one command
+    // before the long way): no row, no event, no status.
+    let seq = s.get_run(run.id).await.unwrap().unwrap().event_seq;
+    let err = s
+        .checkpoint(
+            &old,
+            Checkpoint {
+                messages: vec![msg(run.id, "z")],
+                ..succeeded(vec![step_started(1)])
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::LeaseLost(_)), "{err}");
+    let after = s.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!(
+        (after.status, after.event_seq, after.lease_epoch),
+        (RunStatus::Running, seq, new.epoch)
+    );
+    assert!(
+        s.events_after(run.id, seq, 100).await.unwrap().is_empty(),
+        "a zombie's end wrote events"
+    );
+    // The zombie's writes left nothing behind.
     assert!(s.thread_messages(&t, 100_000).await.unwrap().is_empty());
     s.checkpoint(
         &new,
