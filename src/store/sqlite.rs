@@ -386,11 +386,15 @@ const CLAIMED: i32 = 9;
 static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| claim_sql(""));
 
 /// [`CLAIM`] that also reads the run's context (`context_rows!` for its thread, the messages
-/// limited by `$6`) in the claim's transaction, so it is what the claim saw.
+/// limited by `$6`) in the claim's transaction, so it is what the claim saw; only when the
+/// claim was made (the run is running under this worker since this claim's time), so an
+/// unclaimable run reads nothing under the write lock.
 static CLAIM_WITH_CONTEXT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     claim_sql(concat!(
-        "; ",
-        context_rows!("(SELECT thread_id FROM sa_runs WHERE id = $4)", "$6")
+        "; SELECT * FROM (",
+        context_rows!("(SELECT thread_id FROM sa_runs WHERE id = $4)", "$6"),
+        ") WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $4 AND status = 'running' \
+           AND lease_owner = $1 AND heartbeat_at = $3) ORDER BY part, id"
     ))
 });
 

@@ -691,9 +691,9 @@ async fn runs_start_without_waiting_for_the_poll_in_one_process() {
     // A run enqueued behind another on its thread starts when that one ends: the end names it
     // (on SQLite, read in the end's own commit) and its worker pushes its job. Neither the poll
     // nor the reaper would start it within the wait. The run before takes three model calls of
-    // 400 ms: the queued run's own job is fetched (and let go, its thread busy) well before
+    // a second: the queued run's own job is fetched (and let go, its thread busy) well before
     // that, so only its end can start it.
-    let first = t.start("SCENARIO steps=3 latency_ms=400 run=first").await;
+    let first = t.start("SCENARIO steps=3 latency_ms=1000 run=first").await;
     let behind = t
         .app
         .start_run(StartRun {

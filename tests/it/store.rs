@@ -1728,17 +1728,33 @@ async fn a_message_is_delivered_once_and_holds_back_the_final_answer(s: Backend)
         }),
         ..Default::default()
     };
+    // Refused whole, with its rows: the fence holds the current epoch, so only the waiting
+    // message refuses it (SQLite tries it as a lone end in one command first).
+    let seq = s.get_run(run).await.unwrap().unwrap().event_seq;
     assert!(
         matches!(
-            s.checkpoint(&lease, answer(false)).await,
+            s.checkpoint(
+                &lease,
+                Checkpoint {
+                    messages: vec![msg(run, "refused answer")],
+                    events: vec![step_started(2)],
+                    pins: vec![("refused".into(), "yes".into())],
+                    ..answer(false)
+                }
+            )
+            .await,
             Err(StoreError::LeaseLost(_))
         ),
         "a final answer does not commit over a waiting message"
     );
-    assert_eq!(
-        s.get_run(run).await.unwrap().unwrap().status,
-        RunStatus::Running
+    let after = s.get_run(run).await.unwrap().unwrap();
+    assert_eq!((after.status, after.event_seq), (RunStatus::Running, seq));
+    assert!(s.events_after(run, seq, 100).await.unwrap().is_empty());
+    assert!(
+        s.thread_messages(&thread, 100).await.unwrap().is_empty(),
+        "a refused answer wrote its message"
     );
+    assert!(s.run_pins(run).await.unwrap().is_empty());
     let delivered = s.deliver_messages(&lease, 2).await.unwrap();
     assert_eq!(delivered.len(), 1);
     assert_eq!(
