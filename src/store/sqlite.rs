@@ -596,23 +596,44 @@ async fn end_alone(
             .push(" AND r.lease_expires_at = 0 AND r.updated_at = ")
             .push_bind(now);
     };
-    rows_sql(&mut q, &[(lease, cp)], now, relayed, &ended);
-    q.push("; ")
-        .push(&SqliteStore::statements().mark_job_done)
-        .push("id = (SELECT r.job_id FROM sa_runs r WHERE r.id = ")
-        .push_bind(lease.run_id.to_string())
-        .push(" AND r.lease_epoch = ")
-        .push_bind(lease.epoch);
-    ended(&mut q);
-    q.push(") AND lock_by = ")
-        .push_bind(lease.owner.as_str())
-        .push(" RETURNING id; COMMIT");
+    rows_sql(&mut q, [(lease, cp)], now, relayed, &ended);
+    q.push("; ");
+    settle_sql(&mut q, &lease.run_id.to_string(), &lease.owner, &|q| {
+        q.push(" AND r.lease_epoch = ").push_bind(lease.epoch);
+        ended(q);
+    });
+    q.push("; COMMIT");
     let rows = q.build().fetch_all(conn).await?;
     let mut rows = rows.into_iter();
     let Some(fenced) = rows.next().filter(|r| r.columns().len() > 1) else {
         return Ok(None);
     };
     Ok(Some((fenced, rows.next().map(|r| r.get(0)))))
+}
+
+/// Appends to `q` the statement that marks the job of the ending run `run` done when `worker`
+/// holds it, as `settle_held_job` does ([`Ending::job_done`]), `RETURNING` its id; `fenced` adds
+/// to the `WHERE` that finds the run `r` (what its fence left).
+fn settle_sql(
+    q: &mut sqlx::QueryBuilder<sqlx::Sqlite>,
+    run: &str,
+    worker: &str,
+    fenced: &dyn Fn(&mut sqlx::QueryBuilder<sqlx::Sqlite>),
+) {
+    q.push(&SqliteStore::statements().mark_job_done)
+        .push("id = (SELECT r.job_id FROM sa_runs r WHERE r.id = ")
+        .push_bind(run);
+    fenced(q);
+    q.push(") AND lock_by = ")
+        .push_bind(worker)
+        .push(" RETURNING id");
+}
+
+/// The thread's next queued run, from a terminal fence's row ([`NEXT_QUEUED`], column 5).
+fn next_queued_of(row: &SqliteRow) -> Result<Option<RunId>> {
+    row.get::<Option<String>, _>(5)
+        .map(|id| id.parse().map_err(|e| corrupt("run id", e)))
+        .transpose()
 }
 
 /// The messages, events and pins of a terminal checkpoint whose fence held, written as one
@@ -712,12 +733,8 @@ impl<'a> Appends<'a> {
         }
         if let Some((run, worker)) = &self.settle {
             // As `settle_held_job` marks it done; the only statement here that returns rows.
-            next(&mut q, &SqliteStore::statements().mark_job_done);
-            q.push("id = (SELECT job_id FROM sa_runs WHERE id = ")
-                .push_bind(run.as_str())
-                .push(") AND lock_by = ")
-                .push_bind(*worker)
-                .push(" RETURNING id");
+            next(&mut q, "");
+            settle_sql(&mut q, run, worker, &|_| {});
         }
         if commit {
             next(&mut q, "COMMIT");
@@ -776,8 +793,7 @@ fn progress_sql(
             .push(guard)
             .push(") RETURNING sa_runs.id, sa_runs.event_seq");
     }
-    let items: Vec<_> = items.iter().map(|(l, cp)| (l, cp)).collect();
-    rows_sql(q, &items, now, relayed, &|q| {
+    rows_sql(q, items.iter().map(|(l, cp)| (l, cp)), now, relayed, &|q| {
         q.push(" AND r.status IN (").push(guard).push(")");
     });
 }
@@ -787,9 +803,9 @@ fn progress_sql(
 /// `fenced` (more of the join's `WHERE`, about the run `r`: what the fence left), so a run
 /// whose fence failed writes nothing, and the events are numbered back from the run's new
 /// `event_seq`.
-fn rows_sql(
+fn rows_sql<'a>(
     q: &mut sqlx::QueryBuilder<sqlx::Sqlite>,
-    items: &[(&Lease, &Checkpoint)],
+    items: impl IntoIterator<Item = (&'a Lease, &'a Checkpoint)>,
     now: DateTime<Utc>,
     relayed: i64,
     fenced: &dyn Fn(&mut sqlx::QueryBuilder<sqlx::Sqlite>),
@@ -968,10 +984,7 @@ impl group::Progress for Commits {
         if let Some((row, job_done)) = end_alone(conn.get(), &lease, &cp, now, self.relayed).await?
         {
             conn.pool();
-            let next = row
-                .get::<Option<String>, _>(5)
-                .map(|id| id.parse().map_err(|e| corrupt("run id", e)))
-                .transpose()?;
+            let next = next_queued_of(&row)?;
             self.notifier.notify(lease.run_id);
             // Fenced on having no child still going.
             return Ok(Some(Ending {
@@ -992,10 +1005,7 @@ impl group::Progress for Commits {
         let children_going = row.get::<bool, _>(4);
         let alone =
             row.get::<Option<String>, _>(2).is_none() && !row.get::<bool, _>(3) && !children_going;
-        let next = row
-            .get::<Option<String>, _>(5)
-            .map(|id| id.parse().map_err(|e| corrupt("run id", e)))
-            .transpose()?;
+        let next = next_queued_of(&row)?;
         let job_done = rows.insert(conn.get(), now, self.relayed, alone).await?;
         if !alone {
             SqliteStore::end_effects(
