@@ -1188,6 +1188,15 @@ pub trait Queries: Send + Sync + 'static {
     /// ids. Each of these was a read of its own: four round trips for every answer.
     async fn view_extras(&self, run: RunId, tool: &str) -> Result<ViewExtras>;
 
+    /// A run and, once it has ended, its [`Queries::view_extras`], in one round trip: a wait's
+    /// answer reads both, and the extras after the run was one more round trip on the way to
+    /// the caller.
+    async fn run_and_extras(
+        &self,
+        run: RunId,
+        tool: &str,
+    ) -> Result<Option<(RunRecord, Option<ViewExtras>)>>;
+
     /// What answers every wait and stream on a run after a commit: the run, its latest `last`
     /// events, and once it has ended its [`Self::view_extras`]. One command on SQLite (its
     /// statements run in turn on the reading connection's thread); on PostgreSQL the run,
@@ -1256,9 +1265,9 @@ pub struct RunRead {
 }
 
 impl RunRead {
-    /// [`Queries::run_with_latest`] as separate reads: the run, then its latest `last` events
-    /// (from `events`, given the seq they follow: the database's, or a relay's stream) beside
-    /// its view's extras when it has ended.
+    /// [`Queries::run_with_latest`] as separate reads: the run with its view's extras when it
+    /// has ended ([`Queries::run_and_extras`], one round trip), then its latest `last` events
+    /// (from `events`, given the seq they follow: the database's, or a relay's stream).
     pub async fn apart<S, F, Fut>(
         store: &S,
         run: RunId,
@@ -1271,23 +1280,15 @@ impl RunRead {
         F: FnOnce(u64) -> Fut + Send,
         Fut: std::future::Future<Output = Result<Vec<EventRecord>>> + Send,
     {
-        let Some(r) = store.get_run(run).await? else {
+        let Some((r, extras)) = store.run_and_extras(run, tool).await? else {
             return Ok(None);
         };
         let events_after = r.event_seq.saturating_sub(u64::from(last));
-        let terminal = r.status.is_terminal();
-        // A finished run's view also needs its extras: read beside its events, not after them.
-        let (events, extras) = tokio::join!(events(events_after), async {
-            match terminal {
-                true => Some(store.view_extras(run, tool).await),
-                false => None,
-            }
-        });
         Ok(Some(RunRead {
             run: r,
-            events: events?,
+            events: events(events_after).await?,
             events_after,
-            extras: extras.transpose()?,
+            extras,
         }))
     }
 }

@@ -275,6 +275,20 @@ impl PgStore {
     }
 }
 
+/// A run's start: one call of `sa_start_run_with_job` (migrations/postgres/0014 and 0018).
+const START: &str = "SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)";
+
+/// [`START`] under an owner's cap of queued runs (`$26`): the owner's count is read first, in
+/// the same statement, and the function runs only below the cap. The subquery's `OFFSET 0`
+/// keeps it from being pulled up into the join, so its condition, which names only the outer
+/// row, is a one-time filter above the function scan (`EXPLAIN` shows `One-Time Filter`)
+/// rather than a join filter applied after the function has run. Over the cap the row comes
+/// back with a NULL `outcome` and nothing was written
+/// (`store::a_start_past_its_owners_cap_of_queued_runs_is_refused`).
+const START_CAPPED: &str = "WITH q AS (SELECT CAST(COALESCE(SUM(queued), 0) AS BIGINT) AS n FROM sa_queue_depth WHERE owner = $3) \
+     SELECT s.* FROM q LEFT JOIN LATERAL (SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25) \
+     WHERE q.n < $26 OFFSET 0) s ON true";
+
 // PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
 // a child's terminal commit takes (its own row, then its parent's and waiters').
 impl PgStore {
@@ -367,25 +381,45 @@ impl SqlStore for PgStore {
         .into();
         let event = queued.data();
         let now = group::Landed::stamp();
-        // The owner's cap of queued runs, read just before the start: `sa_start_run_with_job`'s
-        // parameters are fixed by its migration, so not in its transaction, and a burst of
-        // starts may pass the cap by a few.
-        if new.max_queued > 0 && self.queued_count(&new.owner).await? >= new.max_queued {
-            self.full_queue(&new).await?;
-        }
-        let row = bind_new_run!(sqlx::query("SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)"), new, now)
-            .bind(new.if_busy == IfBusy::Reject)
-            .bind(event.to_string())
-            .bind(new.retry_of.map(|r| r.to_string()))
-            .bind(i64::from(new.priority.clamp(1, 5)))
-            .bind(new.place == QueuePlace::Back)
-            .bind(QUEUE_NAME)
-            .bind(job_body(new.id))
-            .bind(JOB_MAX_ATTEMPTS as i32)
-            .bind(self.relayed_at_insert())
-            .bind(new.agent_version.as_deref());
+        let start = |sql: &'static str| {
+            bind_new_run!(sqlx::query(sql), new, now)
+                .bind(new.if_busy == IfBusy::Reject)
+                .bind(event.to_string())
+                .bind(new.retry_of.map(|r| r.to_string()))
+                .bind(i64::from(new.priority.clamp(1, 5)))
+                .bind(new.place == QueuePlace::Back)
+                .bind(QUEUE_NAME)
+                .bind(job_body(new.id))
+                .bind(JOB_MAX_ATTEMPTS as i32)
+                .bind(self.relayed_at_insert())
+                .bind(new.agent_version.as_deref())
+        };
         let mut conn = self.kept().await?;
-        let row = row.fetch_one(&mut *conn).await?;
+        // The owner's cap of queued runs is read in the same statement, just before the start
+        // function, which runs only below it (`START_CAPPED`'s one-time filter): a start costs
+        // one round trip with a cap as without. The cap's read is not in the function's
+        // transaction snapshot (its parameters are fixed by its migration), so a burst of
+        // starts may pass the cap by a few.
+        let row = match new.max_queued {
+            0 => start(START).fetch_one(&mut *conn).await?,
+            cap => {
+                let row = start(START_CAPPED)
+                    .bind(cap.min(i64::MAX as u64) as i64)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                match row.get::<Option<String>, _>("outcome") {
+                    Some(_) => row,
+                    None => {
+                        conn.keep();
+                        // Over the cap: refused unless the thread is another owner's, or this
+                        // is a replay of a keyed start, which the function answers with its run.
+                        self.full_queue(&new).await?;
+                        conn = self.kept().await?;
+                        start(START).fetch_one(&mut *conn).await?
+                    }
+                }
+            }
+        };
         conn.keep();
         let outcome: String = row.get("outcome");
         let rid: Option<String> = row.get("rid");

@@ -2079,9 +2079,28 @@ async fn a_runs_view_extras_come_in_one_read(s: Backend) {
         (seq, seq - 2, vec![seq - 1, seq], None),
         "no extras while it runs"
     );
+    // The run and its extras alone (what a wait beside a relay reads): none while it runs.
+    let (r, extras) = s.run_and_extras(run, "todo_write").await.unwrap().unwrap();
+    assert_eq!(
+        (r.id, r.status, r.event_seq),
+        (run, RunStatus::Running, seq)
+    );
+    assert_eq!(extras, None, "no extras while it runs");
     s.checkpoint(&lease, succeeded(vec![sample("run.succeeded")]))
         .await
         .unwrap();
+    let (r, extras) = s.run_and_extras(run, "todo_write").await.unwrap().unwrap();
+    assert_eq!(r.status, RunStatus::Succeeded);
+    let x = s.view_extras(run, "todo_write").await.unwrap();
+    assert_eq!(extras.as_ref(), Some(&x));
+    assert_eq!((x.children.len(), x.pins.len()), (2, 1));
+    assert_eq!(x.last_call.as_deref(), Some(plan));
+    assert!(
+        s.run_and_extras(RunId::new(), "todo_write")
+            .await
+            .unwrap()
+            .is_none()
+    );
     let read = s.run_with_latest(run, 100, "todo_write").await.unwrap();
     let ended = s.get_run(run).await.unwrap().unwrap();
     assert_eq!(ended.status, RunStatus::Succeeded);

@@ -36,11 +36,21 @@ where
     i32: Col<R::Database>,
     Option<String>: Col<R::Database>,
 {
+    extras_from_parts(
+        rows.into_iter()
+            .map(|r| (r.get::<i32, _>("part"), r.get("a"), r.get("b"))),
+        tool,
+    )
+}
+
+/// A run's view extras from the `(part, a, b)` of [`view_extras!`]'s rows, however they came.
+fn extras_from_parts(
+    parts: impl IntoIterator<Item = (i32, String, Option<String>)>,
+    tool: &str,
+) -> Result<ViewExtras> {
     let mut extras = ViewExtras::default();
-    for r in rows {
-        let a: String = r.get("a");
-        let b: Option<String> = r.get("b");
-        match r.get::<i32, _>("part") {
+    for (part, a, b) in parts {
+        match part {
             0 => {
                 extras.pins.insert(a, b.unwrap_or_default());
             }
@@ -312,6 +322,67 @@ where
             .fetch_all(self.reads())
             .await?;
         extras_from_rows(&rows, tool)
+    }
+
+    async fn run_and_extras(
+        &self,
+        run: RunId,
+        tool: &str,
+    ) -> Result<Option<(RunRecord, Option<ViewExtras>)>> {
+        // The extras come only for a run that had ended, which it then stays.
+        if S::STATEMENTS_PER_COMMAND {
+            // One command, two statements (`src` tells whose a row is).
+            let rows = sqlx::query(concat!(
+                "SELECT 0 AS src, ",
+                run_columns!(),
+                " FROM sa_runs WHERE id = $1; \
+                 SELECT 2 AS src, part, a, b FROM (",
+                view_extras!("$1", "$2"),
+                ") x WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1 \
+                   AND status NOT IN ('queued', 'running', 'waiting')) ORDER BY 2, 3"
+            ))
+            .bind(run.to_string())
+            .bind(call_pattern(tool))
+            .fetch_all(self.reads())
+            .await?;
+            let of = |src: i32| rows.iter().filter(move |r| r.get::<i32, _>("src") == src);
+            let Some(r) = of(0).next().map(S::run_from_row).transpose()? else {
+                return Ok(None);
+            };
+            let extras = match r.status.is_terminal() {
+                true => Some(extras_from_rows(of(2), tool)?),
+                false => None,
+            };
+            return Ok(Some((r, extras)));
+        }
+        // One statement, one row: the extras as a JSON array of `[part, a, b]` beside the
+        // run's columns (sqlx sends PostgreSQL one statement per round trip; `CASE` reads them
+        // only for a run that has ended).
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            run_columns!(),
+            ", CASE WHEN status NOT IN ('queued', 'running', 'waiting') THEN \
+               (SELECT CAST(COALESCE(json_agg(json_build_array(part, a, b) ORDER BY part, a), '[]') AS TEXT) FROM (",
+            view_extras!("$1", "$2"),
+            ") x) END AS extras FROM sa_runs WHERE id = $1"
+        ))
+        .bind(run.to_string())
+        .bind(call_pattern(tool))
+        .fetch_optional(self.reads())
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let r = S::run_from_row(&row)?;
+        let extras = match row.get::<Option<String>, _>("extras") {
+            Some(json) if r.status.is_terminal() => {
+                let parts: Vec<(i32, String, Option<String>)> =
+                    serde_json::from_str(&json).map_err(|e| corrupt("view extras", e))?;
+                Some(extras_from_parts(parts, tool)?)
+            }
+            _ => None,
+        };
+        Ok(Some((r, extras)))
     }
 
     async fn run_with_latest(&self, run: RunId, last: u32, tool: &str) -> Result<Option<RunRead>> {
