@@ -674,7 +674,8 @@ pub trait Claims: Send + Sync + 'static {
     /// [`Self::claim_run`] for the worker that runs the claimed run next: with its context
     /// ([`Checkpoints::context`] of its thread, the newest `limit` messages) when the backend
     /// can read it with the claim, in the same round trip (SQLite reads it in the claim's
-    /// transaction). `None` when it cannot, or the thread is a fork: then the caller reads it.
+    /// transaction, PostgreSQL in the claim's statement where the thread has no compaction).
+    /// `None` when it cannot, or the thread is a fork: then the caller reads it.
     async fn claim_with_context(
         &self,
         id: RunId,

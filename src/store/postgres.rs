@@ -289,6 +289,40 @@ const START_CAPPED: &str = "WITH q AS (SELECT CAST(COALESCE(SUM(queued), 0) AS B
      SELECT s.* FROM q LEFT JOIN LATERAL (SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25) \
      WHERE q.n < $26 OFFSET 0) s ON true";
 
+/// The claimed run's context, as a column of [`Claims::claim`]'s statement (`$6` the most
+/// messages): the thread's newest messages as a JSON array of `[id, run_id, step, key, body]`,
+/// oldest first (the claim's statement has one row, and sqlx sends PostgreSQL one statement
+/// per round trip). NULL where the context is more than messages, a compaction or a fork's
+/// shared history: then the claimer reads it itself (`SqlStore::context_parts`).
+macro_rules! claim_context {
+    () => {
+        ", CASE WHEN NOT EXISTS (SELECT 1 FROM sa_compactions WHERE thread_id = c.thread_id) \
+           AND NOT EXISTS (SELECT 1 FROM sa_thread_lineage WHERE thread = c.thread_id) THEN \
+           (SELECT CAST(COALESCE(json_agg(json_build_array(m.id, m.run_id, m.step, m.key, m.body) ORDER BY m.id), '[]') AS TEXT) \
+            FROM (SELECT id, run_id, step, key, body FROM sa_messages WHERE thread_id = c.thread_id \
+              ORDER BY id DESC LIMIT $6) m) END AS context"
+    };
+}
+
+/// A thread's context from [`claim_context`]'s column.
+fn context_from_json(json: &str) -> Result<ThreadContext> {
+    let rows: Vec<(i64, String, i64, String, String)> =
+        serde_json::from_str(json).map_err(|e| corrupt("claimed context", e))?;
+    let messages = rows
+        .into_iter()
+        .map(|(id, run, step, key, body)| {
+            Ok(StoredMessage {
+                id,
+                run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
+                step: step as u32,
+                key,
+                message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((None, messages))
+}
+
 // PostgreSQL locks rows: a park share-locks the runs it waits on before its own row, the order
 // a child's terminal commit takes (its own row, then its parent's and waiters').
 impl PgStore {
@@ -468,45 +502,59 @@ impl SqlStore for PgStore {
         }
     }
 
-    /// PostgreSQL reads no context with the claim: sqlx sends one statement per round trip
-    /// there, and the claim is a single one already.
+    /// PostgreSQL's claim is one statement, and with `context` it also reads the run's
+    /// context (see [`claim_context`]) where the claimer's first read had been a round trip
+    /// of its own.
     async fn claim(
         &self,
         id: RunId,
         owner: &str,
         ttl: Duration,
-        _context: Option<u32>,
+        context: Option<u32>,
     ) -> Result<(Claim, Option<ThreadContext>)> {
         let now = group::Landed::stamp();
         let nms = now_ms();
         // One statement: the claim and its `run.started` / `run.resumed` event. A queued run is
         // claimable once its thread is free and it is the thread's oldest; a parked one at any
         // time (a spurious claim replays and parks again).
-        let row = sqlx::query(sql!(
-            concat!(
-                "WITH c AS (UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
-                 lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
-                 heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
-                 WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
-                   ",
-                next_in_its_thread!("sa_runs", " OFFSET 0"),
-                ")) ",
-                limits_guard!(),
-                " RETURNING *), \
-                 e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
-                   SELECT c.id, c.event_seq, CASE WHEN c.claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
-                     json_build_object('attempt', c.attempts, 'crashes', c.crashes, 'worker', $1::text, 'from', c.claimed_from)::text, $3, $5 FROM c) \
-                 SELECT ",
-                run_columns!(),
-                " FROM c"
-            ),
-            Transition::Claim
-        ))
+        macro_rules! claim {
+            ($context:expr) => {
+                sql!(
+                    concat!(
+                        "WITH c AS (UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
+                         lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
+                         heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
+                         WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
+                           ",
+                        next_in_its_thread!("sa_runs", " OFFSET 0"),
+                        ")) ",
+                        limits_guard!(),
+                        " RETURNING *), \
+                         e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+                           SELECT c.id, c.event_seq, CASE WHEN c.claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
+                             json_build_object('attempt', c.attempts, 'crashes', c.crashes, 'worker', $1::text, 'from', c.claimed_from)::text, $3, $5 FROM c) \
+                         SELECT ",
+                        run_columns!(),
+                        $context,
+                        " FROM c"
+                    ),
+                    Transition::Claim
+                )
+            };
+        }
+        let row = sqlx::query(match context {
+            None => claim!(""),
+            Some(_) => claim!(claim_context!()),
+        })
         .bind(owner)
         .bind(nms + ttl.as_millis() as i64)
         .bind(now)
         .bind(id.to_string())
         .bind(self.relayed_at_insert());
+        let row = match context {
+            None => row,
+            Some(limit) => row.bind(i64::from(limit)),
+        };
         // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
         // COMMITTED two concurrent claims would both count the same running runs and both
         // pass. The locks go with the transaction.
@@ -550,7 +598,17 @@ impl SqlStore for PgStore {
         // The claimed row comes back whole: no second read.
         let run = Self::run_from_row(&row)?;
         self.claimed(&run, owner, now);
-        Ok((Claim::acquired(run, owner, ttl), None))
+        // The claim is committed: it never fails over its context. Where the statement read
+        // none (a compaction, a fork's shared history) or it does not read, the claimer reads
+        // it itself (and a row that does not read then fails the run, as
+        // `End::from(StoreError::Corrupt)` does).
+        let context = match context {
+            Some(_) => row
+                .get::<Option<String>, _>("context")
+                .and_then(|json| context_from_json(&json).ok()),
+            None => None,
+        };
+        Ok((Claim::acquired(run, owner, ttl), context))
     }
 
     async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>> {

@@ -1356,7 +1356,10 @@ async fn a_claim_brings_the_context_its_run_rebuilds_from(s: Backend) {
     assert_eq!(read.0.as_ref().map(|c| c.summary.as_str()), Some("a and b"));
     match folds {
         true => assert_eq!(context, Some(read), "SQLite reads it with the claim"),
-        false => assert_eq!(context, None, "PostgreSQL's claimer reads it itself"),
+        false => assert_eq!(
+            context, None,
+            "PostgreSQL's claimer reads a compacted thread's itself"
+        ),
     }
     // Nothing to claim: no context either.
     let (claim, context) = s
@@ -1387,6 +1390,32 @@ async fn a_claim_brings_the_context_its_run_rebuilds_from(s: Backend) {
         2,
         "c and d, shared"
     );
+    // A thread of messages alone: both backends read its context with the claim, bounded to
+    // the newest, oldest first.
+    let (t2, lease2) = claimed_run(&s, ttl).await;
+    s.checkpoint(
+        &lease2,
+        Checkpoint {
+            messages: ["x", "y", "z"].map(|k| msg(lease2.run_id, k)).to_vec(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        s.release_lease(&lease2, &new_job_id(), false)
+            .await
+            .unwrap()
+    );
+    let (claim, context) = s
+        .claim_with_context(lease2.run_id, "w5", ttl, 2)
+        .await
+        .unwrap();
+    assert!(matches!(claim, Claim::Acquired(..)));
+    let read = s.context(&t2, 2).await.unwrap();
+    assert_eq!(read.1.len(), 2, "bounded to the newest");
+    assert!(read.1[0].id < read.1[1].id, "oldest first");
+    assert_eq!(context, Some(read), "read with the claim");
 }
 
 async fn appends_are_idempotent_and_sequences_gap_free(s: Backend) {
