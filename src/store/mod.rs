@@ -1190,8 +1190,9 @@ pub trait Queries: Send + Sync + 'static {
     async fn view_extras(&self, run: RunId, tool: &str) -> Result<ViewExtras>;
 
     /// A run and, once it has ended, its [`Queries::view_extras`], in one round trip: a wait's
-    /// answer reads both, and the extras after the run was one more round trip on the way to
-    /// the caller.
+    /// answer reads both, where the extras had been a statement of their own beside the
+    /// events read after the run (one statement and one connection fewer; the events now
+    /// follow it).
     async fn run_and_extras(
         &self,
         run: RunId,
@@ -1200,8 +1201,8 @@ pub trait Queries: Send + Sync + 'static {
 
     /// What answers every wait and stream on a run after a commit: the run, its latest `last`
     /// events, and once it has ended its [`Self::view_extras`]. One command on SQLite (its
-    /// statements run in turn on the reading connection's thread); on PostgreSQL the run,
-    /// then the other two side by side. `None`: no such run.
+    /// statements run in turn on the reading connection's thread); on PostgreSQL the run with
+    /// its extras ([`Self::run_and_extras`]), then its events. `None`: no such run.
     async fn run_with_latest(&self, run: RunId, last: u32, tool: &str) -> Result<Option<RunRead>>;
 
     /// How many runs `owner` has queued (all priorities), from the queue-depth counters: one

@@ -603,9 +603,11 @@ impl SqlStore for PgStore {
         // it itself (and a row that does not read then fails the run, as
         // `End::from(StoreError::Corrupt)` does).
         let context = match context {
-            Some(_) => row
-                .get::<Option<String>, _>("context")
-                .and_then(|json| context_from_json(&json).ok()),
+            Some(_) => row.get::<Option<String>, _>("context").and_then(|json| {
+                context_from_json(&json)
+                    .inspect_err(|e| tracing::debug!(run_id = %id, error = %e, "the claim's context did not read; the claimer reads it apart"))
+                    .ok()
+            }),
             None => None,
         };
         Ok((Claim::acquired(run, owner, ttl), context))
