@@ -331,29 +331,9 @@ where
     ) -> Result<Option<(RunRecord, Option<ViewExtras>)>> {
         // The extras come only for a run that had ended, which it then stays.
         if S::STATEMENTS_PER_COMMAND {
-            // One command, two statements (`src` tells whose a row is).
-            let rows = sqlx::query(concat!(
-                "SELECT 0 AS src, ",
-                run_columns!(),
-                " FROM sa_runs WHERE id = $1; \
-                 SELECT 2 AS src, part, a, b FROM (",
-                view_extras!("$1", "$2"),
-                ") x WHERE EXISTS (SELECT 1 FROM sa_runs WHERE id = $1 \
-                   AND status NOT IN ('queued', 'running', 'waiting')) ORDER BY 2, 3"
-            ))
-            .bind(run.to_string())
-            .bind(call_pattern(tool))
-            .fetch_all(self.reads())
-            .await?;
-            let of = |src: i32| rows.iter().filter(move |r| r.get::<i32, _>("src") == src);
-            let Some(r) = of(0).next().map(S::run_from_row).transpose()? else {
-                return Ok(None);
-            };
-            let extras = match r.status.is_terminal() {
-                true => Some(extras_from_rows(of(2), tool)?),
-                false => None,
-            };
-            return Ok(Some((r, extras)));
+            // `run_with_latest`'s one command, asking for no events.
+            let read = self.run_with_latest(run, 0, tool).await?;
+            return Ok(read.map(|r| (r.run, r.extras)));
         }
         // One statement, one row: the extras as a JSON array of `[part, a, b]` beside the
         // run's columns (sqlx sends PostgreSQL one statement per round trip; `CASE` reads them
