@@ -310,15 +310,7 @@ fn context_from_json(json: &str) -> Result<ThreadContext> {
         serde_json::from_str(json).map_err(|e| corrupt("claimed context", e))?;
     let messages = rows
         .into_iter()
-        .map(|(id, run, step, key, body)| {
-            Ok(StoredMessage {
-                id,
-                run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
-                step: step as u32,
-                key,
-                message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
-            })
-        })
+        .map(|(id, run, step, key, body)| super::sql::stored_message(id, &run, step, key, &body))
         .collect::<Result<Vec<_>>>()?;
     Ok((None, messages))
 }

@@ -245,6 +245,24 @@ impl Common {
     }
 }
 
+/// A stored message from its columns (`id`, `run_id`, `step`, `key`, `body`), however they
+/// were read: a row of its own, or an element of PostgreSQL's claimed context.
+pub(crate) fn stored_message(
+    id: i64,
+    run: &str,
+    step: i64,
+    key: String,
+    body: &str,
+) -> Result<StoredMessage> {
+    Ok(StoredMessage {
+        id,
+        run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
+        step: step as u32,
+        key,
+        message: serde_json::from_str(body).map_err(|e| corrupt("message body", e))?,
+    })
+}
+
 /// A row the code cannot read: a value it does not know, or a broken reference.
 pub(crate) fn corrupt(what: &str, v: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt(format!("{what}: {v}"))
@@ -848,13 +866,7 @@ where
     fn message_from_row(r: &<Self::Db as Database>::Row) -> Result<StoredMessage> {
         let run: String = r.get("run_id");
         let body: String = r.get("body");
-        Ok(StoredMessage {
-            id: r.get("id"),
-            run_id: run.parse().map_err(|e| corrupt("message run id", e))?,
-            step: r.get::<i64, _>("step") as u32,
-            key: r.get("key"),
-            message: serde_json::from_str(&body).map_err(|e| corrupt("message body", e))?,
-        })
+        stored_message(r.get("id"), &run, r.get("step"), r.get("key"), &body)
     }
 
     /// An approval from its row (by name).

@@ -353,16 +353,16 @@ where
         let Some(row) = row else {
             return Ok(None);
         };
-        let r = S::run_from_row(&row)?;
+        // The column is NULL exactly while the run has not ended (its `CASE`).
         let extras = match row.get::<Option<String>, _>("extras") {
-            Some(json) if r.status.is_terminal() => {
+            Some(json) => {
                 let parts: Vec<(i32, String, Option<String>)> =
                     serde_json::from_str(&json).map_err(|e| corrupt("view extras", e))?;
                 Some(extras_from_parts(parts, tool)?)
             }
-            _ => None,
+            None => None,
         };
-        Ok(Some((r, extras)))
+        Ok(Some((S::run_from_row(&row)?, extras)))
     }
 
     async fn run_with_latest(&self, run: RunId, last: u32, tool: &str) -> Result<Option<RunRead>> {
