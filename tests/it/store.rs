@@ -2523,12 +2523,14 @@ async fn an_interrupt_waits_for_the_boundary_and_a_cancel_does_not(s: Backend) {
     );
 }
 
-/// A refused start writes no run. On SQLite it writes nothing at all, not the thread's last
-/// start either; PostgreSQL's start function upserts the thread first (its row lock is what
-/// lines up the starts of one thread), and a refusal there leaves the upsert's time.
+/// A refused start writes nothing: no run, no thread, not the thread's last start, and not
+/// another owner's thread that it named.
 async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
     let t = ThreadId::generate();
-    let first = s.create_run(new_run(&t)).await.unwrap().run;
+    let key = format!("once-{t}");
+    let mut keyed = new_run(&t);
+    keyed.idempotency_key = Some(key.clone());
+    let first = s.create_run(keyed).await.unwrap().run;
     let thread = s.get_thread(&t).await.unwrap().unwrap();
     let refused = new_run(&t);
     let refused_id = refused.id;
@@ -2538,18 +2540,26 @@ async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
     }
     let mut other = new_run(&t);
     other.owner = "someone-else".into();
+    let other_id = other.id;
     assert!(matches!(
         s.create_run(other).await.unwrap_err(),
         StoreError::ThreadOwnedElsewhere(_)
     ));
+    // A replay of the keyed start, naming a thread that does not exist yet: the first run,
+    // and no thread for it.
+    let fresh = ThreadId::generate();
+    let mut replay = new_run(&fresh);
+    replay.idempotency_key = Some(key);
+    let replayed = s.create_run(replay).await.unwrap();
+    assert!(replayed.existing && replayed.run.id == first.id, "{replayed:?}");
+    assert!(s.get_thread(&fresh).await.unwrap().is_none(), "a replay created its thread");
     assert!(s.get_run(refused_id).await.unwrap().is_none());
-    if matches!(s.jobs, Jobs::Sqlite(_)) {
-        assert_eq!(
-            s.get_thread(&t).await.unwrap().unwrap().updated_at,
-            thread.updated_at,
-            "a refused start moved the thread's last start"
-        );
-    }
+    assert!(s.get_run(other_id).await.unwrap().is_none());
+    assert_eq!(
+        s.get_thread(&t).await.unwrap().unwrap().updated_at,
+        thread.updated_at,
+        "a refused start moved the thread's last start"
+    );
 }
 
 async fn enqueued_runs_wait_for_the_thread_and_go_in_order(s: Backend) {
