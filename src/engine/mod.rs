@@ -212,6 +212,35 @@ impl Engine {
                 self.context_limit(),
             )
             .await?;
+        self.execute_claim(run_id, claim, context, shutdown).await
+    }
+
+    /// Takes the job a notification named for `worker` and claims its run in one round trip
+    /// where the store can ([`crate::store::Claims::take_and_claim`]), for
+    /// [`Engine::execute_claim`]. `None` when the job was not this worker's to take.
+    pub async fn take_and_claim(
+        &self,
+        job_id: &str,
+        worker: &str,
+    ) -> Result<Option<crate::store::Taken>, StoreError> {
+        self.store
+            .take_and_claim(
+                job_id,
+                worker,
+                self.settings.lease_ttl,
+                self.context_limit(),
+            )
+            .await
+    }
+
+    /// [`Engine::execute`] from the claim of `run_id` (and the context it read) already made.
+    pub async fn execute_claim(
+        &self,
+        run_id: RunId,
+        claim: Claim,
+        context: Option<ThreadContext>,
+        shutdown: &CancellationToken,
+    ) -> Result<Executed, StoreError> {
         let (lease, run) = match claim {
             Claim::Acquired(lease, run) => (lease, *run),
             Claim::NotClaimable(status) => {

@@ -181,6 +181,20 @@ pub enum Claim {
     NotClaimable(Option<RunStatus>),
 }
 
+/// A job a worker took and the claim of its run that came with it
+/// ([`Claims::take_and_claim`]).
+#[derive(Debug)]
+pub struct Taken {
+    /// The job's run.
+    pub run_id: RunId,
+    /// Its claim by the worker that took the job: a run that is not claimable (its thread's
+    /// earlier run still going, a concurrency limit) leaves the job taken all the same, as a
+    /// fetched job whose run turns out not claimable is.
+    pub claim: Claim,
+    /// The run's context where the claim read it ([`Claims::claim_with_context`]).
+    pub context: Option<ThreadContext>,
+}
+
 impl Claim {
     /// The claim of `run`, as its claim returned it, by `owner` for `ttl`.
     pub(crate) fn acquired(run: RunRecord, owner: &str, ttl: Duration) -> Claim {
@@ -737,6 +751,18 @@ pub trait Claims: Send + Sync + 'static {
     /// [`Claims::settle_held_job`]; `None` when the job is not this worker's to take (a fetch
     /// was quicker, or the queue has other work first).
     async fn take_job(&self, job_id: &str, worker: &str) -> Result<Option<RunId>>;
+
+    /// [`Claims::take_job`] and, when the job was taken, [`Claims::claim_with_context`] of its
+    /// run by `worker`: one statement on PostgreSQL (the take and the claim commit together),
+    /// the two one after the other elsewhere and while concurrency limits are in force (their
+    /// claims take advisory locks first). `None` when the job is not this worker's to take.
+    async fn take_and_claim(
+        &self,
+        job_id: &str,
+        worker: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<Option<Taken>>;
 
     /// Tells this process's workers that a job they can start now was queued, so they fetch at
     /// once rather than at their next poll (a start does it itself).

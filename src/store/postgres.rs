@@ -289,6 +289,32 @@ const START_CAPPED: &str = "WITH q AS (SELECT CAST(COALESCE(SUM(queued), 0) AS B
      SELECT s.* FROM q LEFT JOIN LATERAL (SELECT outcome, rid, ahead, (run).* FROM sa_start_run_with_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25) \
      WHERE q.n < $26 OFFSET 0) s ON true";
 
+/// A claim's writes as `c` (the claimed row) and `e` (its `run.started` or `run.resumed`
+/// event) of a `WITH`, for the run `$id` names: `$1` the worker, `$2` the lease's deadline,
+/// `$3` the time, `$5` the event's `relayed`; `{}` the statuses a claim takes
+/// (`lifecycle::sql_sources`). A queued run is claimable once its thread is free and it is
+/// the thread's oldest; a parked one at any time (a spurious claim replays and parks again).
+macro_rules! claim_writes {
+    ($id:literal) => {
+        concat!(
+            "c AS (UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
+             lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
+             heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
+             WHERE id = ",
+            $id,
+            " AND status IN ({}) AND (status <> 'queued' OR ( \
+               ",
+            next_in_its_thread!("sa_runs", " OFFSET 0"),
+            ")) ",
+            limits_guard!(),
+            " RETURNING *), \
+             e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
+               SELECT c.id, c.event_seq, CASE WHEN c.claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
+                 json_build_object('attempt', c.attempts, 'crashes', c.crashes, 'worker', $1::text, 'from', c.claimed_from)::text, $3, $5 FROM c)"
+        )
+    };
+}
+
 /// The claimed run's context, as a column of [`Claims::claim`]'s statement (`$6` the most
 /// messages): the thread's newest messages as a JSON array of `[id, run_id, step, key, body]`,
 /// oldest first (the claim's statement has one row, and sqlx sends PostgreSQL one statement
@@ -303,6 +329,28 @@ macro_rules! claim_context {
               ORDER BY id DESC LIMIT $6) m) END AS context"
     };
 }
+
+/// A notified worker's take of a job ([`super::sql::take_job`], `$4` the job, `$7` the queue)
+/// and the claim of its run (`$6` the context's most messages) in one statement: one round
+/// trip and one commit where they were two. The run is the one the taken job's body names.
+/// The row comes back once the job was taken: with the claimed run's columns, or NULLs where
+/// its run was not claimable (the job stays taken, as a fetched job whose run is not claimable
+/// does; the worker settles it).
+static TAKE_AND_CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let take = super::sql::take_job("apalis.jobs", "apalis.workers", "now()", ["$4", "$1", "$7"]);
+    format!(
+        concat!(
+            "WITH t AS ({take} RETURNING job), ",
+            claim_writes!("(SELECT convert_from(t.job, 'UTF8')::json ->> 'run_id' FROM t)"),
+            " SELECT convert_from(t.job, 'UTF8') AS taken_job, c.* FROM t LEFT JOIN (SELECT ",
+            run_columns!(),
+            claim_context!(),
+            " FROM c) c ON true"
+        ),
+        crate::lifecycle::sql_sources(Transition::Claim),
+        take = take,
+    )
+});
 
 /// A thread's context from [`claim_context`]'s column.
 fn context_from_json(json: &str) -> Result<ThreadContext> {
@@ -342,6 +390,34 @@ impl PgStore {
                 cap: new.max_queued,
             }),
         }
+    }
+
+    /// A claim's row, its run claimed by `owner`, with the context its statement read when
+    /// `context` (see [`claim_context`]).
+    fn claimed_row(
+        &self,
+        row: &sqlx::postgres::PgRow,
+        owner: &str,
+        ttl: Duration,
+        now: DateTime<Utc>,
+        context: bool,
+    ) -> Result<(Claim, Option<ThreadContext>)> {
+        // The claimed row comes back whole: no second read.
+        let run = Self::run_from_row(row)?;
+        self.claimed(&run, owner, now);
+        // The claim is committed: it never fails over its context. Where the statement read
+        // none (a compaction, a fork's shared history) or it does not read, the claimer reads
+        // it itself (and a row that does not read then fails the run, as
+        // `End::from(StoreError::Corrupt)` does).
+        let context = match context {
+            true => row.get::<Option<String>, _>("context").and_then(|json| {
+                context_from_json(&json)
+                    .inspect_err(|e| tracing::debug!(run_id = %run.id, error = %e, "the claim's context did not read; the claimer reads it apart"))
+                    .ok()
+            }),
+            false => None,
+        };
+        Ok((Claim::acquired(run, owner, ttl), context))
     }
 }
 
@@ -513,19 +589,9 @@ impl SqlStore for PgStore {
             ($context:expr) => {
                 sql!(
                     concat!(
-                        "WITH c AS (UPDATE sa_runs SET claimed_from = status, status = 'running', lease_owner = $1, lease_epoch = lease_epoch + 1, \
-                         lease_expires_at = $2, attempts = attempts + 1, started_at = COALESCE(started_at, $3), \
-                         heartbeat_at = $3, updated_at = $3, event_seq = event_seq + 1, wake_at = NULL \
-                         WHERE id = $4 AND status IN ({}) AND (status <> 'queued' OR ( \
-                           ",
-                        next_in_its_thread!("sa_runs", " OFFSET 0"),
-                        ")) ",
-                        limits_guard!(),
-                        " RETURNING *), \
-                         e AS (INSERT INTO sa_events (run_id, seq, type, data, created_at, relayed) \
-                           SELECT c.id, c.event_seq, CASE WHEN c.claimed_from = 'waiting' THEN 'run.resumed' ELSE 'run.started' END, \
-                             json_build_object('attempt', c.attempts, 'crashes', c.crashes, 'worker', $1::text, 'from', c.claimed_from)::text, $3, $5 FROM c) \
-                         SELECT ",
+                        "WITH ",
+                        claim_writes!("$4"),
+                        " SELECT ",
                         run_columns!(),
                         $context,
                         " FROM c"
@@ -583,26 +649,73 @@ impl SqlStore for PgStore {
             }
             other => other?,
         };
+        match row {
+            Some(row) => self.claimed_row(&row, owner, ttl, now, context.is_some()),
+            None => {
+                let status = self.get_run(id).await?.map(|r| r.status);
+                Ok((Claim::NotClaimable(status), None))
+            }
+        }
+    }
+
+    /// The take and the claim in one statement ([`TAKE_AND_CLAIM`]), unless concurrency
+    /// limits are in force: their claims take the owner's and the agent's advisory locks
+    /// first ([`SqlStore::claim`]), so the two go one after the other then.
+    async fn take_claim(
+        &self,
+        job_id: &str,
+        worker: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<Option<Taken>> {
+        if self
+            .common
+            .limits_seen
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return super::sql::take_then_claim(self, job_id, worker, ttl, limit).await;
+        }
+        let now = group::Landed::stamp();
+        let mut conn = self.kept().await?;
+        let row = sqlx::query(TAKE_AND_CLAIM.as_str())
+            .bind(worker)
+            .bind(now_ms() + ttl.as_millis() as i64)
+            .bind(now)
+            .bind(job_id)
+            .bind(self.relayed_at_insert())
+            .bind(i64::from(limit))
+            .bind(QUEUE_NAME)
+            .fetch_optional(&mut *conn)
+            .await;
+        if row.is_ok() {
+            conn.keep();
+        }
+        let row = match row {
+            // The run's thread had another run claimed at the same moment (the unique index on
+            // active runs): the statement is undone, take and all, and the job stays queued
+            // for the fetch, which finds its run not claimable.
+            Err(sqlx::Error::Database(db)) if db.is_unique_violation() => return Ok(None),
+            other => other?,
+        };
         let Some(row) = row else {
-            let status = self.get_run(id).await?.map(|r| r.status);
-            return Ok((Claim::NotClaimable(status), None));
+            return Ok(None);
         };
-        // The claimed row comes back whole: no second read.
-        let run = Self::run_from_row(&row)?;
-        self.claimed(&run, owner, now);
-        // The claim is committed: it never fails over its context. Where the statement read
-        // none (a compaction, a fork's shared history) or it does not read, the claimer reads
-        // it itself (and a row that does not read then fails the run, as
-        // `End::from(StoreError::Corrupt)` does).
-        let context = match context {
-            Some(_) => row.get::<Option<String>, _>("context").and_then(|json| {
-                context_from_json(&json)
-                    .inspect_err(|e| tracing::debug!(run_id = %id, error = %e, "the claim's context did not read; the claimer reads it apart"))
-                    .ok()
-            }),
-            None => None,
+        let job: String = row.get("taken_job");
+        let run_id = serde_json::from_str::<crate::queue::RunJob>(&job)
+            .map_err(|e| StoreError::Corrupt(format!("job {job_id}: {e}")))?
+            .run_id;
+        let (claim, context) = match row.get::<Option<String>, _>("id") {
+            Some(_) => self.claimed_row(&row, worker, ttl, now, true)?,
+            None => {
+                let status = self.get_run(run_id).await?.map(|r| r.status);
+                (Claim::NotClaimable(status), None)
+            }
         };
-        Ok((Claim::acquired(run, owner, ttl), context))
+        Ok(Some(Taken {
+            run_id,
+            claim,
+            context,
+        }))
     }
 
     async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>> {

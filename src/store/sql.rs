@@ -119,6 +119,26 @@ pub(crate) fn take_job(
     )
 }
 
+/// A job's take, then its run's claim: two round trips, where a backend has no statement
+/// for both ([`SqlStore::take_claim`]'s default).
+pub(crate) async fn take_then_claim(
+    store: &dyn Claims,
+    job_id: &str,
+    worker: &str,
+    ttl: Duration,
+    limit: u32,
+) -> Result<Option<Taken>> {
+    let Some(run_id) = store.take_job(job_id, worker).await? else {
+        return Ok(None);
+    };
+    let (claim, context) = store.claim_with_context(run_id, worker, ttl, limit).await?;
+    Ok(Some(Taken {
+        run_id,
+        claim,
+        context,
+    }))
+}
+
 impl Statements {
     /// The statements for a backend whose apalis job table is `jobs`, whose park reads with the
     /// lock clause `share`, and whose overview names the owner column as `owner_unindexed` to
@@ -354,6 +374,19 @@ where
         ttl: Duration,
         context: Option<u32>,
     ) -> Result<(Claim, Option<ThreadContext>)>;
+    /// The backend's own [`Claims::take_and_claim`]; by default [`take_then_claim`].
+    async fn take_claim(
+        &self,
+        job_id: &str,
+        worker: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<Option<Taken>>
+    where
+        Self: Claims + Sized,
+    {
+        take_then_claim(self, job_id, worker, ttl, limit).await
+    }
     /// The backend's own [`Checkpoints::checkpoint`].
     async fn commit_checkpoint(&self, lease: &Lease, cp: Checkpoint) -> Result<Option<Ending>>;
     /// Marks the outbox's `(run, first seq, last seq)` ranges relayed.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{WorkerContext, serve};
 use crate::engine::Executed;
 use crate::ids::RunId;
-use crate::store::JobEnd;
+use crate::store::{JobEnd, StoreError};
 
 /// This process's queue workers as its own starts see them, so a run started here is handed
 /// to a worker here at once: no notification, no fetch (on SQLite a write transaction of its
@@ -104,12 +104,34 @@ impl Reserved {
     /// settles the job: done, or back on the queue when the handling failed (as apalis retries
     /// a job whose handler failed).
     pub fn run(self, run_id: RunId, job_id: String, via: Handed) {
+        self.spawn(run_id, job_id, via, None);
+    }
+
+    /// Takes the job a notification named and claims its run in one round trip
+    /// ([`crate::store::Claims::take_and_claim`]), then executes the run in the slot as
+    /// [`Reserved::run`] does. `Ok(false)` when the job was not this worker's to take (the
+    /// slot is freed).
+    pub async fn take_and_run(self, job_id: String, via: Handed) -> Result<bool, StoreError> {
+        let Some(taken) = self.ctx.engine.take_and_claim(&job_id, &self.ctx.name).await? else {
+            return Ok(false);
+        };
+        tracing::debug!(run_id = %taken.run_id, %job_id, "took a job as it was queued");
+        self.spawn(
+            taken.run_id,
+            job_id,
+            via,
+            Some((taken.claim, taken.context)),
+        );
+        Ok(true)
+    }
+
+    fn spawn(self, run_id: RunId, job_id: String, via: Handed, claimed: Option<super::Claimed>) {
         let Reserved { ctx, slot } = self;
         metrics::counter!("subagents_jobs_direct_total", "via" => via.as_str()).increment(1);
         tracing::debug!(%run_id, worker = %ctx.name, via = via.as_str(), "run handed to this process's worker");
         let tracker = ctx.in_flight.clone();
         tracker.spawn(async move {
-            let served = serve(&ctx, run_id).await;
+            let served = serve(&ctx, run_id, claimed).await;
             drop(slot);
             let end = match served {
                 // The run's end marked its job done in the same commit.

@@ -70,7 +70,7 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
     let task = tracker.spawn(async move {
         // A slot of the process's concurrency, which runs handed over in-process share.
         let _slot = ctx.slots.clone().acquire_owned().await;
-        serve(&ctx, run_id).await
+        serve(&ctx, run_id, None).await
     });
     // On shutdown apalis stops polling its backend (possibly between a statement of one of its
     // own SQLite transactions and the commit, the write lock held) and waits for the handlers
@@ -90,12 +90,20 @@ async fn handle(job: RunJob, ctx: Data<Arc<WorkerContext>>) -> Result<(), BoxDyn
 
 /// A job's run, however the job reached this worker: executed, then what its outcome asks of
 /// the queue (the thread's next run, a parked run's wake-up job, a deferred run's retry).
-pub(super) async fn serve(ctx: &WorkerContext, run_id: RunId) -> Result<Executed, StoreError> {
+/// `claimed` is the run's claim (and the context it read) when the job's take made it
+/// ([`local::Reserved::take_and_run`]).
+pub(super) async fn serve(
+    ctx: &WorkerContext,
+    run_id: RunId,
+    claimed: Option<Claimed>,
+) -> Result<Executed, StoreError> {
     let store = ctx.engine.store.as_ref();
     // A draining worker starts nothing new: apalis may still hand it a job it fetched (even
     // the job of a run this worker just released), and claiming it would take the run back
     // from the queue. The run gets a fresh job instead, for a worker that is not stopping.
-    if ctx.shutdown.is_cancelled() {
+    // A run claimed with its job's take is this worker's already: its loop releases it at its
+    // first step boundary, as it releases any run a drain finds going.
+    if claimed.is_none() && ctx.shutdown.is_cancelled() {
         tracing::info!(%run_id, "draining: not starting this run; handing it back to the queue");
         if store
             .get_run(run_id)
@@ -106,7 +114,14 @@ pub(super) async fn serve(ctx: &WorkerContext, run_id: RunId) -> Result<Executed
         }
         return Ok(Executed::Skipped);
     }
-    let executed = ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?;
+    let executed = match claimed {
+        None => ctx.engine.execute(run_id, &ctx.name, &ctx.shutdown).await?,
+        Some((claim, context)) => {
+            ctx.engine
+                .execute_claim(run_id, claim, context, &ctx.shutdown)
+                .await?
+        }
+    };
     match &executed {
         Executed::Finished(ended) => {
             ctx.engine
@@ -145,6 +160,9 @@ pub(super) async fn serve(ctx: &WorkerContext, run_id: RunId) -> Result<Executed
     }
     Ok(executed)
 }
+
+/// A run's claim made before its worker serves it, with the context the claim read.
+type Claimed = (crate::store::Claim, Option<crate::store::ThreadContext>);
 
 /// Settings of a worker process's pool.
 #[derive(Clone, Debug)]

@@ -3,12 +3,12 @@
 //! apalis's PostgreSQL trigger announces every new job on `apalis::job::insert` with its id.
 //! apalis's own answer to it is a fetch: a transaction of three statements and a hop through
 //! its stream for the job, then its ack (three more) after the handler, and an empty fetch or
-//! two after that. Here a worker with a free slot takes the job it was told of in one fenced
-//! statement ([`crate::store::Claims::take_job`]: only when apalis's fetch would have taken
-//! that job: nothing else is waiting), starts its run at once and settles the job itself. Any
-//! other notification (no free slot, the queue has older work, another worker was quicker)
-//! wakes apalis's fetch as before, which takes whatever is next in line. The poll stays as the
-//! net for a notification lost while the listener reconnects.
+//! two after that. Here a worker with a free slot takes the job it was told of and claims its
+//! run in one fenced statement ([`crate::store::Claims::take_and_claim`]: only when apalis's
+//! fetch would have taken that job: nothing else is waiting), runs it at once and settles the
+//! job itself. Any other notification (no free slot, the queue has older work, another worker
+//! was quicker) wakes apalis's fetch as before, which takes whatever is next in line. The poll
+//! stays as the net for a notification lost while the listener reconnects.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,12 +82,12 @@ async fn take(store: &dyn RunLog, starts: &Local, payload: &str) {
         store.job_queued();
         return;
     };
-    match store.take_job(&job.id, slot.worker()).await {
-        Ok(Some(run_id)) => {
-            tracing::debug!(%run_id, job_id = %job.id, "took a job as it was queued");
-            slot.run(run_id, job.id, super::Handed::Notification);
-        }
-        Ok(None) => store.job_queued(),
+    match slot
+        .take_and_run(job.id.clone(), super::Handed::Notification)
+        .await
+    {
+        Ok(true) => {}
+        Ok(false) => store.job_queued(),
         Err(e) => {
             tracing::debug!(error = %e, job_id = %job.id, "could not take a queued job; the fetch will");
             store.job_queued();

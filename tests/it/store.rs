@@ -241,6 +241,7 @@ conformance!(
     webhook_events_are_queued_with_their_commit_and_delivered_once_each,
     an_interrupt_waits_for_the_boundary_and_a_cancel_does_not,
     the_database_enforces_one_active_run_per_thread,
+    a_notified_worker_takes_a_job_and_claims_its_run_in_one_go,
     enqueued_runs_wait_for_the_thread_and_go_in_order,
     a_start_writes_the_runs_job_with_its_place_in_the_queue,
     a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line,
@@ -2879,6 +2880,97 @@ async fn a_start_hands_its_job_to_a_local_worker_only_when_it_is_next_in_line(s:
         .await,
         1,
         "acked as apalis acks"
+    );
+}
+
+/// A notified worker's take of a job and the claim of its run ([`Claims::take_and_claim`],
+/// one statement on PostgreSQL): taken only when apalis's fetch would have taken it, once, by a
+/// registered worker; the run claimed by that worker with its context; a run that is not
+/// claimable leaves its job taken and the run queued, and an untaken job claims nothing.
+async fn a_notified_worker_takes_a_job_and_claims_its_run_in_one_go(s: Backend) {
+    let (jobs, workers) = s.apalis_tables();
+    s.execute(&format!(
+        "INSERT INTO {workers} (id, worker_type, storage_name) VALUES ('w-n', '{}', 'test')",
+        subagents::queue::QUEUE_NAME
+    ))
+    .await;
+    let ttl = Duration::from_secs(30);
+    let first = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let second = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    assert!(
+        s.take_and_claim(&first.job_id, "w-n", ttl, 10)
+            .await
+            .unwrap()
+            .is_none(),
+        "another job waits to be fetched"
+    );
+    assert_eq!(
+        s.get_run(first.id).await.unwrap().unwrap().status,
+        RunStatus::Queued,
+        "a job not taken claims nothing"
+    );
+    // Fetched by a worker elsewhere: the first one's job is next in line.
+    s.set_job_status(&second.job_id, "Done").await;
+    assert!(
+        s.take_and_claim(&first.job_id, "unregistered", ttl, 10)
+            .await
+            .unwrap()
+            .is_none(),
+        "only a registered worker takes a job"
+    );
+    let taken = s
+        .take_and_claim(&first.job_id, "w-n", ttl, 10)
+        .await
+        .unwrap()
+        .expect("next in line: taken");
+    assert_eq!(taken.run_id, first.id);
+    let Claim::Acquired(lease, run) = taken.claim else {
+        panic!("its run is claimable: {:?}", taken.claim)
+    };
+    assert_eq!((lease.run_id, lease.owner.as_str()), (first.id, "w-n"));
+    assert_eq!((run.status, run.event_seq), (RunStatus::Running, 2));
+    let (compaction, messages) = taken.context.expect("the claim's context");
+    assert!(compaction.is_none() && messages.is_empty());
+    let events = s.events_after(first.id, 0, 10).await.unwrap();
+    assert_eq!(
+        events.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(),
+        ["run.queued", "run.started"]
+    );
+    assert_eq!(s.job(&first.job_id).await.unwrap().0, "Queued");
+    assert_eq!(
+        s.count(&format!(
+            "SELECT COUNT(*) FROM {jobs} WHERE id = '{}' AND lock_by = 'w-n'",
+            first.job_id
+        ))
+        .await,
+        1
+    );
+    assert!(
+        s.take_and_claim(&first.job_id, "w-n", ttl, 10)
+            .await
+            .unwrap()
+            .is_none(),
+        "taken once"
+    );
+    // A run queued behind the first on its thread: its job is taken, but its run waits for
+    // the thread.
+    let mut behind = new_run(&first.thread_id);
+    behind.if_busy = IfBusy::Enqueue;
+    let behind = s.create_run(behind).await.unwrap().run;
+    let taken = s
+        .take_and_claim(&behind.job_id, "w-n", ttl, 10)
+        .await
+        .unwrap()
+        .expect("its job is next in line");
+    assert_eq!(taken.run_id, behind.id);
+    assert!(
+        matches!(taken.claim, Claim::NotClaimable(Some(RunStatus::Queued))) && taken.context.is_none(),
+        "{taken:?}"
+    );
+    assert_eq!(s.job(&behind.job_id).await.unwrap().0, "Queued");
+    assert_eq!(
+        s.get_run(behind.id).await.unwrap().unwrap().status,
+        RunStatus::Queued
     );
 }
 

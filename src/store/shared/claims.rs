@@ -187,6 +187,16 @@ where
         .transpose()
     }
 
+    async fn take_and_claim(
+        &self,
+        job_id: &str,
+        worker: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<Option<Taken>> {
+        self.take_claim(job_id, worker, ttl, limit).await
+    }
+
     async fn settle_held_job(&self, job_id: &str, worker: &str, end: JobEnd) -> Result<()> {
         sqlx::query(S::statements().settle_held_job.as_str())
             .bind(job_id)
