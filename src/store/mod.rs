@@ -764,6 +764,12 @@ pub trait Claims: Send + Sync + 'static {
         limit: u32,
     ) -> Result<Option<Taken>>;
 
+    /// Whether this process started the run whose job is `job_id` (forgetting it): its job is
+    /// held by a worker here already, or its start woke this process's fetch, so the queue's
+    /// notification of it is nothing new here. False for any job another process wrote, and
+    /// on SQLite, whose workers hear of no other process's jobs but by their poll.
+    fn started_here(&self, job_id: &str) -> bool;
+
     /// Tells this process's workers that a job they can start now was queued, so they fetch at
     /// once rather than at their next poll (a start does it itself).
     fn job_queued(&self);

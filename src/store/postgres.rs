@@ -496,6 +496,8 @@ impl SqlStore for PgStore {
                 .bind(self.relayed_at_insert())
                 .bind(new.agent_version.as_deref())
         };
+        // Its notification comes back to this process's listener too, which leaves it alone.
+        self.common.started_here.insert(&new.job_id);
         let mut conn = self.kept().await?;
         // The owner's cap of queued runs is read in the same statement, just before the start
         // function, which runs only below it (`START_CAPPED`'s one-time filter): a start costs
@@ -524,6 +526,9 @@ impl SqlStore for PgStore {
         };
         conn.keep();
         let outcome: String = row.get("outcome");
+        if outcome != "created" {
+            self.common.started_here.take(&new.job_id);
+        }
         let rid: Option<String> = row.get("rid");
         let rid = rid
             .map(|r| r.parse::<RunId>().map_err(|e| corrupt("run id", e)))

@@ -249,6 +249,38 @@ pub(crate) struct Common {
     /// take, instead of every event ever written, and turning Redis on later does not replay
     /// the whole history into it.
     pub(crate) relays: bool,
+    /// The jobs of the runs this process started, until the queue's notification of each
+    /// comes back ([`Claims::started_here`]).
+    pub(crate) started_here: Arc<StartedHere>,
+}
+
+/// Job ids a process wrote itself, until the queue's notification of each comes back: such a
+/// job is running in this process already or its start woke this process's fetch, so the
+/// notification is nothing new to it. Bounded: past [`StartedHere::MOST`] ids (notifications
+/// lost while the listener reconnected leave theirs behind) it starts afresh, and a forgotten
+/// id only costs a take that finds the job gone.
+#[derive(Debug, Default)]
+pub(crate) struct StartedHere(std::sync::Mutex<std::collections::HashSet<String>>);
+
+impl StartedHere {
+    const MOST: usize = 4096;
+
+    /// Remembers `job_id`, before the statement that writes it commits (and notifies).
+    pub(crate) fn insert(&self, job_id: &str) {
+        let mut ids = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if ids.len() >= Self::MOST {
+            ids.clear();
+        }
+        ids.insert(job_id.to_owned());
+    }
+
+    /// Whether `job_id` was written here; forgets it.
+    pub(crate) fn take(&self, job_id: &str) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(job_id)
+    }
 }
 
 impl Common {
@@ -261,6 +293,7 @@ impl Common {
             group: Arc::new(group::GroupCommit::new(committers)),
             renewals: Default::default(),
             relays: true,
+            started_here: Default::default(),
         }
     }
 }

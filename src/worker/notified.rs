@@ -7,8 +7,10 @@
 //! run in one fenced statement ([`crate::store::Claims::take_and_claim`]: only when apalis's
 //! fetch would have taken that job: nothing else is waiting), runs it at once and settles the
 //! job itself. Any other notification (no free slot, the queue has older work, another worker
-//! was quicker) wakes apalis's fetch as before, which takes whatever is next in line. The poll
-//! stays as the net for a notification lost while the listener reconnects.
+//! was quicker) wakes apalis's fetch as before, which takes whatever is next in line, and a
+//! job this process wrote itself is passed over ([`crate::store::Claims::started_here`]: its
+//! run went to a worker here as it started, or its start woke the fetch). The poll stays as
+//! the net for a notification lost while the listener reconnects.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,7 +77,8 @@ async fn take(store: &dyn RunLog, starts: &Local, payload: &str) {
         store.job_queued();
         return;
     };
-    if job.job_type != QUEUE_NAME {
+    // A run started in this process: running here already, or its start woke the fetch.
+    if job.job_type != QUEUE_NAME || store.started_here(&job.id) {
         return;
     }
     let Some(slot) = starts.reserve() else {

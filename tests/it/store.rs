@@ -2897,6 +2897,17 @@ async fn a_notified_worker_takes_a_job_and_claims_its_run_in_one_go(s: Backend) 
     let ttl = Duration::from_secs(30);
     let first = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
     let second = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    // Its notification is nothing new to the process that started it (PostgreSQL's listener
+    // passes it over), once.
+    let postgres = matches!(s.jobs, Jobs::Postgres(_));
+    assert_eq!(s.started_here(&first.job_id), postgres);
+    assert!(!s.started_here(&first.job_id), "forgotten once seen");
+    assert!(!s.started_here(&new_job_id()), "a job written elsewhere");
+    let mut refused = new_run(&first.thread_id);
+    refused.owner = "someone-else".into();
+    let refused_job = refused.job_id.clone();
+    s.create_run(refused).await.unwrap_err();
+    assert!(!s.started_here(&refused_job), "a refused start wrote no job");
     assert!(
         s.take_and_claim(&first.job_id, "w-n", ttl, 10)
             .await

@@ -197,6 +197,10 @@ where
         self.take_claim(job_id, worker, ttl, limit).await
     }
 
+    fn started_here(&self, job_id: &str) -> bool {
+        self.common().started_here.take(job_id)
+    }
+
     async fn settle_held_job(&self, job_id: &str, worker: &str, end: JobEnd) -> Result<()> {
         sqlx::query(S::statements().settle_held_job.as_str())
             .bind(job_id)
