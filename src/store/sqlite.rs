@@ -497,7 +497,7 @@ macro_rules! start_allowed {
 /// - 4: the run's place in its owner's queue ([`rank_of!`]).
 /// - 6: the run's first job, as apalis's own push writes it (`queries/task/sink.sql` of
 ///   apalis-sqlite), with the priority `job_priority` gives its rank, handed to the worker
-///   `$25` by the statement a notified worker takes a job with ([`super::sql::take_job`]) when
+///   `$25` by the fence a notified worker's take has too ([`super::sql::take_job`]) when
 ///   the run is next in line. No row when it was left to the queue.
 ///
 /// The parameters are `bind_new_run!`'s fifteen, then the retry's source, the priority, the
