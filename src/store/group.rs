@@ -373,6 +373,7 @@ mod tests {
                 epoch: 1,
                 owner: "w".into(),
                 ttl: std::time::Duration::from_secs(30),
+                child: false,
             })
             .collect();
         let commits = leases.iter().map(|lease| {

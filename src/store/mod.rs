@@ -170,6 +170,9 @@ pub struct Lease {
     pub owner: String,
     /// How long each renewal keeps it.
     pub ttl: Duration,
+    /// The run has a parent, as its claim read it: its end tells the parent, so the
+    /// one-statement end of a run that tells nobody ([`ENDS_ALONE`]) is not tried first.
+    pub child: bool,
 }
 
 /// The answer to a claim.
@@ -204,6 +207,7 @@ impl Claim {
                 epoch: run.lease_epoch,
                 owner: owner.to_owned(),
                 ttl,
+                child: run.parent_run_id.is_some(),
             },
             Box::new(run),
         )

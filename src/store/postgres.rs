@@ -979,10 +979,15 @@ impl group::Progress for Commits {
             // children still going): those end in the one statement, fenced on having none,
             // without a transaction around it (two statements and two round trips fewer per
             // run). Any other end, and a lost lease, match nothing there and take the
-            // transaction, which finds out again what to do.
+            // transaction, which finds out again what to do; a child's end (its lease knows)
+            // takes it at once, as it tells its parent.
             Some(status) => {
-                let alone = statement(ENDS_ALONE, true);
-                if let Some(row) = alone.fetch_optional(&self.pool).await? {
+                let alone = (!lease.child).then(|| statement(ENDS_ALONE, true));
+                let alone = match alone {
+                    Some(q) => q.fetch_optional(&self.pool).await?,
+                    None => None,
+                };
+                if let Some(row) = alone {
                     let run = lease.run_id;
                     self.notifier
                         .committed(run, true, || cp.records(run, row.get(0), now));

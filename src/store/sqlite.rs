@@ -1022,9 +1022,13 @@ impl group::Progress for Commits {
         // going): those end in one command, fenced on having none ([`end_alone`]). Any other
         // end, and a lost lease, wrote nothing there and take two commands or more: the fence
         // with its BEGIN, the rows, and the effects on other runs between them and the COMMIT.
+        // A child's end (its lease knows) goes there at once: it tells its parent.
         let mut conn = Unpooled::new(self.pool.acquire().await?);
-        if let Some((row, job_done)) = end_alone(conn.get(), &lease, &cp, now, self.relayed).await?
-        {
+        let alone = match lease.child {
+            false => end_alone(conn.get(), &lease, &cp, now, self.relayed).await?,
+            true => None,
+        };
+        if let Some((row, job_done)) = alone {
             conn.pool();
             let next = next_queued_of(&row)?;
             self.notifier.notify(lease.run_id);

@@ -760,6 +760,7 @@ async fn a_stale_epoch_cannot_write(s: Backend) {
         epoch: 1,
         owner: "w3".into(),
         ttl: Duration::from_secs(10),
+        child: false,
     };
     let event = step_started(1);
     let err = s
@@ -3779,6 +3780,7 @@ async fn the_transition_table_is_enforced(s: Backend) {
             epoch: run.lease_epoch,
             owner: "w".into(),
             ttl,
+            child: run.parent_run_id.is_some(),
         };
         (run, lease)
     }
