@@ -256,9 +256,10 @@ pub(crate) struct Common {
 
 /// Job ids a process wrote itself, until the queue's notification of each comes back: such a
 /// job is running in this process already or its start woke this process's fetch, so the
-/// notification is nothing new to it. Bounded: past [`StartedHere::MOST`] ids (notifications
-/// lost while the listener reconnected leave theirs behind) it starts afresh, and a forgotten
-/// id only costs a take that finds the job gone.
+/// notification is nothing new to it. Bounded: past [`StartedHere::MOST`] ids it starts
+/// afresh (a process without workers has no listener to take its ids back, and a notification
+/// lost while the listener reconnected leaves its id behind), and a forgotten id only costs a
+/// take that finds the job gone.
 #[derive(Debug, Default)]
 pub(crate) struct StartedHere(std::sync::Mutex<std::collections::HashSet<String>>);
 

@@ -112,7 +112,12 @@ impl Reserved {
     /// [`Reserved::run`] does. `Ok(false)` when the job was not this worker's to take (the
     /// slot is freed).
     pub async fn take_and_run(self, job_id: String, via: Handed) -> Result<bool, StoreError> {
-        let Some(taken) = self.ctx.engine.take_and_claim(&job_id, &self.ctx.name).await? else {
+        let Some(taken) = self
+            .ctx
+            .engine
+            .take_and_claim(&job_id, &self.ctx.name)
+            .await?
+        else {
             return Ok(false);
         };
         tracing::debug!(run_id = %taken.run_id, %job_id, "took a job as it was queued");

@@ -2553,8 +2553,14 @@ async fn the_database_enforces_one_active_run_per_thread(s: Backend) {
     let mut replay = new_run(&fresh);
     replay.idempotency_key = Some(key);
     let replayed = s.create_run(replay).await.unwrap();
-    assert!(replayed.existing && replayed.run.id == first.id, "{replayed:?}");
-    assert!(s.get_thread(&fresh).await.unwrap().is_none(), "a replay created its thread");
+    assert!(
+        replayed.existing && replayed.run.id == first.id,
+        "{replayed:?}"
+    );
+    assert!(
+        s.get_thread(&fresh).await.unwrap().is_none(),
+        "a replay created its thread"
+    );
     assert!(s.get_run(refused_id).await.unwrap().is_none());
     assert!(s.get_run(other_id).await.unwrap().is_none());
     assert_eq!(
@@ -2896,8 +2902,16 @@ async fn a_notified_worker_takes_a_job_and_claims_its_run_in_one_go(s: Backend) 
     ))
     .await;
     let ttl = Duration::from_secs(30);
-    let first = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
-    let second = s.create_run(new_run(&ThreadId::generate())).await.unwrap().run;
+    let first = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
+    let second = s
+        .create_run(new_run(&ThreadId::generate()))
+        .await
+        .unwrap()
+        .run;
     // Its notification is nothing new to the process that started it (PostgreSQL's listener
     // passes it over), once.
     let postgres = matches!(s.jobs, Jobs::Postgres(_));
@@ -2908,7 +2922,10 @@ async fn a_notified_worker_takes_a_job_and_claims_its_run_in_one_go(s: Backend) 
     refused.owner = "someone-else".into();
     let refused_job = refused.job_id.clone();
     s.create_run(refused).await.unwrap_err();
-    assert!(!s.started_here(&refused_job), "a refused start wrote no job");
+    assert!(
+        !s.started_here(&refused_job),
+        "a refused start wrote no job"
+    );
     assert!(
         s.take_and_claim(&first.job_id, "w-n", ttl, 10)
             .await
@@ -2976,7 +2993,8 @@ async fn a_notified_worker_takes_a_job_and_claims_its_run_in_one_go(s: Backend) 
         .expect("its job is next in line");
     assert_eq!(taken.run_id, behind.id);
     assert!(
-        matches!(taken.claim, Claim::NotClaimable(Some(RunStatus::Queued))) && taken.context.is_none(),
+        matches!(taken.claim, Claim::NotClaimable(Some(RunStatus::Queued)))
+            && taken.context.is_none(),
         "{taken:?}"
     );
     assert_eq!(s.job(&behind.job_id).await.unwrap().0, "Queued");
