@@ -706,7 +706,7 @@ impl SqlStore for PgStore {
             return Ok(None);
         };
         let job: String = row.get("taken_job");
-        let run_id = serde_json::from_str::<crate::queue::RunJob>(&job)
+        let run_id = serde_json::from_str::<crate::domain::job::RunJob>(&job)
             .map_err(|e| StoreError::Corrupt(format!("job {job_id}: {e}")))?
             .run_id;
         let (claim, context) = match row.get::<Option<String>, _>("id") {
