@@ -496,8 +496,9 @@ impl SqlStore for PgStore {
                 .bind(self.relayed_at_insert())
                 .bind(new.agent_version.as_deref())
         };
-        // Its notification comes back to this process's listener too, which leaves it alone.
-        self.common.started_here.insert(&new.job_id);
+        // Its notification comes back to this process's listener too, which leaves it alone;
+        // forgotten again unless the start writes the job.
+        let mut started = self.common.started_here.remember(&new.job_id);
         let mut conn = self.kept().await?;
         // The owner's cap of queued runs is read in the same statement, just before the start
         // function, which runs only below it (`START_CAPPED`'s one-time filter): a start costs
@@ -526,8 +527,8 @@ impl SqlStore for PgStore {
         };
         conn.keep();
         let outcome: String = row.get("outcome");
-        if outcome != "created" {
-            self.common.started_here.take(&new.job_id);
+        if outcome == "created" {
+            started.keep();
         }
         let rid: Option<String> = row.get("rid");
         let rid = rid
@@ -536,8 +537,8 @@ impl SqlStore for PgStore {
         let ahead = row.get::<i64, _>("ahead").clamp(0, i64::from(u32::MAX)) as u32;
         match (outcome.as_str(), rid) {
             ("created", Some(_)) => {
-                // Handed to `held_by` when the run is next in line, by the statement a
-                // notified worker takes a job with ([`Claims::take_job`]); after the start's own
+                // Handed to `held_by` when the run is next in line, by the take whose fence a
+                // notified worker's take has too ([`Claims::take_job`]); after the start's own
                 // statement, so the start function stays one for every caller, and a fetch
                 // that got there first simply wins. The run and its job are committed: a failed
                 // hand-over leaves the job to the queue, and the start stands.

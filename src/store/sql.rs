@@ -266,13 +266,19 @@ pub(crate) struct StartedHere(std::sync::Mutex<std::collections::HashSet<String>
 impl StartedHere {
     const MOST: usize = 4096;
 
-    /// Remembers `job_id`, before the statement that writes it commits (and notifies).
-    pub(crate) fn insert(&self, job_id: &str) {
+    /// Remembers `job_id`, before the statement that writes it commits (and notifies), until
+    /// the answer is dropped: kept only if [`Remembered::keep`] says the job was written.
+    pub(crate) fn remember<'a>(&'a self, job_id: &'a str) -> Remembered<'a> {
         let mut ids = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if ids.len() >= Self::MOST {
             ids.clear();
         }
         ids.insert(job_id.to_owned());
+        Remembered {
+            ids: self,
+            job_id,
+            kept: false,
+        }
     }
 
     /// Whether `job_id` was written here; forgets it.
@@ -281,6 +287,29 @@ impl StartedHere {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(job_id)
+    }
+}
+
+/// A job id [`StartedHere`] holds while its start runs: forgotten when this is dropped (the
+/// start was refused, or failed) unless [`Remembered::keep`] was called.
+pub(crate) struct Remembered<'a> {
+    ids: &'a StartedHere,
+    job_id: &'a str,
+    kept: bool,
+}
+
+impl Remembered<'_> {
+    /// The start wrote the job: the id stays until its notification comes back.
+    pub(crate) fn keep(&mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Remembered<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.ids.take(self.job_id);
+        }
     }
 }
 

@@ -110,15 +110,29 @@ impl Reserved {
     /// Takes the job a notification named and claims its run in one round trip
     /// ([`crate::store::Claims::take_and_claim`]), then executes the run in the slot as
     /// [`Reserved::run`] does. `Ok(false)` when the job was not this worker's to take (the
-    /// slot is freed).
+    /// slot is freed). On an error the job is given back to the queue, as a failed handling
+    /// gives it back: the take may have committed before it (the claim after the take failed,
+    /// or its answer did not read), and a job locked to a live worker is fetched by nobody.
     pub async fn take_and_run(self, job_id: String, via: Handed) -> Result<bool, StoreError> {
-        let Some(taken) = self
+        let taken = match self
             .ctx
             .engine
             .take_and_claim(&job_id, &self.ctx.name)
-            .await?
-        else {
-            return Ok(false);
+            .await
+        {
+            Ok(Some(taken)) => taken,
+            Ok(None) => return Ok(false),
+            Err(e) => {
+                // Nothing when the take did not commit: only a job locked to this worker moves.
+                let store = self.ctx.engine.store.as_ref();
+                if let Err(e) = store
+                    .settle_held_job(&job_id, &self.ctx.name, JobEnd::Retry)
+                    .await
+                {
+                    tracing::warn!(%job_id, error = %e, "could not give back a job whose take failed; the queue gives it back once this worker's heartbeat lapses");
+                }
+                return Err(e);
+            }
         };
         tracing::debug!(run_id = %taken.run_id, %job_id, "took a job as it was queued");
         self.spawn(

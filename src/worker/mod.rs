@@ -311,6 +311,11 @@ pub async fn run_workers(
             _ = shutdown.cancelled() => break,
         }
     }
+    // The listener first: a take it had under way when the shutdown came hands its run to
+    // `in_flight` before that closes, so the drain releases it like any run in flight.
+    if let Some(n) = notified {
+        let _ = tokio::time::timeout(settings.drain_grace + Duration::from_secs(2), n).await;
+    }
     // The drain: every run in flight finishes its step (or is cut at the grace) and is released.
     in_flight.close();
     let n = in_flight.len();
@@ -335,9 +340,6 @@ pub async fn run_workers(
     hand_back_fetched(&engine, &queue, &names).await;
     let _ = reaper.await;
     let _ = relief.await;
-    if let Some(n) = notified {
-        let _ = n.await;
-    }
     tracing::info!("workers stopped");
 }
 

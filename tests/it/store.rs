@@ -2926,6 +2926,14 @@ async fn a_notified_worker_takes_a_job_and_claims_its_run_in_one_go(s: Backend) 
         !s.started_here(&refused_job),
         "a refused start wrote no job"
     );
+    let mut capped = new_run(&ThreadId::generate());
+    capped.max_queued = 1;
+    let capped_job = capped.job_id.clone();
+    assert!(matches!(
+        s.create_run(capped).await.unwrap_err(),
+        StoreError::QueueFull { .. }
+    ));
+    assert!(!s.started_here(&capped_job), "nor one past its owner's cap");
     assert!(
         s.take_and_claim(&first.job_id, "w-n", ttl, 10)
             .await
