@@ -622,11 +622,7 @@ impl SqlStore for PgStore {
         // With concurrency limits, claims of one owner (and of one agent) take turns: under READ
         // COMMITTED two concurrent claims would both count the same running runs and both
         // pass. The locks go with the transaction.
-        let row = if self
-            .common
-            .limits_seen
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        let row = if self.common.limits_in_force() {
             let mut tx = self.pool.begin().await?;
             sqlx::query(
                 "SELECT pg_advisory_xact_lock(hashtext('owner:' || owner)), pg_advisory_xact_lock(hashtext('agent:' || agent)) FROM sa_runs WHERE id = $1",
@@ -674,11 +670,7 @@ impl SqlStore for PgStore {
         ttl: Duration,
         limit: u32,
     ) -> Result<Option<Taken>> {
-        if self
-            .common
-            .limits_seen
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.common.limits_in_force() {
             return super::sql::take_then_claim(self, job_id, worker, ttl, limit).await;
         }
         let now = group::Landed::stamp();

@@ -326,6 +326,12 @@ impl Common {
             started_here: Default::default(),
         }
     }
+
+    /// This process configured concurrency limits, as [`Claims::refresh_limits`] last read:
+    /// claims then take turns per owner and agent.
+    pub(crate) fn limits_in_force(&self) -> bool {
+        self.limits_seen.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// A stored message from its columns (`id`, `run_id`, `step`, `key`, `body`), however they
