@@ -9,7 +9,9 @@
 //! | point | where |
 //! |---|---|
 //! | `after_model_response` | a model response arrived; its checkpoint is not yet written |
+//! | `after_tool_run` | an ordinary tool returned, before its hooks and commit |
 //! | `before_tool_commit` | a tool returned; its result is not yet committed |
+//! | `before_commit_beside_call` | the commit before a model call (the input, a step's last tool result) is about to be sent; the call may be under way already |
 //! | `before_park_commit` | a run decided to park; the park is not yet committed |
 //! | `after_park_commit` | the park is committed; nothing else done yet |
 //! | `after_terminal_commit` | a run's terminal state is committed; the thread's next run and its waiters are not yet pushed |

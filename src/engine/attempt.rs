@@ -31,6 +31,14 @@ pub(super) struct Offered {
     pub specs: Vec<ToolSpec>,
 }
 
+/// A commit sent off but not yet awaited ([`Engine::defer`]): the checkpoint that comes right
+/// before a model call (the run's input, a step's last tool result) goes beside that call, so
+/// its round trip to the database is off the step's path. It starts when first polled, and is
+/// awaited before anything else writes or ends the attempt: the commits stay in order, and the
+/// model's answer never commits before it.
+pub(super) type Pending<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), StoreError>> + Send + 'a>>;
+
 /// A claimed run and the state its loop carries from step to step.
 pub(super) struct Attempt<'a> {
     pub lease: &'a Lease,
@@ -65,9 +73,30 @@ pub(super) struct Attempt<'a> {
     pub unpinned: Vec<(String, String)>,
     /// The run's output schema, built once per claim.
     pub output: Option<crate::output::Checker>,
+    /// The commit still to be awaited, if any (a mutex only so the attempt can be shared
+    /// between a step's concurrent tool calls; the loop takes it through `&mut`).
+    pub pending: std::sync::Mutex<Option<Pending<'a>>>,
 }
 
-impl Attempt<'_> {
+impl<'a> Attempt<'a> {
+    /// The commit still to be awaited, taken out.
+    fn take_pending(&mut self) -> Option<Pending<'a>> {
+        self.pending
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+
+    /// Leaves `p` to be awaited before the next write (there is never more than one).
+    pub fn put_pending(&mut self, p: Pending<'a>) {
+        let slot = self
+            .pending
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        debug_assert!(slot.is_none(), "a commit was left pending over another");
+        *slot = Some(p);
+    }
+
     /// The run's own committed messages, in commit order.
     pub fn own(&self) -> Vec<&StoredMessage> {
         self.ctx
@@ -138,12 +167,34 @@ impl Engine {
     ) -> End {
         let steps = async {
             let mut a = self.begin(lease, run, context, heard).await?;
-            self.steps(&mut a, shutdown).await
+            let end = self.steps(&mut a, shutdown).await;
+            // Whatever ended the loop, a commit still under way lands (or fails) first: the end
+            // is handled on what is committed.
+            self.settle(&mut a).await?;
+            end
         };
         match steps.await {
             Ok(never) => match never {},
             Err(end) => end,
         }
+    }
+
+    /// `cp`, to be committed when first awaited ([`Pending`]).
+    pub(super) fn defer<'a>(&self, lease: &'a Lease, cp: Checkpoint) -> Pending<'a> {
+        let store = self.store.clone();
+        let failpoints = self.settings.failpoints.clone();
+        Box::pin(async move {
+            failpoints.hit("before_commit_beside_call").await;
+            store.checkpoint(lease, cp).await.map(drop)
+        })
+    }
+
+    /// Awaits the commit still under way, if any.
+    async fn settle(&self, a: &mut Attempt<'_>) -> Flow {
+        if let Some(p) = a.take_pending() {
+            p.await?;
+        }
+        Ok(())
     }
 
     /// The loop: ask the planner, perform, repeat. A draining worker stops at a step boundary,
@@ -154,12 +205,19 @@ impl Engine {
                 return Err(End::Release(Release::Drained));
             }
             match plan(&a.own(), a.steps_done) {
-                Next::Finish { result } => self.finish_replayed(a, result).await?,
+                Next::Finish { result } => {
+                    self.settle(a).await?;
+                    self.finish_replayed(a, result).await?
+                }
                 Next::RunTools {
                     step,
                     calls,
                     pending,
-                } => self.tools_step(a, step, &calls, &pending).await?,
+                } => {
+                    self.settle(a).await?;
+                    self.tools_step(a, step, &calls, &pending).await?
+                }
+                // The only step that may go beside a commit under way.
                 Next::CallModel { step } => self.model_step(a, step).await?,
             }
         }
@@ -230,6 +288,7 @@ impl Engine {
             settings: pinned.settings,
             unpinned: pinned.unwritten,
             output,
+            pending: std::sync::Mutex::new(None),
         };
         if fresh {
             self.commit_input(&mut a, input_key).await?;
@@ -282,13 +341,20 @@ impl Engine {
             pins: std::mem::take(&mut a.unpinned),
             ..Default::default()
         };
-        self.store.checkpoint(a.lease, cp).await?;
-        a.remember(msg);
         let event = if run.parent_run_id.is_some() {
             HookEvent::SubagentStart
         } else {
             HookEvent::RunStart
         };
+        if Self::hooks_on(&a.settings, &a.agent, event) {
+            // The hook runs on a committed start.
+            self.store.checkpoint(a.lease, cp).await?;
+        } else {
+            // Nothing runs between here and the first model call but the loop's own checks.
+            let p = self.defer(a.lease, cp);
+            a.put_pending(p);
+        }
+        a.remember(msg);
         let extra = json!({"input": run.input, "parent_run_id": run.parent_run_id});
         self.lifecycle_hooks(run, &a.settings, &a.agent, event, extra)
             .await;
@@ -305,10 +371,13 @@ impl Engine {
     ) -> Flow {
         let next = self.next_step_event(a.run, step);
         let had_next = next.is_some();
-        let committed = self.run_tools(a, step, calls, pending, next).await?;
+        let (committed, last) = self.run_tools(a, step, calls, pending, next).await?;
         a.prestarted = had_next.then_some(step + 1);
         for m in committed {
             a.remember(m);
+        }
+        if let Some(p) = last {
+            a.put_pending(p);
         }
         Ok(())
     }
@@ -328,10 +397,12 @@ impl Engine {
             return Err(End::Finish(Finish::Cancelled));
         }
         if a.inbox.take() {
+            self.settle(a).await?;
             self.deliver(a, step).await?;
         }
         self.admit(a, forced).await?;
         if a.prestarted != Some(step) {
+            self.settle(a).await?;
             let started = Event::StepStarted(event::StepStarted { step, forced });
             let cp = Checkpoint {
                 events: vec![started.into()],
@@ -355,15 +426,24 @@ impl Engine {
             carried: a.ctx.compaction.is_some() || own.len() < a.ctx.history.len(),
         };
         if let Some(reason) = a.pressure.compaction(req, a.window.compact_at) {
+            self.settle(a).await?;
             return self
                 .compact_step(a, reason, req, forced)
                 .instrument(span)
                 .await;
         }
-        let answer = self
-            .call_model(a, step, messages, forced, estimate)
-            .instrument(span.clone())
-            .await?;
+        let answer = match a.take_pending() {
+            None => {
+                self.call_model(a, step, messages, forced, estimate, None)
+                    .instrument(span.clone())
+                    .await?
+            }
+            Some(commit) => {
+                self.call_beside(a, commit, step, messages, forced, estimate)
+                    .instrument(span.clone())
+                    .await?
+            }
+        };
         let (resp, ms) = match answer {
             Ok(r) => r,
             Err(e) => return self.model_failed(a, e, raw, estimate).await,
@@ -378,6 +458,39 @@ impl Engine {
             .await?;
         metrics::histogram!("subagents_step_seconds").record(t0.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    /// The model call with the commit before it under way beside it. A commit that fails drops
+    /// the call (its answer could not be committed); a call that ends first waits for the
+    /// commit, so its answer commits after it. Deltas are numbered once the commit landed.
+    async fn call_beside(
+        &self,
+        a: &Attempt<'_>,
+        commit: Pending<'_>,
+        step: u32,
+        messages: Vec<crate::model::Message>,
+        forced: bool,
+        estimate: usize,
+    ) -> Flow<Result<(ChatResponse, u64), ModelError>> {
+        let (landed, after) = tokio::sync::oneshot::channel();
+        let commit = async move {
+            commit.await?;
+            let _ = landed.send(());
+            Ok::<_, End>(())
+        };
+        let call = self.call_model(a, step, messages, forced, estimate, Some(after));
+        tokio::pin!(commit, call);
+        tokio::select! {
+            biased;
+            c = &mut commit => {
+                c?;
+                call.await
+            }
+            answer = &mut call => {
+                commit.await?;
+                answer
+            }
+        }
     }
 
     /// A compaction step in place of the model call; the loop then plans again.

@@ -45,6 +45,7 @@ impl Engine {
         messages: Vec<Message>,
         forced: bool,
         estimate: usize,
+        after: Option<tokio::sync::oneshot::Receiver<()>>,
     ) -> Flow<Result<(ChatResponse, u64), ModelError>> {
         let req = ChatRequest {
             model: a.model.clone(),
@@ -55,11 +56,19 @@ impl Engine {
         };
         let t0 = std::time::Instant::now();
         // Deltas follow the run's latest durable event (this step's `step.started`): known
-        // here when this process committed it, else read beside the call.
+        // here when this process committed it, else read beside the call. `after` is the
+        // commit carrying that event when it goes beside the call: numbered once it landed.
         let deltas = self.deltas.as_ref().map(|r| {
             let (store, run) = (self.store.clone(), a.run.id);
-            let known = store.latest_seq(run);
+            let known = after.is_none().then(|| store.latest_seq(run)).flatten();
             let seq = async move {
+                let known = match after {
+                    Some(landed) => {
+                        landed.await.ok()?;
+                        store.latest_seq(run)
+                    }
+                    None => known,
+                };
                 if known.is_some() {
                     return known;
                 }

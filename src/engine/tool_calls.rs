@@ -7,7 +7,7 @@
 use serde_json::json;
 use tracing::{Instrument, info_span};
 
-use super::attempt::Attempt;
+use super::attempt::{Attempt, Pending};
 use super::gate::Gate;
 use super::plan::{prior_calls, refusals};
 use super::{End, Engine, Flow, LOOP_MESSAGE};
@@ -72,61 +72,83 @@ impl ToolResult {
     }
 }
 
-/// What the step's calls share while they run: how many are left, and the `step.started` of
-/// the next step that rides on the last commit.
-struct StepClose {
+/// What the step's calls share while they run: how many are left, the `step.started` of the
+/// next step that rides on the last commit, and that commit when it goes beside the next
+/// model call rather than before it ([`Pending`]).
+struct StepClose<'a> {
     left: tokio::sync::Mutex<usize>,
     next_step: Option<NewEvent>,
+    last: std::sync::Mutex<Option<Pending<'a>>>,
 }
 
 impl Engine {
     /// Runs a step's pending calls concurrently; each result commits as soon as it is ready,
-    /// and the last one carries `step.completed`. Returns what committed, or parks.
-    pub(super) async fn run_tools(
+    /// and the last one carries `step.completed`. Returns what committed, with the last commit
+    /// still to be awaited when it opens the next step (it goes beside that step's model
+    /// call); or parks, with everything committed.
+    pub(super) async fn run_tools<'a>(
         &self,
-        a: &Attempt<'_>,
+        a: &Attempt<'a>,
         step: u32,
         calls: &[ToolCall],
         pending: &[ToolCall],
         next_step: Option<NewEvent>,
-    ) -> Flow<Vec<NewMessage>> {
+    ) -> Flow<(Vec<NewMessage>, Option<Pending<'a>>)> {
         let refused = refusals(&prior_calls(&a.own(), step), calls);
         let close = StepClose {
             left: tokio::sync::Mutex::new(pending.len()),
             next_step,
+            last: std::sync::Mutex::new(None),
         };
         let futs = pending.iter().map(|call| {
             let refused = refused.get(&call.id).copied().unwrap_or(false);
             self.run_call(a, step, call, refused, &close)
                 .instrument(tool_span(a.run, step, call))
         });
+        let results = futures::future::join_all(futs).await;
+        let last = close
+            .last
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut wait: Option<Wait> = None;
         let mut committed = vec![];
-        for r in futures::future::join_all(futs).await {
-            match r? {
-                Ok(msg) => committed.push(msg),
-                Err(w) => {
+        let mut failed = None;
+        for r in results {
+            match r {
+                Ok(Ok(msg)) => committed.push(msg),
+                Ok(Err(w)) => {
                     wait = Some(match wait {
                         None => w,
                         Some(acc) => acc.merge(w),
                     })
                 }
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
             }
         }
-        match wait {
-            Some(w) => Err(End::Park(w)),
-            None => Ok(committed),
+        if failed.is_none() && wait.is_none() {
+            return Ok((committed, last));
+        }
+        // The step does not go on to a model call: what it answered commits first.
+        if let Some(last) = last {
+            last.await?;
+        }
+        match (failed, wait) {
+            (Some(e), _) => Err(e),
+            (None, Some(w)) => Err(End::Park(w)),
+            (None, None) => unreachable!("returned above"),
         }
     }
 
     /// One call, answered and committed, or the wait it parks on.
-    async fn run_call(
+    async fn run_call<'a>(
         &self,
-        a: &Attempt<'_>,
+        a: &Attempt<'a>,
         step: u32,
         call: &ToolCall,
         refused: bool,
-        close: &StepClose,
+        close: &StepClose<'a>,
     ) -> Flow<Result<NewMessage, Wait>> {
         let t0 = std::time::Instant::now();
         let key = format!("{}:{}:{}", a.run.id, step, call.id);
@@ -187,18 +209,20 @@ impl Engine {
     }
 
     /// Commits a call's result; the step's last one closes it (the commits of a step are
-    /// serialised so exactly one is last).
-    async fn commit_result(
+    /// serialised so exactly one is last). The last one, when it opens the next step, is left
+    /// in `close` to go beside that step's model call.
+    async fn commit_result<'a>(
         &self,
-        a: &Attempt<'_>,
+        a: &Attempt<'a>,
         step: u32,
         msg: NewMessage,
         completed: event::ToolCompleted,
-        close: &StepClose,
+        close: &StepClose<'a>,
     ) -> Flow<NewMessage> {
         let mut events: Vec<NewEvent> = vec![Event::ToolCompleted(completed).into()];
         let mut left = close.left.lock().await;
         *left -= 1;
+        let opens_next = *left == 0 && close.next_step.is_some();
         if *left == 0 {
             events.push(Event::StepCompleted(event::StepCompleted { step }).into());
             events.extend(close.next_step.clone());
@@ -208,7 +232,15 @@ impl Engine {
             events,
             ..Default::default()
         };
-        self.store.checkpoint(a.lease, cp).await?;
+        if opens_next {
+            let p = self.defer(a.lease, cp);
+            *close
+                .last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(p);
+        } else {
+            self.store.checkpoint(a.lease, cp).await?;
+        }
         Ok(msg)
     }
 

@@ -570,3 +570,156 @@ async fn the_wall_time_limit_ends_a_parked_run() {
         RunStatus::Cancelled
     );
 }
+
+/// Until the mock has answered `n` requests (the model calls under way beside a held commit).
+async fn until_answered(t: &TestApp, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while t.mock.state.log().len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "the mock answered {} of {n} requests",
+            t.mock.state.log().len()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn seq_of(events: &[subagents::domain::event::EventRecord], kind: &str, step: u64) -> u64 {
+    events
+        .iter()
+        .find(|e| e.kind == kind && e.data["step"] == step)
+        .unwrap_or_else(|| panic!("no {kind} of step {step}"))
+        .seq
+}
+
+/// The run's input is committed beside its first model call, not before it: with that commit
+/// held, the model has answered while the run has not even its `step.started`; once the
+/// commit lands the answer commits after it.
+#[tokio::test]
+async fn the_input_commits_beside_the_first_model_call() {
+    let gate = tempfile::tempdir().unwrap();
+    let go = gate.path().join("go");
+    let points = format!("before_commit_beside_call=wait({})", go.display());
+    let t = scripted(vec![("beside", vec![say("answered")])], move |s| {
+        s.failpoints = points;
+    })
+    .await;
+    let run = start_parent(&t, "beside").await;
+    until_answered(&t, 1).await;
+    let held = t.app.store.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!(held.status, RunStatus::Running);
+    assert_eq!(held.step, 0, "the answer must not commit before the input");
+    let events = t.events(run.id).await;
+    assert!(
+        !events.iter().any(|e| e.kind == "step.started"),
+        "the input's commit is held, so is step 1's step.started: {events:?}"
+    );
+    std::fs::write(&go, "").unwrap();
+    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.result.as_deref(), Some("answered"));
+    let events = t.events(run.id).await;
+    assert_gap_free(&events, RunStatus::Succeeded);
+    assert!(seq_of(&events, "step.started", 1) < seq_of(&events, "model.completed", 1));
+    let history = t
+        .app
+        .store
+        .thread_messages(&run.thread_id, 100)
+        .await
+        .unwrap();
+    assert_eq!(history.len(), 2, "the input, then the answer: {history:?}");
+}
+
+/// A step's last tool result commits beside the next step's model call; a `RunStart` hook
+/// keeps the input's commit before the call (the hook runs on a committed input), so only the
+/// tool result's commit meets the held failure point.
+#[tokio::test]
+async fn a_tool_result_commits_beside_the_next_model_call_and_a_start_hook_keeps_the_input_first() {
+    let gate = tempfile::tempdir().unwrap();
+    let go = gate.path().join("go");
+    let hook = gate.path().join("start.sh");
+    std::fs::write(&hook, "#!/usr/bin/env bash\ncat > /dev/null\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let settings = gate.path().join("subagents.json");
+    let hooks = json!({"hooks": {"RunStart": [{"hooks": [{"type": "command", "command": hook}]}]}});
+    std::fs::write(&settings, hooks.to_string()).unwrap();
+    let points = format!("before_commit_beside_call=wait({})", go.display());
+    let t = scripted(
+        vec![(
+            "beside-tool",
+            vec![
+                calls(vec![call("echo", json!({"text": "hello"}))]),
+                say("after the tool"),
+            ],
+        )],
+        move |s| {
+            s.failpoints = points;
+            s.settings_file = settings;
+        },
+    )
+    .await;
+    let run = start_parent(&t, "beside-tool").await;
+    // Step 2's call was answered while step 1's tool result is still held.
+    until_answered(&t, 2).await;
+    let held = t.app.store.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!(
+        held.step, 1,
+        "step 2's answer must wait for step 1's result"
+    );
+    let events = t.events(run.id).await;
+    assert!(events.iter().any(|e| e.kind == "model.completed"));
+    assert!(
+        !events.iter().any(|e| e.kind == "tool.completed"),
+        "the result's commit is held: {events:?}"
+    );
+    std::fs::write(&go, "").unwrap();
+    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.result.as_deref(), Some("after the tool"));
+    let events = t.events(run.id).await;
+    assert_gap_free(&events, RunStatus::Succeeded);
+    assert!(seq_of(&events, "tool.completed", 1) < seq_of(&events, "step.started", 2));
+    assert!(seq_of(&events, "step.started", 2) < seq_of(&events, "model.completed", 2));
+}
+
+/// A run cancelled while the commit beside its model call is held ends cancelled with nothing
+/// of that call committed: the answer never lands over a commit that did not.
+#[tokio::test]
+async fn a_cancel_while_the_commit_beside_the_call_is_held_commits_nothing_of_the_call() {
+    let gate = tempfile::tempdir().unwrap();
+    let go = gate.path().join("go");
+    let points = format!("before_commit_beside_call=wait({})", go.display());
+    let t = scripted(vec![("beside-cut", vec![say("never kept")])], move |s| {
+        s.failpoints = points;
+    })
+    .await;
+    let run = start_parent(&t, "beside-cut").await;
+    until_answered(&t, 1).await;
+    assert_eq!(
+        t.app.cancel(run.id).await.unwrap(),
+        CancelOutcome::Requested
+    );
+    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
+    std::fs::write(&go, "").unwrap();
+    assert_eq!(done.status, RunStatus::Cancelled, "{done:?}");
+    assert_eq!(done.step, 0);
+    let events = t.events(run.id).await;
+    assert_gap_free(&events, RunStatus::Cancelled);
+    assert!(
+        !events.iter().any(|e| e.kind == "model.completed"),
+        "{events:?}"
+    );
+    let history = t
+        .app
+        .store
+        .thread_messages(&run.thread_id, 100)
+        .await
+        .unwrap();
+    assert!(
+        history
+            .iter()
+            .all(|m| !matches!(m.message, subagents::model::Message::Assistant { .. })),
+        "{history:?}"
+    );
+}
