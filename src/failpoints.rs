@@ -12,6 +12,7 @@
 //! | `after_tool_run` | an ordinary tool returned, before its hooks and commit |
 //! | `before_tool_commit` | a tool returned; its result is not yet committed |
 //! | `before_commit_beside_call` | the commit before a model call (the input, a step's last tool result) is about to be sent; the call may be under way already |
+//! | `after_attempt_cut` | a cancel, a lost lease, the drain's grace or the wall-time limit cut a run's loop short with a commit still under way beside a model call; it is not yet awaited |
 //! | `before_park_commit` | a run decided to park; the park is not yet committed |
 //! | `after_park_commit` | the park is committed; nothing else done yet |
 //! | `after_terminal_commit` | a run's terminal state is committed; the thread's next run and its waiters are not yet pushed |
@@ -23,7 +24,9 @@
 //!
 //! Actions: `sleep(MS)` pauses the task there; `wait(PATH)` pauses it until the file `PATH`
 //! exists (at most a minute), so a test can hold a run at a point until the world is as it
-//! needs; `crash` aborts the whole process (as a SIGKILL would: nothing is flushed or released).
+//! needs; `touch(PATH)` creates the file `PATH` and goes on, so a test knows the point was
+//! reached; `crash` aborts the whole process (as a SIGKILL would: nothing is flushed or
+//! released).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -35,6 +38,8 @@ pub enum Action {
     Sleep(Duration),
     /// Pause the task until this file exists (at most a minute).
     WaitFor(std::path::PathBuf),
+    /// Create this (empty) file and go on.
+    Touch(std::path::PathBuf),
     /// Abort the process at once.
     Crash,
 }
@@ -48,7 +53,7 @@ pub struct Failpoints {
 /// A `SUBAGENTS_FAILPOINTS` value that does not parse.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
-    "bad failure point `{0}`: write name=sleep(MS), name=wait(PATH) or name=crash, separated by commas"
+    "bad failure point `{0}`: write name=sleep(MS), name=wait(PATH), name=touch(PATH) or name=crash, separated by commas"
 )]
 pub struct BadFailpoint(pub String);
 
@@ -64,6 +69,9 @@ impl Failpoints {
                 "crash" => Action::Crash,
                 a if a.starts_with("wait(") && a.ends_with(')') && a.len() > 6 => {
                     Action::WaitFor(a[5..a.len() - 1].into())
+                }
+                a if a.starts_with("touch(") && a.ends_with(')') && a.len() > 7 => {
+                    Action::Touch(a[6..a.len() - 1].into())
                 }
                 a => {
                     let ms = a
@@ -103,6 +111,12 @@ impl Failpoints {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
+            Some(Action::Touch(path)) => {
+                tracing::warn!(failpoint = name, path = %path.display(), "failure point: reached");
+                if let Err(e) = std::fs::write(path, "") {
+                    tracing::warn!(failpoint = name, error = %e, "failure point: could not create the file");
+                }
+            }
             Some(Action::Crash) => {
                 tracing::error!(failpoint = name, "failure point: crashing the process");
                 std::process::abort();
@@ -117,10 +131,13 @@ mod tests {
 
     #[test]
     fn parses_points_and_refuses_nonsense() {
-        let f = Failpoints::parse(" a=sleep(20), b=crash, c=wait(/tmp/go) ").unwrap();
+        let f =
+            Failpoints::parse(" a=sleep(20), b=crash, c=wait(/tmp/go), d=touch(/tmp/at) ").unwrap();
         assert_eq!(f.points["a"], Action::Sleep(Duration::from_millis(20)));
         assert_eq!(f.points["b"], Action::Crash);
         assert_eq!(f.points["c"], Action::WaitFor("/tmp/go".into()));
+        assert_eq!(f.points["d"], Action::Touch("/tmp/at".into()));
+        assert!(Failpoints::parse("a=touch()").is_err());
         assert!(Failpoints::parse("").unwrap().is_empty());
         assert!(Failpoints::parse("a").is_err());
         assert!(Failpoints::parse("a=sleep(x)").is_err());

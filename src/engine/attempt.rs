@@ -33,11 +33,55 @@ pub(super) struct Offered {
 
 /// A commit sent off but not yet awaited ([`Engine::defer`]): the checkpoint that comes right
 /// before a model call (the run's input, a step's last tool result) goes beside that call, so
-/// its round trip to the database is off the step's path. It starts when first polled, and is
-/// awaited before anything else writes or ends the attempt: the commits stay in order, and the
-/// model's answer never commits before it.
-pub(super) type Pending<'a> =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), StoreError>> + Send + 'a>>;
+/// its round trip to the database is off the step's path. It runs as a task of its own from
+/// the moment it is made, so nothing that cuts the attempt short can drop it; it is awaited
+/// before anything else writes or ends the attempt: the commits stay in order, and the model's
+/// answer never commits before it.
+pub(super) type Pending = tokio::task::JoinHandle<Result<(), StoreError>>;
+
+/// Where an attempt leaves its [`Pending`] commit: owned by the claim's execution
+/// ([`Engine::execute_claimed`]), so the commit is still awaited when a cancel, a lost lease,
+/// the drain's grace or the wall-time limit cuts the loop short.
+pub(super) type PendingSlot = std::sync::Mutex<Option<Pending>>;
+
+/// Awaits the commit left in `slot`, if any: its own answer, or the panic of the task that ran
+/// it. Cut short (the loop dropped by a cancel, a lost
+/// lease, the drain's grace or the wall-time limit), it puts the commit back, for
+/// [`Engine::execute_claimed`] to await before the end.
+pub(super) async fn settle_slot(slot: &PendingSlot) -> Result<(), StoreError> {
+    let Some(handle) = lock(slot).take() else {
+        return Ok(());
+    };
+    let mut held = Held {
+        slot,
+        handle: Some(handle),
+    };
+    let answer = held.handle.as_mut().expect("held until answered").await;
+    held.handle = None;
+    match answer {
+        Ok(r) => r,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+fn lock(slot: &PendingSlot) -> std::sync::MutexGuard<'_, Option<Pending>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A pending commit being awaited, returned to its slot if the wait is dropped.
+struct Held<'a> {
+    slot: &'a PendingSlot,
+    handle: Option<Pending>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            *lock(self.slot) = Some(h);
+        }
+    }
+}
 
 /// A claimed run and the state its loop carries from step to step.
 pub(super) struct Attempt<'a> {
@@ -73,26 +117,19 @@ pub(super) struct Attempt<'a> {
     pub unpinned: Vec<(String, String)>,
     /// The run's output schema, built once per claim.
     pub output: Option<crate::output::Checker>,
-    /// The commit still to be awaited, if any (a mutex only so the attempt can be shared
-    /// between a step's concurrent tool calls; the loop takes it through `&mut`).
-    pub pending: std::sync::Mutex<Option<Pending<'a>>>,
+    /// Where the commit still to be awaited is left, if any.
+    pub pending: &'a PendingSlot,
 }
 
-impl<'a> Attempt<'a> {
-    /// The commit still to be awaited, taken out.
-    fn take_pending(&mut self) -> Option<Pending<'a>> {
-        self.pending
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
+impl Attempt<'_> {
+    /// Whether a commit is still to be awaited.
+    fn has_pending(&self) -> bool {
+        lock(self.pending).is_some()
     }
 
     /// Leaves `p` to be awaited before the next write (there is never more than one).
-    pub fn put_pending(&mut self, p: Pending<'a>) {
-        let slot = self
-            .pending
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+    pub fn put_pending(&self, p: Pending) {
+        let mut slot = lock(self.pending);
         debug_assert!(slot.is_none(), "a commit was left pending over another");
         *slot = Some(p);
     }
@@ -164,13 +201,14 @@ impl Engine {
         context: Option<ThreadContext>,
         heard: super::steer::Heard,
         shutdown: &CancellationToken,
+        pending: &PendingSlot,
     ) -> End {
         let steps = async {
-            let mut a = self.begin(lease, run, context, heard).await?;
+            let mut a = self.begin(lease, run, context, heard, pending).await?;
             let end = self.steps(&mut a, shutdown).await;
             // Whatever ended the loop, a commit still under way lands (or fails) first: the end
             // is handled on what is committed.
-            self.settle(&mut a).await?;
+            self.settle(&a).await?;
             end
         };
         match steps.await {
@@ -179,22 +217,23 @@ impl Engine {
         }
     }
 
-    /// `cp`, to be committed when first awaited ([`Pending`]).
-    pub(super) fn defer<'a>(&self, lease: &'a Lease, cp: Checkpoint) -> Pending<'a> {
+    /// `cp`, committing from now on beside whatever comes next ([`Pending`]).
+    pub(super) fn defer(&self, lease: &Lease, cp: Checkpoint) -> Pending {
         let store = self.store.clone();
         let failpoints = self.settings.failpoints.clone();
-        Box::pin(async move {
-            failpoints.hit("before_commit_beside_call").await;
-            store.checkpoint(lease, cp).await.map(drop)
-        })
+        let lease = lease.clone();
+        tokio::spawn(
+            async move {
+                failpoints.hit("before_commit_beside_call").await;
+                store.checkpoint(&lease, cp).await.map(drop)
+            }
+            .in_current_span(),
+        )
     }
 
     /// Awaits the commit still under way, if any.
-    async fn settle(&self, a: &mut Attempt<'_>) -> Flow {
-        if let Some(p) = a.take_pending() {
-            p.await?;
-        }
-        Ok(())
+    async fn settle(&self, a: &Attempt<'_>) -> Flow {
+        Ok(settle_slot(a.pending).await?)
     }
 
     /// The loop: ask the planner, perform, repeat. A draining worker stops at a step boundary,
@@ -231,6 +270,7 @@ impl Engine {
         run: &'a RunRecord,
         context: Option<ThreadContext>,
         heard: super::steer::Heard,
+        pending: &'a PendingSlot,
     ) -> Flow<Attempt<'a>> {
         // The version the run pinned when it started, whatever its file says now.
         let agent = self
@@ -288,7 +328,7 @@ impl Engine {
             settings: pinned.settings,
             unpinned: pinned.unwritten,
             output,
-            pending: std::sync::Mutex::new(None),
+            pending,
         };
         if fresh {
             self.commit_input(&mut a, input_key).await?;
@@ -351,8 +391,7 @@ impl Engine {
             self.store.checkpoint(a.lease, cp).await?;
         } else {
             // Nothing runs between here and the first model call but the loop's own checks.
-            let p = self.defer(a.lease, cp);
-            a.put_pending(p);
+            a.put_pending(self.defer(a.lease, cp));
         }
         a.remember(msg);
         let extra = json!({"input": run.input, "parent_run_id": run.parent_run_id});
@@ -371,13 +410,10 @@ impl Engine {
     ) -> Flow {
         let next = self.next_step_event(a.run, step);
         let had_next = next.is_some();
-        let (committed, last) = self.run_tools(a, step, calls, pending, next).await?;
+        let committed = self.run_tools(a, step, calls, pending, next).await?;
         a.prestarted = had_next.then_some(step + 1);
         for m in committed {
             a.remember(m);
-        }
-        if let Some(p) = last {
-            a.put_pending(p);
         }
         Ok(())
     }
@@ -432,17 +468,14 @@ impl Engine {
                 .instrument(span)
                 .await;
         }
-        let answer = match a.take_pending() {
-            None => {
-                self.call_model(a, step, messages, forced, estimate, None)
-                    .instrument(span.clone())
-                    .await?
-            }
-            Some(commit) => {
-                self.call_beside(a, commit, step, messages, forced, estimate)
-                    .instrument(span.clone())
-                    .await?
-            }
+        let answer = if a.has_pending() {
+            self.call_beside(a, step, messages, forced, estimate)
+                .instrument(span.clone())
+                .await?
+        } else {
+            self.call_model(a, step, messages, forced, estimate, None)
+                .instrument(span.clone())
+                .await?
         };
         let (resp, ms) = match answer {
             Ok(r) => r,
@@ -466,16 +499,15 @@ impl Engine {
     async fn call_beside(
         &self,
         a: &Attempt<'_>,
-        commit: Pending<'_>,
         step: u32,
         messages: Vec<crate::model::Message>,
         forced: bool,
         estimate: usize,
     ) -> Flow<Result<(ChatResponse, u64), ModelError>> {
-        let (landed, after) = tokio::sync::oneshot::channel();
+        let (done, after) = tokio::sync::oneshot::channel();
         let commit = async move {
-            commit.await?;
-            let _ = landed.send(());
+            settle_slot(a.pending).await?;
+            let _ = done.send(());
             Ok::<_, End>(())
         };
         let call = self.call_model(a, step, messages, forced, estimate, Some(after));

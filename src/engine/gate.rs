@@ -452,14 +452,14 @@ impl Engine {
         text
     }
 
-    /// Hooks of a run's lifecycle (RunStart, SubagentStart, Stop, SubagentStop, PreCompact):
-    /// they observe, they cannot block; failures are logged.
     /// Whether any hook answers `event` for this run: a commit that such a hook follows is
     /// awaited before it runs, never sent beside the next model call.
     pub(super) fn hooks_on(settings: &Policy, agent: &AgentDef, event: HookEvent) -> bool {
         !hooks::matching(&Self::hook_configs(settings, agent), event, None).is_empty()
     }
 
+    /// Hooks of a run's lifecycle (RunStart, SubagentStart, Stop, SubagentStop, PreCompact):
+    /// they observe, they cannot block; failures are logged.
     pub(super) async fn lifecycle_hooks(
         &self,
         run: &RunRecord,

@@ -328,8 +328,10 @@ impl Engine {
             shutdown.cancelled().await;
             tokio::time::sleep(grace).await;
         };
+        let pending = attempt::PendingSlot::default();
+        let heard = steer::Heard { inbox, interrupt };
         let end = tokio::select! {
-            end = self.drive(&lease, &run, context, steer::Heard { inbox, interrupt }, shutdown) => end,
+            end = self.drive(&lease, &run, context, heard, shutdown, &pending) => end,
             _ = cancel.cancelled() => End::Finish(Finish::Cancelled),
             _ = lost.cancelled() => End::LeaseLost,
             _ = drain_cut => End::Release(Release::GraceOver),
@@ -337,6 +339,18 @@ impl Engine {
                 End::Finish(Finish::Failed(decide::timed_out(&run.limits)))
             }
         };
+        // The loop was cut short with a commit still under way beside a model call: it lands
+        // (or fails) before the end is committed, as it would have before the call.
+        let left = pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some();
+        if left {
+            self.settings.failpoints.hit("after_attempt_cut").await;
+            if let Err(e) = attempt::settle_slot(&pending).await {
+                tracing::warn!(error = %e, "the commit under way when the run was cut short failed");
+            }
+        }
         // The heartbeat stops before any park or release: its renewal requires `running`, and
         // must not report a lease "lost" that we are giving up on purpose.
         drop(heartbeat);

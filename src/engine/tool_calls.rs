@@ -7,7 +7,7 @@
 use serde_json::json;
 use tracing::{Instrument, info_span};
 
-use super::attempt::{Attempt, Pending};
+use super::attempt::{Attempt, settle_slot};
 use super::gate::Gate;
 use super::plan::{prior_calls, refusals};
 use super::{End, Engine, Flow, LOOP_MESSAGE};
@@ -72,33 +72,30 @@ impl ToolResult {
     }
 }
 
-/// What the step's calls share while they run: how many are left, the `step.started` of the
-/// next step that rides on the last commit, and that commit when it goes beside the next
-/// model call rather than before it ([`Pending`]).
-struct StepClose<'a> {
+/// What the step's calls share while they run: how many are left, and the `step.started` of
+/// the next step that rides on the last commit.
+struct StepClose {
     left: tokio::sync::Mutex<usize>,
     next_step: Option<NewEvent>,
-    last: std::sync::Mutex<Option<Pending<'a>>>,
 }
 
 impl Engine {
     /// Runs a step's pending calls concurrently; each result commits as soon as it is ready,
-    /// and the last one carries `step.completed`. Returns what committed, with the last commit
-    /// still to be awaited when it opens the next step (it goes beside that step's model
-    /// call); or parks, with everything committed.
-    pub(super) async fn run_tools<'a>(
+    /// and the last one carries `step.completed`. Returns what committed, the last commit left
+    /// on the attempt when it opens the next step (it goes beside that step's model call); or
+    /// parks, with everything committed.
+    pub(super) async fn run_tools(
         &self,
-        a: &Attempt<'a>,
+        a: &Attempt<'_>,
         step: u32,
         calls: &[ToolCall],
         pending: &[ToolCall],
         next_step: Option<NewEvent>,
-    ) -> Flow<(Vec<NewMessage>, Option<Pending<'a>>)> {
+    ) -> Flow<Vec<NewMessage>> {
         let refused = refusals(&prior_calls(&a.own(), step), calls);
         let close = StepClose {
             left: tokio::sync::Mutex::new(pending.len()),
             next_step,
-            last: std::sync::Mutex::new(None),
         };
         let futs = pending.iter().map(|call| {
             let refused = refused.get(&call.id).copied().unwrap_or(false);
@@ -106,10 +103,6 @@ impl Engine {
                 .instrument(tool_span(a.run, step, call))
         });
         let results = futures::future::join_all(futs).await;
-        let last = close
-            .last
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut wait: Option<Wait> = None;
         let mut committed = vec![];
         let mut failed = None;
@@ -128,27 +121,29 @@ impl Engine {
             }
         }
         if failed.is_none() && wait.is_none() {
-            return Ok((committed, last));
+            return Ok(committed);
         }
-        // The step does not go on to a model call: what it answered commits first.
-        if let Some(last) = last {
-            last.await?;
-        }
+        // The step does not go on to a model call: what it answered commits first (the first
+        // failure stays the one reported).
+        let landed = settle_slot(a.pending).await;
         match (failed, wait) {
             (Some(e), _) => Err(e),
-            (None, Some(w)) => Err(End::Park(w)),
+            (None, Some(w)) => {
+                landed?;
+                Err(End::Park(w))
+            }
             (None, None) => unreachable!("returned above"),
         }
     }
 
     /// One call, answered and committed, or the wait it parks on.
-    async fn run_call<'a>(
+    async fn run_call(
         &self,
-        a: &Attempt<'a>,
+        a: &Attempt<'_>,
         step: u32,
         call: &ToolCall,
         refused: bool,
-        close: &StepClose<'a>,
+        close: &StepClose,
     ) -> Flow<Result<NewMessage, Wait>> {
         let t0 = std::time::Instant::now();
         let key = format!("{}:{}:{}", a.run.id, step, call.id);
@@ -210,14 +205,14 @@ impl Engine {
 
     /// Commits a call's result; the step's last one closes it (the commits of a step are
     /// serialised so exactly one is last). The last one, when it opens the next step, is left
-    /// in `close` to go beside that step's model call.
-    async fn commit_result<'a>(
+    /// on the attempt to go beside that step's model call.
+    async fn commit_result(
         &self,
-        a: &Attempt<'a>,
+        a: &Attempt<'_>,
         step: u32,
         msg: NewMessage,
         completed: event::ToolCompleted,
-        close: &StepClose<'a>,
+        close: &StepClose,
     ) -> Flow<NewMessage> {
         let mut events: Vec<NewEvent> = vec![Event::ToolCompleted(completed).into()];
         let mut left = close.left.lock().await;
@@ -233,11 +228,7 @@ impl Engine {
             ..Default::default()
         };
         if opens_next {
-            let p = self.defer(a.lease, cp);
-            *close
-                .last
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(p);
+            a.put_pending(self.defer(a.lease, cp));
         } else {
             self.store.checkpoint(a.lease, cp).await?;
         }

@@ -683,13 +683,19 @@ async fn a_tool_result_commits_beside_the_next_model_call_and_a_start_hook_keeps
     assert!(seq_of(&events, "step.started", 2) < seq_of(&events, "model.completed", 2));
 }
 
-/// A run cancelled while the commit beside its model call is held ends cancelled with nothing
-/// of that call committed: the answer never lands over a commit that did not.
+/// A run cancelled while the commit beside its model call is held: the cancel cuts the loop
+/// (the answer is dropped), the held commit still lands before the end, as it would have
+/// before the call: the thread keeps the run's input, and nothing of the call is committed.
 #[tokio::test]
-async fn a_cancel_while_the_commit_beside_the_call_is_held_commits_nothing_of_the_call() {
+async fn a_cancel_beside_a_held_commit_keeps_the_commit_and_drops_the_answer() {
     let gate = tempfile::tempdir().unwrap();
     let go = gate.path().join("go");
-    let points = format!("before_commit_beside_call=wait({})", go.display());
+    let cut = gate.path().join("cut");
+    let points = format!(
+        "before_commit_beside_call=wait({}),after_attempt_cut=touch({})",
+        go.display(),
+        cut.display()
+    );
     let t = scripted(vec![("beside-cut", vec![say("never kept")])], move |s| {
         s.failpoints = points;
     })
@@ -700,8 +706,14 @@ async fn a_cancel_while_the_commit_beside_the_call_is_held_commits_nothing_of_th
         t.app.cancel(run.id).await.unwrap(),
         CancelOutcome::Requested
     );
-    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
+    // The cancel cut the loop while the input's commit was still held; only then is it let go.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cut.exists() {
+        assert!(Instant::now() < deadline, "the cancel never cut the loop");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     std::fs::write(&go, "").unwrap();
+    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
     assert_eq!(done.status, RunStatus::Cancelled, "{done:?}");
     assert_eq!(done.step, 0);
     let events = t.events(run.id).await;
@@ -710,16 +722,21 @@ async fn a_cancel_while_the_commit_beside_the_call_is_held_commits_nothing_of_th
         !events.iter().any(|e| e.kind == "model.completed"),
         "{events:?}"
     );
+    let started = seq_of(&events, "step.started", 1);
+    let cancelled = events.iter().find(|e| e.kind == "run.cancelled").unwrap();
+    assert!(
+        started < cancelled.seq,
+        "the held commit landed before the end"
+    );
     let history = t
         .app
         .store
         .thread_messages(&run.thread_id, 100)
         .await
         .unwrap();
+    assert_eq!(history.len(), 1, "the input only: {history:?}");
     assert!(
-        history
-            .iter()
-            .all(|m| !matches!(m.message, subagents::model::Message::Assistant { .. })),
+        matches!(&history[0].message, subagents::model::Message::User { content } if content == "Coordinate the work."),
         "{history:?}"
     );
 }
