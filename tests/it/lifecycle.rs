@@ -584,6 +584,34 @@ async fn until_answered(t: &TestApp, n: usize) {
     }
 }
 
+/// Lets the held commit go (the file `go`); the run then succeeds with `result`. Its events,
+/// checked gap-free.
+async fn let_go_and_succeed(
+    t: &TestApp,
+    run: subagents::ids::RunId,
+    go: &std::path::Path,
+    result: &str,
+) -> Vec<subagents::domain::event::EventRecord> {
+    std::fs::write(go, "").unwrap();
+    let done = wait_for(t, run, Duration::from_secs(20)).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.result.as_deref(), Some(result));
+    let events = t.events(run).await;
+    assert_gap_free(&events, RunStatus::Succeeded);
+    events
+}
+
+async fn thread_of(
+    t: &TestApp,
+    run: &subagents::store::RunRecord,
+) -> Vec<subagents::domain::StoredMessage> {
+    t.app
+        .store
+        .thread_messages(&run.thread_id, 100)
+        .await
+        .unwrap()
+}
+
 fn seq_of(events: &[subagents::domain::event::EventRecord], kind: &str, step: u64) -> u64 {
     events
         .iter()
@@ -614,19 +642,9 @@ async fn the_input_commits_beside_the_first_model_call() {
         !events.iter().any(|e| e.kind == "step.started"),
         "the input's commit is held, so is step 1's step.started: {events:?}"
     );
-    std::fs::write(&go, "").unwrap();
-    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
-    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
-    assert_eq!(done.result.as_deref(), Some("answered"));
-    let events = t.events(run.id).await;
-    assert_gap_free(&events, RunStatus::Succeeded);
+    let events = let_go_and_succeed(&t, run.id, &go, "answered").await;
     assert!(seq_of(&events, "step.started", 1) < seq_of(&events, "model.completed", 1));
-    let history = t
-        .app
-        .store
-        .thread_messages(&run.thread_id, 100)
-        .await
-        .unwrap();
+    let history = thread_of(&t, &run).await;
     assert_eq!(history.len(), 2, "the input, then the answer: {history:?}");
 }
 
@@ -673,12 +691,7 @@ async fn a_tool_result_commits_beside_the_next_model_call_and_a_start_hook_keeps
         !events.iter().any(|e| e.kind == "tool.completed"),
         "the result's commit is held: {events:?}"
     );
-    std::fs::write(&go, "").unwrap();
-    let done = wait_for(&t, run.id, Duration::from_secs(20)).await;
-    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
-    assert_eq!(done.result.as_deref(), Some("after the tool"));
-    let events = t.events(run.id).await;
-    assert_gap_free(&events, RunStatus::Succeeded);
+    let events = let_go_and_succeed(&t, run.id, &go, "after the tool").await;
     assert!(seq_of(&events, "tool.completed", 1) < seq_of(&events, "step.started", 2));
     assert!(seq_of(&events, "step.started", 2) < seq_of(&events, "model.completed", 2));
 }
@@ -728,12 +741,7 @@ async fn a_cancel_beside_a_held_commit_keeps_the_commit_and_drops_the_answer() {
         started < cancelled.seq,
         "the held commit landed before the end"
     );
-    let history = t
-        .app
-        .store
-        .thread_messages(&run.thread_id, 100)
-        .await
-        .unwrap();
+    let history = thread_of(&t, &run).await;
     assert_eq!(history.len(), 1, "the input only: {history:?}");
     assert!(
         matches!(&history[0].message, subagents::model::Message::User { content } if content == "Coordinate the work."),
