@@ -748,3 +748,73 @@ async fn a_cancel_beside_a_held_commit_keeps_the_commit_and_drops_the_answer() {
         "{history:?}"
     );
 }
+
+/// A worker process that dies while the commit beside its model call is under way (the run's
+/// input, here: the first such commit) leaves nothing of that attempt but its claim; the run
+/// resumes on another worker from what was committed, and its thread holds each message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_beside_a_commit_leaves_a_run_that_resumes_whole() {
+    let t = spawn_app_with(Options {
+        workers: false,
+        jobs: vec![parent_job("p-beside-kill")],
+        ..Default::default()
+    })
+    .await;
+    t.mock.state.set_script(Script::from([(
+        "p-beside-kill".to_owned(),
+        vec![
+            calls(vec![call("echo", json!({"text": "hello"}))]),
+            say("resumed"),
+        ],
+    )]));
+    let run = start_parent(&t, "p-beside-kill").await;
+    let mut doomed = spawn_worker(
+        t.dir.path(),
+        &t.mock,
+        &[(
+            "SUBAGENTS_FAILPOINTS",
+            "before_commit_beside_call=crash".into(),
+        )],
+    );
+    let status = tokio::task::spawn_blocking(move || doomed.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(!status.success(), "the worker crashed at the failure point");
+    let held = t.app.store.get_run(run.id).await.unwrap().unwrap();
+    assert_eq!(
+        (held.status, held.step),
+        (RunStatus::Running, 0),
+        "{held:?}"
+    );
+    assert!(
+        thread_of(&t, &run).await.is_empty(),
+        "the input never landed"
+    );
+    let mut healthy = spawn_worker(t.dir.path(), &t.mock, &[]);
+    let done = t
+        .app
+        .wait(run.id, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    healthy.kill().unwrap();
+    healthy.wait().unwrap();
+    assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
+    assert_eq!(done.result.as_deref(), Some("resumed"));
+    assert_gap_free(&t.events(run.id).await, RunStatus::Succeeded);
+    let thread = thread_of(&t, &run).await;
+    let roles: Vec<&str> = thread
+        .iter()
+        .map(|m| match &m.message {
+            subagents::model::Message::User { .. } => "user",
+            subagents::model::Message::Assistant { .. } => "assistant",
+            subagents::model::Message::Tool { .. } => "tool",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(
+        roles,
+        ["user", "assistant", "tool", "assistant"],
+        "{thread:?}"
+    );
+}
