@@ -45,9 +45,9 @@ pub(super) type Pending = tokio::task::JoinHandle<Result<(), StoreError>>;
 pub(super) type PendingSlot = std::sync::Mutex<Option<Pending>>;
 
 /// Awaits the commit left in `slot`, if any: its own answer, or the panic of the task that ran
-/// it. Cut short (the loop dropped by a cancel, a lost
-/// lease, the drain's grace or the wall-time limit), it puts the commit back, for
-/// [`Engine::execute_claimed`] to await before the end.
+/// it. Cut short (the loop dropped by a cancel, a lost lease, the drain's grace or the
+/// wall-time limit), it puts the commit back, for [`Engine::execute_claimed`] to await before
+/// the end.
 pub(super) async fn settle_slot(slot: &PendingSlot) -> Result<(), StoreError> {
     let Some(handle) = lock(slot).take() else {
         return Ok(());
