@@ -64,6 +64,11 @@ pub(super) async fn settle_slot(slot: &PendingSlot) -> Result<(), StoreError> {
     }
 }
 
+/// Whether a commit waits in `slot`.
+pub(super) fn is_pending(slot: &PendingSlot) -> bool {
+    lock(slot).is_some()
+}
+
 fn lock(slot: &PendingSlot) -> std::sync::MutexGuard<'_, Option<Pending>> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -122,11 +127,6 @@ pub(super) struct Attempt<'a> {
 }
 
 impl Attempt<'_> {
-    /// Whether a commit is still to be awaited.
-    fn has_pending(&self) -> bool {
-        lock(self.pending).is_some()
-    }
-
     /// Leaves `p` to be awaited before the next write (there is never more than one).
     pub fn put_pending(&self, p: Pending) {
         let mut slot = lock(self.pending);
@@ -468,7 +468,7 @@ impl Engine {
                 .instrument(span)
                 .await;
         }
-        let answer = if a.has_pending() {
+        let answer = if is_pending(a.pending) {
             self.call_beside(a, step, messages, forced, estimate)
                 .instrument(span.clone())
                 .await?

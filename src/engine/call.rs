@@ -60,7 +60,7 @@ impl Engine {
         // commit carrying that event when it goes beside the call: numbered once it landed.
         let deltas = self.deltas.as_ref().map(|r| {
             let (store, run) = (self.store.clone(), a.run.id);
-            let known = after.is_none().then(|| store.latest_seq(run)).flatten();
+            let known = store.latest_seq(run);
             let seq = async move {
                 let known = match after {
                     Some(landed) => {

@@ -341,11 +341,7 @@ impl Engine {
         };
         // The loop was cut short with a commit still under way beside a model call: it lands
         // (or fails) before the end is committed, as it would have before the call.
-        let left = pending
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_some();
-        if left {
+        if attempt::is_pending(&pending) {
             self.settings.failpoints.hit("after_attempt_cut").await;
             if let Err(e) = attempt::settle_slot(&pending).await {
                 tracing::warn!(error = %e, "the commit under way when the run was cut short failed");

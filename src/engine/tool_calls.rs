@@ -120,19 +120,18 @@ impl Engine {
                 }
             }
         }
-        if failed.is_none() && wait.is_none() {
-            return Ok(committed);
-        }
-        // The step does not go on to a model call: what it answered commits first (the first
+        // A step that does not go on to a model call commits what it answered first (the first
         // failure stays the one reported).
-        let landed = settle_slot(a.pending).await;
         match (failed, wait) {
-            (Some(e), _) => Err(e),
+            (None, None) => Ok(committed),
+            (Some(e), _) => {
+                let _ = settle_slot(a.pending).await;
+                Err(e)
+            }
             (None, Some(w)) => {
-                landed?;
+                settle_slot(a.pending).await?;
                 Err(End::Park(w))
             }
-            (None, None) => unreachable!("returned above"),
         }
     }
 

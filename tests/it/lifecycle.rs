@@ -47,6 +47,46 @@ async fn wait_for(
     r
 }
 
+/// An app whose runs only worker processes execute, with `agent`'s scripted turns.
+async fn without_workers(agent: &str, turns: Vec<subagents::model::mock::Turn>) -> TestApp {
+    let t = spawn_app_with(Options {
+        workers: false,
+        jobs: vec![parent_job(agent)],
+        ..Default::default()
+    })
+    .await;
+    t.mock
+        .state
+        .set_script(Script::from([(agent.to_owned(), turns)]));
+    t
+}
+
+/// A worker process with the failure points `points`, run until it has crashed at one.
+async fn crash_a_worker(t: &TestApp, points: &str) {
+    let mut doomed = spawn_worker(
+        t.dir.path(),
+        &t.mock,
+        &[("SUBAGENTS_FAILPOINTS", points.to_owned())],
+    );
+    let status = tokio::task::spawn_blocking(move || doomed.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(!status.success(), "the worker crashed at the failure point");
+}
+
+/// `run` finished by a healthy worker process (its reaper finds what a crashed one left).
+async fn finish_on_a_healthy_worker(
+    t: &TestApp,
+    run: subagents::ids::RunId,
+    within: Duration,
+) -> subagents::store::RunRecord {
+    let mut healthy = spawn_worker(t.dir.path(), &t.mock, &[]);
+    let done = t.app.wait(run, within).await.unwrap().unwrap();
+    healthy.kill().unwrap();
+    healthy.wait().unwrap();
+    done
+}
+
 /// Hole 2: a child that ends while its parent is committing its park (when nobody can wake
 /// the parent yet) is seen by the park itself; the heartbeat cannot abort anything after it.
 #[tokio::test]
@@ -209,27 +249,14 @@ async fn awaiting_a_child_of_an_earlier_run_of_the_thread() {
 /// a worker that dies right after the child's terminal commit loses neither.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_a_childs_end_loses_neither_the_event_nor_the_wake() {
-    let t = spawn_app_with(Options {
-        workers: false,
-        jobs: vec![parent_job("p-crash")],
-        ..Default::default()
-    })
-    .await;
-    t.mock.state.set_script(Script::from([(
-        "p-crash".to_owned(),
+    let t = without_workers(
+        "p-crash",
         vec![calls(vec![call("task", json!({"description": "Child.\nSCENARIO steps=2 latency_ms=100 run=crash", "subagent": "general-purpose"}))]), say("parent done")],
-    )]));
+    )
+    .await;
     let parent = start_parent(&t, "p-crash").await;
     // This worker dies right after the first terminal commit it makes: the child's.
-    let mut doomed = spawn_worker(
-        t.dir.path(),
-        &t.mock,
-        &[("SUBAGENTS_FAILPOINTS", "after_terminal_commit=crash".into())],
-    );
-    let status = tokio::task::spawn_blocking(move || doomed.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(!status.success(), "the worker crashed at the failure point");
+    crash_a_worker(&t, "after_terminal_commit=crash").await;
     let child = t.app.store.children(parent.id).await.unwrap().remove(0);
     assert_eq!(child.status, RunStatus::Succeeded);
     let events = t.events(parent.id).await;
@@ -241,15 +268,7 @@ async fn a_crash_after_a_childs_end_loses_neither_the_event_nor_the_wake() {
         kinds(&events)
     );
     // The parent is due; a healthy worker's reaper finds it.
-    let mut healthy = spawn_worker(t.dir.path(), &t.mock, &[]);
-    let done = t
-        .app
-        .wait(parent.id, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .unwrap();
-    healthy.kill().unwrap();
-    healthy.wait().unwrap();
+    let done = finish_on_a_healthy_worker(&t, parent.id, Duration::from_secs(30)).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_gap_free(&t.events(parent.id).await, RunStatus::Succeeded);
 }
@@ -754,32 +773,16 @@ async fn a_cancel_beside_a_held_commit_keeps_the_commit_and_drops_the_answer() {
 /// resumes on another worker from what was committed, and its thread holds each message once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_beside_a_commit_leaves_a_run_that_resumes_whole() {
-    let t = spawn_app_with(Options {
-        workers: false,
-        jobs: vec![parent_job("p-beside-kill")],
-        ..Default::default()
-    })
-    .await;
-    t.mock.state.set_script(Script::from([(
-        "p-beside-kill".to_owned(),
+    let t = without_workers(
+        "p-beside-kill",
         vec![
             calls(vec![call("echo", json!({"text": "hello"}))]),
             say("resumed"),
         ],
-    )]));
+    )
+    .await;
     let run = start_parent(&t, "p-beside-kill").await;
-    let mut doomed = spawn_worker(
-        t.dir.path(),
-        &t.mock,
-        &[(
-            "SUBAGENTS_FAILPOINTS",
-            "before_commit_beside_call=crash".into(),
-        )],
-    );
-    let status = tokio::task::spawn_blocking(move || doomed.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(!status.success(), "the worker crashed at the failure point");
+    crash_a_worker(&t, "before_commit_beside_call=crash").await;
     let held = t.app.store.get_run(run.id).await.unwrap().unwrap();
     assert_eq!(
         (held.status, held.step),
@@ -790,15 +793,7 @@ async fn a_worker_killed_beside_a_commit_leaves_a_run_that_resumes_whole() {
         thread_of(&t, &run).await.is_empty(),
         "the input never landed"
     );
-    let mut healthy = spawn_worker(t.dir.path(), &t.mock, &[]);
-    let done = t
-        .app
-        .wait(run.id, Duration::from_secs(60))
-        .await
-        .unwrap()
-        .unwrap();
-    healthy.kill().unwrap();
-    healthy.wait().unwrap();
+    let done = finish_on_a_healthy_worker(&t, run.id, Duration::from_secs(60)).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{done:?}");
     assert_eq!(done.result.as_deref(), Some("resumed"));
     assert_gap_free(&t.events(run.id).await, RunStatus::Succeeded);
